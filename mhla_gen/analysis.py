@@ -1,0 +1,60 @@
+"""Attention-map statistics for small N: rank and mean row entropy (the paper's Fig. 3b measures).
+
+All three attention kinds are written as row-stochastic ``(B, H, N, N)`` matrices:
+
+    softmax   softmax(q kᵀ / sqrt(d))
+    linear    φ(q)·φ(k), rows normalised
+    mhla      W[b(t), b(s)] · φ(q_t)·φ(k_s), rows normalised (``mhla_dense_weights``)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import BlockLayout
+from .ops.feature_maps import get_feature_map
+from .ops.naive import mhla_dense_weights
+
+ATTENTION_KINDS = ("softmax", "linear", "mhla")
+
+
+def attention_matrix(q, k, kind="mhla", layout: BlockLayout | None = None, mixing=None, feature_map="relu",
+                     eps: float = 1e-12) -> torch.Tensor:
+    """Row-stochastic attention ``(B, H, N, N)`` for q, k ``(B, H, N, d)`` (computed in float64)."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; choose one of {ATTENTION_KINDS}")
+    q, k = q.double(), k.double()
+    if kind == "softmax":
+        return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+    if kind == "linear":
+        phi = get_feature_map(feature_map)
+        weights = phi(q) @ phi(k).transpose(-1, -2)
+    else:
+        if layout is None or mixing is None:
+            raise ValueError("kind='mhla' needs a layout and a mixing matrix")
+        weights = mhla_dense_weights(q, k, layout, mixing.double(), feature_map)
+    return weights / (weights.sum(dim=-1, keepdim=True) + eps)
+
+
+def attention_rank(attn: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
+    """Numerical rank of each ``(N, N)`` map: singular values above ``rtol · σ_max``. LongTensor ``(B, H)``."""
+    return torch.linalg.matrix_rank(attn.double(), rtol=rtol)
+
+
+def row_entropy(attn: torch.Tensor) -> torch.Tensor:
+    """Mean Shannon entropy (nats) of the rows of each map. ``(B, H)`` float64."""
+    p = attn.double().clamp_min(0)
+    ent = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=-1)
+    return ent.mean(dim=-1)
+
+
+def compare_attention(q, k, layout: BlockLayout, mixing, feature_map="relu") -> dict[str, dict[str, float]]:
+    """Rank and entropy of softmax, linear and MHLA maps built from the same q, k (averaged over B, H)."""
+    stats = {}
+    for kind in ATTENTION_KINDS:
+        attn = attention_matrix(q, k, kind, layout, mixing, feature_map)
+        stats[kind] = {
+            "rank": attention_rank(attn).double().mean().item(),
+            "entropy": row_entropy(attn).mean().item(),
+        }
+    return stats

@@ -1,0 +1,105 @@
+"""``MHLAConfig``: how MHLA replaces a transformer's self-attention (DESIGN §3), plus paper presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .mixing import INIT_RULES
+from .ops.feature_maps import FEATURE_MAPS
+
+WAN_ROPE_MODES = ("before_phi", "after_phi_numerator")
+
+
+@dataclass
+class MHLAConfig:
+    """MHLA settings for one transformer.
+
+    Attributes:
+        blocks: blocks per token-grid axis: 2 values for images ``(bh, bw)``, 3 for video ``(bf, bh, bw)``.
+        layers: indices of the self-attention layers to replace (None = all). The paper's Wan hybrid keeps
+            softmax attention in every third layer: ``[i for i in range(30) if i % 3 != 2]``.
+        feature_map: ``relu`` or ``elu+1``.
+        normalize: divide by ``φ(q)ᵀ z̃ + eps`` (the released Wan recipe has no normaliser).
+        eps: normaliser epsilon.
+        mixing_init: locality rule for W (``linear`` is the paper's); see ``mhla_gen.mixing``.
+        mixing_normalize: ``row`` (paper) or ``column`` (original release).
+        mixing_temperature: scale for the ``exp``/``gaussian``/``local`` rules.
+        cpe_kernel: depthwise-conv positional encoding kernel on V (0 = off).
+        gate: output gate from the layer input; ``gate_activation`` is ``sigmoid`` or ``silu``.
+        wan_rope: Wan only. ``before_phi``: RoPE on q, k, then φ (numerator and normaliser see the same
+            features); ``after_phi_numerator``: the release's φ first, RoPE on φ(q), φ(k) for the
+            numerator only.
+        wan_head_norm: Wan only. RMS-normalise each head's output (the release's ``g_norm``).
+    """
+
+    blocks: tuple[int, ...] = (4, 4)
+    layers: list[int] | None = None
+    feature_map: str = "relu"
+    normalize: bool = True
+    eps: float = 1e-6
+    mixing_init: str = "linear"
+    mixing_normalize: str = "row"
+    mixing_temperature: float = 1.0
+    cpe_kernel: int = 0
+    gate: bool = False
+    gate_activation: str = "sigmoid"
+    wan_rope: str = "before_phi"
+    wan_head_norm: bool = False
+    extra: dict = field(default_factory=dict)  # free-form notes carried through save/load
+
+    def __post_init__(self):
+        self.blocks = tuple(int(b) for b in self.blocks)
+        if self.layers is not None:
+            self.layers = [int(i) for i in self.layers]
+        if not 2 <= len(self.blocks) <= 3 or any(b < 1 for b in self.blocks):
+            raise ValueError(f"blocks must be 2 or 3 positive ints, got {self.blocks}")
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"feature_map {self.feature_map!r} not in {sorted(FEATURE_MAPS)}")
+        if self.mixing_init not in INIT_RULES:
+            raise ValueError(f"mixing_init {self.mixing_init!r} not in {INIT_RULES}")
+        if self.mixing_normalize not in ("row", "column", "none"):
+            raise ValueError(f"mixing_normalize must be row, column or none, got {self.mixing_normalize!r}")
+        if self.cpe_kernel < 0 or (self.cpe_kernel and self.cpe_kernel % 2 == 0):
+            raise ValueError(f"cpe_kernel must be 0 (off) or a positive odd int, got {self.cpe_kernel}")
+        if self.gate_activation not in ("sigmoid", "silu"):
+            raise ValueError(f"gate_activation must be sigmoid or silu, got {self.gate_activation!r}")
+        if self.wan_rope not in WAN_ROPE_MODES:
+            raise ValueError(f"wan_rope must be one of {WAN_ROPE_MODES}, got {self.wan_rope!r}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be positive, got {self.eps}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["blocks"] = list(self.blocks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MHLAConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown MHLAConfig keys {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> MHLAConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown MHLA preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+# The paper's settings. DiT 256/512 (latent 32×32 / 64×64 at patch 2): 16 blocks.
+# Wan2.1-1.3B at 480×832, 81 frames: latent grid (21, 30, 52) -> blocks (3, 5, 10).
+PRESETS: dict[str, MHLAConfig] = {
+    "dit-256": MHLAConfig(blocks=(4, 4)),
+    "dit-512": MHLAConfig(blocks=(4, 4)),
+    "sana": MHLAConfig(blocks=(4, 4)),
+    "wan2.1-1.3b-480p": MHLAConfig(blocks=(3, 5, 10)),
+    "wan2.1-1.3b-480p-hybrid": MHLAConfig(blocks=(3, 5, 10), layers=[i for i in range(30) if i % 3 != 2]),
+    # what the released Wan-MHLA checkpoint was trained with (load it with this, see convert_wan)
+    "wan-release": MHLAConfig(
+        blocks=(3, 5, 10), normalize=False, mixing_normalize="column",
+        wan_rope="after_phi_numerator", wan_head_norm=True,
+    ),
+}

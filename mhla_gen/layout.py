@@ -1,0 +1,187 @@
+"""Block partition of a 1D / 2D / 3D token grid (DESIGN §1, "Partition").
+
+Tokens are numbered row-major over the grid, the order diffusers produces after patchify:
+``(n)``, ``(h w)`` or ``(f h w)``. Each grid axis of length ``L`` cut into ``b`` blocks is split into
+``b`` contiguous ranges whose lengths differ by at most one (the first ``L % b`` ranges are one
+longer, as ``torch.tensor_split`` does). Block ids are row-major over the block grid.
+
+The fast path works in *block-major* order: a ``(..., N, d)`` tensor becomes ``(..., M, L_max, d)``
+where ``L_max`` is the largest block. When every axis divides evenly this is a pure
+view + permute; otherwise tokens are scattered into a zero-padded buffer (zero rows contribute
+nothing to the summaries) and gathered back.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+import torch
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Lengths of ``parts`` contiguous ranges covering ``length`` that differ by at most one."""
+    base, extra = divmod(length, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def _as_tuple(value, name: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    try:
+        out = tuple(int(v) for v in value)
+    except TypeError as err:
+        raise ValueError(f"{name} must be an int or a sequence of ints, got {value!r}") from err
+    if any(int(v) != v for v in value):
+        raise ValueError(f"{name} must contain integers, got {value!r}")
+    return out
+
+
+class BlockLayout:
+    """Tiles of a token grid.
+
+    Args:
+        grid: token grid shape, ``(N,)``, ``(H, W)`` or ``(F, H, W)``.
+        blocks: number of blocks per axis, same rank as ``grid``; ``1 <= blocks[a] <= grid[a]``.
+
+    Attributes:
+        num_tokens: ``N = prod(grid)``.
+        num_blocks: ``M = prod(blocks)``.
+        block_index: LongTensor ``(N,)``, the block id of every token (row-major token order).
+        max_block_len: ``L_max``, the number of tokens in the largest block.
+        is_even: every axis divides exactly (block-major order is a pure permute, no padding).
+    """
+
+    def __init__(self, grid, blocks):
+        grid = _as_tuple(grid, "grid")
+        blocks = _as_tuple(blocks, "blocks")
+        if not 1 <= len(grid) <= 3:
+            raise ValueError(f"grid must be 1D, 2D or 3D, got grid={grid}")
+        if len(blocks) != len(grid):
+            raise ValueError(f"grid {grid} and blocks {blocks} have different ranks")
+        for axis, (g, b) in enumerate(zip(grid, blocks)):
+            if g < 1:
+                raise ValueError(f"grid axis {axis} has length {g}; grid={grid}")
+            if not 1 <= b <= g:
+                raise ValueError(
+                    f"blocks[{axis}]={b} must be between 1 and grid[{axis}]={g} (grid={grid}, blocks={blocks})"
+                )
+        self.grid = grid
+        self.blocks = blocks
+        self.ndim = len(grid)
+        self.num_tokens = math.prod(grid)
+        self.num_blocks = math.prod(blocks)
+        self.axis_sizes = [split_sizes(g, b) for g, b in zip(grid, blocks)]
+        self.is_even = all(g % b == 0 for g, b in zip(grid, blocks))
+        self.max_block_len = math.prod(max(s) for s in self.axis_sizes)
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return f"BlockLayout(grid={self.grid}, blocks={self.blocks})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BlockLayout) and (self.grid, self.blocks) == (other.grid, other.blocks)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.blocks))
+
+    # ----------------------------------------------------------------------------------------------
+    # index tensors (built once on CPU, copied per device on demand)
+
+    def _axis_block_ids(self, axis: int) -> torch.Tensor:
+        sizes = self.axis_sizes[axis]
+        return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+
+    def _axis_offsets(self, axis: int) -> torch.Tensor:
+        """Position of each coordinate inside its block along ``axis``."""
+        sizes = self.axis_sizes[axis]
+        return torch.cat([torch.arange(s) for s in sizes])
+
+    @cached_property
+    def block_index(self) -> torch.Tensor:
+        """LongTensor ``(N,)``: block id of each token in row-major token order."""
+        ids = torch.zeros((), dtype=torch.long)
+        for axis in range(self.ndim):
+            axis_ids = self._axis_block_ids(axis)
+            ids = ids.unsqueeze(-1) * self.blocks[axis] + axis_ids
+        return ids.reshape(-1)
+
+    @cached_property
+    def block_lengths(self) -> torch.Tensor:
+        """LongTensor ``(M,)``: number of tokens in each block."""
+        return torch.bincount(self.block_index, minlength=self.num_blocks)
+
+    @cached_property
+    def slot_index(self) -> torch.Tensor:
+        """LongTensor ``(N,)``: position of each token in the flat ``(M * L_max)`` block-major buffer.
+
+        Inside a block, tokens keep their row-major order over the block's own sub-grid.
+        """
+        max_sizes = [max(s) for s in self.axis_sizes]
+        within = torch.zeros((), dtype=torch.long)
+        for axis in range(self.ndim):
+            within = within.unsqueeze(-1) * max_sizes[axis] + self._axis_offsets(axis)
+        return self.block_index * self.max_block_len + within.reshape(-1)
+
+    @cached_property
+    def block_centers(self) -> torch.Tensor:
+        """Float tensor ``(M, ndim)``: block coordinates in block units (row-major block ids)."""
+        axes = [torch.arange(b, dtype=torch.float64) for b in self.blocks]
+        return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, self.ndim)
+
+    def slot_index_on(self, device: torch.device) -> torch.Tensor:
+        device = torch.device(device)
+        if device not in self._device_cache:
+            self._device_cache[device] = self.slot_index.to(device)
+        return self._device_cache[device]
+
+    # ----------------------------------------------------------------------------------------------
+    # token order <-> block-major order
+
+    def check_tokens(self, n: int, what: str = "sequence length") -> None:
+        if n != self.num_tokens:
+            raise ValueError(f"{what} {n} does not match grid {self.grid} (expected {self.num_tokens} tokens)")
+
+    def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``(*batch, N, d)`` in token order -> ``(*batch, M, L_max, d)`` block-major, zero-padded."""
+        *batch, n, d = x.shape
+        self.check_tokens(n)
+        if self.is_even:
+            sub = [g // b for g, b in zip(self.grid, self.blocks)]
+            # (*batch, b0, s0, b1, s1, ..., d) -> (*batch, b0, b1, ..., s0, s1, ..., d)
+            split = [v for pair in zip(self.blocks, sub) for v in pair]
+            x = x.reshape(*batch, *split, d)
+            nb = len(batch)
+            block_axes = [nb + 2 * a for a in range(self.ndim)]
+            sub_axes = [nb + 2 * a + 1 for a in range(self.ndim)]
+            x = x.permute(*range(nb), *block_axes, *sub_axes, x.dim() - 1)
+            return x.reshape(*batch, self.num_blocks, self.max_block_len, d)
+        slots = self.slot_index_on(x.device)
+        out = x.new_zeros(*batch, self.num_blocks * self.max_block_len, d)
+        out = out.index_copy(len(batch), slots, x)
+        return out.reshape(*batch, self.num_blocks, self.max_block_len, d)
+
+    def from_blocks(self, xb: torch.Tensor) -> torch.Tensor:
+        """``(*batch, M, L_max, d)`` block-major -> ``(*batch, N, d)`` token order (padding dropped)."""
+        *batch, m, lmax, d = xb.shape
+        if (m, lmax) != (self.num_blocks, self.max_block_len):
+            raise ValueError(
+                f"block tensor has (M, L_max)=({m}, {lmax}); layout {self} needs "
+                f"({self.num_blocks}, {self.max_block_len})"
+            )
+        if self.is_even:
+            sub = [g // b for g, b in zip(self.grid, self.blocks)]
+            x = xb.reshape(*batch, *self.blocks, *sub, d)
+            nb = len(batch)
+            # (*batch, b0, b1, .., s0, s1, .., d) -> (*batch, b0, s0, b1, s1, .., d)
+            order = [v for a in range(self.ndim) for v in (nb + a, nb + self.ndim + a)]
+            x = x.permute(*range(nb), *order, x.dim() - 1)
+            return x.reshape(*batch, self.num_tokens, d)
+        flat = xb.reshape(*batch, m * lmax, d)
+        return flat.index_select(len(batch), self.slot_index_on(xb.device))
+
+    def block_mask(self, device=None) -> torch.Tensor:
+        """Bool ``(M, L_max)``: True where a block-major slot holds a real token."""
+        mask = torch.zeros(self.num_blocks * self.max_block_len, dtype=torch.bool)
+        mask[self.slot_index] = True
+        return mask.reshape(self.num_blocks, self.max_block_len).to(device or "cpu")

@@ -1,0 +1,105 @@
+"""The learnable M×M mixing matrix and its locality-biased initialisations (DESIGN §1, "Mixing matrix").
+
+``W[i, j]`` weights key block ``j``'s summary for query block ``i``. Distances are Euclidean between
+block centres in block units. Rules (``d = dist(i, j)``, ``D_i = max_k dist(i, k)``):
+
+    linear    1 - d / D_i                    (the paper)
+    cos       cos(π/2 · d / D_i)
+    exp       exp(-d / temperature)
+    gaussian  exp(-d² / (2 · temperature²))
+    local     1 if d <= temperature else 0   (self and neighbours within the radius)
+    uniform   1                               (every block equally)
+    identity  1 if i == j else 0              (independent linear attention per block)
+
+Rows are then normalised to sum to 1 (``normalize="row"``, the paper); ``normalize="column"``
+reproduces the original release, which normalised columns instead. Weights are kept in [0, 1]
+by :meth:`MixingMatrix.clamp_` after each optimizer step (see :func:`clamp_mixing_`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .layout import BlockLayout
+
+INIT_RULES = ("linear", "cos", "exp", "gaussian", "local", "uniform", "identity")
+
+
+def locality_init(
+    layout: BlockLayout, rule: str = "linear", normalize: str = "row", temperature: float = 1.0
+) -> torch.Tensor:
+    """Initial mixing matrix ``(M, M)`` in float32."""
+    if rule not in INIT_RULES:
+        raise ValueError(f"unknown mixing init rule {rule!r}; choose one of {INIT_RULES}")
+    if normalize not in ("row", "column", "none"):
+        raise ValueError(f"normalize must be 'row', 'column' or 'none', got {normalize!r}")
+    centers = layout.block_centers  # (M, ndim) float64
+    dist = torch.cdist(centers, centers)  # (M, M)
+    farthest = dist.amax(dim=1, keepdim=True).clamp_min(1e-12)  # D_i; M = 1 gives 0 -> guarded
+    if rule == "linear":
+        w = 1 - dist / farthest
+    elif rule == "cos":
+        w = torch.cos(0.5 * math.pi * dist / farthest)
+    elif rule == "exp":
+        w = torch.exp(-dist / temperature)
+    elif rule == "gaussian":
+        w = torch.exp(-(dist**2) / (2 * temperature**2))
+    elif rule == "local":
+        w = (dist <= temperature + 1e-9).double()
+    elif rule == "uniform":
+        w = torch.ones_like(dist)
+    else:
+        w = torch.eye(len(dist), dtype=dist.dtype)
+    w = w.clamp_min(0)
+    if normalize == "row":
+        w = w / w.sum(dim=1, keepdim=True)
+    elif normalize == "column":
+        w = w / w.sum(dim=0, keepdim=True)
+    return w.float()
+
+
+class MixingMatrix(nn.Module):
+    """Learnable ``(M, M)`` mixing weights, initialised by :func:`locality_init`."""
+
+    def __init__(self, layout: BlockLayout | None = None, rule="linear", normalize="row", temperature=1.0,
+                 num_blocks: int | None = None):
+        super().__init__()
+        if layout is not None:
+            init = locality_init(layout, rule, normalize, temperature)
+        elif num_blocks is not None:  # shape only; weights come from a checkpoint
+            init = torch.eye(num_blocks)
+        else:
+            raise ValueError("MixingMatrix needs a layout or num_blocks")
+        self.weight = nn.Parameter(init)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        """Project back onto [0, 1] (the paper's constraint), in place."""
+        self.weight.clamp_(0.0, 1.0)
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}"
+
+
+@torch.no_grad()
+def clamp_mixing_(model: nn.Module) -> int:
+    """Clamp every :class:`MixingMatrix` inside ``model`` to [0, 1]; returns how many were clamped.
+
+    Call it right after ``optimizer.step()``.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MixingMatrix):
+            module.clamp_()
+            count += 1
+    return count

@@ -1,0 +1,28 @@
+"""Feature maps φ for linear attention. Each maps ``(..., d) -> (..., d)`` to non-negative values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1.0
+
+
+FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "elu+1": _elu_plus_one,
+    "elu": _elu_plus_one,  # alias: the linear-transformer paper's φ(x) = elu(x) + 1
+}
+
+
+def get_feature_map(name: str | Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A named feature map (``relu``, ``elu+1``) or a callable passed through unchanged."""
+    if callable(name):
+        return name
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)} or pass a callable")
+    return FEATURE_MAPS[name]

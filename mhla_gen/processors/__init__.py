@@ -1,0 +1,1 @@
+"""MHLA attention processors, one module per base model (dit, sana, wan)."""

@@ -1,0 +1,65 @@
+"""How the token grid reaches the attention processors.
+
+SANA and Wan blocks call self-attention without height/width/frames (DESIGN §4), so a forward
+pre-hook on the transformer reads the latent shape and patch size before every forward and stores
+the token grid in a :class:`GridContext` shared by all MHLA processors of that transformer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..layout import BlockLayout
+
+
+class GridContext:
+    """Token grid of the current forward, plus a cache of block layouts per grid."""
+
+    def __init__(self, blocks: tuple[int, ...]):
+        self.blocks = tuple(blocks)
+        self.grid: tuple[int, ...] | None = None
+        self._layouts: dict[tuple[int, ...], BlockLayout] = {}
+
+    def set_grid(self, grid: tuple[int, ...]) -> None:
+        grid = tuple(int(g) for g in grid)
+        if len(grid) != len(self.blocks):
+            raise ValueError(f"token grid {grid} and MHLA blocks {self.blocks} have different ranks")
+        for axis, (g, b) in enumerate(zip(grid, self.blocks)):
+            if b > g:
+                raise ValueError(
+                    f"MHLA blocks {self.blocks} do not fit the token grid {grid}: axis {axis} has {g} tokens "
+                    f"but {b} blocks; use fewer blocks or a larger resolution"
+                )
+        self.grid = grid
+
+    def layout(self, num_tokens: int) -> BlockLayout:
+        if self.grid is None:
+            raise ValueError("MHLA processor called before the token grid was set (is the transformer hook installed?)")
+        if self.grid not in self._layouts:
+            self._layouts[self.grid] = BlockLayout(self.grid, self.blocks)
+        layout = self._layouts[self.grid]
+        layout.check_tokens(num_tokens, "self-attention sequence length")
+        return layout
+
+
+def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The ``hidden_states`` argument of a diffusers transformer forward (positional or keyword)."""
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    if args:
+        return args[0]
+    raise ValueError("transformer called without hidden_states")
+
+
+def attach_grid_hook(
+    transformer: nn.Module, context: GridContext, token_grid: Callable[[nn.Module, torch.Tensor], tuple[int, ...]]
+):
+    """Register a forward pre-hook that sets ``context.grid = token_grid(transformer, latent)``."""
+
+    def hook(module, args, kwargs):
+        context.set_grid(token_grid(module, latent_from_call(args, kwargs)))
+
+    return transformer.register_forward_pre_hook(hook, with_kwargs=True)
