@@ -30,3 +30,50 @@ class BaseSpec:
     token_grid: Callable[[nn.Module, torch.Tensor], tuple[int, ...]]
     make_processor: Callable[..., nn.Module]
     stock_processor: Callable[[], object]
+
+
+class MHLAProcessor(nn.Module):
+    """Base class of the per-model MHLA processors (DiT, SANA, Wan).
+
+    It owns the learnable MHLA parameters under fixed names, so save/load and the MHLA-only export
+    find them the same way for every base: ``mixing`` (:class:`MixingMatrix`), ``cpe``
+    (:class:`ConvPositionEncoding` or None) and ``gate`` (:class:`OutputGate` or None). The token grid
+    comes from the shared :class:`GridContext` (kept as a plain attribute, not a submodule).
+
+    Args:
+        cfg: the :class:`MHLAConfig`.
+        context: the transformer's grid context.
+        inner_dim: ``heads * head_dim`` of q/k/v (CPE channels, gate width).
+        in_dim: width of the layer input (the gate reads it).
+    """
+
+    def __init__(self, cfg, context, inner_dim: int, in_dim: int):
+        super().__init__()
+        from ..extras import ConvPositionEncoding, OutputGate
+        from ..layout import BlockLayout
+        from ..mixing import MixingMatrix
+
+        self.cfg = cfg
+        self.context = context
+        # block centres depend only on the block grid, so init W on the (blocks -> blocks) layout
+        block_grid = BlockLayout(cfg.blocks, cfg.blocks)
+        self.mixing = MixingMatrix(block_grid, cfg.mixing_init, cfg.mixing_normalize, cfg.mixing_temperature)
+        self.cpe = ConvPositionEncoding(inner_dim, cfg.cpe_kernel, len(cfg.blocks)) if cfg.cpe_kernel else None
+        self.gate = OutputGate(in_dim, inner_dim, cfg.gate_activation) if cfg.gate else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """MHLA of ``(B, heads, N, d)`` q, k, v on the current grid -> ``(B, heads, N, d)``."""
+        from ..ops import mhla_attention
+
+        layout = self.context.layout(q.shape[2])
+        return mhla_attention(
+            q, k, v, layout, self.mixing.weight, self.cfg.feature_map, self.cfg.normalize, eps=self.cfg.eps
+        )
+
+    def apply_extras(self, out: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        """CPE and gate on merged heads: out, value ``(B, N, inner_dim)``, layer_input ``(B, N, in_dim)``."""
+        if self.cpe is not None:
+            out = out + self.cpe(value, self.context.grid).to(out.dtype)
+        if self.gate is not None:
+            out = self.gate(out, layer_input)
+        return out
