@@ -18,7 +18,8 @@ class MHLAConfig:
     Attributes:
         blocks: blocks per token-grid axis: 2 values for images ``(bh, bw)``, 3 for video ``(bf, bh, bw)``.
         layers: indices of the self-attention layers to replace (None = all). The paper's Wan hybrid keeps
-            softmax attention in every third layer: ``[i for i in range(30) if i % 3 != 2]``.
+            softmax attention in every third layer, as the release does:
+            ``[i for i in range(30) if i % 3 != 0]``.
         feature_map: ``relu`` or ``elu+1``.
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (the released Wan recipe has no normaliser).
         eps: normaliser epsilon.
@@ -91,15 +92,18 @@ class MHLAConfig:
 
 # The paper's settings. DiT 256/512 (latent 32×32 / 64×64 at patch 2): 16 blocks.
 # Wan2.1-1.3B at 480×832, 81 frames: latent grid (21, 30, 52) -> blocks (3, 5, 10).
+# The release keeps softmax attention in layers 0, 3, ..., 27 of the 30 Wan2.1-1.3B blocks.
+_WAN_HYBRID_LAYERS = [i for i in range(30) if i % 3 != 0]
+
 PRESETS: dict[str, MHLAConfig] = {
     "dit-256": MHLAConfig(blocks=(4, 4)),
     "dit-512": MHLAConfig(blocks=(4, 4)),
     "sana": MHLAConfig(blocks=(4, 4)),
     "wan2.1-1.3b-480p": MHLAConfig(blocks=(3, 5, 10)),
-    "wan2.1-1.3b-480p-hybrid": MHLAConfig(blocks=(3, 5, 10), layers=[i for i in range(30) if i % 3 != 2]),
+    "wan2.1-1.3b-480p-hybrid": MHLAConfig(blocks=(3, 5, 10), layers=_WAN_HYBRID_LAYERS),
     # what the released Wan-MHLA checkpoint was trained with (load it with this, see convert_wan)
     "wan-release": MHLAConfig(
-        blocks=(3, 5, 10), normalize=False, mixing_normalize="column",
+        blocks=(3, 5, 10), layers=_WAN_HYBRID_LAYERS, normalize=False, mixing_normalize="column",
         wan_rope="after_phi_numerator", wan_head_norm=True,
     ),
 }

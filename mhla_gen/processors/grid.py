@@ -1,16 +1,14 @@
 """How the token grid reaches the attention processors.
 
 SANA and Wan blocks call self-attention without height/width/frames (DESIGN §4), so a forward
-pre-hook on the transformer reads the latent shape and patch size before every forward and stores
-the token grid in a :class:`GridContext` shared by all MHLA processors of that transformer.
+pre-hook on the transformer (``mhla_gen.install``) reads the latent shape and patch size before every
+forward and stores the token grid in a :class:`GridContext` shared by all MHLA processors of that
+transformer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
 from ..layout import BlockLayout
 
@@ -37,7 +35,9 @@ class GridContext:
 
     def layout(self, num_tokens: int) -> BlockLayout:
         if self.grid is None:
-            raise ValueError("MHLA processor called before the token grid was set (is the transformer hook installed?)")
+            raise ValueError(
+                "MHLA processor called before the token grid was set (was install_mhla used?)"
+            )
         if self.grid not in self._layouts:
             self._layouts[self.grid] = BlockLayout(self.grid, self.blocks)
         layout = self._layouts[self.grid]
@@ -52,14 +52,3 @@ def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
     if args:
         return args[0]
     raise ValueError("transformer called without hidden_states")
-
-
-def attach_grid_hook(
-    transformer: nn.Module, context: GridContext, token_grid: Callable[[nn.Module, torch.Tensor], tuple[int, ...]]
-):
-    """Register a forward pre-hook that sets ``context.grid = token_grid(transformer, latent)``."""
-
-    def hook(module, args, kwargs):
-        context.set_grid(token_grid(module, latent_from_call(args, kwargs)))
-
-    return transformer.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,157 @@
+"""Install MHLA into a diffusers transformer in place, and take it out again (DESIGN §3).
+
+``install_mhla(transformer, cfg)`` swaps the processor of the selected self-attention layers for the
+base model's MHLA processor (an ``nn.Module``, so its parameters live in ``transformer.state_dict()``
+and ``save_pretrained`` writes them), attaches one :class:`GridContext` plus a forward pre-hook that
+reads the token grid from the latent, and records the config in three places:
+
+- ``transformer.mhla_config``: the :class:`MHLAConfig` object;
+- ``transformer.config["mhla"]``: its dict, registered with diffusers' ``register_to_config`` so that
+  ``transformer.save_pretrained(d)`` writes it into ``d/config.json`` (read back by ``load_transformer``);
+- ``transformer.mhla_context``: the shared grid context.
+
+A folder saved this way is not loadable by the stock ``from_pretrained`` (it would drop the MHLA
+weights with a warning): use :func:`mhla_gen.load_transformer`.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.configuration_utils import FrozenDict
+from torch import nn
+
+from .config import MHLAConfig
+from .processors.base import BaseSpec, MHLAProcessor
+from .processors.grid import GridContext, latent_from_call
+
+CONFIG_KEY = "mhla"
+
+
+def registered_specs() -> list[BaseSpec]:
+    """The supported base models: DiT, SANA and Wan."""
+    from .processors import dit, sana, wan
+
+    return [dit.SPEC, sana.SPEC, wan.SPEC]
+
+
+def spec_for(transformer: nn.Module) -> BaseSpec:
+    """The :class:`BaseSpec` whose model class ``transformer`` is an instance of."""
+    for spec in registered_specs():
+        if isinstance(transformer, spec.model_cls):
+            return spec
+    supported = [spec.model_cls.__name__ for spec in registered_specs()]
+    raise ValueError(f"MHLA does not support {type(transformer).__name__}; supported models: {supported}")
+
+
+def spec_for_class_name(class_name: str) -> BaseSpec:
+    """The :class:`BaseSpec` for a diffusers class name, as written in ``config.json["_class_name"]``."""
+    for spec in registered_specs():
+        if spec.model_cls.__name__ == class_name:
+            return spec
+    supported = [spec.model_cls.__name__ for spec in registered_specs()]
+    raise ValueError(f"MHLA does not support model class {class_name!r}; supported models: {supported}")
+
+
+def is_mhla_installed(transformer: nn.Module) -> bool:
+    return getattr(transformer, "mhla_config", None) is not None
+
+
+def mhla_processors(transformer: nn.Module) -> dict[str, MHLAProcessor]:
+    """``{module name: processor}`` of every installed MHLA processor, in depth order."""
+    return {name: m for name, m in transformer.named_modules() if isinstance(m, MHLAProcessor)}
+
+
+def mhla_parameters(transformer: nn.Module) -> dict[str, nn.Parameter]:
+    """``{state-dict name: parameter}`` of the MHLA parameters only (mixing, CPE, gate).
+
+    Useful for a separate optimizer group, or to fine-tune only MHLA.
+    """
+    return {
+        f"{name}.{pname}": p
+        for name, proc in mhla_processors(transformer).items()
+        for pname, p in proc.named_parameters()
+    }
+
+
+def _set_token_grid(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: ``transformer.mhla_context.grid = token grid of this call's latent``.
+
+    A module-level function that looks everything up on ``transformer`` (instead of a closure over the
+    context), so a ``copy.deepcopy`` of the model (e.g. an EMA copy) drives its own context.
+    """
+    spec = spec_for(transformer)
+    transformer.mhla_context.set_grid(spec.token_grid(transformer, latent_from_call(args, kwargs)))
+
+
+def _selected_layers(cfg: MHLAConfig, num_layers: int) -> list[int]:
+    if cfg.layers is None:
+        return list(range(num_layers))
+    bad = [i for i in cfg.layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"MHLA layers {bad} out of range: the model has {num_layers} self-attention layers")
+    repeated = sorted({i for i in cfg.layers if cfg.layers.count(i) > 1})
+    if repeated:
+        raise ValueError(f"MHLA layers listed more than once: {repeated}")
+    return sorted(cfg.layers)
+
+
+def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
+    """Replace the self-attention of ``transformer`` with MHLA, in place; returns ``transformer``.
+
+    The pretrained q/k/v/out projections are kept; each selected layer gets fresh MHLA parameters
+    (mixing matrix at its locality init, CPE and gate at their identity inits) on the device and dtype of
+    that layer's weights. Installing again first uninstalls the previous MHLA (its parameters are lost).
+
+    Raises:
+        ValueError: unsupported model class, ``cfg.blocks`` of the wrong rank (2 for DiT/SANA, 3 for Wan),
+            ``cfg.layers`` indices out of range or repeated.
+    """
+    if not isinstance(cfg, MHLAConfig):
+        raise ValueError(f"cfg must be an MHLAConfig, got {type(cfg).__name__}")
+    spec = spec_for(transformer)
+    if len(cfg.blocks) != spec.grid_ndim:
+        raise ValueError(
+            f"{type(transformer).__name__} has a {spec.grid_ndim}D token grid but MHLA blocks {cfg.blocks} "
+            f"have {len(cfg.blocks)} entries"
+        )
+    attention_layers = spec.self_attention(transformer)
+    selected = _selected_layers(cfg, len(attention_layers))
+    if is_mhla_installed(transformer):
+        uninstall_mhla(transformer)
+
+    context = GridContext(cfg.blocks)
+    for index in selected:
+        attn = attention_layers[index]
+        weight = attn.to_q.weight
+        processor = spec.make_processor(attn, cfg, context).to(device=weight.device, dtype=weight.dtype)
+        attn.set_processor(processor)
+
+    transformer.mhla_context = context
+    transformer.mhla_config = cfg
+    transformer._mhla_hook = transformer.register_forward_pre_hook(_set_token_grid, with_kwargs=True)
+    transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
+    return transformer
+
+
+def uninstall_mhla(transformer: nn.Module) -> nn.Module:
+    """Put the stock diffusers processors back and remove the hook and the config; returns ``transformer``.
+
+    The result computes exactly what a never-touched model computes (the MHLA parameters are dropped).
+    """
+    if not is_mhla_installed(transformer):
+        raise ValueError(f"no MHLA installed in this {type(transformer).__name__}")
+    spec = spec_for(transformer)
+    for attn in spec.self_attention(transformer):
+        if isinstance(attn.processor, MHLAProcessor):
+            attn.set_processor(spec.stock_processor())
+    transformer._mhla_hook.remove()
+    for name in ("_mhla_hook", "mhla_context", "mhla_config"):
+        delattr(transformer, name)
+    transformer._internal_dict = FrozenDict({k: v for k, v in transformer.config.items() if k != CONFIG_KEY})
+    return transformer
+
+
+@torch.no_grad()
+def mhla_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of :func:`mhla_parameters` (what ``save_mhla_parameters`` writes)."""
+    return {name: p.detach().cpu().contiguous() for name, p in mhla_parameters(transformer).items()}

@@ -1,0 +1,96 @@
+"""MHLA self-attention for diffusers' ``DiTTransformer2DModel`` (class-conditional DiT).
+
+Replaces the ``attn1`` processor of every ``BasicTransformerBlock`` (stock: ``AttnProcessor2_0``). The
+pretrained ``to_q / to_k / to_v / to_out`` of the ``Attention`` module are reused; the processor owns
+only the MHLA parameters (mixing matrix, optional CPE and gate). Everything around the attention kernel
+follows ``AttnProcessor2_0`` exactly: spatial/group norm, 4D inputs, q/k norms, ``residual_connection``
+and ``rescale_output_factor``.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+from .base import BaseSpec, MHLAProcessor
+
+
+class DiTMHLAProcessor(MHLAProcessor):
+    """``AttnProcessor2_0`` with the softmax kernel replaced by MHLA on the 2D token grid."""
+
+    def forward(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """hidden_states ``(B, N, C)`` (or ``(B, C, H, W)``) -> same shape."""
+        if encoder_hidden_states is not None:
+            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
+        if attention_mask is not None:
+            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; DiT never passes one")
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size = hidden_states.shape[0]
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        layer_input = hidden_states  # (B, N, C): what the gate reads
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)  # (B, N, heads * d)
+        head_dim = key.shape[-1] // attn.heads
+
+        # (B, N, heads * d) -> (B, heads, N, d)
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        heads_value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = self.apply_extras(hidden_states, value, layer_input)
+
+        hidden_states = attn.to_out[0](hidden_states)  # linear proj
+        hidden_states = attn.to_out[1](hidden_states)  # dropout
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+def dit_token_grid(transformer: DiTTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
+    """``(H / p, W / p)`` for a latent ``(B, C, H, W)``, floored as DiT's patch embedding does."""
+    if latent.dim() != 4:
+        raise ValueError(f"DiT latents must be (batch, channels, height, width), got {tuple(latent.shape)}")
+    p = transformer.config.patch_size
+    return latent.shape[-2] // p, latent.shape[-1] // p
+
+
+def _make_processor(attn: Attention, cfg, context) -> DiTMHLAProcessor:
+    return DiTMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+
+
+SPEC = BaseSpec(
+    name="dit",
+    model_cls=DiTTransformer2DModel,
+    grid_ndim=2,
+    self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
+    token_grid=dit_token_grid,
+    make_processor=_make_processor,
+    stock_processor=AttnProcessor2_0,
+)

@@ -1,0 +1,77 @@
+"""MHLA self-attention for diffusers' ``SanaTransformer2DModel`` (text-to-image SANA).
+
+Replaces ``attn1`` of every ``SanaTransformerBlock`` (stock: ``SanaLinearAttnProcessor2_0``, i.e. global
+ReLU linear attention); the cross-attention ``attn2`` stays stock. Pretrained q/k/v/out weights are
+reused. With ``blocks=(1, 1)``, no extras and ``eps=1e-15`` this is exactly the stock processor.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import SanaTransformer2DModel
+from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
+
+from .base import BaseSpec, MHLAProcessor
+
+
+class SanaMHLAProcessor(MHLAProcessor):
+    """``SanaLinearAttnProcessor2_0`` with the global linear attention replaced by block-mixed MHLA."""
+
+    def forward(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """hidden_states ``(B, N, C)`` -> ``(B, N, C)``."""
+        if encoder_hidden_states is not None:
+            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
+        if attention_mask is not None:
+            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; SANA never passes one")
+        original_dtype = hidden_states.dtype
+        layer_input = hidden_states  # (B, N, C): what the gate reads
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)  # (B, N, heads * d)
+        if attn.norm_q is not None:  # SANA normalises across heads, before the head split
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        # (B, N, heads * d) -> (B, heads, N, d)
+        split_heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)
+        query, key, heads_value = split_heads(query), split_heads(key), split_heads(value)
+        hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d), fp32 sums inside
+        hidden_states = hidden_states.transpose(1, 2).flatten(2).to(original_dtype)  # (B, N, heads * d)
+        hidden_states = self.apply_extras(hidden_states, value, layer_input)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if original_dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states
+
+
+def sana_token_grid(transformer: SanaTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
+    """``(H / p, W / p)`` for a latent ``(B, C, H, W)``, floored as SANA's patch embedding does."""
+    if latent.dim() != 4:
+        raise ValueError(f"SANA latents must be (batch, channels, height, width), got {tuple(latent.shape)}")
+    p = transformer.config.patch_size
+    return latent.shape[-2] // p, latent.shape[-1] // p
+
+
+def _make_processor(attn: Attention, cfg, context) -> SanaMHLAProcessor:
+    return SanaMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+
+
+SPEC = BaseSpec(
+    name="sana",
+    model_cls=SanaTransformer2DModel,
+    grid_ndim=2,
+    self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
+    token_grid=sana_token_grid,
+    make_processor=_make_processor,
+    stock_processor=SanaLinearAttnProcessor2_0,
+)

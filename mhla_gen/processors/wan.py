@@ -1,0 +1,176 @@
+"""MHLA self-attention for diffusers' ``WanTransformer3DModel`` (Wan2.1 / Wan2.2, T2V and I2V).
+
+Replaces ``attn1`` (self-attention) of every ``WanTransformerBlock`` (stock: ``WanAttnProcessor``, softmax
+with 3D RoPE); the cross-attention ``attn2`` (text, and the I2V image context) stays stock. The pretrained
+``to_q / to_k / to_v / to_out`` and Wan's ``norm_q / norm_k`` (RMSNorm over all heads, applied before the
+head split) are reused exactly as ``WanAttnProcessor`` uses them.
+
+Where RoPE goes (``MHLAConfig.wan_rope``), with ``R`` the rotation of token ``t`` and ``φ`` the feature map:
+
+* ``before_phi`` (default): ``q ← φ(R q)``, ``k ← φ(R k)``, then plain MHLA. Numerator and normaliser
+  see the same features, so with ``normalize=True`` every output is a convex combination of values.
+  Note that φ = ReLU discards the negative half of the *rotated* vector, so relative position enters
+  only through which coordinates survive; that is the price of keeping the weights non-negative.
+* ``after_phi_numerator`` (the original release): ``φ`` first, then the numerator uses
+  ``R φ(q) · R φ(k)`` (signed: RoPE mixes coordinate pairs) while the normaliser, if any, uses
+  ``φ(q) · φ(k)`` without RoPE. The release runs it with ``normalize=False`` and RMS-normalises each
+  head's output instead (``wan_head_norm``; its ``g_norm``, here :attr:`WanMHLAProcessor.head_norm`).
+
+Order after the attention core: head norm -> merge heads -> CPE / gate (base class) -> ``to_out``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, _get_qkv_projections
+from torch import nn
+
+from ..ops import mhla_attention
+from ..ops.checks import accumulation_dtype, cast_output
+from ..ops.feature_maps import get_feature_map
+from .base import BaseSpec, MHLAProcessor
+
+
+def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved RoPE, as in ``WanAttnProcessor``, computed in fp32 (or float64 for float64 x).
+
+    Args:
+        x: ``(B, heads, N, d)``; coordinate pairs ``(2i, 2i+1)`` are rotated together.
+        freqs_cos, freqs_sin: ``(1, N, 1, d)`` from ``WanRotaryPosEmbed`` (each value repeated twice).
+    Returns:
+        ``(B, heads, N, d)`` in ``x.dtype``.
+    """
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    cos = freqs_cos.transpose(1, 2)[..., 0::2].to(dtype)  # (1, 1, N, d / 2)
+    sin = freqs_sin.transpose(1, 2)[..., 1::2].to(dtype)
+    x1, x2 = x.to(dtype).unflatten(-1, (-1, 2)).unbind(-1)  # even / odd coordinates, (B, heads, N, d / 2)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, heads, N, d / 2, 2)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class WanMHLAProcessor(MHLAProcessor):
+    """``WanAttnProcessor`` for self-attention with softmax replaced by MHLA on the 3D token grid.
+
+    Args:
+        cfg, context, inner_dim, in_dim: see :class:`MHLAProcessor`.
+        heads: number of attention heads (``head_dim = inner_dim / heads``).
+        head_norm_eps: epsilon of the per-head RMSNorm (Wan uses its block ``eps``, 1e-6).
+
+    Attributes:
+        head_norm: ``nn.RMSNorm(head_dim)`` shared by all heads when ``cfg.wan_head_norm`` (the release's
+            ``g_norm``), else None. Initialised to weight 1.
+    """
+
+    def __init__(self, cfg, context, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
+        super().__init__(cfg, context, inner_dim, in_dim)
+        if inner_dim % heads:
+            raise ValueError(f"inner_dim {inner_dim} is not divisible by heads {heads}")
+        self.heads = heads
+        self.head_norm = nn.RMSNorm(inner_dim // heads, eps=head_norm_eps) if cfg.wan_head_norm else None
+
+    def attend_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_emb) -> torch.Tensor:
+        """MHLA with Wan's RoPE placed as ``cfg.wan_rope`` says. q, k, v ``(B, heads, N, d)`` -> same.
+
+        Without ``rotary_emb`` (a Wan variant without RoPE) both modes reduce to plain MHLA.
+        """
+        if rotary_emb is None:
+            return self.attend(q, k, v)
+        if self.cfg.wan_rope == "before_phi":
+            return self.attend(apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb), v)
+        # after_phi_numerator: two MHLA passes with the identity feature map on precomputed features
+        layout = self.context.layout(q.shape[2])
+        mixing = self.mixing.weight
+        acc = accumulation_dtype(q.dtype)
+        phi = get_feature_map(self.cfg.feature_map)
+        fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
+        numerator = mhla_attention(
+            apply_wan_rotary(fq, *rotary_emb),
+            apply_wan_rotary(fk, *rotary_emb),
+            v.to(acc),
+            layout,
+            mixing,
+            feature_map=_identity,
+            normalize=False,
+        )  # Σ_s W[b(t), b(s)] (R φ(q_t))·(R φ(k_s)) v_s
+        if not self.cfg.normalize:
+            return cast_output(numerator, q.dtype)
+        ones = torch.ones_like(v[..., :1], dtype=acc)  # (B, heads, N, 1): the summary of ones is z_j
+        # Σ_s W[b(t), b(s)] φ(q_t)·φ(k_s): the normaliser without RoPE
+        denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map=_identity, normalize=False)
+        return cast_output(numerator / (denominator + self.cfg.eps), q.dtype)
+
+    def forward(
+        self,
+        attn: WanAttention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """hidden_states ``(B, N, C)`` in row-major ``(f h w)`` token order -> ``(B, N, C)``."""
+        if encoder_hidden_states is not None:
+            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
+        if attention_mask is not None:
+            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; Wan never passes one")
+        layer_input = hidden_states  # (B, N, C): what the gate reads
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, N, heads * d) each
+        query = attn.norm_q(query)  # RMSNorm across all heads, before the head split (as Wan does)
+        key = attn.norm_k(key)
+
+        # (B, N, heads * d) -> (B, heads, N, d)
+        query, key, heads_value = (
+            t.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value)
+        )
+        if self.head_norm is None:
+            out = self.attend_rope(query, key, heads_value, rotary_emb)  # (B, heads, N, d)
+        else:
+            # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
+            acc = accumulation_dtype(query.dtype)
+            out = self.attend_rope(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
+            out = F.rms_norm(out, out.shape[-1:], self.head_norm.weight.to(acc), self.head_norm.eps)
+        out = out.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, N, heads * d)
+        out = self.apply_extras(out, value, layer_input)
+
+        out = attn.to_out[0](out)
+        out = attn.to_out[1](out)
+        return out
+
+
+def wan_token_grid(transformer: WanTransformer3DModel, latent: torch.Tensor) -> tuple[int, int, int]:
+    """``(F / pt, H / ph, W / pw)`` for a latent ``(B, C, F, H, W)``, floored as Wan's patch conv does."""
+    if latent.dim() != 5:
+        raise ValueError(
+            f"Wan latents must be (batch, channels, frames, height, width), got {tuple(latent.shape)}"
+        )
+    pt, ph, pw = transformer.config.patch_size
+    frames, height, width = latent.shape[-3:]
+    return frames // pt, height // ph, width // pw
+
+
+def _make_processor(attn: WanAttention, cfg, context) -> WanMHLAProcessor:
+    return WanMHLAProcessor(
+        cfg,
+        context,
+        inner_dim=attn.inner_dim,
+        in_dim=attn.to_q.in_features,
+        heads=attn.heads,
+        head_norm_eps=attn.norm_q.eps,
+    )
+
+
+SPEC = BaseSpec(
+    name="wan",
+    model_cls=WanTransformer3DModel,
+    grid_ndim=3,
+    self_attention=lambda transformer: [block.attn1 for block in transformer.blocks],
+    token_grid=wan_token_grid,
+    make_processor=_make_processor,
+    stock_processor=WanAttnProcessor,
+)

@@ -1,0 +1,164 @@
+"""Save and load MHLA transformers (DESIGN §3).
+
+Saving a whole transformer is diffusers' own ``transformer.save_pretrained(d)``: the MHLA processors are
+``nn.Module`` children of the attention layers, so their parameters are in the safetensors file, and
+``install_mhla`` registered the MHLA config into ``config.json`` under the key ``"mhla"``.
+:func:`load_transformer` reads such a folder back (stock folders too: no ``"mhla"`` key, no install).
+
+The MHLA parameters alone (a few KB: mixing matrices, CPE, gates) can be exported and imported with
+:func:`save_mhla_parameters` / :func:`load_mhla_parameters`; the MHLA config travels in the file metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from diffusers.utils.constants import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import MHLAConfig
+from .install import (
+    CONFIG_KEY,
+    install_mhla,
+    is_mhla_installed,
+    mhla_parameters,
+    mhla_state_dict,
+    spec_for,
+    spec_for_class_name,
+)
+
+METADATA_CONFIG_KEY = "mhla_config"
+METADATA_BASE_KEY = "mhla_base"
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers model folder: one safetensors file or an index of shards."""
+    single, index = folder / SAFETENSORS_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state = {}
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise FileNotFoundError(f"weight shard {folder / shard} listed in {index} does not exist")
+            state.update(load_file(folder / shard))
+        return state
+    raise FileNotFoundError(
+        f"no weights in {folder}: expected {SAFETENSORS_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"
+    )
+
+
+def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source) -> None:
+    """``load_state_dict(assign=True)`` that names every missing / unexpected key in a ValueError."""
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {source} do not match model: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def saved_with_mhla(path) -> bool:
+    """Whether ``path/config.json`` exists and records an MHLA config (written by ``save_pretrained``)."""
+    config = Path(path) / CONFIG_NAME
+    return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
+
+
+def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None) -> nn.Module:
+    """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded.
+
+    Args:
+        path: the folder holding ``config.json`` and the safetensors weights.
+        torch_dtype: cast after loading (None keeps the saved dtype).
+        device: move after loading (None keeps CPU).
+    Returns:
+        the diffusers model (``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or
+        ``WanTransformer3DModel``) in eval mode.
+    Raises:
+        FileNotFoundError: missing folder, ``config.json`` or weights.
+        ValueError: unsupported model class, or weights whose keys do not match (all listed).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"transformer folder {folder} does not exist")
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    mhla = config.pop(CONFIG_KEY, None)
+    spec = spec_for_class_name(config.get("_class_name"))
+
+    # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
+    with init_empty_weights(include_buffers=False):
+        model = spec.model_cls.from_config(config)
+        if mhla is not None:
+            install_mhla(model, MHLAConfig.from_dict(mhla))
+    _load_strict(model, _read_weights(folder), folder)
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def save_mhla_parameters(transformer: nn.Module, file) -> None:
+    """Write only the MHLA parameters of ``transformer`` to a safetensors ``file`` (config in metadata)."""
+    if not is_mhla_installed(transformer):
+        raise ValueError(f"no MHLA installed in this {type(transformer).__name__}; nothing to save")
+    metadata = {
+        METADATA_CONFIG_KEY: json.dumps(transformer.mhla_config.to_dict()),
+        METADATA_BASE_KEY: spec_for(transformer).name,
+    }
+    file = Path(file)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(mhla_state_dict(transformer), file, metadata=metadata)
+
+
+def read_mhla_config(file) -> MHLAConfig:
+    """The :class:`MHLAConfig` stored in the metadata of a :func:`save_mhla_parameters` file."""
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"MHLA parameter file {file} does not exist")
+    with safe_open(file, framework="pt") as f:
+        metadata = f.metadata() or {}
+    if METADATA_CONFIG_KEY not in metadata:
+        raise ValueError(f"{file} has no {METADATA_CONFIG_KEY!r} metadata (not from save_mhla_parameters)")
+    return MHLAConfig.from_dict(json.loads(metadata[METADATA_CONFIG_KEY]))
+
+
+@torch.no_grad()
+def load_mhla_parameters(transformer: nn.Module, file) -> nn.Module:
+    """Import MHLA parameters written by :func:`save_mhla_parameters` into ``transformer``, in place.
+
+    A transformer without MHLA gets it installed from the file's config first; one with MHLA must have
+    the same config. The pretrained (non-MHLA) weights are untouched. Returns ``transformer``.
+    """
+    cfg = read_mhla_config(file)
+    base = spec_for(transformer).name
+    with safe_open(Path(file), framework="pt") as f:
+        saved_base = (f.metadata() or {}).get(METADATA_BASE_KEY, base)
+    if saved_base != base:
+        raise ValueError(f"{file} holds MHLA parameters for {saved_base!r}, not for this {base!r} model")
+    if not is_mhla_installed(transformer):
+        install_mhla(transformer, cfg)
+    elif transformer.mhla_config != cfg:
+        raise ValueError(
+            f"installed MHLA config {transformer.mhla_config.to_dict()} differs from the one in {file}: "
+            f"{cfg.to_dict()}; uninstall_mhla first or install the file's config"
+        )
+    state = load_file(file)
+    params = mhla_parameters(transformer)
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"MHLA parameters in {file} do not match: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    for name, param in params.items():
+        param.copy_(state[name])
+    return transformer

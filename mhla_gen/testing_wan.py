@@ -1,0 +1,104 @@
+"""Tiny Wan models and a tiny ``WanPipeline``, built in-process from config dicts (no hub, no downloads).
+
+For tests and smoke runs only: random weights, so generated videos are noise. The transformer keeps
+Wan's real structure (3D patch embedding, 3D RoPE, RMSNorm across heads, cross-attention on UMT5
+features); only the widths and depths are tiny.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+TEXT_DIM = 32
+
+TINY_WAN_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,  # Wan's RoPE splits the head dim into t / h / w parts: 4 / 4 / 4 here
+    in_channels=16,
+    out_channels=16,
+    text_dim=TEXT_DIM,
+    freq_dim=32,
+    ffn_dim=32,
+    num_layers=3,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=32,
+)
+
+TINY_UMT5_CONFIG = dict(
+    vocab_size=64,
+    d_model=TEXT_DIM,
+    d_kv=8,
+    d_ff=64,
+    num_layers=1,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+)
+
+TINY_VAE_CONFIG = dict(
+    base_dim=3,
+    z_dim=16,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+)
+
+_WORDS = (
+    "a an the cat dog bird fish horse car tree river sky sea moon sun red blue green white black small big "
+    "runs flies swims walks jumps on in over under at night day video of with and"
+).split()
+
+
+def tiny_wan_transformer(seed: int = 0, **overrides) -> WanTransformer3DModel:
+    """A 3-layer Wan transformer (2 heads of dim 12) with random weights."""
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(**{**TINY_WAN_CONFIG, **overrides}).eval()
+
+
+def tiny_tokenizer(max_length: int = 16) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over a few dozen words; ``</s>`` is appended as T5 does."""
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(_WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+    )
+
+
+def tiny_text_encoder(seed: int = 0) -> UMT5EncoderModel:
+    torch.manual_seed(seed)
+    return UMT5EncoderModel(UMT5Config(**TINY_UMT5_CONFIG)).eval()
+
+
+def tiny_vae(seed: int = 0) -> AutoencoderKLWan:
+    """Wan's causal 3D VAE, tiny: 8x spatial and 4x temporal compression, 16 latent channels."""
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
+
+
+def tiny_wan_pipeline(transformer: WanTransformer3DModel | None = None, seed: int = 0) -> WanPipeline:
+    """A stock ``WanPipeline`` of tiny components (UniPC flow-matching scheduler, as Wan2.1 ships)."""
+    return WanPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_text_encoder(seed),
+        transformer=transformer if transformer is not None else tiny_wan_transformer(seed),
+        vae=tiny_vae(seed),
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+    )

@@ -1,0 +1,62 @@
+"""A stock diffusers ``DiTPipeline`` whose transformer runs MHLA self-attention.
+
+    pipe = load_dit_pipeline("runs/dit-mhla/pipeline")                       # saved with MHLA
+    pipe = load_dit_pipeline("facebook/DiT-XL-2-256", mhla=MHLAConfig.preset("dit-256"))  # fresh MHLA
+    images = pipe(class_labels=[207, 360], num_inference_steps=50, guidance_scale=4.0).images
+
+``DiTPipeline`` hard-codes the classifier-free-guidance null class as label 1000, so guidance > 1 needs a
+transformer built with ``num_embeds_ada_norm=1000`` (its label table has the null row at index 1000).
+Models for small datasets keep the 1000-entry table and use labels ``0..k-1``; a model with another
+class count can only sample with ``guidance_scale <= 1`` (:func:`check_class_labels` says so).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiTPipeline, DiTTransformer2DModel
+
+from mhla_gen.config import MHLAConfig
+
+from . import load_pipeline_transformer
+
+DIT_NULL_CLASS = 1000  # hard-coded in DiTPipeline.__call__
+
+
+def load_dit_pipeline(
+    path_or_id,
+    mhla: MHLAConfig | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    device=None,
+    transformer_path=None,
+) -> DiTPipeline:
+    """Load a ``DiTPipeline`` with an MHLA transformer.
+
+    Args:
+        path_or_id: a diffusers DiT pipeline folder or hub id (VAE, scheduler, labels).
+        mhla: MHLA to install on a stock transformer; None (or equal) when it was saved with MHLA.
+        torch_dtype: dtype of the transformer and VAE.
+        device: where to move the pipeline (None: stay on CPU).
+        transformer_path: a saved MHLA transformer folder (e.g. a training run's ``final/``) to use
+            instead of ``path_or_id/transformer``.
+    Returns:
+        the pipeline; ``pipe.transformer.mhla_config`` tells which MHLA it runs (absent: stock softmax).
+    """
+    transformer = load_pipeline_transformer(
+        DiTTransformer2DModel, path_or_id, mhla, torch_dtype, transformer_path
+    )
+    pipe = DiTPipeline.from_pretrained(path_or_id, transformer=transformer, dtype=torch_dtype)
+    return pipe.to(device) if device is not None else pipe
+
+
+def check_class_labels(transformer: DiTTransformer2DModel, labels: list[int], guidance_scale: float) -> None:
+    """Raise a ValueError for labels the model has no embedding for, or CFG the pipeline cannot run."""
+    num_classes = transformer.config.num_embeds_ada_norm
+    bad = [label for label in labels if not 0 <= label < num_classes]
+    if bad:
+        raise ValueError(f"class labels {bad} out of range: the model has classes 0..{num_classes - 1}")
+    if guidance_scale > 1 and num_classes != DIT_NULL_CLASS:
+        raise ValueError(
+            f"DiTPipeline uses label {DIT_NULL_CLASS} as the null class for guidance_scale > 1, but this "
+            f"model has num_embeds_ada_norm={num_classes}; sample with guidance_scale <= 1 or train with "
+            f"{DIT_NULL_CLASS} classes"
+        )

@@ -1,0 +1,45 @@
+"""A stock diffusers ``SanaPipeline`` whose transformer runs MHLA self-attention (``attn1``).
+
+    pipe = load_sana_pipeline("Efficient-Large-Model/Sana_600M_512px_diffusers",
+                              transformer_path="runs/sana-mhla/final", torch_dtype=torch.bfloat16)
+    image = pipe("a cat", height=512, width=512, use_resolution_binning=False).images[0]
+
+Pass ``use_resolution_binning=False`` for sizes outside SANA's aspect-ratio bins (tiny test models,
+or an exact resolution you want MHLA to run at); heights and widths must be multiples of 32.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import SanaPipeline, SanaTransformer2DModel
+
+from mhla_gen.config import MHLAConfig
+
+from . import load_pipeline_transformer
+
+
+def load_sana_pipeline(
+    path_or_id,
+    mhla: MHLAConfig | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    device=None,
+    transformer_path=None,
+) -> SanaPipeline:
+    """Load a ``SanaPipeline`` with an MHLA transformer.
+
+    Args:
+        path_or_id: a diffusers SANA pipeline folder or hub id (Gemma2 text encoder, tokenizer, DC-AE,
+            scheduler).
+        mhla: MHLA to install on a stock transformer; None (or equal) when it was saved with MHLA.
+        torch_dtype: dtype of the transformer, text encoder and VAE.
+        device: where to move the pipeline (None: stay on CPU).
+        transformer_path: a saved MHLA transformer folder (e.g. a fine-tuning run's ``final/``) to use
+            instead of ``path_or_id/transformer``.
+    Returns:
+        the pipeline; ``pipe.transformer.mhla_config`` tells which MHLA it runs (absent: stock SANA).
+    """
+    transformer = load_pipeline_transformer(
+        SanaTransformer2DModel, path_or_id, mhla, torch_dtype, transformer_path
+    )
+    pipe = SanaPipeline.from_pretrained(path_or_id, transformer=transformer, dtype=torch_dtype)
+    return pipe.to(device) if device is not None else pipe

@@ -1,0 +1,173 @@
+"""Whole-model throughput of a DiT with softmax, global linear and MHLA self-attention.
+
+    python scripts/bench_models.py                      # DiT-S/2 shapes, depth 12, 256/1024/4096 tokens
+    python scripts/bench_models.py --depth 4 --reps 5 --threads 2
+    python scripts/bench_models.py --device cuda --dtype bf16 --batch 32
+
+The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 12 heads x 32, patch 2, 4 latent
+channels); ``--depth`` reduces the 12 blocks for quick CPU runs. Token counts 256 / 1024 / 4096 are
+latents of 32 / 64 / 128 pixels. Three identical copies differ only in the ``attn1`` processor:
+
+- ``softmax``: diffusers' stock ``AttnProcessor2_0`` (SDPA);
+- ``linear``: diffusers' own ``SanaLinearAttnProcessor2_0`` (SANA's global ReLU linear attention) set on
+  DiT's ``attn1`` (same signature; DiT's residual/rescale options are off, so nothing is lost);
+- ``mhla``: ``install_mhla(blocks=(4, 4))``.
+
+Training step = forward + MSE loss + backward + AdamW step (+ the mixing clamp for MHLA); inference =
+forward under inference_mode.
+Each measurement is the best of ``--reps`` timed runs after one warm-up (on a shared machine the fastest
+run is the least disturbed one), with the three models interleaved inside every repetition so machine
+noise hits them alike. Prints Markdown tables (items/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
+
+MODES = ("softmax", "linear", "mhla")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--depth", type=int, default=12, help="transformer blocks (DiT-S has 12)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--blocks", type=int, nargs=2, default=[4, 4])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    args = parser.parse_args(argv)
+    for n in args.tokens:
+        side = round(n**0.5)
+        if side * side != n:
+            parser.error(f"--tokens must be square numbers (a side x side token grid), got {n}")
+    if args.depth < 1 or args.batch < 1 or args.reps < 1:
+        parser.error("--depth, --batch and --reps must be positive")
+    return args
+
+
+def build_models(depth: int, blocks, device, dtype) -> dict[str, DiTTransformer2DModel]:
+    torch.manual_seed(0)
+    base = DiTTransformer2DModel(
+        num_attention_heads=12, attention_head_dim=32, in_channels=4, out_channels=8, num_layers=depth,
+        sample_size=32, patch_size=2, num_embeds_ada_norm=1000,
+    )
+    linear = copy.deepcopy(base)
+    for block in linear.transformer_blocks:
+        block.attn1.set_processor(SanaLinearAttnProcessor2_0())
+    mhla = install_mhla(copy.deepcopy(base), MHLAConfig(blocks=tuple(blocks)))
+    models = {"softmax": base, "linear": linear, "mhla": mhla}
+    for model in models.values():
+        model.to(device)
+        if dtype != torch.float32:
+            model.to(dtype)
+    return models
+
+
+def make_batch(tokens: int, batch: int, device, dtype):
+    side = 2 * round(tokens**0.5)  # latent pixels = token side x patch 2
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(batch, 4, side, side, generator=g).to(device, dtype)
+    target = torch.randn(batch, 8, side, side, generator=g).to(device, dtype)
+    t = torch.randint(0, 1000, (batch,), generator=g).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=g).to(device)
+    return x, target, t, y
+
+
+def sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_size(models, optimizers, tokens, args, dtype):
+    x, target, t, y = make_batch(tokens, args.batch, args.device, dtype)
+
+    def train_step(name):
+        model, opt = models[name], optimizers[name]
+        out = model(x, timestep=t, class_labels=y).sample
+        loss = torch.nn.functional.mse_loss(out.float(), target.float())
+        loss.backward()
+        opt.step()
+        if name == "mhla":
+            clamp_mixing_(model)  # the paper's [0, 1] projection, part of every MHLA training step
+        opt.zero_grad(set_to_none=True)
+
+    def infer(name):
+        with torch.inference_mode():
+            models[name](x, timestep=t, class_labels=y)
+
+    result = {}
+    for kind, step in (("train", train_step), ("infer", infer)):
+        for model in models.values():
+            model.train(kind == "train")
+        times = {name: [] for name in models}
+        for rep in range(args.reps + 1):  # rep 0 is the warm-up
+            for name in models:
+                elapsed = timed(lambda step=step, name=name: step(name), args.device)
+                if rep:
+                    times[name].append(elapsed)
+        result[kind] = {name: args.batch / min(ts) for name, ts in times.items()}
+    return result
+
+
+def markdown(results, kind: str) -> str:
+    lines = [
+        f"| tokens | softmax {kind} (items/s) | linear {kind} | MHLA {kind} | MHLA / linear "
+        "| MHLA / softmax |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tokens, r in results.items():
+        s, lin, m = (r[kind][name] for name in MODES)
+        lines.append(f"| {tokens} | {s:.2f} | {lin:.2f} | {m:.2f} | {m / lin:.2f}x | {m / s:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    models = build_models(args.depth, args.blocks, args.device, dtype)
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    results = {}
+    for tokens in args.tokens:
+        results[tokens] = bench_size(models, optimizers, tokens, args, dtype)
+        print(f"done {tokens} tokens", file=sys.stderr, flush=True)
+
+    print(
+        f"DiT-S/2 shapes (hidden 384, 12 heads x 32), depth {args.depth}, batch {args.batch}, {args.dtype}, "
+        f"{args.device}, {torch.get_num_threads()} threads, best of {args.reps}; "
+        f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0\n"
+    )
+    print("Training step (forward + backward + AdamW):\n")
+    print(markdown(results, "train"))
+    print("\nInference (forward):\n")
+    print(markdown(results, "infer"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Convert the released Wan-MHLA checkpoint (original Wan key names) into a diffusers transformer folder.
+
+    python scripts/convert_wan_mhla.py --checkpoint ckpts/wan_mhla.safetensors \
+        --config-from Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out converted/wan-mhla --dtype bf16
+
+``--config-from`` is a diffusers Wan pipeline (local folder or hub id), its ``transformer`` folder, or
+a ``config.json``. The output loads with ``mhla_gen.serialization.load_transformer(OUT)`` and plugs into
+``pipelines.wan.load_wan_pipeline(BASE, transformer_path=OUT)``. See ``mhla_gen/convert_wan.py`` for how
+the release differs from this library's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen.convert_wan import convert_wan_checkpoint  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", required=True, help=".safetensors / .pth file or a folder of shards")
+    parser.add_argument("--config-from", required=True, help="diffusers Wan folder, hub id or config.json")
+    parser.add_argument("--out", required=True, help="output folder (save_pretrained layout)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--state-dict-key", default=None, help="entry of a wrapped .pth, e.g. state_dict_ema")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    transformer = convert_wan_checkpoint(
+        args.checkpoint, args.config_from, torch_dtype=DTYPES[args.dtype], state_dict_key=args.state_dict_key
+    )
+    transformer.save_pretrained(args.out)
+    cfg = transformer.mhla_config
+    layers = "all" if cfg.layers is None else cfg.layers
+    print(f"wrote {args.out}: {len(transformer.blocks)} blocks, MHLA layers {layers}, blocks {cfg.blocks}")
+    print(f"MHLA config: {cfg.to_dict()}")
+
+
+if __name__ == "__main__":
+    main()

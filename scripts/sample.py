@@ -1,0 +1,188 @@
+"""Sample images (DiT, SANA) or videos (Wan) from an MHLA model with the stock diffusers pipelines.
+
+    python scripts/sample.py --base dit --model runs/dit/pipeline --labels 1 2 3 --steps 50 --guidance 4
+    python scripts/sample.py --base dit --model PIPE_DIR --transformer runs/dit/final --labels 0 1
+    python scripts/sample.py --base sana --model SANA_DIR --transformer runs/sana/final \
+        --prompt "a red cat" "a blue dog" --height 512 --width 512 --dtype bf16 --device cuda
+    python scripts/sample.py --base wan --model WAN_DIR --transformer runs/wan/final \
+        --prompt "a cat surfing" --height 480 --width 832 --frames 81 --dtype bf16 --device cuda
+
+``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;
+``--transformer`` an MHLA transformer saved with ``save_pretrained`` (default: ``--model``'s own).
+Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 per prompt for Wan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import pipelines` from the repo root
+
+from mhla_gen.config import MHLAConfig  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="diffusers pipeline folder or hub id")
+    parser.add_argument("--base", required=True, choices=["dit", "sana", "wan"])
+    parser.add_argument("--transformer", default=None, help="saved MHLA transformer folder (e.g. run/final)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=None,
+                        help="install fresh MHLA with these blocks into a stock transformer (untrained)")
+    parser.add_argument("--labels", type=int, nargs="+", default=None, help="DiT class labels")
+    parser.add_argument("--prompt", nargs="+", default=None, help="SANA / Wan prompts")
+    parser.add_argument("--negative-prompt", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=4.0)
+    parser.add_argument("--height", type=int, default=None, help="pixels (default: the model's size)")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--frames", type=int, default=81, help="Wan video length")
+    parser.add_argument("--fps", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="samples")
+    args = parser.parse_args(argv)
+
+    if args.base == "dit" and not args.labels:
+        parser.error("--base dit needs --labels (class ids)")
+    if args.base != "dit" and not args.prompt:
+        parser.error(f"--base {args.base} needs --prompt")
+    if args.base == "dit" and args.prompt:
+        parser.error("DiT is class-conditional: use --labels, not --prompt")
+    if args.base != "dit" and args.labels:
+        parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for name in ("height", "width", "frames"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be positive, got {value}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} requested but CUDA is not available")
+    for name in ("model", "transformer"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).exists() and (name == "transformer" or _looks_local(path)):
+            parser.error(f"--{name} {path} does not exist")
+    return args
+
+
+def _looks_local(path: str) -> bool:
+    """A hub id is ``owner/name``; anything else that does not exist is a mistyped local path."""
+    return path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def image_grid(images: list[Image.Image], max_cols: int = 8) -> Image.Image:
+    """All images on one canvas, ``max_cols`` per row (diffusers' make_image_grid needs a full grid)."""
+    cols = min(len(images), max_cols)
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    grid = Image.new("RGB", (cols * w, rows * h))
+    for i, image in enumerate(images):
+        grid.paste(image, box=(i % cols * w, i // cols * h))
+    return grid
+
+
+def sample_dit(args, mhla, dtype) -> list[Image.Image]:
+    from pipelines.dit import check_class_labels, load_dit_pipeline
+
+    pipe = load_dit_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
+    check_class_labels(pipe.transformer, args.labels, args.guidance)
+    if args.height is not None or args.width is not None:
+        # DiTPipeline draws latents of transformer.config.sample_size; DiT's unpatchify needs squares
+        height, width = args.height or args.width, args.width or args.height
+        scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        multiple = scale * pipe.transformer.config.patch_size
+        if height != width or height % multiple:
+            raise ValueError(
+                f"DiT samples square images whose side is a multiple of {multiple} (VAE x patch); "
+                f"got {height}x{width}"
+            )
+        pipe.transformer.register_to_config(sample_size=height // scale)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    return pipe(
+        class_labels=args.labels,
+        guidance_scale=args.guidance,
+        num_inference_steps=args.steps,
+        generator=generator,
+    ).images
+
+
+def sample_sana(args, mhla, dtype) -> list[Image.Image]:
+    from pipelines.sana import load_sana_pipeline
+
+    pipe = load_sana_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
+    size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    return pipe(
+        prompt=args.prompt,
+        negative_prompt=[args.negative_prompt] * len(args.prompt),
+        height=args.height or size,
+        width=args.width or size,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        generator=generator,
+        use_resolution_binning=False,
+    ).images
+
+
+def sample_wan(args, mhla, dtype, out: Path) -> list[Path]:
+    from diffusers.utils import export_to_video
+
+    from pipelines.wan import load_wan_pipeline
+
+    pipe = load_wan_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
+    paths = []
+    for i, prompt in enumerate(args.prompt):
+        generator = torch.Generator(args.device).manual_seed(args.seed + i)
+        frames = pipe(
+            prompt=prompt,
+            negative_prompt=args.negative_prompt,
+            height=args.height or 480,
+            width=args.width or 832,
+            num_frames=args.frames,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=generator,
+        ).frames[0]
+        path = out / f"wan_seed{args.seed + i}_{i:02d}.mp4"
+        paths.append(Path(export_to_video(frames, str(path), fps=args.fps)))
+    return paths
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    mhla = None
+    if args.blocks is not None:
+        mhla = MHLAConfig(blocks=tuple(args.blocks))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.base == "wan":
+        for path in sample_wan(args, mhla, dtype, out):
+            print(f"wrote {path}")
+        return
+    images = sample_dit(args, mhla, dtype) if args.base == "dit" else sample_sana(args, mhla, dtype)
+    names = args.labels if args.base == "dit" else range(len(images))
+    for i, (image, name) in enumerate(zip(images, names)):
+        image.save(out / f"{args.base}_seed{args.seed}_{i:02d}_{name}.png")
+    grid_path = out / f"{args.base}_seed{args.seed}_grid.png"
+    image_grid(images).save(grid_path)
+    print(f"wrote {len(images)} images and {grid_path}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:  # bad input found while loading or sampling
+        sys.exit(f"sample.py: error: {err}")

@@ -1,0 +1,152 @@
+"""install_mhla / uninstall_mhla on tiny DiT and SANA models."""
+
+import copy
+
+import pytest
+import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
+
+from mhla_gen import MHLAConfig, install_mhla, mhla_parameters, uninstall_mhla
+from mhla_gen.processors.base import MHLAProcessor
+from mhla_gen.testing import dit_forward as dit_call
+from mhla_gen.testing import sana_forward as sana_call
+from mhla_gen.testing import tiny_dit, tiny_sana
+
+BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
+
+
+def mhla_layer_indices(model):
+    return [i for i, b in enumerate(model.transformer_blocks) if isinstance(b.attn1.processor, MHLAProcessor)]
+
+
+@pytest.mark.parametrize("factory, call", BASES)
+def test_uninstall_is_bit_exact(factory, call):
+    model, untouched = factory().eval(), factory().eval()
+    install_mhla(model, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True))
+    uninstall_mhla(model)
+    assert torch.equal(call(model), call(untouched))
+    assert mhla_layer_indices(model) == [] and not mhla_parameters(model)
+    assert "mhla" not in model.config and not model._forward_pre_hooks
+    assert set(model.state_dict()) == set(untouched.state_dict())
+
+
+def test_uninstall_restores_stock_processor_class():
+    model = tiny_dit()
+    install_mhla(model, MHLAConfig(blocks=(2, 2)))
+    uninstall_mhla(model)
+    assert all(type(b.attn1.processor) is AttnProcessor2_0 for b in model.transformer_blocks)
+    with pytest.raises(ValueError, match="no MHLA installed"):
+        uninstall_mhla(model)
+
+
+@pytest.mark.parametrize("factory, call", BASES)
+def test_install_changes_output_and_records_config(factory, call):
+    model = factory().eval()
+    stock = call(model)
+    cfg = MHLAConfig(blocks=(2, 2))
+    install_mhla(model, cfg)
+    assert not torch.allclose(call(model), stock)
+    assert model.mhla_config is cfg and model.config["mhla"] == cfg.to_dict()
+
+
+def test_layers_replaces_exactly_those_layers():
+    model = tiny_dit(num_layers=4)
+    install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 2]))
+    assert mhla_layer_indices(model) == [0, 2]
+    assert all(type(model.transformer_blocks[i].attn1.processor) is AttnProcessor2_0 for i in (1, 3))
+    assert {n.split(".")[1] for n in mhla_parameters(model)} == {"0", "2"}
+
+
+def test_reinstall_replaces_config():
+    model = tiny_dit(num_layers=3).eval()
+    install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 1], gate=True))
+    second = MHLAConfig(blocks=(4, 4), layers=[2])
+    install_mhla(model, second)
+    assert mhla_layer_indices(model) == [2]
+    assert model.mhla_config is second and model.config["mhla"]["blocks"] == [4, 4]
+    assert len(model._forward_pre_hooks) == 1
+    assert all(p.shape == (16, 16) for n, p in mhla_parameters(model).items())
+    dit_call(model)
+    assert model.mhla_context.grid == (4, 4)
+
+
+def test_uneven_grid_and_any_resolution():
+    """sample_size 10, patch 2 -> 5x5 tokens with 2x2 blocks; then 7x7 (DiT's unpatchify needs squares)."""
+    model = tiny_dit(sample_size=10).eval()
+    install_mhla(model, MHLAConfig(blocks=(2, 2)))
+    out = dit_call(model, size=10)
+    assert out.shape == (2, 8, 10, 10) and torch.isfinite(out).all()
+    assert model.mhla_context.grid == (5, 5)
+    out = dit_call(model, size=14)
+    assert out.shape == (2, 8, 14, 14) and model.mhla_context.grid == (7, 7)
+
+
+def test_sana_non_square_grid():
+    model = tiny_sana().eval()
+    install_mhla(model, MHLAConfig(blocks=(2, 3)))
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 4, 5, 7, generator=g), torch.randn(1, 3, 16, generator=g)
+    with torch.no_grad():
+        out = model(x, encoder_hidden_states=text, timestep=torch.tensor([3.0])).sample
+    assert out.shape == (1, 4, 5, 7) and model.mhla_context.grid == (5, 7)
+
+
+@pytest.mark.parametrize("factory, call", BASES)
+def test_blocks_larger_than_grid_raise(factory, call):
+    model = factory()
+    install_mhla(model, MHLAConfig(blocks=(8, 8)))
+    with pytest.raises(ValueError, match=r"blocks \(8, 8\) do not fit the token grid \((4|6), (4|6)\)"):
+        call(model, size=6 if factory is tiny_sana else 8)
+
+
+def test_wrong_blocks_rank_raises():
+    with pytest.raises(ValueError, match=r"2D token grid but MHLA blocks \(2, 2, 2\)"):
+        install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2, 2)))
+
+
+def test_bad_layer_indices_raise():
+    with pytest.raises(ValueError, match=r"layers \[2, -1\] out of range: the model has 2"):
+        install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2), layers=[0, 2, -1]))
+    with pytest.raises(ValueError, match=r"more than once: \[1\]"):
+        install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2), layers=[1, 1]))
+
+
+def test_unsupported_model_raises():
+    with pytest.raises(ValueError, match="MHLA does not support Linear"):
+        install_mhla(torch.nn.Linear(2, 2), MHLAConfig())
+
+
+def test_deepcopy_drives_its_own_grid():
+    """An EMA-style deepcopy must set its own grid, not the original's."""
+    model = tiny_dit().eval()
+    install_mhla(model, MHLAConfig(blocks=(2, 2)))
+    dit_call(model, size=8)
+    ema = copy.deepcopy(model)
+    dit_call(ema, size=12)
+    assert ema.mhla_context.grid == (6, 6) and model.mhla_context.grid == (4, 4)
+    torch.testing.assert_close(dit_call(ema, size=8), dit_call(model, size=8), rtol=0, atol=0)
+    uninstall_mhla(ema)
+    assert len(model._forward_pre_hooks) == 1
+
+
+def test_processor_follows_model_dtype():
+    model = tiny_sana().to(torch.bfloat16)
+    install_mhla(model, MHLAConfig(blocks=(2, 2), gate=True))
+    assert {p.dtype for p in mhla_parameters(model).values()} == {torch.bfloat16}
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    """Recomputation in backward must see the same token grid as the forward."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_dit(sample_size=10)
+        install_mhla(model, MHLAConfig(blocks=(2, 2)))
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        x = torch.randn(2, 4, 10, 10, generator=torch.Generator().manual_seed(0))
+        out = model(x, timestep=torch.tensor([1, 2]), class_labels=torch.tensor([0, 1])).sample
+        out.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in mhla_parameters(model).items()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)

@@ -1,0 +1,138 @@
+"""DiT / SANA pipelines with MHLA end to end on CPU (tiny models, 2 steps), and scripts/sample.py."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
+from mhla_gen.testing import tiny_dit_pipeline, tiny_sana_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `pipelines` lives at the repo root, next to the mhla_gen package
+from pipelines.dit import check_class_labels, load_dit_pipeline  # noqa: E402
+from pipelines.sana import load_sana_pipeline  # noqa: E402
+
+CFG = MHLAConfig(blocks=(2, 2), gate=True)
+
+
+def perturb_mhla(transformer):
+    torch.manual_seed(3)
+    for p in mhla_parameters(transformer).values():
+        p.data.uniform_(0.0, 0.5)
+
+
+def run_dit(pipe, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return pipe(class_labels=[1, 2], num_inference_steps=2, generator=generator, output_type="np").images
+
+
+def run_sana(pipe, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return pipe(
+        "a red cat", num_inference_steps=2, height=32, width=32, generator=generator, output_type="np",
+        use_resolution_binning=False, max_sequence_length=8, complex_human_instruction=None,
+    ).images
+
+
+@pytest.fixture(scope="module")
+def dit_pipeline_dir(tmp_path_factory):
+    """A tiny DiT pipeline with trained-looking MHLA, saved with save_pretrained, and its images."""
+    pipe = tiny_dit_pipeline()
+    install_mhla(pipe.transformer, CFG)
+    perturb_mhla(pipe.transformer)
+    folder = tmp_path_factory.mktemp("dit_pipe")
+    pipe.save_pretrained(folder)
+    return folder, run_dit(pipe)
+
+
+def test_dit_pipeline_round_trip(dit_pipeline_dir):
+    folder, images = dit_pipeline_dir
+    pipe = load_dit_pipeline(folder)
+    assert pipe.transformer.mhla_config == CFG
+    out = run_dit(pipe)
+    assert out.shape == (2, 16, 16, 3) and np.isfinite(out).all()
+    np.testing.assert_array_equal(out, images)
+
+
+def test_dit_pipeline_from_stock_plus_config(tmp_path):
+    tiny_dit_pipeline().save_pretrained(tmp_path)
+    pipe = load_dit_pipeline(tmp_path, mhla=CFG)
+    assert pipe.transformer.mhla_config == CFG
+    assert run_dit(pipe).shape == (2, 16, 16, 3)
+
+
+def test_dit_pipeline_transformer_path_and_conflict(tmp_path, dit_pipeline_dir):
+    folder, images = dit_pipeline_dir
+    stock = tmp_path / "stock"
+    tiny_dit_pipeline().save_pretrained(stock)
+    pipe = load_dit_pipeline(stock, transformer_path=folder / "transformer")
+    np.testing.assert_array_equal(run_dit(pipe), images)
+    with pytest.raises(ValueError, match="refusing to replace"):
+        load_dit_pipeline(folder, mhla=MHLAConfig(blocks=(4, 4)))
+
+
+def test_dit_class_label_checks():
+    transformer = tiny_dit_pipeline(num_embeds_ada_norm=10).transformer
+    with pytest.raises(ValueError, match=r"class labels \[12\] out of range"):
+        check_class_labels(transformer, [1, 12], guidance_scale=1.0)
+    with pytest.raises(ValueError, match="null class"):
+        check_class_labels(transformer, [1], guidance_scale=4.0)
+    check_class_labels(transformer, [1], guidance_scale=1.0)
+
+
+def test_sana_pipeline_round_trip(tmp_path):
+    pipe = tiny_sana_pipeline()
+    install_mhla(pipe.transformer, CFG)
+    perturb_mhla(pipe.transformer)
+    images = run_sana(pipe)
+    assert images.shape == (1, 32, 32, 3) and np.isfinite(images).all()
+    pipe.save_pretrained(tmp_path)
+    loaded = load_sana_pipeline(tmp_path)
+    assert loaded.transformer.mhla_config == CFG
+    blocks = loaded.transformer.transformer_blocks
+    assert all(type(b.attn2.processor).__name__ == "SanaAttnProcessor2_0" for b in blocks)
+    np.testing.assert_array_equal(run_sana(loaded), images)
+    with pytest.raises(ValueError, match="is a SanaTransformer2DModel, not a DiTTransformer2DModel"):
+        load_dit_pipeline(tmp_path)
+
+
+def _sample_module():
+    spec = importlib.util.spec_from_file_location("sample_script", REPO / "scripts" / "sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--base", "dit", "--model", "x/y"], "needs --labels"),
+        (["--base", "sana", "--model", "x/y", "--labels", "1"], "needs --prompt"),
+        (["--base", "dit", "--model", "./missing", "--labels", "1"], "does not exist"),
+        (["--base", "dit", "--model", "x/y", "--labels", "1", "--steps", "0"], "--steps must be"),
+    ],
+)
+def test_sample_script_rejects_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _sample_module().parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_sample_script_end_to_end(tmp_path, dit_pipeline_dir):
+    folder, _ = dit_pipeline_dir
+    out = tmp_path / "samples"
+    cmd = [sys.executable, "scripts/sample.py", "--base", "dit", "--model", str(folder),
+           "--labels", "1", "2", "3", "--steps", "2", "--guidance", "2", "--device", "cpu", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    grid = Image.open(out / "dit_seed0_grid.png")
+    assert grid.size == (3 * 16, 16)
+    assert sorted(p.name for p in out.glob("dit_seed0_0*.png")) == [
+        "dit_seed0_00_1.png", "dit_seed0_01_2.png", "dit_seed0_02_3.png"
+    ]

@@ -1,0 +1,112 @@
+"""save_pretrained -> load_transformer round trips and the MHLA-only export/import."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mhla_gen import (
+    MHLAConfig,
+    install_mhla,
+    load_mhla_parameters,
+    load_transformer,
+    mhla_parameters,
+    save_mhla_parameters,
+)
+from mhla_gen.testing import dit_forward as dit_call
+from mhla_gen.testing import sana_forward as sana_call
+from mhla_gen.testing import tiny_dit, tiny_sana
+
+BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
+CFG = MHLAConfig(blocks=(2, 2), layers=[1], cpe_kernel=3, gate=True, mixing_init="exp")
+
+
+def trained_like(factory):
+    """A model with MHLA whose MHLA parameters are far from their init (so a lost tensor shows)."""
+    model = factory().eval()
+    install_mhla(model, CFG)
+    torch.manual_seed(5)
+    for p in mhla_parameters(model).values():
+        p.data.uniform_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("factory, call", BASES)
+def test_save_pretrained_load_transformer_round_trip(tmp_path, factory, call):
+    model = trained_like(factory)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["mhla"] == CFG.to_dict()
+    loaded = load_transformer(tmp_path)
+    assert type(loaded) is type(model) and loaded.mhla_config == CFG
+    assert torch.equal(call(loaded), call(model))
+    assert torch.equal(call(loaded, size=10), call(model, size=10))
+    loaded_state = loaded.state_dict()
+    assert all(torch.equal(loaded_state[k], v) for k, v in model.state_dict().items())
+
+
+def test_load_transformer_of_stock_folder_and_dtype(tmp_path):
+    model = tiny_sana().eval()
+    model.save_pretrained(tmp_path)
+    loaded = load_transformer(tmp_path, torch_dtype=torch.bfloat16)
+    assert not hasattr(loaded, "mhla_config") and loaded.dtype == torch.bfloat16
+    assert torch.equal(sana_call(load_transformer(tmp_path)), sana_call(model))
+
+
+def test_load_transformer_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_transformer(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_transformer(tmp_path)
+    tiny_dit().save_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        load_transformer(tmp_path)
+
+
+def test_load_transformer_strict_keys(tmp_path):
+    model = trained_like(tiny_dit)
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    state.pop("transformer_blocks.1.attn1.processor.mixing.weight")
+    state["extra.weight"] = torch.zeros(1)
+    save_file(state, weights)
+    missing = r"missing keys \['transformer_blocks.1.attn1.processor.mixing.weight'\]"
+    with pytest.raises(ValueError, match=missing + r", unexpected keys \['extra.weight'\]"):
+        load_transformer(tmp_path)
+
+
+def test_mhla_config_mismatch_in_folder_is_caught(tmp_path):
+    """A folder whose weights lack MHLA but whose config asks for it fails loudly, naming the keys."""
+    tiny_dit().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["mhla"] = CFG.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="processor.mixing.weight"):
+        load_transformer(tmp_path)
+
+
+@pytest.mark.parametrize("factory, call", BASES)
+def test_mhla_only_export_import(tmp_path, factory, call):
+    model = trained_like(factory)
+    file = tmp_path / "mhla.safetensors"
+    save_mhla_parameters(model, file)
+    assert set(load_file(file)) == set(mhla_parameters(model))
+
+    fresh = factory().eval()  # same pretrained weights (same seed), no MHLA
+    load_mhla_parameters(fresh, file)
+    assert fresh.mhla_config == CFG
+    assert torch.equal(call(fresh), call(model))
+
+
+def test_mhla_import_rejects_other_config_and_base(tmp_path):
+    file = tmp_path / "mhla.safetensors"
+    save_mhla_parameters(trained_like(tiny_dit), file)
+    other = tiny_dit()
+    install_mhla(other, MHLAConfig(blocks=(4, 4)))
+    with pytest.raises(ValueError, match="differs from the one in"):
+        load_mhla_parameters(other, file)
+    with pytest.raises(ValueError, match="for 'dit', not for this 'sana'"):
+        load_mhla_parameters(tiny_sana(), file)
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        load_mhla_parameters(tiny_dit(), tmp_path / "missing.safetensors")
