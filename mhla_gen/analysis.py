@@ -37,7 +37,10 @@ def attention_matrix(q, k, kind="mhla", layout: BlockLayout | None = None, mixin
 
 
 def attention_rank(attn: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
-    """Numerical rank of each ``(N, N)`` map: singular values above ``rtol · σ_max``. LongTensor ``(B, H)``."""
+    """Numerical rank of each ``(N, N)`` map: singular values above ``rtol · σ_max``.
+
+    Returns a LongTensor ``(B, H)``.
+    """
     return torch.linalg.matrix_rank(attn.double(), rtol=rtol)
 
 

@@ -64,7 +64,8 @@ class BlockLayout:
                 raise ValueError(f"grid axis {axis} has length {g}; grid={grid}")
             if not 1 <= b <= g:
                 raise ValueError(
-                    f"blocks[{axis}]={b} must be between 1 and grid[{axis}]={g} (grid={grid}, blocks={blocks})"
+                    f"blocks[{axis}]={b} must be between 1 and grid[{axis}]={g} "
+                    f"(grid={grid}, blocks={blocks})"
                 )
         self.grid = grid
         self.blocks = blocks
@@ -140,7 +141,9 @@ class BlockLayout:
 
     def check_tokens(self, n: int, what: str = "sequence length") -> None:
         if n != self.num_tokens:
-            raise ValueError(f"{what} {n} does not match grid {self.grid} (expected {self.num_tokens} tokens)")
+            raise ValueError(
+                f"{what} {n} does not match grid {self.grid} (expected {self.num_tokens} tokens)"
+            )
 
     def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """``(*batch, N, d)`` in token order -> ``(*batch, M, L_max, d)`` block-major, zero-padded."""
@@ -179,6 +182,55 @@ class BlockLayout:
             return x.reshape(*batch, self.num_tokens, d)
         flat = xb.reshape(*batch, m * lmax, d)
         return flat.index_select(len(batch), self.slot_index_on(xb.device))
+
+    def copy_to_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Like :meth:`to_blocks` but one fused copy (with dtype cast) into a fresh buffer; no autograd.
+
+        For even layouts the block-major buffer is written through a permuted view of ``x``, so a
+        half-precision input is cast and reordered in a single pass.
+        """
+        dtype = dtype or x.dtype
+        if not self.is_even:
+            return self.to_blocks(x.to(dtype))
+        *batch, n, d = x.shape
+        self.check_tokens(n)
+        out = torch.empty(*batch, self.num_blocks, self.max_block_len, d, dtype=dtype, device=x.device)
+        self.block_split_view(out).copy_(self.token_split_view(x))
+        return out
+
+    def copy_from_blocks(self, xb: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Like :meth:`from_blocks` but one fused copy (with dtype cast); no autograd."""
+        dtype = dtype or xb.dtype
+        if not self.is_even:
+            return self.from_blocks(xb).to(dtype)
+        *batch, _, _, d = xb.shape
+        out = torch.empty(*batch, self.num_tokens, d, dtype=dtype, device=xb.device)
+        self.token_split_view(out).copy_(self.block_split_view(xb))
+        return out
+
+    # Even layouts only: a token-order tensor and a block-major tensor seen as the same logical
+    # ``(*batch, b0, b1, .., s0, s1, .., d)`` array (``b`` blocks, ``s`` tokens per block, per axis),
+    # so an elementwise op with ``out=`` reorders while it computes: the fast path fuses φ, the
+    # normaliser and φ' into the reordering copies.
+
+    def block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
+        """Block-major ``(*batch, M, L, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
+        sub = self._even_sub_sizes()
+        return xb.view(*xb.shape[:-3], *self.blocks, *sub, xb.shape[-1])
+
+    def token_split_view(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-order ``(*batch, N, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
+        sub = self._even_sub_sizes()
+        split = x.view(*x.shape[:-2], *[v for pair in zip(self.blocks, sub) for v in pair], x.shape[-1])
+        nb = x.dim() - 2  # (*batch, b0, s0, b1, s1, .., d) -> (*batch, b0, b1, .., s0, s1, .., d)
+        block_axes = [nb + 2 * a for a in range(self.ndim)]
+        sub_axes = [nb + 2 * a + 1 for a in range(self.ndim)]
+        return split.permute(*range(nb), *block_axes, *sub_axes, split.dim() - 1)
+
+    def _even_sub_sizes(self) -> list[int]:
+        if not self.is_even:
+            raise ValueError(f"split views need an evenly divisible layout, got {self}")
+        return [g // b for g, b in zip(self.grid, self.blocks)]
 
     def block_mask(self, device=None) -> torch.Tensor:
         """Bool ``(M, L_max)``: True where a block-major slot holds a real token."""

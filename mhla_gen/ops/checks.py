@@ -16,7 +16,9 @@ def check_inputs(q, k, v, layout: BlockLayout, mixing: torch.Tensor, causal: boo
     if q.shape != k.shape:
         raise ValueError(f"q and k shapes differ: q {tuple(q.shape)} vs k {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v shape {tuple(v.shape)} does not match k {tuple(k.shape)} in (batch, heads, tokens)")
+        raise ValueError(
+            f"v shape {tuple(v.shape)} does not match k {tuple(k.shape)} in (batch, heads, tokens)"
+        )
     layout.check_tokens(q.shape[2], "number of tokens")
     m = layout.num_blocks
     if mixing.shape != (m, m):

@@ -24,5 +24,7 @@ def get_feature_map(name: str | Callable) -> Callable[[torch.Tensor], torch.Tens
     if callable(name):
         return name
     if name not in FEATURE_MAPS:
-        raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)} or pass a callable")
+        raise ValueError(
+            f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)} or pass a callable"
+        )
     return FEATURE_MAPS[name]

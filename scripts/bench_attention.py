@@ -1,0 +1,293 @@
+"""Speed and memory of MHLA against plain linear attention and softmax attention (SDPA).
+
+Prints one Markdown table row per (N, M) with the forward time, forward+backward time and peak memory
+of SDPA (``F.scaled_dot_product_attention``), plain linear attention (``φ(q)(φ(k)ᵀv) / (φ(q)Σφ(k)+eps)``,
+fp32 accumulation like the MHLA path) and MHLA (:func:`mhla_gen.mhla_attention`) on a square 2D token
+grid ``√N × √N`` cut into ``√M × √M`` blocks.
+
+Timing: every repetition runs all methods of one ``N`` back to back (interleaved), so a machine that
+slows down hurts all of them alike. Times are medians; ratios are medians of the per-repetition
+ratios. "fwd" runs under ``torch.no_grad()`` (inference); "fwd+bwd" takes the gradients of q, k, v
+(and the mixing matrix) for a fixed random output gradient.
+
+Peak memory (forward+backward; per method one warm-up call, then one measured call, untimed):
+
+* CUDA: ``torch.cuda.max_memory_allocated()`` minus the allocated memory before the call.
+* CPU: the kernel's peak resident set size. Before the call we ``malloc_trim(0)``, then write ``5`` to
+  ``/proc/self/clear_refs`` (resets ``VmHWM`` to the current RSS) and read ``VmRSS``; after the call
+  we read ``VmHWM`` from ``/proc/self/status``. Peak = VmHWM − VmRSS before. glibc is told to serve
+  every allocation above 128 KiB with ``mmap`` (``mallopt(M_MMAP_THRESHOLD)``, which also stops the
+  threshold from growing), so freed tensors leave the RSS at once and reuse of freed heap memory
+  does not hide allocations. Inputs are allocated before the call and are not counted. This
+  setting must precede any heap growth and slows big allocations down (each one page-faults), so
+  on CPU the memory is measured in a separate, freshly spawned process; timings run under the
+  default allocator.
+
+Example (the README table; CPU fp32, B=1, 4 heads, d=64):
+
+    python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
+        --sizes 1024 4096 16384 --blocks 4 16 64 256 --skip-sdpa-above 4096 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen import BlockLayout, locality_init, mhla_attention  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def linear_attention(q, k, v, eps: float = 1e-6):
+    """Plain global linear attention with ReLU features; fp32 accumulation for half inputs."""
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    fq, fk = F.relu(q.to(acc)), F.relu(k.to(acc))
+    kv = fk.transpose(-1, -2) @ v.to(acc)  # (B, H, d, e)
+    den = fq @ fk.sum(dim=-2).unsqueeze(-1)  # (B, H, N, 1)
+    return ((fq @ kv) / (den + eps)).to(q.dtype)
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+# --------------------------------------------------------------------------------------------------
+# measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(fn, inputs, device) -> float:
+    with torch.no_grad():
+        _sync(device)
+        start = time.perf_counter()
+        fn(*inputs)
+        _sync(device)
+    return time.perf_counter() - start
+
+
+def time_forward_backward(fn, inputs, grad_out, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn(*inputs)
+    torch.autograd.grad(out, [x for x in inputs if x.requires_grad], grad_out)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+class PeakMemory:
+    """Peak bytes allocated by one call (CUDA allocator stats, or the kernel's RSS high-water mark on CPU).
+
+    On CPU, creating it fixes glibc's mmap threshold for the rest of the process (see the module
+    docstring), which also changes allocation speed: create it only after all timings are taken.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.libc = None
+        if device.type == "cpu" and sys.platform.startswith("linux"):
+            self.libc = ctypes.CDLL("libc.so.6")
+            m_mmap_threshold = -3
+            self.libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+    @staticmethod
+    def _status_kib(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise RuntimeError(f"{field} not found in /proc/self/status")
+
+    def measure(self, call) -> float:
+        """Run ``call()`` once; return its peak extra memory in MiB (nan where unsupported)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            call()
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
+        if self.libc is None:
+            return math.nan
+        self.libc.malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        before = self._status_kib("VmRSS")
+        call()
+        return (self._status_kib("VmHWM") - before) / 1024
+
+
+def square_side(n: int) -> int:
+    side = math.isqrt(n)
+    if side * side != n:
+        raise ValueError(f"--sizes must be perfect squares (square 2D grid), got {n}")
+    return side
+
+
+def build_methods(n: int, args, device, dtype):
+    """``({name: (fn, inputs, with_backward)}, grad_out)`` for one sequence length."""
+    side = square_side(n)
+    shape = (args.batch, args.heads, n, args.dim)
+    gen = torch.Generator(device="cpu").manual_seed(n)
+    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn(shape, generator=gen).to(device, dtype)
+
+    methods = {}
+    if not args.no_sdpa:
+        methods["sdpa"] = (sdpa, (q, k, v), n <= args.skip_sdpa_above)
+    methods["la"] = (linear_attention, (q, k, v), True)
+    for m in args.blocks:
+        b = square_side(m)
+        if b > side:
+            print(f"skip M={m}: more blocks per axis than the {side}x{side} grid has", file=sys.stderr)
+            continue
+        layout = BlockLayout((side, side), (b, b))
+        mixing = locality_init(layout).to(device, dtype=torch.float32).requires_grad_()  # learnable
+        fn = lambda q_, k_, v_, w_, layout=layout: mhla_attention(q_, k_, v_, layout, w_)  # noqa: E731
+        methods[f"mhla{m}"] = (fn, (q, k, v, mixing), True)
+    return methods, grad_out
+
+
+def time_size(n: int, args, device, dtype) -> list[dict]:
+    """Interleaved timings of every method at one ``N``; one row per ``M``."""
+    methods, grad_out = build_methods(n, args, device, dtype)
+    fwd = {name: [] for name in methods}
+    fwd_bwd = {name: [] for name in methods if methods[name][2]}
+    for rep in range(args.warmup + args.repeats):
+        for name, (fn, inputs, backward) in methods.items():
+            t_fwd = time_forward(fn, inputs, device)
+            t_fb = time_forward_backward(fn, inputs, grad_out, device) if backward else None
+            if rep >= args.warmup:
+                fwd[name].append(t_fwd)
+                if backward:
+                    fwd_bwd[name].append(t_fb)
+
+    def med(times, name):
+        return statistics.median(times[name]) * 1e3 if name in times else math.nan
+
+    def ratio(times, a, b):
+        if a not in times or b not in times:
+            return math.nan
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    rows = []
+    for m in args.blocks:
+        name = f"mhla{m}"
+        if name in methods:
+            rows.append({
+                "N": n, "M": m,
+                "sdpa_fwd_ms": med(fwd, "sdpa"), "sdpa_fwd_bwd_ms": med(fwd_bwd, "sdpa"),
+                "la_fwd_ms": med(fwd, "la"), "la_fwd_bwd_ms": med(fwd_bwd, "la"),
+                "mhla_fwd_ms": med(fwd, name), "mhla_fwd_bwd_ms": med(fwd_bwd, name),
+                "mhla_over_la_fwd": ratio(fwd, name, "la"),
+                "mhla_over_la_fwd_bwd": ratio(fwd_bwd, name, "la"),
+                "sdpa_over_mhla_fwd": ratio(fwd, "sdpa", name),
+            })
+    return rows
+
+
+def measure_memory(args) -> dict[int, dict[str, float]]:
+    """``{N: {method: peak MiB}}`` of one forward+backward call per method (after one warm-up call).
+
+    On CPU this runs in a fresh child process (see :func:`main`): the allocator setting it needs
+    must be made before the heap has grown, and must not slow down the timings.
+    """
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peak = PeakMemory(device)
+    result = {}
+    for n in args.sizes:
+        methods, grad_out = build_methods(n, args, device, dtype)
+        result[n] = {}
+        for name, (fn, inputs, backward) in methods.items():
+            if backward:
+                call = lambda fn=fn, inputs=inputs, g=grad_out: time_forward_backward(fn, inputs, g, device)  # noqa: E731
+                call()  # warm-up: first-call allocations (thread pools, caches) are not the operator's
+                result[n][name] = peak.measure(call)
+    return result
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| N | M | SDPA fwd | SDPA f+b | LA fwd | LA f+b | MHLA fwd | MHLA f+b | MHLA/LA fwd | "
+            "MHLA/LA f+b | SDPA/MHLA fwd | peak SDPA | peak LA | peak MHLA | peak MHLA/LA |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(x, unit=""):
+        return "–" if x is None or math.isnan(x) else f"{x:.1f}{unit}" if x >= 10 else f"{x:.2f}{unit}"
+
+    for r in rows:
+        peak_ratio = r["peak_mib_mhla"] / r["peak_mib_la"] if r["peak_mib_la"] > 0 else math.nan
+        lines.append(
+            f"| {r['N']} | {r['M']} | {f(r['sdpa_fwd_ms'])} | {f(r['sdpa_fwd_bwd_ms'])} "
+            f"| {f(r['la_fwd_ms'])} "
+            f"| {f(r['la_fwd_bwd_ms'])} | {f(r['mhla_fwd_ms'])} | {f(r['mhla_fwd_bwd_ms'])} "
+            f"| {f(r['mhla_over_la_fwd'], '×')} | {f(r['mhla_over_la_fwd_bwd'], '×')} "
+            f"| {f(r['sdpa_over_mhla_fwd'], '×')} | {f(r['peak_mib_sdpa'])} | {f(r['peak_mib_la'])} "
+            f"| {f(r['peak_mib_mhla'])} | {f(peak_ratio, '×')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--skip-sdpa-above", type=int, default=4096,
+                        help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
+    parser.add_argument("--no-sdpa", action="store_true", help="leave SDPA out entirely")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for n in args.sizes:  # all timings first, under the default allocator
+        rows += time_size(n, args, device, dtype)
+        print(f"timed N={n}", file=sys.stderr)
+    if device.type == "cpu":  # a fresh process, so glibc can be configured before its heap grows
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            memory = pool.apply(measure_memory, (args,))
+    else:
+        memory = measure_memory(args)
+    for row in rows:
+        mem = memory[row["N"]]
+        row.update(peak_mib_sdpa=mem.get("sdpa", math.nan), peak_mib_la=mem["la"],
+                   peak_mib_mhla=mem[f"mhla{row['M']}"])
+
+    setup = (f"device={args.device} dtype={args.dtype} B={args.batch} heads={args.heads} d={args.dim} "
+             f"threads={torch.get_num_threads()} repeats={args.repeats} torch={torch.__version__}")
+    print(f"{setup}\ntimes in ms (median), peak memory in MiB (fwd+bwd), ratios: median of paired ratios\n")
+    print(markdown(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Shared test setup: deterministic seeds, GPU-test skipping and small random attention inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def make_qkv():
+    """``make_qkv(n, batch=2, heads=3, dim=4, value_dim=None, dtype=float64, grad=False) -> (q, k, v)``."""
+
+    def make(n, batch=2, heads=3, dim=4, value_dim=None, dtype=torch.float64, grad=False):
+        value_dim = value_dim or dim
+        q = torch.randn(batch, heads, n, dim, dtype=torch.float64).to(dtype)
+        k = torch.randn(batch, heads, n, dim, dtype=torch.float64).to(dtype)
+        v = torch.randn(batch, heads, n, value_dim, dtype=torch.float64).to(dtype)
+        return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+    return make
+
+
+@pytest.fixture
+def random_mixing():
+    """``random_mixing(layout, grad=True)``: a positive, non-symmetric float64 ``(M, M)`` leaf tensor."""
+
+    def make(layout, grad=True):
+        m = layout.num_blocks
+        return (0.1 + torch.rand(m, m, dtype=torch.float64)).requires_grad_(grad)
+
+    return make

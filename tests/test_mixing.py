@@ -1,0 +1,68 @@
+"""Mixing matrix: the locality-biased initialisations and the [0, 1] constraint."""
+
+import pytest
+import torch
+from torch import nn
+
+from mhla_gen import BlockLayout, MixingMatrix, clamp_mixing_, locality_init
+from mhla_gen.mixing import INIT_RULES
+
+
+def _linear_rule_by_hand(layout):
+    """DESIGN §1: W⁰[i, j] ∝ 1 − dist(i, j) / max_k dist(i, k) over block centres, per-element loops."""
+    centres = layout.block_centers.tolist()
+    dist = [[sum((a - b) ** 2 for a, b in zip(ci, cj)) ** 0.5 for cj in centres] for ci in centres]
+    return torch.tensor([[1 - d_ij / max(row) for d_ij in row] for row in dist], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("blocks, grid", [((4,), (16,)), ((3, 4), (6, 8)), ((2, 3, 2), (4, 6, 4))])
+def test_linear_rule_matches_design(blocks, grid):
+    layout = BlockLayout(grid, blocks)
+    raw = _linear_rule_by_hand(layout)
+    rows = locality_init(layout, "linear", normalize="row")
+    torch.testing.assert_close(rows.double(), raw / raw.sum(dim=1, keepdim=True), atol=1e-6, rtol=0)
+    cols = locality_init(layout, "linear", normalize="column")
+    torch.testing.assert_close(cols.double(), raw / raw.sum(dim=0, keepdim=True), atol=1e-6, rtol=0)
+    torch.testing.assert_close(cols.sum(dim=0), torch.ones(layout.num_blocks))
+    # each block weights itself most, its farthest block zero
+    assert torch.all(rows.argmax(dim=1) == torch.arange(layout.num_blocks))
+    assert torch.all(rows.min(dim=1).values == 0)
+
+
+@pytest.mark.parametrize("rule", INIT_RULES)
+def test_every_rule_gives_stochastic_rows(rule):
+    layout = BlockLayout((6, 8), (3, 4))
+    w = locality_init(layout, rule, temperature=1.5)
+    assert w.shape == (12, 12) and w.dtype == torch.float32
+    assert torch.all(w >= 0)
+    torch.testing.assert_close(w.sum(dim=1), torch.ones(12))
+
+
+def test_identity_and_single_block():
+    layout = BlockLayout((6, 8), (3, 4))
+    assert torch.equal(locality_init(layout, "identity"), torch.eye(12))
+    assert torch.equal(locality_init(BlockLayout((5, 5), (1, 1))), torch.ones(1, 1))
+
+
+def test_bad_init_arguments_raise():
+    layout = BlockLayout((4, 4), (2, 2))
+    with pytest.raises(ValueError, match="'nearest'"):
+        locality_init(layout, "nearest")
+    with pytest.raises(ValueError, match="'diagonal'"):
+        locality_init(layout, normalize="diagonal")
+    with pytest.raises(ValueError, match="layout or num_blocks"):
+        MixingMatrix()
+
+
+def test_clamp_after_optimizer_step_keeps_weights_in_unit_interval():
+    layout = BlockLayout((4, 4), (2, 2))
+    model = nn.ModuleDict({"a": MixingMatrix(layout), "b": nn.Sequential(MixingMatrix(num_blocks=3))})
+    optimizer = torch.optim.SGD(model.parameters(), lr=10.0)
+    loss = sum(((m.weight * torch.randn_like(m.weight)).sum()) for m in (model["a"], model["b"][0]))
+    loss.backward()
+    optimizer.step()
+    assert any((p < 0).any() or (p > 1).any() for p in model.parameters())  # the step left [0, 1]
+    assert clamp_mixing_(model) == 2
+    for p in model.parameters():
+        assert torch.all((p >= 0) & (p <= 1))
+    assert model["a"]() is model["a"].weight and model["a"].num_blocks == 4

@@ -1,0 +1,244 @@
+"""The fast path against the references (flash-linear-attention style): forward, gradients, dtypes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mhla_gen import BlockLayout, locality_init
+from mhla_gen.ops import (
+    linear_attention,
+    mhla_attention,
+    mhla_attention_autograd,
+    mhla_block_loop,
+    mhla_dense,
+)
+
+FAST_PATHS = {"fused": mhla_attention, "autograd": mhla_attention_autograd}
+
+LAYOUTS = [
+    ((16,), (4,)),
+    ((13,), (5,)),
+    ((6, 8), (2, 4)),
+    ((7, 5), (3, 2)),
+    ((3, 5, 6), (2, 2, 3)),
+    ((4, 6), (1, 1)),  # one block
+    ((4, 3), (4, 3)),  # one token per block
+]
+CAUSAL_LAYOUTS = [((16,), (4,)), ((13,), (5,)), ((23,), (9,)), ((6,), (6,)), ((7,), (1,))]
+
+
+def _outputs_and_grads(fn, q, k, v, mixing, **kwargs):
+    out = fn(q, k, v, mixing=mixing, **kwargs)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * probe).sum(), (q, k, v, mixing))
+    return (out, *grads)
+
+
+def _assert_all_close(got, expected, atol, rtol=0.0):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmixing"), got, expected):
+        msg = lambda m, n=name: f"{n}: {m}"  # noqa: E731
+        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=msg)
+
+
+@pytest.mark.parametrize("path", sorted(FAST_PATHS))
+@pytest.mark.parametrize("grid, blocks", LAYOUTS)
+@pytest.mark.parametrize("feature_map", ["relu", "elu+1"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_matches_references(path, grid, blocks, feature_map, normalize, make_qkv, random_mixing):
+    layout = BlockLayout(grid, blocks)
+    q, k, v = make_qkv(layout.num_tokens, value_dim=5, grad=True)  # value dim != key dim
+    mixing = random_mixing(layout)
+    kwargs = dict(layout=layout, feature_map=feature_map, normalize=normalize)
+    got = _outputs_and_grads(FAST_PATHS[path], q, k, v, mixing, **kwargs)
+    assert got[0].shape == v.shape
+    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
+    _assert_all_close(got, _outputs_and_grads(mhla_block_loop, q, k, v, mixing, **kwargs), atol=1e-10)
+
+
+@pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
+def test_callable_feature_map(grid, blocks, make_qkv, random_mixing):
+    """Any callable φ works; the fused backward differentiates it with autograd."""
+    layout = BlockLayout(grid, blocks)
+    q, k, v = make_qkv(layout.num_tokens, grad=True)
+    mixing = random_mixing(layout)
+    kwargs = dict(layout=layout, feature_map=F.softplus)
+    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
+    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
+
+
+@pytest.mark.parametrize("dim", [4, 16])  # M·d < N keeps S for ∂W; M·d >= N makes backward recompute it
+def test_summaries_kept_or_recomputed(dim, make_qkv, random_mixing):
+    layout = BlockLayout((6, 8), (2, 4))
+    q, k, v = make_qkv(layout.num_tokens, dim=dim, value_dim=3, grad=True)
+    mixing = random_mixing(layout)
+    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout)
+    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, layout=layout), atol=1e-10)
+
+
+@pytest.mark.parametrize("grid, blocks", CAUSAL_LAYOUTS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_causal_matches_references(grid, blocks, normalize, make_qkv, random_mixing):
+    layout = BlockLayout(grid, blocks)
+    q, k, v = make_qkv(layout.num_tokens, value_dim=3, grad=True)
+    mixing = random_mixing(layout)
+    kwargs = dict(layout=layout, normalize=normalize, causal=True)
+    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
+    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
+    _assert_all_close(got, _outputs_and_grads(mhla_block_loop, q, k, v, mixing, **kwargs), atol=1e-10)
+
+
+def test_causal_first_token_sees_only_itself(make_qkv, random_mixing):
+    layout = BlockLayout((10,), (3,))
+    q, k, v = make_qkv(10)
+    mixing = random_mixing(layout, grad=False)
+    out = mhla_attention(q, k, v, layout, mixing, feature_map="elu+1", causal=True, eps=0.0)
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0])  # one key: the normalised weight is 1
+
+
+@pytest.mark.parametrize("path, causal", [("fused", False), ("autograd", False), ("autograd", True)])
+def test_gradcheck(path, causal, make_qkv, random_mixing):
+    layout = BlockLayout((5,), (2,)) if causal else BlockLayout((3, 4), (2, 2))
+    q, k, v = make_qkv(layout.num_tokens, batch=1, heads=2, dim=3, value_dim=2, grad=True)
+    mixing = random_mixing(layout)
+    fn = lambda q, k, v, w: FAST_PATHS[path](q, k, v, layout, w, "elu+1", causal=causal)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, mixing))
+
+
+@pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
+def test_identity_mixing_is_independent_linear_attention_per_block(grid, blocks, make_qkv):
+    layout = BlockLayout(grid, blocks)
+    q, k, v = make_qkv(layout.num_tokens, value_dim=5)
+    out = mhla_attention(q, k, v, layout, locality_init(layout, "identity").double())
+    for block in range(layout.num_blocks):
+        idx = (layout.block_index == block).nonzero().squeeze(-1)
+        expected = linear_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx])
+        torch.testing.assert_close(out[:, :, idx], expected)
+
+
+@pytest.mark.parametrize("grid", [(20,), (4, 5), (2, 3, 4)])
+@pytest.mark.parametrize("feature_map", ["relu", "elu+1"])
+def test_one_block_is_global_linear_attention(grid, feature_map, make_qkv):
+    layout = BlockLayout(grid, (1,) * len(grid))
+    q, k, v = make_qkv(layout.num_tokens)
+    mixing = torch.ones(1, 1, dtype=torch.float64)
+    out = mhla_attention(q, k, v, layout, mixing, feature_map=feature_map)
+    torch.testing.assert_close(out, linear_attention(q, k, v, feature_map=feature_map))
+
+
+@pytest.mark.parametrize(
+    "dtype, atol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3), (torch.float32, 1e-5)]
+)
+@pytest.mark.parametrize("path", sorted(FAST_PATHS))
+@pytest.mark.parametrize("grid, blocks", [((7, 5), (3, 2)), ((6, 8), (2, 4))])
+def test_low_precision_within_tolerance_of_float64(dtype, atol, path, grid, blocks, make_qkv, random_mixing):
+    layout = BlockLayout(grid, blocks)
+    q64, k64, v64 = make_qkv(layout.num_tokens, dim=8, value_dim=6)
+    mixing = random_mixing(layout, grad=False)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q64, k64, v64))
+    out = FAST_PATHS[path](q, k, v, layout, mixing.float())
+    assert out.dtype == dtype
+    rounded = [t.detach().double().requires_grad_() for t in (q, k, v)]  # the same rounded inputs
+    expected = mhla_dense(*rounded, layout, mixing)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+    probe = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * probe).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * probe).sum(), rounded)
+    for g, g_ref in zip(grads, expected_grads):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), g_ref, atol=atol * g_ref.abs().max().item(), rtol=atol)
+
+
+def test_float64_keeps_float64(make_qkv, random_mixing):
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = make_qkv(16)
+    assert mhla_attention(q, k, v, layout, random_mixing(layout, grad=False)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("path", sorted(FAST_PATHS))
+def test_fp16_output_is_clipped_not_inf(path):
+    layout = BlockLayout((4, 4), (2, 2))
+    q = k = torch.full((1, 1, 16, 4), 8.0, dtype=torch.float16)
+    v = torch.full((1, 1, 16, 4), 60000.0, dtype=torch.float16)
+    out = FAST_PATHS[path](q, k, v, layout, torch.ones(4, 4), normalize=False)  # 16·256·60000 ≫ fp16 max
+    assert out.dtype == torch.float16
+    assert torch.all(out == 65504)
+
+
+@pytest.mark.parametrize("path", sorted(FAST_PATHS))
+def test_keys_all_zero_under_phi_give_zero_output(path, make_qkv, random_mixing):
+    layout = BlockLayout((7, 5), (3, 2))
+    q, k, v = make_qkv(layout.num_tokens, grad=True)
+    k_neg = (-k.detach().abs() - 0.1).requires_grad_()  # relu(k) == 0 everywhere
+    out = FAST_PATHS[path](q, k_neg, v, layout, random_mixing(layout, grad=False), normalize=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    grads = torch.autograd.grad(out.sum(), (q, k_neg, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def _poisoned(allocate):
+    return lambda *args, **kwargs: allocate(*args, **kwargs).fill_(float("nan"))
+
+
+def test_uninitialised_buffers_never_leak(monkeypatch, make_qkv, random_mixing):
+    """NaN-fill every uninitialised buffer the fast path makes: results must not change."""
+    for grid, blocks in [((6, 8), (2, 4)), ((7, 5), (3, 2)), ((3, 5, 6), (2, 2, 3))]:
+        layout = BlockLayout(grid, blocks)
+        q, k, v = make_qkv(layout.num_tokens, value_dim=5, grad=True)
+        mixing = random_mixing(layout)
+        clean = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout, feature_map="elu+1")
+        for owner, name in [(torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")]:
+            monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))
+        poisoned = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout, feature_map="elu+1")
+        monkeypatch.undo()
+        for a, b in zip(clean, poisoned):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_non_contiguous_inputs(make_qkv, random_mixing):
+    """diffusers hands over q, k, v as (B, N, H, d).transpose(1, 2) views."""
+    layout = BlockLayout((6, 8), (2, 4))
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_qkv(48))
+    assert not q.is_contiguous()
+    mixing = random_mixing(layout, grad=False)
+    expected = mhla_dense(q, k, v, layout, mixing)
+    torch.testing.assert_close(mhla_attention(q, k, v, layout, mixing), expected)
+
+
+def _bad_call(**override):
+    layout = BlockLayout((4, 4), (2, 2))
+    args = dict(q=torch.zeros(1, 2, 16, 4), k=torch.zeros(1, 2, 16, 4), v=torch.zeros(1, 2, 16, 3),
+                layout=layout, mixing=torch.eye(4))
+    args.update(override)
+    return lambda: mhla_attention(**args)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (dict(q=torch.zeros(1, 2, 15, 4), k=torch.zeros(1, 2, 15, 4), v=torch.zeros(1, 2, 15, 3)), "15"),
+        (dict(k=torch.zeros(1, 2, 16, 5)), r"\(1, 2, 16, 5\)"),
+        (dict(v=torch.zeros(1, 3, 16, 3)), r"\(1, 3, 16, 3\)"),
+        (dict(q=torch.zeros(2, 16, 4)), r"\(2, 16, 4\)"),
+        (dict(mixing=torch.eye(5)), r"\(5, 5\)"),
+        (dict(causal=True), r"\(4, 4\)"),
+        (dict(feature_map="softplus"), "softplus"),
+        (dict(layout=(4, 4)), "tuple"),
+    ],
+)
+def test_bad_input_raises_value_error(override, match):
+    with pytest.raises(ValueError, match=match):
+        _bad_call(**override)()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_float64_oracle(dtype, make_qkv, random_mixing):
+    layout = BlockLayout((8, 12), (4, 3))
+    q, k, v = (t.to("cuda", dtype).requires_grad_() for t in make_qkv(96, dim=16, value_dim=8))
+    mixing = random_mixing(layout, grad=False).float().cuda()
+    out = mhla_attention(q, k, v, layout, mixing)
+    expected = mhla_dense(*(t.detach().double().cpu() for t in (q, k, v)), layout, mixing.double().cpu())
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=atol)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
