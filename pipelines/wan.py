@@ -14,20 +14,12 @@ Three ways to get the MHLA transformer, in this order:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
 from mhla_gen.config import MHLAConfig
-from mhla_gen.install import CONFIG_KEY, install_mhla, is_mhla_installed
-from mhla_gen.serialization import load_transformer
 
-
-def _saved_with_mhla(folder: Path) -> bool:
-    config = folder / "config.json"
-    return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
+from . import load_pipeline_transformer
 
 
 def load_wan_pipeline(
@@ -51,26 +43,12 @@ def load_wan_pipeline(
     Returns:
         the pipeline; ``pipe.transformer.mhla_config`` tells which MHLA it runs (None: stock softmax).
     Raises:
-        ValueError: ``mhla`` conflicts with the MHLA the transformer was saved with.
+        ValueError: ``mhla`` conflicts with the MHLA the transformer was saved with, or the saved
+            transformer is not a ``WanTransformer3DModel``.
     """
-    local = Path(path_or_id)
-    saved = Path(transformer_path) if transformer_path is not None else local / "transformer"
-    if transformer_path is not None or (local.is_dir() and _saved_with_mhla(saved)):
-        transformer = load_transformer(saved, torch_dtype=torch_dtype)
-    else:
-        transformer = WanTransformer3DModel.from_pretrained(
-            path_or_id, subfolder="transformer", dtype=torch_dtype
-        )
-
-    if mhla is not None:
-        if is_mhla_installed(transformer) and transformer.mhla_config != mhla:
-            raise ValueError(
-                f"the transformer at {saved} was saved with {transformer.mhla_config}; refusing to replace "
-                f"its trained MHLA with {mhla} (pass mhla=None to use the saved one)"
-            )
-        if not is_mhla_installed(transformer):
-            install_mhla(transformer, mhla)
-
+    transformer = load_pipeline_transformer(
+        WanTransformer3DModel, path_or_id, mhla, torch_dtype, transformer_path
+    )
     vae = AutoencoderKLWan.from_pretrained(path_or_id, subfolder="vae", dtype=vae_dtype)
     pipe = WanPipeline.from_pretrained(path_or_id, transformer=transformer, vae=vae, dtype=torch_dtype)
     return pipe.to(device) if device is not None else pipe

@@ -79,7 +79,7 @@ def test_key_mapping_matches_diffusers_converter_and_round_trips():
     assert original_to_diffusers_key("blocks.0.self_attn.bogus.weight") is None
 
     i2v = tiny_wan_transformer(image_dim=8, added_kv_proj_dim=24)
-    install_mhla(i2v, MHLAConfig.preset("wan-release", blocks=(1, 2, 2), cpe_kernel=3))
+    install_mhla(i2v, MHLAConfig.preset("wan-release", blocks=(1, 2, 2), layers=None, cpe_kernel=3))
     for key in i2v.state_dict():
         assert original_to_diffusers_key(diffusers_to_original_key(key)) == key
 
@@ -195,7 +195,8 @@ def test_conversion_errors_name_the_keys(tmp_path):
     with pytest.raises(ValueError, match="not a Wan-MHLA checkpoint"):
         convert_wan_checkpoint(stock, config)
     with pytest.raises(ValueError, match=r"\[150\] blocks but MHLA blocks \(2, 2, 2\)"):
-        convert_wan_checkpoint(state, config, mhla=MHLAConfig.preset("wan-release", blocks=(2, 2, 2)))
+        mismatched = MHLAConfig.preset("wan-release", blocks=(2, 2, 2), layers=None)
+        convert_wan_checkpoint(state, config, mhla=mismatched)
     with pytest.raises(FileNotFoundError):
         convert_wan_checkpoint(tmp_path / "nope.safetensors", config)
 

@@ -14,6 +14,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
 from .base import BaseSpec, MHLAProcessor
+from .grid import image_token_grid
 
 
 class DiTMHLAProcessor(MHLAProcessor):
@@ -73,14 +74,6 @@ class DiTMHLAProcessor(MHLAProcessor):
         return hidden_states / attn.rescale_output_factor
 
 
-def dit_token_grid(transformer: DiTTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
-    """``(H / p, W / p)`` for a latent ``(B, C, H, W)``, floored as DiT's patch embedding does."""
-    if latent.dim() != 4:
-        raise ValueError(f"DiT latents must be (batch, channels, height, width), got {tuple(latent.shape)}")
-    p = transformer.config.patch_size
-    return latent.shape[-2] // p, latent.shape[-1] // p
-
-
 def _make_processor(attn: Attention, cfg, context) -> DiTMHLAProcessor:
     return DiTMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
 
@@ -90,7 +83,7 @@ SPEC = BaseSpec(
     model_cls=DiTTransformer2DModel,
     grid_ndim=2,
     self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
-    token_grid=dit_token_grid,
+    token_grid=image_token_grid,
     make_processor=_make_processor,
     stock_processor=AttnProcessor2_0,
 )

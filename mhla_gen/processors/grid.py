@@ -52,3 +52,15 @@ def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
     if args:
         return args[0]
     raise ValueError("transformer called without hidden_states")
+
+
+def image_token_grid(transformer, latent: torch.Tensor) -> tuple[int, int]:
+    """``(H / p, W / p)`` for an image latent ``(B, C, H, W)``, floored as the patch embedding of DiT and
+    SANA does (``transformer.config.patch_size`` = p)."""
+    if latent.dim() != 4:
+        raise ValueError(
+            f"{type(transformer).__name__} latents must be (batch, channels, height, width), "
+            f"got {tuple(latent.shape)}"
+        )
+    p = transformer.config.patch_size
+    return latent.shape[-2] // p, latent.shape[-1] // p

@@ -12,6 +12,7 @@ from diffusers import SanaTransformer2DModel
 from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 
 from .base import BaseSpec, MHLAProcessor
+from .grid import image_token_grid
 
 
 class SanaMHLAProcessor(MHLAProcessor):
@@ -54,14 +55,6 @@ class SanaMHLAProcessor(MHLAProcessor):
         return hidden_states
 
 
-def sana_token_grid(transformer: SanaTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
-    """``(H / p, W / p)`` for a latent ``(B, C, H, W)``, floored as SANA's patch embedding does."""
-    if latent.dim() != 4:
-        raise ValueError(f"SANA latents must be (batch, channels, height, width), got {tuple(latent.shape)}")
-    p = transformer.config.patch_size
-    return latent.shape[-2] // p, latent.shape[-1] // p
-
-
 def _make_processor(attn: Attention, cfg, context) -> SanaMHLAProcessor:
     return SanaMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
 
@@ -71,7 +64,7 @@ SPEC = BaseSpec(
     model_cls=SanaTransformer2DModel,
     grid_ndim=2,
     self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
-    token_grid=sana_token_grid,
+    token_grid=image_token_grid,
     make_processor=_make_processor,
     stock_processor=SanaLinearAttnProcessor2_0,
 )
