@@ -148,6 +148,23 @@ def test_low_precision_within_tolerance_of_float64(dtype, atol, path, grid, bloc
         torch.testing.assert_close(g.double(), g_ref, atol=atol * g_ref.abs().max().item(), rtol=atol)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_autocast_runs_the_op_in_its_own_precision(causal, make_qkv, random_mixing):
+    """Under autocast (mixed-precision training) the op gives what it gives on the same bf16 inputs."""
+    layout = BlockLayout((12,), (3,)) if causal else BlockLayout((6, 8), (2, 4))
+    q, k, v = (t.bfloat16().requires_grad_() for t in make_qkv(layout.num_tokens, dim=8))
+    mixing = random_mixing(layout).float()
+    expected = mhla_attention(q, k, v, layout, mixing, causal=causal)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mhla_attention(q, k, v, layout, mixing, causal=causal)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v, mixing))
+    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v, mixing))
+    for g, g_ref in zip(grads, expected_grads):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+
+
 def test_float64_keeps_float64(make_qkv, random_mixing):
     layout = BlockLayout((4, 4), (2, 2))
     q, k, v = make_qkv(16)

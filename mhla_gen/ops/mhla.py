@@ -57,12 +57,16 @@ def mhla_attention(
         causal: 1D only; blocks are chunks and token ``t`` sees keys ``s <= t``.
     Returns:
         ``(B, H, N, e)`` in q's dtype. Summaries accumulate in fp32 for bf16/fp16 inputs.
+
+    Under ``torch.autocast`` the op runs with autocast off: it already picks its own precision (fp32
+    summaries for half inputs), and autocast would re-cast its GEMMs to half precision.
     """
-    if causal:
-        return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
-    check_inputs(q, k, v, layout, mixing, causal)
-    phi = get_feature_map(feature_map)
-    return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
+    with torch.autocast(q.device.type, enabled=False):
+        if causal:
+            return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
+        check_inputs(q, k, v, layout, mixing, causal)
+        phi = get_feature_map(feature_map)
+        return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
 
 
 # --------------------------------------------------------------------------------------------------
