@@ -1,0 +1,158 @@
+"""Image folders: ImageNet-style class folders (ADM/DiT center crop) and captioned image folders.
+
+A missing folder raises FileNotFoundError naming it. An unreadable file is skipped with a warning that
+names it and counted in ``dataset.skipped``; the item falls through to the next readable file, so one
+bad JPEG in a million does not stop a run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".JPEG", ".JPG", ".PNG")
+
+
+def require_dir(path: str | Path, what: str = "data folder") -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a folder")
+    return path
+
+
+def center_crop_arr(image: Image.Image, size: int) -> Image.Image:
+    """ADM / DiT preprocessing: halve with BOX while >= 2x, BICUBIC-resize the short side, centre crop."""
+    while min(*image.size) >= 2 * size:
+        image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
+    scale = size / min(*image.size)
+    image = image.resize(tuple(round(x * scale) for x in image.size), resample=Image.BICUBIC)
+    arr = np.array(image)
+    top, left = (arr.shape[0] - size) // 2, (arr.shape[1] - size) // 2
+    return Image.fromarray(arr[top : top + size, left : left + size])
+
+
+def resize_center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
+    """Scale so the image covers ``height`` x ``width`` (BICUBIC), then crop the centre."""
+    scale = max(height / image.height, width / image.width)
+    image = image.resize(
+        (max(width, round(image.width * scale)), max(height, round(image.height * scale))),
+        resample=Image.BICUBIC,
+    )
+    top, left = (image.height - height) // 2, (image.width - width) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """PIL RGB -> float32 (3, H, W) in [-1, 1]."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+class _SkippingDataset(Dataset):
+    """Falls through to the next item when ``load(i)`` raises on a bad file; counts the skips."""
+
+    paths: list[Path]
+
+    def __init__(self):
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict:
+        for attempt in range(len(self.paths)):
+            i = (index + attempt) % len(self.paths)
+            try:
+                return self.load(i)
+            except Exception as err:  # noqa: BLE001 - any decode error of one file is a skip
+                self.skipped += 1
+                logger.warning(
+                    "skipping unreadable file %s (%s: %s); %d skipped so far",
+                    self.paths[i],
+                    type(err).__name__,
+                    err,
+                    self.skipped,
+                )
+        raise RuntimeError(f"no readable file among the {len(self.paths)} in the dataset")
+
+
+class ClassFolderDataset(_SkippingDataset):
+    """``root/<class name>/<image>``: classes sorted by name -> ids 0..K-1 (torchvision ImageFolder rule).
+
+    Items: ``{"pixels": (3, R, R) float in [-1, 1], "class_labels": long}``.
+    """
+
+    def __init__(self, root: str | Path, resolution: int):
+        super().__init__()
+        root = require_dir(root)
+        self.classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+        if not self.classes:
+            raise FileNotFoundError(f"no class folders inside {str(root)!r}")
+        self.paths, self.labels = [], []
+        for label, name in enumerate(self.classes):
+            for p in sorted((root / name).rglob("*")):
+                if p.suffix in IMAGE_EXTENSIONS:
+                    self.paths.append(p)
+                    self.labels.append(label)
+        if not self.paths:
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
+        self.resolution = resolution
+
+    def load(self, index: int) -> dict:
+        with Image.open(self.paths[index]) as img:
+            image = center_crop_arr(img.convert("RGB"), self.resolution)
+        return {"pixels": to_tensor(image), "class_labels": torch.tensor(self.labels[index])}
+
+
+def read_captions(root: Path, files: list[Path]) -> dict[Path, str]:
+    """Captions from ``root/metadata.jsonl`` (``file_name`` + ``text`` or ``caption``, the HF imagefolder
+    convention) or from a ``<stem>.txt`` next to each file. Files without a caption are left out."""
+    captions: dict[Path, str] = {}
+    meta = root / "metadata.jsonl"
+    if meta.is_file():
+        for n, line in enumerate(meta.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                captions[(root / rec["file_name"]).resolve()] = rec.get("text", rec.get("caption"))
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(
+                    f"{meta}:{n}: expected JSON with file_name and text/caption ({err})"
+                ) from err
+    for f in files:
+        side = f.with_suffix(".txt")
+        if f.resolve() not in captions and side.is_file():
+            captions[f.resolve()] = side.read_text().strip()
+    return {f: captions[f.resolve()] for f in files if captions.get(f.resolve()) is not None}
+
+
+class CaptionedImageFolder(_SkippingDataset):
+    """Images with captions. Items: ``{"pixels": (3, H, W) in [-1, 1], "caption": str}``."""
+
+    def __init__(self, root: str | Path, height: int, width: int):
+        super().__init__()
+        root = require_dir(root)
+        files = sorted(p for p in root.rglob("*") if p.suffix in IMAGE_EXTENSIONS)
+        self.captions = read_captions(root, files)
+        self.paths = [f for f in files if f in self.captions]
+        if not self.paths:
+            raise FileNotFoundError(f"no captioned images under {str(root)!r} (metadata.jsonl or <name>.txt)")
+        self.height, self.width = height, width
+
+    def load(self, index: int) -> dict:
+        path = self.paths[index]
+        with Image.open(path) as img:
+            image = resize_center_crop(img.convert("RGB"), self.height, self.width)
+        return {"pixels": to_tensor(image), "caption": self.captions[path]}

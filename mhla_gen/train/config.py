@@ -1,0 +1,263 @@
+"""Run configuration: dataclass defaults -> YAML (only deviations) -> CLI dotlist, merged strictly.
+
+Every training script has one top-level dataclass (``DiTRunConfig``, ``SanaRunConfig``, ``WanRunConfig``)
+built from the shared sections below. :func:`load_config` merges with OmegaConf in struct mode, so an
+unknown or misspelt key anywhere (file or command line) is an error that names the key, and a value of
+the wrong type is an error that names the field. The defaults are the papers' settings; the YAML files
+in ``configs/`` list what a run changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..config import MHLAConfig
+
+ATTENTION_TYPES = ("softmax", "linear", "mhla")
+
+T = TypeVar("T")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and checkpointing, shared by every script.
+
+    ``global_batch_size`` is the batch of one optimizer step over all processes and accumulation steps,
+    so the same config trains the same way on 1 or 8 GPUs (per-device batch = global / (procs * accum)).
+    """
+
+    max_steps: int = 400_000
+    global_batch_size: int = 256
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_warmup_steps: int = 0
+    max_grad_norm: float = 0.0  # 0 = no clipping (DiT does not clip); the norm is logged either way
+    mixed_precision: str = "no"  # no | fp16 | bf16
+    gradient_checkpointing: bool = False
+    trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate)
+    ema_decay: float = 0.9999  # 0 = no EMA
+    checkpoint_every: int = 5_000
+    checkpoints_total_limit: int = 2
+    num_workers: int = 4
+    allow_tf32: bool = True
+
+    def __post_init__(self):
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise ValueError(f"train.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
+        if self.trainable not in ("all", "mhla"):
+            raise ValueError(f"train.trainable must be all or mhla, got {self.trainable!r}")
+        for name in (
+            "max_steps",
+            "global_batch_size",
+            "gradient_accumulation_steps",
+            "checkpoint_every",
+            "checkpoints_total_limit",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+
+
+@dataclass
+class LogConfig:
+    """Logging and periodic samples."""
+
+    every: int = 100  # optimizer steps between metrics.jsonl / tracker records
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    sample_every: int = 0  # steps between sample grids (0 = only after the last step)
+    num_samples: int = 8
+    sample_steps: int = 50  # denoising steps of the sampling pipeline
+    guidance_scale: float = 4.0
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection used by the tests (SIGKILL is what a preempted job gets: no cleanup at all)."""
+
+    kill_after_step: int = 0  # SIGKILL this process right after step N and its checkpoint (0 = off)
+    kill_during_checkpoint: int = 0  # SIGKILL halfway through writing the checkpoint of step N (0 = off)
+
+
+@dataclass
+class RunConfig:
+    """Keys every training script has."""
+
+    output_dir: str = "runs/run"
+    seed: int = 0
+    resume: str = "latest"  # latest | none | PATH to a checkpoint folder
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    mhla: MHLAConfig = field(default_factory=MHLAConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+# --------------------------------------------------------------------------------------------- DiT
+@dataclass
+class DiTModelConfig:
+    """DiT architecture. ``preset`` is ``DiT-{S,B,L,XL}/{2,4,8}``; hidden_size/depth/heads/patch_size
+    override it when set (the digits main job uses a narrower, shallower DiT)."""
+
+    preset: str = "DiT-XL/2"
+    attention: str = "mhla"  # softmax | linear | mhla
+    hidden_size: int | None = None
+    depth: int | None = None
+    heads: int | None = None
+    patch_size: int | None = None
+    num_classes: int = 1000
+    learn_sigma: bool = True
+    class_dropout_prob: float = 0.1  # CFG label dropout to the null class (id 1000, as DiTPipeline wants)
+    init_from: str | None = None  # a diffusers DiT folder or hub id (fast adaptation softmax -> MHLA)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_TYPES:
+            raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
+
+
+@dataclass
+class DiTDataConfig:
+    """``source``: ``folder`` (ImageNet-style class folders), ``latents`` (a cache written by
+    scripts/extract_latents.py) or ``digits`` (the embedded sklearn digits, pixel space)."""
+
+    source: str = "folder"
+    path: str | None = None
+    resolution: int = 256
+    vae: str | None = "stabilityai/sd-vae-ft-ema"  # local folder or hub id; None = pixel space
+    vae_subfolder: str | None = None
+    hflip: bool = True
+
+    def __post_init__(self):
+        if self.source not in ("folder", "latents", "digits"):
+            raise ValueError(f"data.source must be folder, latents or digits, got {self.source!r}")
+
+
+@dataclass
+class DiffusionConfig:
+    """DDPM training schedule (DiT: linear betas, 1000 steps) and the sampler used for sample grids."""
+
+    num_train_timesteps: int = 1000
+    beta_schedule: str = "linear"
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    sampler: str = "ddim"  # ddim | dpm | ddpm
+
+
+@dataclass
+class EvalConfig:
+    """End-of-run FID for the digits main job (features from mhla_gen.metrics' digits extractor)."""
+
+    fid_num_samples: int = 0  # 0 = no FID
+    fid_batch_size: int = 250
+
+
+@dataclass
+class DiTRunConfig(RunConfig):
+    output_dir: str = "runs/dit"
+    model: DiTModelConfig = field(default_factory=DiTModelConfig)
+    data: DiTDataConfig = field(default_factory=DiTDataConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ------------------------------------------------------------------------------------ SANA and Wan
+@dataclass
+class FinetuneModelConfig:
+    """A pretrained diffusers checkpoint (folder or hub id) and the attention to fine-tune it into."""
+
+    pretrained: str = ""
+    attention: str = "mhla"
+    revision: str | None = None
+    dtype: str = "float32"  # weights of the frozen parts (text encoder, VAE): float32 | bfloat16 | float16
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_TYPES:
+            raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class FlowMatchingConfig:
+    """SD3/SANA-style rectified flow: x_t = (1 - σ) x_0 + σ ε, target ε - x_0, σ from ``weighting``."""
+
+    weighting: str = "logit_normal"  # logit_normal | mode | uniform (diffusers.training_utils names)
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float | None = None  # None = the checkpoint scheduler's shift
+
+
+@dataclass
+class CaptionDataConfig:
+    """A folder of images or videos with captions (metadata.jsonl or a .txt file per item)."""
+
+    path: str = ""
+    cache_dir: str | None = None  # latents + text embeddings cache; None = output_dir/cache
+    height: int = 512
+    width: int = 512
+    num_frames: int = 81  # video only: 4k + 1
+    max_sequence_length: int = 300
+    sample_prompts: list[str] = field(default_factory=lambda: ["a photo of a cat"])
+
+
+@dataclass
+class SanaRunConfig(RunConfig):
+    output_dir: str = "runs/sana"
+    model: FinetuneModelConfig = field(default_factory=FinetuneModelConfig)
+    data: CaptionDataConfig = field(default_factory=CaptionDataConfig)
+    flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+
+
+@dataclass
+class WanRunConfig(RunConfig):
+    output_dir: str = "runs/wan"
+    model: FinetuneModelConfig = field(default_factory=FinetuneModelConfig)
+    data: CaptionDataConfig = field(
+        default_factory=lambda: CaptionDataConfig(height=480, width=832, max_sequence_length=512)
+    )
+    flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load_config(
+    schema: type[T], config_file: str | Path | None = None, overrides: list[str] | None = None
+) -> T:
+    """``schema`` defaults, then ``config_file`` (YAML), then ``overrides`` (``key=value`` dotlist).
+
+    Raises:
+        FileNotFoundError: ``config_file`` does not exist.
+        ValueError: an unknown key, a wrong type or an invalid value; the message names it.
+    """
+    merged = OmegaConf.structured(schema)
+    try:
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ValueError(f"overrides must look like key=value, got {bad}")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)  # runs every __post_init__ check
+    except OmegaConfBaseException as err:
+        where = f" in {config_file}" if config_file else ""
+        raise ValueError(f"invalid config{where}: {err}") from err
+
+
+def config_to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

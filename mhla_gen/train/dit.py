@@ -1,0 +1,376 @@
+"""DiT from scratch (or adapted from a pretrained softmax DiT): the task of scripts/train_dit.py.
+
+Model: diffusers ``DiTTransformer2DModel`` with the DiT paper's sizes and adaLN-Zero init; attention is
+softmax, global linear (MHLA with one block) or MHLA. Objective: DDPM with learned sigma
+(:class:`DDPMLoss`), CFG label dropout (done once per sample here; see :func:`disable_block_label_dropout`),
+horizontal flips. Data: class folders (VAE on the fly), a latent cache, or the embedded digits in pixel
+space. Samples come out of diffusers' ``DiTPipeline``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..config import MHLAConfig
+from .config import DiTRunConfig
+from .loop import TrainTask
+from .objectives import DDPMLoss
+
+logger = logging.getLogger(__name__)
+
+# DiT paper, Table 1: hidden size, depth, heads
+DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16)}
+_PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
+PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__ hard-codes this id for the unconditional branch
+
+
+def dit_architecture(model_cfg) -> dict:
+    """``{hidden_size, depth, heads, patch_size}`` from the preset plus explicit overrides."""
+    match = _PRESET.match(model_cfg.preset)
+    if match is None:
+        raise ValueError(
+            f"model.preset must look like DiT-S/2, DiT-B/4, DiT-L/8 or DiT-XL/2, got {model_cfg.preset!r}"
+        )
+    hidden, depth, heads = DIT_SIZES[match.group(1)]
+    arch = {
+        "hidden_size": model_cfg.hidden_size or hidden,
+        "depth": model_cfg.depth or depth,
+        "heads": model_cfg.heads or heads,
+        "patch_size": model_cfg.patch_size or int(match.group(2)),
+    }
+    if arch["hidden_size"] % arch["heads"]:
+        raise ValueError(
+            f"model.hidden_size={arch['hidden_size']} is not divisible by model.heads={arch['heads']}"
+        )
+    return arch
+
+
+def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:
+    """``softmax`` -> None; ``linear`` -> one block per axis (global ReLU linear attention, as SANA);
+    ``mhla`` -> ``mhla`` as configured. Everything else stays equal, so the three compare fairly."""
+    if attention == "softmax":
+        return None
+    if attention == "linear":
+        return dataclasses.replace(mhla, blocks=(1,) * len(mhla.blocks))
+    return mhla
+
+
+def install_attention(transformer: nn.Module, attention: str, mhla: MHLAConfig) -> nn.Module:
+    cfg = attention_mhla_config(attention, mhla)
+    if cfg is not None:
+        from ..install import install_mhla
+
+        install_mhla(transformer, cfg)
+    return transformer
+
+
+@torch.no_grad()
+def dit_initialize_(transformer: nn.Module) -> None:
+    """DiT's init (``models.py: initialize_weights``): xavier linears, N(0, 0.02) embeddings, and the
+    adaLN-Zero part: every block's modulation and the output layers start at zero."""
+    for m in transformer.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    conv = transformer.pos_embed.proj
+    nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
+    nn.init.zeros_(conv.bias)
+    for block in transformer.transformer_blocks:
+        emb = block.norm1.emb
+        nn.init.normal_(emb.class_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(emb.timestep_embedder.linear_1.weight, std=0.02)
+        nn.init.normal_(emb.timestep_embedder.linear_2.weight, std=0.02)
+        nn.init.zeros_(block.norm1.linear.weight)
+        nn.init.zeros_(block.norm1.linear.bias)
+    for layer in (transformer.proj_out_1, transformer.proj_out_2):
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+
+
+def disable_block_label_dropout(transformer: nn.Module) -> None:
+    """diffusers' DiT has one label embedder per block, each dropping labels independently with the
+    global RNG while training; DiT drops a sample's label once. The task drops labels itself (seeded,
+    once per sample), so the embedders' own dropout is switched off (the null row stays)."""
+    from diffusers.models.embeddings import LabelEmbedding
+
+    for m in transformer.modules():
+        if isinstance(m, LabelEmbedding):
+            m.dropout_prob = 0.0
+
+
+def label_table_size(num_classes: int) -> int:
+    """``num_embeds_ada_norm`` for a ``num_classes`` DiT: always 1000 (null row at index 1000).
+
+    ``DiTPipeline.__call__`` hard-codes class 1000 for the unconditional branch, so smaller datasets keep
+    the 1000-entry label table (rows ``num_classes..999`` are never used) and the model samples with the
+    stock pipeline, ``pipelines.dit`` and ``eval/`` unchanged. The null id used for label dropout is
+    this value too.
+    """
+    if num_classes > PIPELINE_NULL_CLASS:
+        raise ValueError(
+            f"model.num_classes={num_classes}: DiTPipeline uses class {PIPELINE_NULL_CLASS} as the "
+            f"null label, so at most {PIPELINE_NULL_CLASS} classes are supported"
+        )
+    return PIPELINE_NULL_CLASS
+
+
+def identity_vae():
+    """A pixel-space stand-in for ``AutoencoderKL`` in ``DiTPipeline``: ``decode(z).sample = z``, scale 1."""
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+    from diffusers.models.autoencoders.vae import DecoderOutput
+    from diffusers.models.modeling_utils import ModelMixin
+
+    class IdentityVAE(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, scaling_factor: float = 1.0):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(()), persistent=False)  # gives the module a device
+
+        def decode(self, z, return_dict: bool = True):
+            return DecoderOutput(sample=z) if return_dict else (z,)
+
+    return IdentityVAE()
+
+
+def make_sampler(name: str, train_scheduler):
+    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+
+    classes = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler, "ddpm": DDPMScheduler}
+    if name not in classes:
+        raise ValueError(f"diffusion.sampler must be one of {sorted(classes)}, got {name!r}")
+    config = {k: v for k, v in train_scheduler.config.items() if k != "variance_type"}
+    return classes[name].from_config(config)
+
+
+class _DigitsDataset(Dataset):
+    def __init__(self, resolution: int):
+        from ..data import digits_tensors
+
+        images, self.labels = digits_tensors(resolution)
+        self.pixels = images * 2.0 - 1.0  # [-1, 1] as DiTPipeline's output mapping expects
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"pixels": self.pixels[i], "class_labels": self.labels[i]}
+
+
+class DiTTask(TrainTask):
+    name = "dit"
+
+    def __init__(self, cfg: DiTRunConfig):
+        super().__init__(cfg)
+        from diffusers import DDPMScheduler
+
+        d = cfg.diffusion
+        self.scheduler = DDPMScheduler(
+            num_train_timesteps=d.num_train_timesteps,
+            beta_schedule=d.beta_schedule,
+            beta_start=d.beta_start,
+            beta_end=d.beta_end,
+            clip_sample=False,
+            variance_type="learned_range" if cfg.model.learn_sigma else "fixed_small",
+        )
+        self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma)
+        self.vae = None
+        self.latent_scale = 1.0
+
+    # ---------------------------------------------------------------------------------- model
+    def _load_vae(self):
+        """The data's AutoencoderKL (frozen), or None in pixel space."""
+        data = self.cfg.data
+        if self.vae is None and data.vae is not None and data.source != "digits":
+            from diffusers import AutoencoderKL
+
+            self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
+            self.vae.requires_grad_(False).eval()
+            self.latent_scale = self.vae.config.scaling_factor
+        return self.vae
+
+    def _channels_and_size(self) -> tuple[int, int]:
+        """``(in_channels, sample_size)`` of the transformer input."""
+        data = self.cfg.data
+        if data.source == "digits":
+            return 1, data.resolution
+        if data.source == "latents":
+            from ..data import LatentCacheDataset
+
+            shape = LatentCacheDataset(data.path).latents.shape  # (N, 2, C, h, w)
+            return shape[2], shape[3]
+        vae = self._load_vae()
+        if vae is None:
+            return 3, data.resolution
+        factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        return vae.config.latent_channels, data.resolution // factor
+
+    def signature(self) -> dict:
+        channels, size = self._channels_and_size()
+        return {
+            "architecture": dit_architecture(self.cfg.model),
+            "in_channels": channels,
+            "sample_size": size,
+            "num_classes": self.cfg.model.num_classes,
+            "learn_sigma": self.cfg.model.learn_sigma,
+            "attention": self.cfg.model.attention,
+            "mhla": (attention_mhla_config(self.cfg.model.attention, self.cfg.mhla) or MHLAConfig()).to_dict()
+            if self.cfg.model.attention != "softmax"
+            else None,
+        }
+
+    def build_transformer(self) -> nn.Module:
+        from diffusers import DiTTransformer2DModel
+
+        m = self.cfg.model
+        arch = dit_architecture(m)
+        channels, size = self._channels_and_size()
+        if m.init_from:
+            path = Path(m.init_from)
+            sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
+            transformer = DiTTransformer2DModel.from_pretrained(m.init_from, subfolder=sub)
+            got = (
+                transformer.config.in_channels,
+                transformer.config.sample_size,
+                transformer.config.num_embeds_ada_norm,
+            )
+            if got != (channels, size, label_table_size(m.num_classes)):
+                raise ValueError(
+                    f"model.init_from={m.init_from!r} has (in_channels, sample_size, num_classes) = "
+                    f"{got}, the data/config need {(channels, size, label_table_size(m.num_classes))}"
+                )
+        else:
+            transformer = DiTTransformer2DModel(
+                num_attention_heads=arch["heads"],
+                attention_head_dim=arch["hidden_size"] // arch["heads"],
+                in_channels=channels,
+                out_channels=2 * channels if m.learn_sigma else channels,
+                num_layers=arch["depth"],
+                sample_size=size,
+                patch_size=arch["patch_size"],
+                num_embeds_ada_norm=label_table_size(m.num_classes),
+            )
+            dit_initialize_(transformer)
+        disable_block_label_dropout(transformer)
+        return install_attention(transformer, m.attention, self.cfg.mhla)
+
+    # ----------------------------------------------------------------------------------- data
+    def build_dataset(self, accelerator) -> Dataset:
+        data = self.cfg.data
+        if data.source == "digits":
+            return _DigitsDataset(data.resolution)
+        if data.path is None:
+            raise ValueError(f"data.path is required for data.source={data.source}")
+        if self._load_vae() is not None:
+            self.vae.to(accelerator.device)
+        if data.source == "latents":
+            from ..data import LatentCacheDataset
+
+            return LatentCacheDataset(data.path)
+        from ..data import ClassFolderDataset
+
+        return ClassFolderDataset(data.path, data.resolution)
+
+    def _clean_input(self, batch: dict, rnd) -> torch.Tensor:
+        """x0 ``(B, C, h, w)``: flipped per sample (seeded), VAE-encoded when training in latent space."""
+        flip = (rnd.rand() < 0.5) & self.cfg.data.hflip  # (B,) bool, drawn even when flips are off
+        if "latents" in batch:  # cache holds [image, flipped image]
+            pair = batch["latents"]
+            return torch.where(flip.view(-1, 1, 1, 1), pair[:, 1], pair[:, 0])
+        x = batch["pixels"]
+        x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
+        if self.cfg.data.source == "digits" or self.vae is None:
+            return x
+        with torch.no_grad():
+            dist = self.vae.encode(x.to(self.vae.dtype)).latent_dist
+            z = dist.mean + dist.std * rnd.randn(*dist.mean.shape[1:]).to(dist.mean.dtype)
+        return z.float() * self.latent_scale
+
+    def loss(self, model, batch: dict, rnd) -> torch.Tensor:
+        x0 = self._clean_input(batch, rnd)
+        drop = rnd.rand() < self.cfg.model.class_dropout_prob
+        labels = torch.where(drop, label_table_size(self.cfg.model.num_classes), batch["class_labels"])
+        t = rnd.randint(self.objective.num_timesteps)
+        noise = rnd.randn(*x0.shape[1:])
+        xt = self.scheduler.add_noise(x0, noise, t)
+        out = model(xt, timestep=t, class_labels=labels).sample
+        return self.objective(out, x0, xt, noise, t)
+
+    # -------------------------------------------------------------------------------- samples
+    def pipeline(self, transformer):
+        from diffusers import DiTPipeline
+
+        vae = self.vae if self.vae is not None else identity_vae()
+        return DiTPipeline(
+            transformer=transformer,
+            vae=vae,
+            scheduler=make_sampler(self.cfg.diffusion.sampler, self.scheduler),
+        )
+
+    @torch.no_grad()
+    def generate(self, transformer, labels: list[int], seed: int, output_type: str = "pil"):
+        pipe = self.pipeline(transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(
+            class_labels=labels,
+            guidance_scale=self.cfg.log.guidance_scale,
+            num_inference_steps=self.cfg.log.sample_steps,
+            output_type=output_type,
+            generator=torch.Generator(transformer.device).manual_seed(seed),
+        ).images
+
+    def sample_images(self, transformer) -> tuple[list, int]:
+        """``num_samples`` per class for (up to) the first 10 classes: one row per class."""
+        if self.vae is None and self.cfg.data.source == "latents":
+            logger.warning("no data.vae to decode latents with: sample grids skipped")
+            return [], 1
+        classes = min(self.cfg.model.num_classes, 10)
+        per_class = max(1, self.cfg.log.num_samples)
+        labels = [c for c in range(classes) for _ in range(per_class)]
+        return self.generate(transformer, labels, seed=self.cfg.seed), per_class
+
+    def finish(self, transformer, accelerator) -> dict:
+        """FID (digits feature extractor) between generated and real digits, for the digits source."""
+        ev = self.cfg.eval
+        if ev.fid_num_samples <= 0:
+            return {}
+        if self.cfg.data.source != "digits":
+            logger.warning(
+                "eval.fid_num_samples is only used with data.source=digits (use eval/ for ImageNet)"
+            )
+            return {}
+        from ..data import digits_tensors
+        from ..metrics.extractors import digits_extractor, extract_features
+        from ..metrics.fid import fid_from_features
+
+        n_classes = self.cfg.model.num_classes
+        labels = [i % n_classes for i in range(ev.fid_num_samples)]
+        fake = torch.cat(
+            [
+                self.generate(
+                    transformer,
+                    labels[i : i + ev.fid_batch_size],
+                    seed=self.cfg.seed + 1 + i,
+                    output_type="pt",
+                ).cpu()
+                for i in range(0, len(labels), ev.fid_batch_size)
+            ]
+        )  # (N, 1, R, R) in [0, 1]
+        real, _ = digits_tensors(self.cfg.data.resolution)
+        extractor = digits_extractor()
+        fake_f, real_f = extract_features(extractor, fake), extract_features(extractor, real)
+        accuracy = (
+            (torch.from_numpy(fake_f["logits"]).argmax(-1) == torch.tensor(labels)).float().mean().item()
+        )
+        return {
+            "fid_digits": fid_from_features(real_f["pool"], fake_f["pool"]),
+            "label_accuracy": accuracy,
+            "fid_num_samples": ev.fid_num_samples,
+        }

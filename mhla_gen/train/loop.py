@@ -1,0 +1,347 @@
+"""The one Accelerate training loop shared by DiT, SANA and Wan; a :class:`TrainTask` supplies the rest.
+
+    cfg -> Accelerator -> task.build_transformer / build_dataset -> AdamW (+ EMA) -> prepare
+        -> resume (atomic checkpoint, seeded sampler + skip_first_batches, step count)
+        -> loop: task.loss -> backward -> clip -> step -> clamp_mixing_ -> EMA -> log / checkpoint / sample
+        -> output_dir/final (EMA weights where used) -> task.finish (e.g. FID)
+
+Exact resume: the data order comes from Accelerate's seedable sampler (epoch-seeded) plus
+``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
+model, optimizer, LR scheduler, EMA (``register_for_checkpointing``) and RNG states come from
+``accelerator.load_state``. A run killed with SIGKILL and resumed ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ..mixing import clamp_mixing_
+from . import checkpoint as ckpt
+from .config import RunConfig, config_to_dict, config_to_yaml
+from .io import append_jsonl, atomic_write_text, read_jsonl
+from .randomness import StepRandom
+
+logger = logging.getLogger(__name__)
+
+
+class TrainTask:
+    """What one model family plugs into :func:`train`. Subclasses: DiT, SANA, Wan tasks."""
+
+    name = "task"
+    collate_fn = None
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def signature(self) -> dict:
+        """Settings that decide the parameter shapes; a checkpoint made with others is refused."""
+        raise NotImplementedError
+
+    def build_transformer(self) -> nn.Module:
+        """The transformer to train, MHLA installed (float32 master weights)."""
+        raise NotImplementedError
+
+    def build_dataset(self, accelerator) -> Dataset:
+        """Training items (dicts of tensors). Caches are built here (main process first)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
+        """Scalar training loss of one micro-batch; every random draw goes through ``rnd``."""
+        raise NotImplementedError
+
+    def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
+        """``(PIL images, columns)`` for a sample grid, through the real diffusers pipeline."""
+        return [], 1
+
+    def finish(self, transformer: nn.Module, accelerator) -> dict:
+        """End-of-run evaluation (main process, final weights); returns metrics to record."""
+        return {}
+
+
+def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
+    """``all``: every parameter; ``mhla``: only those of the MHLA processors (others frozen)."""
+    if which == "all":
+        params = list(transformer.parameters())
+    else:
+        from ..processors.base import MHLAProcessor
+
+        params = [p for m in transformer.modules() if isinstance(m, MHLAProcessor) for p in m.parameters()]
+        if not params:
+            raise ValueError(
+                "train.trainable=mhla but the transformer has no MHLA processors (model.attention=softmax?)"
+            )
+    keep = {id(p) for p in params}
+    for p in transformer.parameters():
+        p.requires_grad_(id(p) in keep)
+    return params
+
+
+def save_image_grid(images: list, columns: int, path: Path) -> None:
+    """Tile PIL images into one PNG (written through a temp file)."""
+    from PIL import Image
+
+    if not images:
+        return
+    w, h = images[0].size
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new(images[0].mode, (columns * w, rows * h))
+    for i, img in enumerate(images):
+        grid.paste(img, ((i % columns) * w, (i // columns) * h))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    grid.save(tmp)
+    os.replace(tmp, path)
+
+
+def _batches(loader, epoch: int, skip: int) -> Iterator:
+    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted."""
+    from accelerate import skip_first_batches
+
+    loader.set_epoch(epoch)  # SeedableRandomSampler: permutation seeded by seed + epoch
+    return iter(skip_first_batches(loader, skip) if skip else loader)
+
+
+def train(cfg: RunConfig, task: TrainTask) -> Path:
+    """Run ``task`` with ``cfg``; returns ``output_dir/final``."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.output_dir)
+    tc = cfg.train
+    accelerator = Accelerator(
+        gradient_accumulation_steps=tc.gradient_accumulation_steps,
+        mixed_precision=tc.mixed_precision,
+        log_with=list(cfg.log.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    per_step = accelerator.num_processes * tc.gradient_accumulation_steps
+    if tc.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by processes x "
+            f"accumulation steps = {per_step}"
+        )
+    local_batch = tc.global_batch_size // per_step
+    if tc.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    set_seed(cfg.seed)  # same on every process: identical initial weights
+
+    resume_from = ckpt.resolve_resume(cfg.resume, out)
+    if resume_from is not None:
+        ckpt.check_signature(resume_from, task.signature())
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
+        ckpt.remove_partial(out)
+    accelerator.wait_for_everyone()
+
+    transformer = task.build_transformer()
+    if tc.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+    params = trainable_parameters(transformer, tc.trainable)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=tc.learning_rate,
+        betas=(tc.adam_beta1, tc.adam_beta2),
+        eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+    )
+    # Accelerate steps a prepared scheduler once per process per step, hence the factor (as in diffusers)
+    lr_scheduler = get_scheduler(
+        "constant_with_warmup", optimizer, num_warmup_steps=tc.lr_warmup_steps * accelerator.num_processes
+    )
+    if tc.ema_decay > 0 and accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError(
+            "train.ema_decay > 0 is not supported under FSDP (sharded parameters); set train.ema_decay=0"
+        )
+    ema = EMAModel(params, decay=tc.ema_decay) if tc.ema_decay > 0 else None
+
+    with accelerator.main_process_first():
+        dataset = task.build_dataset(accelerator)
+    loader = DataLoader(
+        dataset,
+        batch_size=local_batch,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        num_workers=tc.num_workers,
+        collate_fn=task.collate_fn,
+    )
+    if len(loader) == 0:
+        raise ValueError(
+            f"dataset has {len(dataset)} items, fewer than one global batch "
+            f"({tc.global_batch_size}); lower train.global_batch_size"
+        )
+    transformer, optimizer, loader, lr_scheduler = accelerator.prepare(
+        transformer, optimizer, loader, lr_scheduler
+    )
+    params = [p for p in transformer.parameters() if p.requires_grad]  # prepared (maybe wrapped) ones
+    if ema is not None:
+        ema.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)
+
+    step = 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        step = ckpt.read_state(resume_from)["step"]
+        logger.info("resumed from %s at step %d", resume_from, step)
+        if (
+            accelerator.is_main_process and (out / "metrics.jsonl").exists()
+        ):  # drop records after the checkpoint
+            kept = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("step", 0) <= step]
+            atomic_write_text(out / "metrics.jsonl", "".join(f"{_json(r)}\n" for r in kept))
+    if accelerator.is_main_process and cfg.log.trackers:
+        accelerator.init_trackers(task.name, config=_flat(config_to_dict(cfg)))
+
+    def save(at_step: int) -> None:
+        hook = None
+        if cfg.debug.kill_during_checkpoint == at_step:
+            hook = _kill_self  # the state is written, the rename is not done: a torn save
+        ckpt.save_checkpoint(accelerator, out, at_step, task.signature(), tc.checkpoints_total_limit, hook)
+
+    def sample(at_step: int) -> None:
+        if accelerator.distributed_type == DistributedType.FSDP:
+            logger.warning("sample grids are skipped under FSDP (sharded weights); sample from final/")
+            return
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(transformer)
+            with _ema_weights(ema, params):
+                model.eval()
+                images, columns = task.sample_images(model)
+                model.train()
+            save_image_grid(images, columns, out / "samples" / f"step_{at_step:07d}.png")
+        accelerator.wait_for_everyone()
+
+    micro = step * tc.gradient_accumulation_steps
+    epoch, skip = divmod(micro, len(loader))
+    bar = tqdm(
+        total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc=task.name
+    )
+    loss_sum, loss_count, grad_norm, t_last, step_last = 0.0, 0, float("nan"), time.perf_counter(), step
+    while step < tc.max_steps:
+        for batch in _batches(loader, epoch, skip):
+            rnd = StepRandom(
+                cfg.seed,
+                micro,
+                local_batch,
+                accelerator.process_index,
+                accelerator.num_processes,
+                accelerator.device,
+            )
+            with accelerator.accumulate(transformer):
+                loss = task.loss(transformer, batch, rnd)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            loss_sum, loss_count = loss_sum + loss.detach().float(), loss_count + 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            clamp_mixing_(transformer)
+            if ema is not None:
+                ema.step(params)
+            bar.update(1)
+            if step % cfg.log.every == 0 or step == tc.max_steps:
+                mean_loss = accelerator.reduce(loss_sum / loss_count, "mean").item()
+                now = time.perf_counter()
+                record = {
+                    "step": step,
+                    "loss": mean_loss,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "steps_per_s": (step - step_last) / (now - t_last),
+                }
+                loss_sum, loss_count, t_last, step_last = 0.0, 0, now, step
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                accelerator.log(record, step=step)
+                if accelerator.is_main_process:
+                    append_jsonl(out / "metrics.jsonl", record)
+            if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+                save(step)
+            if cfg.debug.kill_after_step == step:
+                _kill_self()
+            if cfg.log.sample_every and step % cfg.log.sample_every == 0 and step < tc.max_steps:
+                sample(step)
+            if step >= tc.max_steps:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+
+    sample(step)
+    final = out / "final"
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(transformer)  # full weights on the main process (also FSDP)
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(transformer)
+        if accelerator.distributed_type == DistributedType.FSDP:
+            model = task.build_transformer()
+            model.load_state_dict(state_dict)
+        with _ema_weights(ema, params if accelerator.distributed_type != DistributedType.FSDP else []):
+            model.eval()
+            model.save_pretrained(str(final))
+            metrics = task.finish(model, accelerator)
+        if metrics:
+            append_jsonl(out / "metrics.jsonl", {"step": step, **metrics})
+            accelerator.log(metrics, step=step)
+            print(
+                " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final
+
+
+class _ema_weights:
+    """Context: the EMA weights in ``params`` inside, the trained ones back afterwards."""
+
+    def __init__(self, ema, params):
+        self.ema, self.params = ema, list(params)
+
+    def __enter__(self):
+        if self.ema is not None and self.params:
+            self.ema.store(self.params)
+            self.ema.copy_to(self.params)
+
+    def __exit__(self, *exc):
+        if self.ema is not None and self.params:
+            self.ema.restore(self.params)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _json(record: dict) -> str:
+    import json
+
+    return json.dumps(record)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested config -> flat ``a.b`` keys with tracker-friendly values (TensorBoard hparams)."""
+    flat = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flat(v, key + "."))
+        else:
+            flat[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return flat

@@ -1,0 +1,56 @@
+"""Encode an ImageNet-style class folder into a DiT latent cache (image + flip, ADM center crop).
+
+    python scripts/extract_latents.py --data /data/imagenet/train --out /data/imagenet256_latents \
+        --vae stabilityai/sd-vae-ft-ema --resolution 256
+    python scripts/train_dit.py --config configs/dit_xl2_imagenet256.yaml data.source=latents \
+        data.path=/data/imagenet256_latents
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from mhla_gen.data import ClassFolderDataset, write_class_latents  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="class folder root: DATA/<class>/<image>")
+    parser.add_argument("--out", required=True, help="cache folder to write (replaced when complete)")
+    parser.add_argument("--vae", default="stabilityai/sd-vae-ft-ema", help="AutoencoderKL folder or hub id")
+    parser.add_argument("--vae-subfolder", default=None)
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the latent-distribution samples")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from diffusers import AutoencoderKL
+
+    dataset = ClassFolderDataset(args.data, args.resolution)
+    vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder).to(args.device).eval()
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:  # (B, 3, R, R) in [-1, 1] -> scaled latents
+        dist = vae.encode(pixels.to(args.device)).latent_dist
+        return dist.sample(generator) * vae.config.scaling_factor  # as DiT's feature extraction
+
+    meta = {
+        "vae": args.vae,
+        "resolution": args.resolution,
+        "scaling_factor": vae.config.scaling_factor,
+        "classes": dataset.classes,
+        "num_classes": len(dataset.classes),
+    }
+    out = write_class_latents(dataset, encode, args.out, meta, args.batch_size)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

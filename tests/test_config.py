@@ -1,0 +1,76 @@
+"""Strict config loading: defaults -> YAML -> CLI, every YAML in configs/ valid, bad keys named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mhla_gen.train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SCHEMAS = {"dit": DiTRunConfig, "sana": SanaRunConfig, "wan": WanRunConfig}
+TRAINING_YAMLS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("accelerate", "eval"))
+
+
+def schema_for(path: Path):
+    return SCHEMAS[path.stem.split("_")[0]]
+
+
+def test_training_configs_exist():
+    names = {str(p.relative_to(CONFIGS)) for p in TRAINING_YAMLS}
+    assert {"dit_digits.yaml", "tiny/dit.yaml", "tiny/sana.yaml", "tiny/wan.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", TRAINING_YAMLS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_training_yaml_loads_strictly(path):
+    cfg = load_config(schema_for(path), path)
+    raw = yaml.safe_load(path.read_text())
+    assert cfg.output_dir == raw.get("output_dir", cfg.output_dir)
+    if "train" in raw and "max_steps" in raw["train"]:
+        assert cfg.train.max_steps == raw["train"]["max_steps"]
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_are_valid(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(path))
+    assert cfg.num_processes >= 2
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("seed: 7\ntrain:\n  max_steps: 11\n  learning_rate: 0.5\n")
+    cfg = load_config(DiTRunConfig, f, ["train.max_steps=3", "mhla.blocks=[2,2]"])
+    assert (cfg.seed, cfg.train.max_steps, cfg.train.learning_rate) == (7, 3, 0.5)  # yaml, cli, yaml
+    assert cfg.mhla.blocks == (2, 2) and cfg.train.global_batch_size == 256  # cli, default
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  max_stepz: 3\n")
+    with pytest.raises(ValueError, match="max_stepz"):
+        load_config(DiTRunConfig, f)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("train.learning_rat=1", "learning_rat"),
+        ("mhla.blokcs=[2,2]", "blokcs"),
+        ("train.max_steps=abc", "max_steps"),
+        ("model.attention=flash", "model.attention"),
+        ("train.trainable=some", "train.trainable"),
+        ("mhla.feature_map=tanh", "feature_map"),
+    ],
+)
+def test_bad_cli_override_is_named(override, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        load_config(SanaRunConfig, None, [override])
+
+
+def test_missing_config_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(WanRunConfig, tmp_path / "nope.yaml")

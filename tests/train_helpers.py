@@ -1,0 +1,64 @@
+"""Shared by tests/test_train_*.py: run a training script in-process or as a subprocess, read results."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def run_inprocess(script: str, *args: str) -> None:
+    """``python scripts/<script> args`` in this process (Accelerate's singleton state reset around it)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{Path(script).stem}", REPO / "scripts" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _reset_accelerate()
+    try:
+        module.main(list(args))
+    finally:
+        _reset_accelerate()
+
+
+def subprocess_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def run_subprocess(script: str, *args: str, launch: list[str] | None = None, timeout: int = 240):
+    """Run the script in a fresh interpreter (optionally under ``accelerate launch``); returns the result."""
+    cmd = [PYTHON, "-m", "accelerate.commands.launch", *launch] if launch is not None else [PYTHON]
+    cmd += [str(REPO / "scripts" / script), *args]
+    return subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(output_dir) / "final" / "diffusion_pytorch_model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    from mhla_gen.train.io import read_jsonl
+
+    return read_jsonl(Path(output_dir) / "metrics.jsonl")
