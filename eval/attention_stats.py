@@ -1,0 +1,73 @@
+"""Per-layer rank and mean row entropy of a saved transformer's self-attention maps (JSON + PNG).
+
+    python eval/attention_stats.py --model runs/dit_digits/final --digits
+    python eval/attention_stats.py --model runs/sana/final --size 16 --batch 2 --out-dir runs/sana/attn
+
+The model folder is anything ``load_transformer`` reads (saved with or without MHLA). Inputs are noised
+latents at --timestep (DDPM linear schedule): the embedded digits with --digits (pixel-space 1-channel
+models), pure noise otherwise. Maps are N × N per head, so N (tokens per layer) must stay small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen.metrics.attention import (  # noqa: E402
+    attention_statistics,
+    example_inputs,
+    save_attention_statistics,
+)
+from mhla_gen.serialization import load_transformer  # noqa: E402
+
+
+def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` seeded digits ``(B, 1, size, size)`` in [-1, 1] and their labels."""
+    from mhla_gen.data.digits import digits_tensors
+
+    images, labels = digits_tensors(size)
+    pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:batch]
+    return images[pick] * 2 - 1, labels[pick]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="transformer folder (save_pretrained / final/)")
+    parser.add_argument("--out-dir", default=None, help="default: MODEL/../attention_stats")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--size", type=int, default=None, help="latent size (default: model sample_size)")
+    parser.add_argument("--frames", type=int, default=3, help="latent frames (Wan)")
+    parser.add_argument("--timestep", type=int, default=500)
+    parser.add_argument("--digits", action="store_true", help="noise real digits instead of pure noise")
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model = load_transformer(args.model)
+    images = labels = None
+    if args.digits:
+        if model.config.in_channels != 1:
+            raise ValueError(f"--digits needs a 1-channel pixel-space model, {args.model!r} has "
+                             f"in_channels={model.config.in_channels}")
+        images, labels = digits_batch(args.batch, args.size or model.config.sample_size, args.seed)
+    kwargs = example_inputs(model, args.batch, args.size, args.frames, args.timestep, images, labels,
+                            args.seed)
+    stats = attention_statistics(model, lambda: model(**kwargs), max_tokens=args.max_tokens)
+
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.model).resolve().parent / "attention_stats"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_attention_statistics(stats, out_dir / "attention_stats.json", out_dir / "attention_stats.png",
+                              title=f"{Path(args.model).name} (t={args.timestep})")
+    print(json.dumps(stats, indent=2))
+    return stats
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Score a folder / .npz of generated images against a reference: FID, sFID, KID, IS, precision, recall.
+
+    python eval/fid.py --samples runs/x/samples --ref digits --out runs/x/metrics_fid.json
+    python eval/fid.py --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
+        --extractor inception --inception-weights ~/weights/inception-2015-12-05.pt
+
+--samples / --ref: a folder of images (PNG/JPEG, searched recursively), an ``.npz`` whose ``arr_0``
+is uint8 NHWC (ADM / DiT sample_ddp format), or for --ref a statistics ``.npz`` written by
+--save-ref-stats (``mu``/``sigma``, plus features for KID and precision/recall) or ``digits``
+(scikit-learn's embedded digits). Offline, ``--extractor digits`` (a small CNN trained in seconds and
+cached) replaces Inception; its numbers are only comparable with themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen.metrics import (  # noqa: E402
+    digits_extractor,
+    extract_features,
+    feature_statistics,
+    frechet_distance,
+    inception_extractor,
+    inception_score,
+    kernel_inception_distance,
+    load_reference_stats,
+    precision_recall,
+    save_reference_stats,
+)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+def load_images(source: str | Path, limit: int | None = None) -> torch.Tensor:
+    """Images ``(N, C, H, W)`` uint8 from a folder, an ``arr_0`` .npz, or ``digits`` (kept as uint8 until
+    extract_features converts each batch: 50k ImageNet samples are 10 GB as uint8, 39 GB as float)."""
+    if str(source) == "digits":
+        from mhla_gen.data.digits import digits_tensors
+
+        return (digits_tensors(16)[0][:limit] * 255).round().to(torch.uint8)
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")  # hidden files: generate.py's unfinished temporaries
+                       if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))[:limit]
+        if not files:
+            raise FileNotFoundError(f"no images ({sorted(IMAGE_SUFFIXES)}) under {str(path)!r}")
+        arrays = [np.asarray(Image.open(f).convert("RGB")) for f in files]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ValueError(f"images under {str(path)!r} have different sizes {sorted(shapes)}")
+        arr = np.stack(arrays)
+    elif path.suffix == ".npz":
+        with np.load(path) as data:
+            if "arr_0" not in data:
+                raise ValueError(f"{str(path)!r} has no 'arr_0' image array (keys: {sorted(data.keys())})")
+            arr = data["arr_0"][:limit]
+        if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] not in (1, 3):
+            raise ValueError(f"'arr_0' in {str(path)!r} must be uint8 NHWC, got {arr.dtype} {arr.shape}")
+    else:
+        raise FileNotFoundError(f"--samples/--ref must be a folder, an .npz or 'digits', got {str(path)!r}")
+    return torch.from_numpy(arr).permute(0, 3, 1, 2)
+
+
+def is_stats_file(source: str | Path) -> bool:
+    if not str(source).endswith(".npz") or not Path(source).is_file():
+        return False
+    with np.load(source) as data:
+        return "mu" in data.files and "arr_0" not in data.files
+
+
+def build_extractor(name: str, inception_weights: str | None, seed: int):
+    if name == "digits":
+        return digits_extractor(seed=seed)
+    if name == "inception":
+        if inception_weights is None:
+            raise ValueError("--extractor inception needs --inception-weights PATH (a local file)")
+        return inception_extractor(inception_weights)
+    raise ValueError(f"unknown extractor {name!r}; choose digits or inception")
+
+
+def score(fake: dict[str, np.ndarray], ref: dict[str, np.ndarray], k: int = 3,
+          kid_subsets: int = 100) -> dict:
+    """All metrics from fake features and reference features/statistics (keys as in extract_features /
+    load_reference_stats: ``pool``/``features``, ``logits``, ``spatial``, ``mu``, ``sigma``, ...)."""
+    ref_pool = ref.get("pool", ref.get("features"))
+    mu_r, sigma_r = (ref["mu"], ref["sigma"]) if "mu" in ref else feature_statistics(ref_pool)
+    out = {"fid": frechet_distance(*feature_statistics(fake["pool"]), mu_r, sigma_r)}
+    if "spatial" in fake and ("spatial" in ref or "mu_s" in ref):
+        mu_s, sigma_s = (ref["mu_s"], ref["sigma_s"]) if "mu_s" in ref else feature_statistics(ref["spatial"])
+        out["sfid"] = frechet_distance(*feature_statistics(fake["spatial"]), mu_s, sigma_s)
+    if "logits" in fake:
+        out["inception_score"], out["inception_score_std"] = inception_score(fake["logits"])
+    if ref_pool is not None:
+        out["kid"], out["kid_std"] = kernel_inception_distance(ref_pool, fake["pool"], kid_subsets)
+        out["precision"], out["recall"] = precision_recall(ref_pool, fake["pool"], k=k)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", required=True, help="folder of images or .npz (arr_0 uint8 NHWC)")
+    parser.add_argument("--ref", required=True, help="folder, .npz images, .npz statistics, or 'digits'")
+    parser.add_argument("--extractor", default="digits", choices=["digits", "inception"])
+    parser.add_argument("--inception-weights", default=None, help="local inception-2015-12-05.pt")
+    parser.add_argument("--extractor-seed", type=int, default=0, help="digits extractor seed")
+    parser.add_argument("--num", type=int, default=None, help="use at most this many samples / ref images")
+    parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds (precision/recall)")
+    parser.add_argument("--kid-subsets", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--save-ref-stats", default=None, help="write the reference statistics .npz here")
+    parser.add_argument("--out", default=None, help="metrics JSON (default: next to --samples)")
+    args = parser.parse_args(argv)
+
+    extractor = build_extractor(args.extractor, args.inception_weights, args.extractor_seed)
+    fake_images = load_images(args.samples, args.num)
+    fake = extract_features(extractor, fake_images, args.batch_size)
+    if is_stats_file(args.ref):
+        ref = load_reference_stats(args.ref)
+        saved_by = str(ref.get("extractor", "unknown"))
+        if saved_by not in ("unknown", extractor.name):
+            raise ValueError(f"{args.ref!r} holds {saved_by!r} statistics but the extractor is "
+                             f"{extractor.name!r}")
+        num_ref = len(ref["features"]) if "features" in ref else None
+    else:
+        ref_images = load_images(args.ref, args.num)
+        ref = extract_features(extractor, ref_images, args.batch_size)
+        num_ref = len(ref_images)
+        if args.save_ref_stats:
+            save_reference_stats(args.save_ref_stats, ref, extractor.name)
+
+    metrics = score(fake, ref, k=args.k, kid_subsets=args.kid_subsets)
+    metrics.update({"extractor": extractor.name, "num_samples": len(fake_images), "num_ref": num_ref,
+                    "samples": str(args.samples), "ref": str(args.ref)})
+    if hasattr(extractor, "test_accuracy"):
+        metrics["extractor_test_accuracy"] = extractor.test_accuracy
+    samples = Path(args.samples)
+    default_out = (samples if samples.is_dir() else samples.parent) / "metrics_fid.json"
+    out = Path(args.out) if args.out else default_out
+    out.write_text(json.dumps(metrics, indent=2) + "\n")
+    print(json.dumps(metrics, indent=2))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

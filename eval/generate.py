@@ -1,0 +1,284 @@
+"""Generate an evaluation sample set: files + manifest, sharded over Accelerate processes, resumable.
+
+    python eval/generate.py --config configs/eval/dit_digits.yaml
+    accelerate launch --num_processes 8 eval/generate.py --config configs/eval/dit_imagenet256.yaml
+    python eval/generate.py --config configs/eval/wan_prompts.yaml output_dir=samples/wan steps=30
+
+Output (``output_dir``): ``{index:06d}.png`` (images) or ``.mp4`` (video), ``manifest.jsonl`` (one line per
+sample: index, file, label or prompt, seed, config hash), ``config.yaml`` and, for images,
+``samples.npz`` with ADM's layout (``arr_0`` uint8 NHWC, ``arr_1`` labels for class-conditional models).
+Sample ``i`` always uses seed ``seed + i`` (its own generator), so a run killed half-way and started again
+generates only the missing files and gives the same set as an uninterrupted run, on any process count.
+Scoring is a separate program: eval/fid.py or eval/vbench.py on ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerateConfig:
+    """What to sample. ``model``: pipeline folder or hub id; ``transformer``: a saved (MHLA) transformer
+    folder used in place of the pipeline's; ``run_config``: DiT without ``model`` — a training run's
+    ``config.yaml``, whose own sampler (pixel space or VAE) is rebuilt; ``mhla``: MHLAConfig fields to
+    install fresh on a stock transformer."""
+
+    base: str = "dit"  # dit | sana | wan
+    output_dir: str = "samples/run"
+    model: str | None = None
+    transformer: str | None = None
+    run_config: str | None = None
+    mhla: dict | None = None
+    labels: list[int] | None = None  # DiT class ids (each repeated num_per_item times)
+    num_classes: int | None = None  # DiT: labels = 0..num_classes-1 when `labels` is not given
+    prompts: list[str] | None = None  # SANA / Wan
+    prompts_file: str | None = None  # one prompt per line (added after `prompts`)
+    num_per_item: int = 1
+    seed: int = 0
+    steps: int = 50
+    guidance_scale: float = 4.0
+    height: int = 512  # SANA / Wan pixels (DiT: the model's sample size)
+    width: int = 512
+    num_frames: int = 81  # Wan
+    fps: int = 16
+    negative_prompt: str | None = None
+    max_sequence_length: int = 300
+    batch_size: int = 8
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)  # passed to the pipeline call as-is
+
+    def __post_init__(self):
+        if self.base not in ("dit", "sana", "wan"):
+            raise ValueError(f"base must be dit, sana or wan, got {self.base!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.base == "dit" and not (self.labels or self.num_classes):
+            raise ValueError("base=dit needs `labels` (a list of class ids) or `num_classes`")
+        if self.base != "dit" and not (self.prompts or self.prompts_file):
+            raise ValueError(f"base={self.base} needs `prompts` or `prompts_file`")
+        if self.base == "dit" and not (self.model or self.run_config):
+            raise ValueError("base=dit needs `model` (a pipeline) or `run_config` (a training run's "
+                             "config.yaml)")
+        if self.base != "dit" and not self.model:
+            raise ValueError(f"base={self.base} needs `model` (a pipeline folder or hub id)")
+
+
+def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConfig:
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.structured(GenerateConfig)
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path!r} does not exist")
+        merged = OmegaConf.merge(merged, OmegaConf.load(path))
+    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+    return OmegaConf.to_object(merged)
+
+
+def config_hash(cfg: GenerateConfig) -> str:
+    """Hash of every setting that changes the samples (not output_dir, batch_size)."""
+    d = {k: v for k, v in asdict(cfg).items() if k not in ("output_dir", "batch_size")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sample_items(cfg: GenerateConfig) -> list[dict]:
+    """Every sample to generate: ``{"index", "seed", "label" | "prompt"}``, in a fixed order."""
+    if cfg.base == "dit":
+        labels = cfg.labels or range(cfg.num_classes)
+        conditions = [("label", int(c)) for c in labels]
+    else:
+        prompts = list(cfg.prompts or [])
+        if cfg.prompts_file:
+            lines = Path(cfg.prompts_file).read_text().splitlines()
+            prompts += [line.strip() for line in lines if line.strip()]
+        conditions = [("prompt", p) for p in prompts]
+    items = [{key: value} for key, value in conditions for _ in range(cfg.num_per_item)]
+    return [{"index": i, "seed": cfg.seed + i, **item} for i, item in enumerate(items)]
+
+
+class Sampler:
+    """``sampler(items) -> list of uint8 arrays``: (H, W, 3) images or (T, H, W, 3) videos."""
+
+    def __init__(self, cfg: GenerateConfig, device: torch.device):
+        from mhla_gen.config import MHLAConfig
+
+        self.cfg, self.device = cfg, device
+        dtype = DTYPES[cfg.dtype]
+        mhla = MHLAConfig.from_dict(dict(cfg.mhla)) if cfg.mhla else None
+        if cfg.base == "dit" and cfg.model is None:
+            self.pipe = self._training_run_pipeline(mhla, dtype)
+        elif cfg.base == "dit":
+            from pipelines.dit import load_dit_pipeline
+
+            self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+        elif cfg.base == "sana":
+            from pipelines.sana import load_sana_pipeline
+
+            self.pipe = load_sana_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+        else:
+            from pipelines.wan import load_wan_pipeline
+
+            self.pipe = load_wan_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def _training_run_pipeline(self, mhla, dtype):
+        """A DiT training run: its transformer (``transformer`` or the run's ``final/``) and its sampler."""
+        from mhla_gen.serialization import load_transformer
+        from mhla_gen.train.config import DiTRunConfig, load_config
+        from mhla_gen.train.dit import DiTTask
+
+        run_cfg = load_config(DiTRunConfig, self.cfg.run_config)
+        path = self.cfg.transformer or str(Path(self.cfg.run_config).parent / "final")
+        transformer = load_transformer(path, torch_dtype=dtype, device=self.device)
+        if mhla is not None:
+            raise ValueError("`mhla` is for stock transformers; a training run's transformer has its own")
+        return DiTTask(run_cfg).pipeline(transformer).to(self.device)
+
+    @torch.no_grad()
+    def __call__(self, items: list[dict]) -> list[np.ndarray]:
+        cfg = self.cfg
+        gens = [torch.Generator(self.device).manual_seed(item["seed"]) for item in items]
+        if cfg.base == "dit":
+            images = self.pipe(class_labels=[item["label"] for item in items],
+                               guidance_scale=cfg.guidance_scale, num_inference_steps=cfg.steps,
+                               generator=gens, output_type="np", **cfg.extra).images  # (B, H, W, C)
+        elif cfg.base == "sana":
+            images = self.pipe(prompt=[item["prompt"] for item in items],
+                               negative_prompt=cfg.negative_prompt or "", height=cfg.height,
+                               width=cfg.width, num_inference_steps=cfg.steps,
+                               guidance_scale=cfg.guidance_scale, generator=gens, output_type="np",
+                               use_resolution_binning=False, max_sequence_length=cfg.max_sequence_length,
+                               **cfg.extra).images
+        else:
+            images = self.pipe(prompt=[item["prompt"] for item in items],
+                               negative_prompt=cfg.negative_prompt, height=cfg.height, width=cfg.width,
+                               num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
+                               guidance_scale=cfg.guidance_scale, generator=gens, output_type="np",
+                               max_sequence_length=cfg.max_sequence_length, **cfg.extra).frames
+        arrays = (np.clip(np.asarray(images), 0, 1) * 255).round().astype(np.uint8)
+        if arrays.shape[-1] == 1:  # grayscale (pixel-space digits) -> RGB, as Inception expects
+            arrays = np.repeat(arrays, 3, axis=-1)
+        return list(arrays)
+
+
+def sample_file(out: Path, cfg: GenerateConfig, index: int) -> Path:
+    return out / f"{index:06d}.{'mp4' if cfg.base == 'wan' else 'png'}"
+
+
+def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
+    """Write to a temporary name next to ``path`` and return it; the caller renames it after recording
+    the manifest line, so a finished-looking sample always has its record (a killed run redoes the rest)."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    if array.ndim == 4:
+        from mhla_gen.metrics.video import write_video
+
+        write_video(tmp, array, fps=fps)
+    else:
+        from PIL import Image
+
+        Image.fromarray(array).save(tmp)
+    return tmp
+
+
+def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> None:
+    """Rank 0: merge the per-rank manifest shards into manifest.jsonl; write samples.npz for images."""
+    records = {}
+    for shard in sorted(out.glob("manifest.*.jsonl")) + [out / "manifest.jsonl"]:
+        if shard.exists():
+            for line in shard.read_text().splitlines():
+                record = json.loads(line)
+                records[record["index"]] = record
+    missing = [item["index"] for item in items if item["index"] not in records]
+    if missing:
+        raise RuntimeError(f"samples {missing[:10]}... have no manifest record after generation")
+    lines = "".join(json.dumps(records[item["index"]]) + "\n" for item in items)
+    (out / "manifest.jsonl").write_text(lines)
+    for shard in out.glob("manifest.*.jsonl"):
+        shard.unlink()
+    if cfg.base != "wan":
+        from PIL import Image
+
+        arr = np.stack([np.asarray(Image.open(sample_file(out, cfg, item["index"])).convert("RGB"))
+                        for item in items])
+        arrays = {"arr_0": arr}
+        if cfg.base == "dit":
+            arrays["arr_1"] = np.asarray([item["label"] for item in items], dtype=np.int64)
+        np.savez(out / "samples.npz", **arrays)
+
+
+def check_previous_run(out: Path, chash: str) -> None:
+    """Refuse to resume into a folder generated with other settings."""
+    for manifest in [out / "manifest.jsonl", *out.glob("manifest.*.jsonl")]:
+        if manifest.exists():
+            for line in manifest.read_text().splitlines():
+                if json.loads(line)["config_hash"] != chash:
+                    raise ValueError(f"{out} holds samples from another config (hash in {manifest.name} "
+                                     f"differs from {chash}); use a new output_dir")
+                break
+
+
+def generate(cfg: GenerateConfig) -> Path:
+    """Generate the missing samples of this process's shard; rank 0 assembles. Returns output_dir."""
+    from accelerate import PartialState
+    from omegaconf import OmegaConf
+    from tqdm.auto import tqdm
+
+    state = PartialState()
+    out = Path(cfg.output_dir)
+    chash = config_hash(cfg)
+    items = sample_items(cfg)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        check_previous_run(out, chash)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    state.wait_for_everyone()
+
+    mine = items[state.process_index :: state.num_processes]
+    todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
+    shard = out / f"manifest.{state.process_index}.jsonl"
+    if todo:
+        sampler = Sampler(cfg, state.device)
+        bar = tqdm(total=len(todo), desc=f"rank {state.process_index}",
+                   disable=not state.is_local_main_process)
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            for item, array in zip(batch, sampler(batch)):
+                path = sample_file(out, cfg, item["index"])
+                tmp = write_sample(path, array, cfg.fps)
+                with shard.open("a") as f:
+                    f.write(json.dumps({**item, "file": path.name, "config_hash": chash}) + "\n")
+                tmp.replace(path)
+            bar.update(len(batch))
+        bar.close()
+    state.wait_for_everyone()
+    if state.is_main_process:
+        assemble(out, cfg, items, chash)
+    state.wait_for_everyone()
+    return out
+
+
+def main(argv=None) -> Path:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML listing deviations from GenerateConfig")
+    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist, e.g. steps=25 output_dir=samples/x")
+    args = parser.parse_args(argv)
+    return generate(load_generate_config(args.config, args.overrides))
+
+
+if __name__ == "__main__":
+    main()

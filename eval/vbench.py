@@ -1,0 +1,126 @@
+"""VBench-style scores for a folder of MP4s: per-video and aggregated JSON.
+
+    python eval/vbench.py --videos runs/wan/samples --out runs/wan/metrics_vbench.json
+    python eval/vbench.py --videos DIR --subject-model ~/w/dino-vitb16 --background-model ~/w/clip-vit-b32 \
+        --raft-weights ~/w/raft_large_C_T_V2-1bb1363a.pth --aesthetic-clip ~/w/clip-vit-l14 \
+        --aesthetic-head ~/w/sa_0_4_vit_l_14_linear.pth
+    python eval/vbench.py --videos DIR --use-vbench --vbench-info VBench_full_info.json   # the real package
+
+Dimensions and which ones are proxies: see ``mhla_gen/metrics/video.py``. Offline defaults: pixel-
+correlation features for the consistency dimensions, phase-correlation flow for dynamic degree, linear
+interpolation for motion smoothness; each JSON records the extractor / estimator used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor  # noqa: E402
+from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video  # noqa: E402
+
+VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".avi", ".mov", ".gif"}
+
+
+def build_feature_extractor(model_path: str | None, fallback: str):
+    if model_path:
+        return hf_image_extractor(model_path)
+    return digits_extractor() if fallback == "digits" else pixel_extractor()
+
+
+def load_aesthetic(clip_path: str | None, head_path: str | None):
+    if not clip_path and not head_path:
+        return None
+    if not (clip_path and head_path):
+        raise ValueError("aesthetic quality needs both --aesthetic-clip and --aesthetic-head")
+    state = torch.load(head_path, map_location="cpu")
+    state = {k.split(".")[-1]: v for k, v in state.items()}  # LAION files store weight/bias (maybe prefixed)
+    head = torch.nn.Linear(state["weight"].shape[1], 1)
+    head.load_state_dict(state)
+    return hf_image_extractor(clip_path), head.eval()
+
+
+def run_official_vbench(args) -> dict:
+    """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply)."""
+    if importlib.util.find_spec("vbench") is None:
+        raise ModuleNotFoundError("--use-vbench needs the `vbench` package (pip install vbench)")
+    from vbench import VBench
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = Path(args.out).parent if args.out else Path(args.videos)
+    bench = VBench(device, args.vbench_info, str(out_dir))
+    bench.evaluate(videos_path=args.videos, name="mhla_vbench", dimension_list=args.dimensions,
+                   mode="custom_input")
+    results = out_dir / "mhla_vbench_eval_results.json"
+    return json.loads(results.read_text()) if results.exists() else {"results_dir": str(out_dir)}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--videos", required=True, help="folder of videos (searched recursively)")
+    parser.add_argument("--out", default=None, help="JSON path (default: VIDEOS/metrics_vbench.json)")
+    parser.add_argument("--extractor", default="pixels", choices=["pixels", "digits"],
+                        help="offline consistency features when no --subject/--background-model is given")
+    parser.add_argument("--subject-model", default=None, help="local transformers DINO folder")
+    parser.add_argument("--background-model", default=None, help="local transformers CLIP folder")
+    parser.add_argument("--raft-weights", default=None, help="local torchvision RAFT state dict")
+    parser.add_argument("--raft-small", action="store_true")
+    parser.add_argument("--aesthetic-clip", default=None, help="local CLIP ViT-L/14 folder")
+    parser.add_argument("--aesthetic-head", default=None, help="LAION aesthetic linear head (.pth)")
+    parser.add_argument("--use-vbench", action="store_true", help="run the official vbench package instead")
+    parser.add_argument("--vbench-info", default=None, help="VBench_full_info.json (for --use-vbench)")
+    parser.add_argument("--dimensions", nargs="+", default=[
+        "subject_consistency", "background_consistency", "temporal_flickering", "motion_smoothness",
+        "dynamic_degree", "aesthetic_quality", "imaging_quality"], help="for --use-vbench")
+    args = parser.parse_args(argv)
+
+    folder = Path(args.videos)
+    out = Path(args.out) if args.out else folder / "metrics_vbench.json"
+    if args.use_vbench:
+        result = run_official_vbench(args)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
+                    if p.suffix.lower() in VIDEO_SUFFIXES and not p.name.startswith("."))
+    if not videos:
+        raise FileNotFoundError(f"no videos ({sorted(VIDEO_SUFFIXES)}) under {str(folder)!r}")
+    subject = build_feature_extractor(args.subject_model, args.extractor)
+    background = None
+    if args.background_model:
+        background = build_feature_extractor(args.background_model, args.extractor)
+    flow_fn = raft_flow(args.raft_weights, args.raft_small) if args.raft_weights else None
+    aesthetic = load_aesthetic(args.aesthetic_clip, args.aesthetic_head)
+
+    per_video = []
+    for path in videos:
+        frames, fps = read_video(path)
+        scores = evaluate_video(frames, fps, subject, background, flow_fn, aesthetic)
+        name = str(path.relative_to(folder))
+        per_video.append({"video": name, "frames": len(frames), "fps": fps, **scores})
+    dims = [k for k in per_video[0] if k not in ("video", "frames", "fps")]
+    result = {
+        "aggregate": {k: float(np.mean([v[k] for v in per_video])) for k in dims},
+        "num_videos": len(per_video),
+        "subject_extractor": subject.name,
+        "background_extractor": (background or subject).name,
+        "flow": "torchvision-raft" if flow_fn else "phase-correlation-tiles (proxy)",
+        "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
+        "per_video": per_video,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["aggregate"], indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

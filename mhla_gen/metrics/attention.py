@@ -1,0 +1,175 @@
+"""Per-layer attention statistics of a transformer: numerical rank and mean row entropy of the
+self-attention maps it actually computes (the paper's Fig. 3b measures, via :mod:`mhla_gen.analysis`).
+
+Capture: forward hooks on each self-attention layer's ``to_q`` / ``to_k`` record the projections
+``(B, N, heads·d)``; the layer's q/k norms are applied the way the processors apply them (across heads
+when the norm spans ``heads·d`` — SANA, Wan — else per head), then heads are split to ``(B, H, N, d)``.
+The kind of map follows the layer's processor: an MHLA processor -> ``mhla`` with that layer's mixing
+matrix, block layout and feature map; SANA's stock linear processor -> ``linear`` (ReLU); anything
+else -> ``softmax``. Wan's RoPE is not applied (statistics of pre-RoPE q/k); attention maps are
+``N × N``, so keep N small (``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..analysis import attention_matrix, attention_rank, row_entropy
+from ..processors.base import MHLAProcessor
+
+
+def self_attention_layers(transformer: nn.Module) -> list[nn.Module]:
+    """The self-attention modules in depth order (via the base model's ``BaseSpec``)."""
+    from ..install import spec_for
+
+    return spec_for(transformer).self_attention(transformer)
+
+
+def layer_kind(attn: nn.Module) -> str:
+    processor = attn.processor
+    if isinstance(processor, MHLAProcessor):
+        return "mhla"
+    return "linear" if "LinearAttn" in type(processor).__name__ else "softmax"
+
+
+def _apply_norm(norm: nn.Module | None, x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x (B, N, heads·d)`` -> ``(B, heads, N, d)`` with ``norm`` across heads or per head."""
+    weight = getattr(norm, "weight", None)
+    across_heads = weight is not None and weight.numel() == x.shape[-1]
+    if across_heads:
+        x = norm(x)
+    x = x.unflatten(-1, (heads, -1)).transpose(1, 2)
+    if norm is not None and not across_heads:
+        x = norm(x)
+    return x
+
+
+@contextmanager
+def capture_qk(transformer: nn.Module):
+    """Context manager yielding ``{layer index: {"q": (B,H,N,d), "k": ..., "kind", "attn"}}`` filled by the
+    first forward run inside it (later forwards are ignored)."""
+    records: dict[int, dict] = {}
+    handles = []
+    for index, attn in enumerate(self_attention_layers(transformer)):
+        slot: dict = {"kind": layer_kind(attn), "attn": attn}
+
+        def save(name, slot=slot):
+            def hook(module, args, output):
+                slot.setdefault(name, output.detach())
+            return hook
+
+        handles.append(attn.to_q.register_forward_hook(save("q_raw")))
+        handles.append(attn.to_k.register_forward_hook(save("k_raw")))
+        records[index] = slot
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+        for slot in records.values():
+            attn = slot["attn"]
+            if "q_raw" in slot:
+                slot["q"] = _apply_norm(getattr(attn, "norm_q", None), slot.pop("q_raw"), attn.heads)
+                slot["k"] = _apply_norm(getattr(attn, "norm_k", None), slot.pop("k_raw"), attn.heads)
+
+
+@torch.no_grad()
+def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_tokens: int = 1024,
+                         rtol: float = 1e-6) -> list[dict]:
+    """Run ``run()`` (one forward of ``transformer``) and return per-layer statistics.
+
+    Each entry: ``{"layer", "kind", "tokens", "heads", "rank", "rank_fraction", "entropy",
+    "max_entropy"}`` — rank and entropy (nats) averaged over batch and heads; ``max_entropy = log N`` is
+    the uniform map's entropy.
+    """
+    with capture_qk(transformer) as records:
+        run()
+    stats = []
+    for index, slot in records.items():
+        if "q" not in slot:
+            raise ValueError(f"self-attention layer {index} was not called by run()")
+        q, k, attn = slot["q"], slot["k"], slot["attn"]
+        n = q.shape[2]
+        if n > max_tokens:
+            raise ValueError(f"layer {index} has {n} tokens > max_tokens={max_tokens}: the N×N maps would be "
+                             "too large; use a smaller resolution or raise max_tokens")
+        if slot["kind"] == "mhla":
+            proc = attn.processor
+            maps = attention_matrix(q, k, "mhla", proc.context.layout(n), proc.mixing.weight.detach(),
+                                    proc.cfg.feature_map)
+        else:
+            maps = attention_matrix(q, k, slot["kind"])
+        rank = attention_rank(maps, rtol=rtol).double().mean().item()
+        stats.append({
+            "layer": index, "kind": slot["kind"], "tokens": n, "heads": q.shape[1],
+            "rank": rank, "rank_fraction": rank / n, "entropy": row_entropy(maps).mean().item(),
+            "max_entropy": float(torch.log(torch.tensor(float(n)))),
+        })
+    return stats
+
+
+def save_attention_statistics(stats: list[dict], json_path: str | os.PathLike, png_path=None,
+                              title: str = "") -> None:
+    """Write the statistics as JSON and (``png_path``) a two-panel plot: rank and entropy per layer."""
+    with open(json_path, "w") as f:
+        json.dump(stats, f, indent=2)
+    if png_path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [s["layer"] for s in stats]
+    fig, (ax_rank, ax_ent) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax_rank.plot(layers, [s["rank"] for s in stats], "o-")
+    ax_rank.axhline(stats[0]["tokens"], ls="--", c="gray", label="N (full rank)")
+    ax_rank.set(xlabel="layer", ylabel="rank", title="attention rank")
+    ax_rank.legend()
+    ax_ent.plot(layers, [s["entropy"] for s in stats], "o-")
+    ax_ent.axhline(stats[0]["max_entropy"], ls="--", c="gray", label="log N (uniform)")
+    ax_ent.set(xlabel="layer", ylabel="nats", title="mean row entropy")
+    ax_ent.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = None, frames: int = 3,
+                   timestep: int = 500, images: torch.Tensor | None = None,
+                   labels: torch.Tensor | None = None, seed: int = 0) -> dict:
+    """Forward kwargs for a DiT / SANA / Wan transformer: noised latents at ``timestep`` (DDPM linear
+    schedule, as DiT trains) from ``images`` ``(B, C, S, S)`` in [-1, 1] when given, else pure noise;
+    class labels (DiT) or random caption embeddings (SANA, Wan). ``size`` defaults to the model's
+    ``sample_size``; ``frames`` is the latent frame count for Wan."""
+    from diffusers import DDPMScheduler
+
+    from ..install import spec_for
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    base = spec_for(transformer).name
+    size = size or cfg.get("sample_size") or 8
+    spatial = (frames, size, size) if base == "wan" else (size, size)
+    shape = (batch, cfg.in_channels, *spatial)
+    noise = torch.randn(shape, generator=gen)
+    t = torch.full((batch,), timestep, dtype=torch.long)
+    x = noise if images is None else DDPMScheduler().add_noise(images[:batch], noise, t)
+    param = next(transformer.parameters())
+    x = x.to(param.device, param.dtype)
+    if base == "dit":
+        if labels is None:
+            labels = torch.arange(batch) % min(cfg.num_embeds_ada_norm, 10)
+        labels = labels[:batch].to(param.device)
+        return {"hidden_states": x, "timestep": t.to(param.device), "class_labels": labels}
+    text_dim = cfg.caption_channels if base == "sana" else cfg.text_dim
+    text = torch.randn(batch, 8, text_dim, generator=gen).to(param.device, param.dtype)
+    return {"hidden_states": x, "encoder_hidden_states": text, "timestep": t.to(param.device, param.dtype)}

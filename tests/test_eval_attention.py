@@ -1,0 +1,88 @@
+"""Per-layer attention statistics: capture matches what the processors compute, kinds, ranges."""
+
+import math
+
+import pytest
+import torch
+
+from mhla_gen.analysis import attention_matrix
+from mhla_gen.config import MHLAConfig
+from mhla_gen.install import install_mhla
+from mhla_gen.metrics.attention import (
+    attention_statistics,
+    capture_qk,
+    example_inputs,
+    save_attention_statistics,
+)
+from mhla_gen.testing import tiny_dit, tiny_sana
+
+
+def run_forward(model):
+    kwargs = example_inputs(model, batch=2, size=8)  # DiT (patch 2): 16 tokens; SANA (patch 1): 64
+    return lambda: model(**kwargs)
+
+
+@pytest.mark.parametrize("factory", [tiny_dit, tiny_sana])
+def test_captured_qk_are_what_the_mhla_kernel_sees(factory, monkeypatch):
+    model = install_mhla(factory().eval(), MHLAConfig(blocks=(2, 2)))
+    seen = []
+    for attn in (block.attn1 for block in model.transformer_blocks):
+        original = attn.processor.attend
+        monkeypatch.setattr(attn.processor, "attend",
+                            lambda q, k, v, original=original: seen.append((q, k)) or original(q, k, v))
+    with capture_qk(model) as records, torch.no_grad():
+        run_forward(model)()
+    assert len(records) == len(seen) == 2
+    for (q, k), slot in zip(seen, records.values()):
+        assert slot["kind"] == "mhla"
+        torch.testing.assert_close(slot["q"], q)
+        torch.testing.assert_close(slot["k"], k)
+
+
+def test_kinds_and_ranges():
+    softmax_model = tiny_dit().eval()
+    sana_model = tiny_sana().eval()
+    for model, kind, tokens in ((softmax_model, "softmax", 16), (sana_model, "linear", 64)):
+        stats = attention_statistics(model, run_forward(model))
+        assert [s["kind"] for s in stats] == [kind, kind]
+        for s in stats:
+            assert 1 <= s["rank"] <= s["tokens"] == tokens
+            assert 0 <= s["entropy"] <= s["max_entropy"] + 1e-9
+            assert s["max_entropy"] == pytest.approx(math.log(tokens))
+
+
+def test_one_block_mhla_equals_linear_attention_stats():
+    model = install_mhla(tiny_dit().eval(), MHLAConfig(blocks=(1, 1)))
+    stats = attention_statistics(model, run_forward(model))
+    with capture_qk(model) as records, torch.no_grad():
+        run_forward(model)()
+    for s, slot in zip(stats, records.values()):
+        linear = attention_matrix(slot["q"], slot["k"], "linear")
+        assert s["entropy"] == pytest.approx(
+            -(linear * linear.clamp_min(1e-300).log()).sum(-1).mean().item(), rel=1e-9)
+
+
+def test_too_many_tokens_and_outputs(tmp_path):
+    model = tiny_dit().eval()
+    with pytest.raises(ValueError, match="max_tokens"):
+        attention_statistics(model, run_forward(model), max_tokens=8)
+    stats = attention_statistics(model, run_forward(model))
+    save_attention_statistics(stats, tmp_path / "a.json", tmp_path / "a.png", title="tiny")
+    assert (tmp_path / "a.json").stat().st_size > 0 and (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_attention_stats_cli_on_a_saved_mhla_dit(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    model = install_mhla(tiny_dit(in_channels=1, out_channels=2), MHLAConfig(blocks=(2, 2)))
+    model.save_pretrained(tmp_path / "final")
+    spec = importlib.util.spec_from_file_location(
+        "eval_attention_stats", Path(__file__).resolve().parents[1] / "eval" / "attention_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stats = module.main(["--model", str(tmp_path / "final"), "--digits", "--size", "8", "--batch", "2"])
+    assert [s["kind"] for s in stats] == ["mhla", "mhla"]
+    written = json.loads((tmp_path / "attention_stats" / "attention_stats.json").read_text())
+    assert written == stats and (tmp_path / "attention_stats" / "attention_stats.png").exists()

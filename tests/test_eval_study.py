@@ -1,0 +1,27 @@
+"""eval/study.py --quick: three tiny DiTs (softmax, linear, MHLA) trained, sampled, scored, tabulated."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_study_quick(tmp_path):
+    spec = importlib.util.spec_from_file_location("eval_study", ROOT / "eval" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    results = module.main(["--quick", "--out", str(tmp_path)])
+    assert [r["attention"] for r in results] == ["softmax", "linear", "mhla"]
+    kinds = {r["attention"]: {s["kind"] for s in r["attention_stats"]["per_layer"]} for r in results}
+    assert kinds == {"softmax": {"softmax"}, "linear": {"mhla"}, "mhla": {"mhla"}}  # linear = 1-block MHLA
+    # identical size: MHLA adds only its M×M mixing matrix per layer (M = 1 for linear, 2×2 = 4 blocks here)
+    sizes = [r["parameters"] for r in results]
+    assert sizes[1] - sizes[0] == 1 and sizes[2] - sizes[0] == 16
+    table = (tmp_path / "study.md").read_text()
+    assert table.count("\n| ") == 4 and "FID" in table  # header + 3 rows
+    assert (tmp_path / "study_samples.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "study.json").read_text())
+    assert all(r["fid_digits"] >= 0 and r["train_images_per_s"] > 0 for r in saved["results"])
