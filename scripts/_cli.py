@@ -26,4 +26,5 @@ def parse_run_args(
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
     return load_config(schema, args.config, args.overrides)

@@ -6,7 +6,10 @@ fp32 accumulation like the MHLA path) and MHLA (:func:`mhla_gen.mhla_attention`)
 grid ``√N × √N`` cut into ``√M × √M`` blocks.
 
 Timing: every repetition runs all methods of one ``N`` back to back (interleaved), so a machine that
-slows down hurts all of them alike. Times are medians; ratios are medians of the per-repetition
+slows down hurts all of them alike. Each timed call directly follows an untimed call of the same
+method: otherwise whichever method runs first after a large free (SDPA's N×N matrix) pays for
+re-growing the allocator's heap (page faults, tens of ms on CPU) and the next one reuses its pages.
+Times are medians; ratios are medians of the per-repetition
 ratios. "fwd" runs under ``torch.no_grad()`` (inference); "fwd+bwd" takes the gradients of q, k, v
 (and the mixing matrix) for a fixed random output gradient.
 
@@ -171,8 +174,12 @@ def time_size(n: int, args, device, dtype) -> list[dict]:
     fwd_bwd = {name: [] for name in methods if methods[name][2]}
     for rep in range(args.warmup + args.repeats):
         for name, (fn, inputs, backward) in methods.items():
+            time_forward(fn, inputs, device)  # allocator warm-up for this method (see module docstring)
             t_fwd = time_forward(fn, inputs, device)
-            t_fb = time_forward_backward(fn, inputs, grad_out, device) if backward else None
+            t_fb = None
+            if backward:
+                time_forward_backward(fn, inputs, grad_out, device)
+                t_fb = time_forward_backward(fn, inputs, grad_out, device)
             if rep >= args.warmup:
                 fwd[name].append(t_fwd)
                 if backward:
