@@ -17,7 +17,9 @@ Training step = forward + MSE loss + backward + AdamW step (+ the mixing clamp f
 forward under inference_mode.
 Each measurement is the best of ``--reps`` timed runs after one warm-up (on a shared machine the fastest
 run is the least disturbed one), with the three models interleaved inside every repetition so machine
-noise hits them alike. Prints Markdown tables (items/s).
+noise hits them alike. Each timed run directly follows an untimed run of the same model, so no model pays
+for re-growing the allocator's heap after another one's large free (softmax's N×N scores).
+Prints Markdown tables (items/s).
 """
 
 from __future__ import annotations
@@ -125,11 +127,10 @@ def bench_size(models, optimizers, tokens, args, dtype):
         for model in models.values():
             model.train(kind == "train")
         times = {name: [] for name in models}
-        for rep in range(args.reps + 1):  # rep 0 is the warm-up
+        for _ in range(args.reps):
             for name in models:
-                elapsed = timed(lambda step=step, name=name: step(name), args.device)
-                if rep:
-                    times[name].append(elapsed)
+                step(name)  # untimed: warms this model's allocations (see the module docstring)
+                times[name].append(timed(lambda step=step, name=name: step(name), args.device))
         result[kind] = {name: args.batch / min(ts) for name, ts in times.items()}
     return result
 

@@ -187,8 +187,8 @@ class MHLAFunction(torch.autograd.Function):
         torch.bmm(fq.flatten(0, 2), mixed.flatten(0, 2), out=num.flatten(0, 2))
         out = _divide_from_blocks(num, den, layout, q.dtype)  # (B, H, N, e)
         del vb, num
-        # S is only needed for ∂W; once it is as large as v (M·d >= N) recompute it instead of keeping it
-        keep = summaries if layout.num_blocks * q.shape[-1] < layout.num_tokens else None
+        # S is only needed for ∂W: keep it while it is no larger than v (M·d <= N), else recompute it
+        keep = summaries if layout.num_blocks * q.shape[-1] <= layout.num_tokens else None
         ctx.save_for_backward(q, k, v, mixing, keep, mixed, norms, mixed_norms, den, out)
         ctx.layout, ctx.phi, ctx.normalize = layout, phi, normalize
         return out
