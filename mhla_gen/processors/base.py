@@ -62,6 +62,16 @@ class MHLAProcessor(nn.Module):
         self.cpe = ConvPositionEncoding(inner_dim, cfg.cpe_kernel, ndim) if cfg.cpe_kernel else None
         self.gate = OutputGate(in_dim, inner_dim, cfg.gate_activation) if cfg.gate else None
 
+    @staticmethod
+    def check_self_attention(encoder_hidden_states, attention_mask, base: str) -> None:
+        """MHLA replaces self-attention only, and linear attention cannot apply an attention mask."""
+        if encoder_hidden_states is not None:
+            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
+        if attention_mask is not None:
+            raise ValueError(
+                f"MHLA (linear attention) cannot apply an attention_mask; {base} never passes one"
+            )
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """MHLA of ``(B, heads, N, d)`` q, k, v on the current grid -> ``(B, heads, N, d)``."""
         from ..ops import mhla_attention

@@ -30,10 +30,7 @@ class DiTMHLAProcessor(MHLAProcessor):
         **unused,
     ) -> torch.Tensor:
         """hidden_states ``(B, N, C)`` (or ``(B, C, H, W)``) -> same shape."""
-        if encoder_hidden_states is not None:
-            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
-        if attention_mask is not None:
-            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; DiT never passes one")
+        self.check_self_attention(encoder_hidden_states, attention_mask, "DiT")
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)

@@ -27,10 +27,7 @@ class SanaMHLAProcessor(MHLAProcessor):
         **unused,
     ) -> torch.Tensor:
         """hidden_states ``(B, N, C)`` -> ``(B, N, C)``."""
-        if encoder_hidden_states is not None:
-            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
-        if attention_mask is not None:
-            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; SANA never passes one")
+        self.check_self_attention(encoder_hidden_states, attention_mask, "SANA")
         original_dtype = hidden_states.dtype
         layer_input = hidden_states  # (B, N, C): what the gate reads
         query = attn.to_q(hidden_states)

@@ -115,10 +115,7 @@ class WanMHLAProcessor(MHLAProcessor):
         **unused,
     ) -> torch.Tensor:
         """hidden_states ``(B, N, C)`` in row-major ``(f h w)`` token order -> ``(B, N, C)``."""
-        if encoder_hidden_states is not None:
-            raise ValueError("MHLA replaces self-attention only; got encoder_hidden_states (cross-attention)")
-        if attention_mask is not None:
-            raise ValueError("MHLA (linear attention) cannot apply an attention_mask; Wan never passes one")
+        self.check_self_attention(encoder_hidden_states, attention_mask, "Wan")
         layer_input = hidden_states  # (B, N, C): what the gate reads
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, N, heads * d) each
         query = attn.norm_q(query)  # RMSNorm across all heads, before the head split (as Wan does)
