@@ -183,54 +183,65 @@ class BlockLayout:
         flat = xb.reshape(*batch, m * lmax, d)
         return flat.index_select(len(batch), self.slot_index_on(xb.device))
 
-    def copy_to_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def copy_to_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
         """Like :meth:`to_blocks` but one fused copy (with dtype cast) into a fresh buffer; no autograd.
 
         For even layouts the block-major buffer is written through a permuted view of ``x``, so a
-        half-precision input is cast and reordered in a single pass.
+        half-precision input is cast and reordered in a single pass. ``out``: a ``(*batch, M, L_max, d)``
+        buffer (any strides, e.g. a column slice of a wider buffer) to write into instead.
         """
-        dtype = dtype or x.dtype
+        dtype = out.dtype if out is not None else dtype or x.dtype
         if not self.is_even:
-            return self.to_blocks(x.to(dtype))
+            blocks = self.to_blocks(x.to(dtype))
+            return blocks if out is None else out.copy_(blocks)
         *batch, n, d = x.shape
         self.check_tokens(n)
-        out = torch.empty(*batch, self.num_blocks, self.max_block_len, d, dtype=dtype, device=x.device)
+        if out is None:
+            out = torch.empty(*batch, self.num_blocks, self.max_block_len, d, dtype=dtype, device=x.device)
         self.block_split_view(out).copy_(self.token_split_view(x))
         return out
 
-    def copy_from_blocks(self, xb: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Like :meth:`from_blocks` but one fused copy (with dtype cast); no autograd."""
-        dtype = dtype or xb.dtype
+    def copy_from_blocks(self, xb: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
+        """Like :meth:`from_blocks` but one fused copy (with dtype cast); no autograd.
+
+        ``out``: a ``(*batch, N, d)`` buffer (any strides) to write into instead of a fresh one.
+        """
+        dtype = out.dtype if out is not None else dtype or xb.dtype
         if not self.is_even:
-            return self.from_blocks(xb).to(dtype)
+            tokens = self.from_blocks(xb).to(dtype)
+            return tokens if out is None else out.copy_(tokens)
         *batch, _, _, d = xb.shape
-        out = torch.empty(*batch, self.num_tokens, d, dtype=dtype, device=xb.device)
+        if out is None:
+            out = torch.empty(*batch, self.num_tokens, d, dtype=dtype, device=xb.device)
         self.token_split_view(out).copy_(self.block_split_view(xb))
         return out
 
     # Even layouts only: a token-order tensor and a block-major tensor seen as the same logical
     # ``(*batch, b0, b1, .., s0, s1, .., d)`` array (``b`` blocks, ``s`` tokens per block, per axis),
     # so an elementwise op with ``out=`` reorders while it computes: the fast path fuses φ, the
-    # normaliser and φ' into the reordering copies.
+    # normaliser and φ' into the reordering copies. Both accept any strides (``view`` only splits the
+    # token / block axes), e.g. heads-interleaved ``(B, N, H, d)`` memory seen as ``(B, H, N, d)``.
 
     def block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
         """Block-major ``(*batch, M, L, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
-        sub = self._even_sub_sizes()
-        return xb.view(*xb.shape[:-3], *self.blocks, *sub, xb.shape[-1])
+        return xb.view(*xb.shape[:-3], *self._split_shapes[0], xb.shape[-1])
 
     def token_split_view(self, x: torch.Tensor) -> torch.Tensor:
         """Token-order ``(*batch, N, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
-        sub = self._even_sub_sizes()
-        split = x.view(*x.shape[:-2], *[v for pair in zip(self.blocks, sub) for v in pair], x.shape[-1])
+        _, token_split, order = self._split_shapes
+        split = x.view(*x.shape[:-2], *token_split, x.shape[-1])
         nb = x.dim() - 2  # (*batch, b0, s0, b1, s1, .., d) -> (*batch, b0, b1, .., s0, s1, .., d)
-        block_axes = [nb + 2 * a for a in range(self.ndim)]
-        sub_axes = [nb + 2 * a + 1 for a in range(self.ndim)]
-        return split.permute(*range(nb), *block_axes, *sub_axes, split.dim() - 1)
+        return split.permute(*range(nb), *(nb + a for a in order), split.dim() - 1)
 
-    def _even_sub_sizes(self) -> list[int]:
+    @cached_property
+    def _split_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(b0, b1, .., s0, s1, ..)``, ``(b0, s0, b1, s1, ..)`` and the permutation between them."""
         if not self.is_even:
             raise ValueError(f"split views need an evenly divisible layout, got {self}")
-        return [g // b for g, b in zip(self.grid, self.blocks)]
+        sub = [g // b for g, b in zip(self.grid, self.blocks)]
+        token_split = tuple(v for pair in zip(self.blocks, sub) for v in pair)
+        order = tuple(2 * a for a in range(self.ndim)) + tuple(2 * a + 1 for a in range(self.ndim))
+        return (*self.blocks, *sub), token_split, order
 
     def block_mask(self, device=None) -> torch.Tensor:
         """Bool ``(M, L_max)``: True where a block-major slot holds a real token."""

@@ -15,10 +15,14 @@ latents of 32 / 64 / 128 pixels. Three identical copies differ only in the ``att
 
 Training step = forward + MSE loss + backward + AdamW step (+ the mixing clamp for MHLA); inference =
 forward under inference_mode.
-Each measurement is the best of ``--reps`` timed runs after one warm-up (on a shared machine the fastest
-run is the least disturbed one), with the three models interleaved inside every repetition so machine
-noise hits them alike. Each timed run directly follows an untimed run of the same model, so no model pays
-for re-growing the allocator's heap after another one's large free (softmax's N×N scores).
+
+Timing: ``--reps`` repetitions; in each, the three models run back to back (interleaved), so a machine
+that slows down hurts all of them alike. One sample times enough consecutive steps to last at least
+``--min-sample-s`` (step counts are fixed per model and size from the warm-up), so small sizes are not
+one short, jittery call. Each sample directly follows an untimed step of the same model, so no model
+pays for re-growing the allocator's heap after another one's large free (softmax's N×N scores).
+Throughput is ``batch`` over the median time per step; ratios are medians of the per-repetition ratios
+(as ``bench_attention.py``), which cancels drift that the interleaving leaves.
 Prints Markdown tables (items/s).
 """
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--min-sample-s", type=float, default=0.3,
+                        help="each timed sample repeats the step until it lasts at least this long")
     parser.add_argument("--blocks", type=int, nargs=2, default=[4, 4])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
@@ -59,8 +67,8 @@ def parse_args(argv=None):
         side = round(n**0.5)
         if side * side != n:
             parser.error(f"--tokens must be square numbers (a side x side token grid), got {n}")
-    if args.depth < 1 or args.batch < 1 or args.reps < 1:
-        parser.error("--depth, --batch and --reps must be positive")
+    if args.depth < 1 or args.batch < 1 or args.reps < 1 or args.min_sample_s < 0:
+        parser.error("--depth, --batch and --reps must be positive, --min-sample-s not negative")
     return args
 
 
@@ -97,15 +105,18 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device) -> float:
+def timed(fn, device, steps: int = 1) -> float:
+    """Seconds per call of ``fn`` over ``steps`` consecutive calls."""
     sync(device)
     start = time.perf_counter()
-    fn()
+    for _ in range(steps):
+        fn()
     sync(device)
-    return time.perf_counter() - start
+    return (time.perf_counter() - start) / steps
 
 
 def bench_size(models, optimizers, tokens, args, dtype):
+    """``{kind: {"items_s": {model: items/s}, "ratio": {(a, b): median of per-rep time_b / time_a}}}``."""
     x, target, t, y = make_batch(tokens, args.batch, args.device, dtype)
 
     def train_step(name):
@@ -126,12 +137,23 @@ def bench_size(models, optimizers, tokens, args, dtype):
     for kind, step in (("train", train_step), ("infer", infer)):
         for model in models.values():
             model.train(kind == "train")
+        steps = {}
+        for name in models:  # warm-up; its duration sizes the samples
+            step(name)
+            warm_s = timed(lambda n=name, f=step: f(n), args.device)
+            steps[name] = max(1, math.ceil(args.min_sample_s / warm_s))
         times = {name: [] for name in models}
         for _ in range(args.reps):
             for name in models:
                 step(name)  # untimed: warms this model's allocations (see the module docstring)
-                times[name].append(timed(lambda step=step, name=name: step(name), args.device))
-        result[kind] = {name: args.batch / min(ts) for name, ts in times.items()}
+                times[name].append(timed(lambda n=name, f=step: f(n), args.device, steps[name]))
+        result[kind] = {
+            "items_s": {name: args.batch / statistics.median(ts) for name, ts in times.items()},
+            "ratio": {
+                (a, b): statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+                for a, b in (("mhla", "linear"), ("mhla", "softmax"))
+            },
+        }
     return result
 
 
@@ -142,8 +164,9 @@ def markdown(results, kind: str) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for tokens, r in results.items():
-        s, lin, m = (r[kind][name] for name in MODES)
-        lines.append(f"| {tokens} | {s:.2f} | {lin:.2f} | {m:.2f} | {m / lin:.2f}x | {m / s:.2f}x |")
+        s, lin, m = (r[kind]["items_s"][name] for name in MODES)
+        vs_linear, vs_softmax = r[kind]["ratio"][("mhla", "linear")], r[kind]["ratio"][("mhla", "softmax")]
+        lines.append(f"| {tokens} | {s:.2f} | {lin:.2f} | {m:.2f} | {vs_linear:.2f}x | {vs_softmax:.2f}x |")
     return "\n".join(lines)
 
 
@@ -161,7 +184,8 @@ def main(argv=None):
 
     print(
         f"DiT-S/2 shapes (hidden 384, 12 heads x 32), depth {args.depth}, batch {args.batch}, {args.dtype}, "
-        f"{args.device}, {torch.get_num_threads()} threads, best of {args.reps}; "
+        f"{args.device}, {torch.get_num_threads()} threads, medians of {args.reps} interleaved repetitions "
+        f"(samples >= {args.min_sample_s} s); "
         f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0\n"
     )
     print("Training step (forward + backward + AdamW):\n")

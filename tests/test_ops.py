@@ -196,30 +196,48 @@ def _poisoned(allocate):
     return lambda *args, **kwargs: allocate(*args, **kwargs).fill_(float("nan"))
 
 
-def test_uninitialised_buffers_never_leak(monkeypatch, make_qkv, random_mixing):
+@pytest.mark.parametrize("feature_map", ["relu", "elu+1"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_uninitialised_buffers_never_leak(monkeypatch, feature_map, normalize, make_qkv, random_mixing):
     """NaN-fill every uninitialised buffer the fast path makes: results must not change."""
     for grid, blocks in [((6, 8), (2, 4)), ((7, 5), (3, 2)), ((3, 5, 6), (2, 2, 3))]:
         layout = BlockLayout(grid, blocks)
         q, k, v = make_qkv(layout.num_tokens, value_dim=5, grad=True)
         mixing = random_mixing(layout)
-        clean = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout, feature_map="elu+1")
+        kwargs = dict(layout=layout, feature_map=feature_map, normalize=normalize)
+        clean = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
         for owner, name in [(torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")]:
             monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))
-        poisoned = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout, feature_map="elu+1")
+        poisoned = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
         monkeypatch.undo()
         for a, b in zip(clean, poisoned):
             assert torch.isfinite(b).all()
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_non_contiguous_inputs(make_qkv, random_mixing):
-    """diffusers hands over q, k, v as (B, N, H, d).transpose(1, 2) views."""
-    layout = BlockLayout((6, 8), (2, 4))
-    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_qkv(48))
+def _heads_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, c)`` with ``(B, N, H, c)`` memory, as diffusers processors hand q, k, v over."""
+    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixing):
+    """(B, N, H, d).transpose(1, 2) views: exact values and gradients, and the output and gradients keep
+    that memory layout on even grids (merging heads afterwards is then a view, not a copy)."""
+    layout = BlockLayout(grid, blocks)
+    q, k, v = (_heads_interleaved(t) for t in make_qkv(layout.num_tokens, value_dim=5, grad=True))
     assert not q.is_contiguous()
-    mixing = random_mixing(layout, grad=False)
-    expected = mhla_dense(q, k, v, layout, mixing)
-    torch.testing.assert_close(mhla_attention(q, k, v, layout, mixing), expected)
+    mixing = random_mixing(layout)
+    kwargs = dict(layout=layout, normalize=normalize)
+    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
+    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
+    if layout.is_even:
+        for result, like in zip(got, (v, q, k, v)):
+            assert result.stride() == like.stride()
+        batch, heads, tokens, width = got[0].shape
+        merged = got[0].transpose(1, 2).reshape(batch, tokens, heads * width)
+        assert merged.data_ptr() == got[0].data_ptr()  # a view
 
 
 def _bad_call(**override):

@@ -97,7 +97,7 @@ def _phi_vjp_from_blocks(grad_blocks, x, layout: BlockLayout, phi, phi_blocks=No
     unavailable (half precision, uneven layouts).
     """
     if _fused_phi_vjp(x, layout, phi, grad_blocks.dtype):  # φ' fused into the reordering copy
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = torch.empty_like(x)  # x's strides (dense inputs), as the other gradients
         torch.ops.aten.threshold_backward.grad_input(
             layout.block_split_view(grad_blocks), layout.token_split_view(x), 0,
             grad_input=layout.token_split_view(out),
@@ -113,32 +113,65 @@ def _phi_vjp_from_blocks(grad_blocks, x, layout: BlockLayout, phi, phi_blocks=No
     return out.to(x.dtype)
 
 
-def _divide_to_blocks(x: torch.Tensor, den: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """``to_blocks(x) / den`` for token-order x ``(B, H, N, e)`` and block-major den ``(B, H, M, L, 1)``."""
-    if not layout.is_even:
-        return layout.to_blocks(x.to(den.dtype)).div_(den)
-    out = den.new_empty(*den.shape[:-1], x.shape[-1])
-    torch.div(layout.token_split_view(x), layout.block_split_view(den), out=layout.block_split_view(out))
-    return out
+def _values_blocks(v: torch.Tensor, layout: BlockLayout, dtype, ones_column: bool) -> torch.Tensor:
+    """Block-major ``v`` ``(B, H, M, L, e)``, plus a column of ones ``(..., e + 1)`` when ``ones_column``.
+
+    With the ones column, ``φ(K_j)ᵀ [V_j 1]`` holds ``S_j`` and ``z_j`` side by side, so one GEMM chain
+    yields numerator and denominator together (as SANA's processor pads v). Padded slots of uneven
+    layouts may hold ones: their ``φ(k)`` rows are zero.
+    """
+    e = v.shape[-1]
+    if not ones_column:
+        return layout.copy_to_blocks(v, dtype)
+    vb = v.new_empty(*v.shape[:-2], layout.num_blocks, layout.max_block_len, e + 1, dtype=dtype)
+    layout.copy_to_blocks(v, out=vb[..., :e])
+    vb[..., e].fill_(1)
+    return vb
 
 
-def _divide_from_blocks(num: torch.Tensor, den: torch.Tensor, layout: BlockLayout, dtype) -> torch.Tensor:
-    """``from_blocks(num / den)`` in ``dtype``; fp16 is clipped to its range first (as ``cast_output``)."""
-    if not layout.is_even or dtype == torch.float16:
-        out = num.div_(den) if den is not None else num
-        if dtype == torch.float16:
-            out = out.clamp_(-65504, 65504)
-        return layout.copy_from_blocks(out, dtype)
-    if den is None:
-        return layout.copy_from_blocks(num, dtype)
-    out = torch.empty(*num.shape[:-3], layout.num_tokens, num.shape[-1], dtype=dtype, device=num.device)
-    torch.div(layout.block_split_view(num), layout.block_split_view(den), out=layout.token_split_view(out))
-    return out
+def _token_like(v: torch.Tensor, dtype) -> torch.Tensor:
+    """An empty ``v``-shaped tensor with ``v``'s strides when they are dense (processors hand in
+    heads-interleaved ``(B, N, H, e)`` memory, so merging heads afterwards is a free view)."""
+    return torch.empty_like(v, dtype=dtype)
+
+
+def _divide_to_blocks(x, den, layout: BlockLayout, out) -> None:
+    """``out = to_blocks(x) / den`` for token-order x ``(B, H, N, c)``, block-major den ``(B, H, M, L, 1)``;
+    ``out`` a block-major ``(B, H, M, L, c)`` buffer (any strides)."""
+    if layout.is_even:
+        torch.div(layout.token_split_view(x), layout.block_split_view(den), out=layout.block_split_view(out))
+    else:
+        torch.div(layout.to_blocks(x.to(out.dtype)), den, out=out)
+
+
+def _divide_from_blocks(num, den, layout: BlockLayout, out) -> torch.Tensor:
+    """``out = from_blocks(num / den)`` (``den`` None: no division) in out's dtype; fp16 is clipped to its
+    range first (as ``cast_output``)."""
+    if layout.is_even and out.dtype != torch.float16:
+        if den is None:
+            return layout.copy_from_blocks(num, out=out)
+        num_view, den_view = layout.block_split_view(num), layout.block_split_view(den)
+        torch.div(num_view, den_view, out=layout.token_split_view(out))
+        return out
+    num = num / den if den is not None else num
+    if out.dtype == torch.float16:
+        num = num.clamp(-65504, 65504)
+    return layout.copy_from_blocks(num, out=out)
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1, keepdim=True)`` as a batched GEMV (no ``(..., e)`` temporary; ~4x faster on CPU)."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1)
+    """``(a * b).sum(-1, keepdim=True)`` for ``(..., c)`` tensors, as one batched GEMV without temporaries.
+
+    When a and b share dense strides (e.g. both heads-interleaved) the rows are walked in memory order,
+    so the GEMV reads them in place; the result ``(..., 1)`` has the matching strides.
+    """
+    order = sorted(range(a.dim() - 1), key=a.stride, reverse=True)  # leading dims, outermost first
+    a_mem, b_mem = a.permute(*order, -1), b.permute(*order, -1)
+    if a.stride() != b.stride() or not a_mem.is_contiguous():
+        a_mem, b_mem = a_mem.contiguous(), b_mem.contiguous()
+    c = a.shape[-1]
+    rows = torch.bmm(a_mem.view(-1, 1, c), b_mem.view(-1, c, 1)).view(*a_mem.shape[:-1], 1)
+    return rows.permute(*sorted(range(a.dim() - 1), key=order.__getitem__), -1)
 
 
 def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -163,97 +196,92 @@ class MHLAFunction(torch.autograd.Function):
     """Non-causal MHLA with a memory-lean backward.
 
     ``MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)``; ``phi`` a callable feature map.
-    Saved for backward: the output, ``S̃``, ``z``, ``z̃``, the ``(B, H, M, L, 1)`` denominators and
-    ``S`` while it is smaller than ``v`` (``M·d < N``; else backward recomputes it for ∂W);
+
+    With ``normalize`` the values carry a column of ones (:func:`_values_blocks`), so ``S`` and ``z``
+    travel together as ``Ŝ = φ(K)ᵀ [V 1]`` ``(B, H, M, d, e + 1)``: forward is three batched GEMMs
+    (summaries, mixing, queries) and the last column of the result is the denominator; in backward
+    ``∂num`` and ``∂den`` sit side by side in one ``(..., e + 1)`` gradient, which the same three GEMMs
+    carry back. The output (and each input gradient) takes the strides of v (of q, k, v).
+    Saved for backward: the output, the mixed summaries ``W Ŝ``, the ``(B, H, M, L, 1)`` denominators
+    and ``Ŝ`` while it is no larger than ``v`` (``M·d <= N``; else backward recomputes it for ∂W);
     ``φ(q)``, ``φ(k)`` and ``v`` are rebuilt in block-major order from the inputs.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout: BlockLayout, phi, normalize: bool, eps: float):
         acc = accumulation_dtype(q.dtype)
+        e = v.shape[-1]
         w = mixing.to(acc)
         fq = _phi_blocks(q, layout, phi, acc)  # (B, H, M, L, d)
         fk = _phi_blocks(k, layout, phi, acc)
-        vb = layout.copy_to_blocks(v, acc)  # (B, H, M, L, e)
-        summaries = fk.transpose(-1, -2) @ vb  # S: (B, H, M, d, e)
-        mixed = _mix(w, summaries)  # S̃
-        norms = mixed_norms = den = None
-        if normalize:
-            norms = fk.sum(dim=-2)  # z: (B, H, M, d)
-            mixed_norms = _mix(w, norms)  # z̃
-            den = (fq @ mixed_norms.unsqueeze(-1)).add_(eps)  # (B, H, M, L, 1)
+        vb = _values_blocks(v, layout, acc, ones_column=normalize)  # (B, H, M, L, e [+ 1])
+        summaries = fk.transpose(-1, -2) @ vb  # Ŝ = [S z]: (B, H, M, d, e [+ 1])
         del fk
-        num = vb  # (B, H, M, L, e) into v's dead buffer (bmm: matmul's out= would copy through a temp)
+        mixed = _mix(w, summaries)  # W Ŝ = [S̃ z̃]
+        num = vb  # (B, H, M, L, e [+ 1]) into v's dead buffer (bmm: matmul's out= would copy through a temp)
         torch.bmm(fq.flatten(0, 2), mixed.flatten(0, 2), out=num.flatten(0, 2))
-        out = _divide_from_blocks(num, den, layout, q.dtype)  # (B, H, N, e)
+        del fq
+        den = num[..., e:] + eps if normalize else None  # φ(q)ᵀ z̃ + eps: (B, H, M, L, 1)
+        out = _divide_from_blocks(num[..., :e], den, layout, _token_like(v, q.dtype))  # (B, H, N, e)
         del vb, num
-        # S is only needed for ∂W: keep it while it is no larger than v (M·d <= N), else recompute it
+        # Ŝ is only needed for ∂W: keep it while it is no larger than v (M·d <= N), else recompute it
         keep = summaries if layout.num_blocks * q.shape[-1] <= layout.num_tokens else None
-        ctx.save_for_backward(q, k, v, mixing, keep, mixed, norms, mixed_norms, den, out)
+        ctx.save_for_backward(q, k, v, mixing, keep, mixed, den, out)
         ctx.layout, ctx.phi, ctx.normalize = layout, phi, normalize
         return out
 
     @staticmethod
     @once_differentiable  # the hand-written backward is not itself differentiable (no double backward)
     def backward(ctx, grad_out):
-        q, k, v, mixing, summaries, mixed, norms, mixed_norms, den, out = ctx.saved_tensors
+        q, k, v, mixing, summaries, mixed, den, out = ctx.saved_tensors
         layout, phi, normalize = ctx.layout, ctx.phi, ctx.normalize
         acc = mixed.dtype
+        e = v.shape[-1]
         w = mixing.to(acc)
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
 
-        g_den = None
+        # out = num / den  =>  ∂num = g / den,  ∂den = -(g · out) / den, side by side like [num den]
+        g_num = grad_out.new_empty(*mixed.shape[:3], layout.max_block_len, mixed.shape[-1], dtype=acc)
         if normalize:
-            # out = num / den  =>  ∂num = g / den,  ∂den = -(g · out) / den
-            g_num = _divide_to_blocks(grad_out, den, layout)  # (B, H, M, L, e)
+            _divide_to_blocks(grad_out, den, layout, out=g_num[..., :e])
             row_dot = _row_dot(grad_out.to(acc), out.to(acc))  # (B, H, N, 1)
-            g_den = layout.copy_to_blocks(row_dot).div_(den).neg_()  # (B, H, M, L, 1)
+            _divide_to_blocks(row_dot, den, layout, out=g_num[..., e:])
+            g_num[..., e:].neg_()
         else:
-            g_num = layout.copy_to_blocks(grad_out, acc)
+            layout.copy_to_blocks(grad_out, out=g_num)
 
-        fq = _phi_blocks(q, layout, phi, acc)
+        fq = _phi_blocks(q, layout, phi, acc)  # (B, H, M, L, d)
         grad_q = grad_k = grad_v = grad_w = None
         if need_q:
-            g_fq = g_num @ mixed.transpose(-1, -2)  # (B, H, M, L, d)
-            if normalize:  # + ∂den ⊗ z̃ as an in-place rank-1 update per block
-                g_fq.flatten(0, 2).baddbmm_(g_den.flatten(0, 2), mixed_norms.flatten(0, 2).unsqueeze(-2))
+            g_fq = g_num @ mixed.transpose(-1, -2)  # (B, H, M, L, d), the ∂den ⊗ z̃ term included
             grad_q = _phi_vjp_from_blocks(g_fq, q, layout, phi, phi_blocks=fq)
             del g_fq
-        g_mixed = fq.transpose(-1, -2) @ g_num  # ∂S̃: (B, H, M, d, e)
-        g_mixed_norms = (fq.transpose(-1, -2) @ g_den).squeeze(-1) if normalize else None  # ∂z̃
-        del fq, g_num, g_den
+        g_mixed = fq.transpose(-1, -2) @ g_num  # ∂(W Ŝ): (B, H, M, d, e [+ 1])
+        del fq, g_num
         fk = vb = None
         if need_w:
-            if summaries is None:  # not kept by forward: rebuild φ(k), v (reused below) and S
-                fk, vb = _phi_blocks(k, layout, phi, acc), layout.copy_to_blocks(v, acc)
+            if summaries is None:  # not kept by forward: rebuild φ(k), v (reused below) and Ŝ
+                fk = _phi_blocks(k, layout, phi, acc)
+                vb = _values_blocks(v, layout, acc, ones_column=normalize)
                 summaries = fk.transpose(-1, -2) @ vb
-            grad_w = _mix_grad(g_mixed, summaries)
+            grad_w = _mix_grad(g_mixed, summaries).to(mixing.dtype)
             del summaries
-            if normalize:
-                grad_w = grad_w + _mix_grad(g_mixed_norms, norms)
-            grad_w = grad_w.to(mixing.dtype)
         if need_k or need_v:
-            wt = w.transpose(0, 1)
-            g_summaries = _mix(wt, g_mixed)  # ∂S: (B, H, M, d, e)
+            g_summaries = _mix(w.transpose(0, 1), g_mixed)  # ∂Ŝ: (B, H, M, d, e [+ 1])
             del g_mixed
             if fk is None and need_k and not _fused_phi_vjp(k, layout, phi, acc):
                 fk = _phi_blocks(k, layout, phi, acc)  # ReLU' read off φ(k); kept for ∂v
             if need_k:
-                vb = layout.copy_to_blocks(v, acc) if vb is None else vb
-                g_fk_t = g_summaries.transpose(-1, -2)
-                if normalize:  # ∂z broadcast over each block's tokens, added by the GEMM (beta = 1)
-                    g_fk = torch.baddbmm(_mix(wt, g_mixed_norms).flatten(0, 2).unsqueeze(-2),
-                                         vb.flatten(0, 2), g_fk_t.flatten(0, 2)).view(*vb.shape[:-1], -1)
-                else:
-                    g_fk = vb @ g_fk_t  # (B, H, M, L, d)
+                vb = _values_blocks(v, layout, acc, ones_column=normalize) if vb is None else vb
+                g_fk = vb @ g_summaries.transpose(-1, -2)  # (B, H, M, L, d), ∂z via the ones column
                 del vb
                 grad_k = _phi_vjp_from_blocks(g_fk, k, layout, phi, phi_blocks=fk)
                 del g_fk
             if need_v:
                 fk = _phi_blocks(k, layout, phi, acc) if fk is None else fk
-                g_vb = fk @ g_summaries  # (B, H, M, L, e)
+                g_vb = fk @ g_summaries[..., :e]  # (B, H, M, L, e)
                 del fk, g_summaries  # before the output copy: lowers the peak by two (N·d)-sized buffers
-                grad_v = layout.copy_from_blocks(g_vb, v.dtype)
+                grad_v = layout.copy_from_blocks(g_vb, out=_token_like(v, v.dtype))
         return grad_q, grad_k, grad_v, grad_w, None, None, None, None
 
 

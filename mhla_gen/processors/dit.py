@@ -59,6 +59,7 @@ class DiTMHLAProcessor(MHLAProcessor):
             key = attn.norm_k(key)
 
         hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d)
+        # (B, heads, N, d) -> (B, N, heads * d): a view, the output has the strides of the (B, N, C) value
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = self.apply_extras(hidden_states, value, layer_input)
 
@@ -68,7 +69,9 @@ class DiTMHLAProcessor(MHLAProcessor):
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
         if attn.residual_connection:
             hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
+        if attn.rescale_output_factor != 1.0:  # x / 1.0 == x exactly; skipping it saves a pass and its grad
+            hidden_states = hidden_states / attn.rescale_output_factor
+        return hidden_states
 
 
 def _make_processor(attn: Attention, cfg, context) -> DiTMHLAProcessor:

@@ -1,0 +1,66 @@
+"""The benchmark scripts run end to end on tiny sizes and print complete tables (numbers are not checked:
+timings belong to the scripts' own runs, not to unit tests)."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table_rows(text: str, first_cell: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if re.match(rf"\|\s*{first_cell}\s*\|", line)
+    ]
+
+
+def test_bench_models_prints_both_tables(capsys):
+    bench = load("bench_models")
+    bench.main(["--depth", "1", "--tokens", "16", "64", "--batch", "1", "--reps", "2", "--min-sample-s", "0",
+                "--blocks", "2", "2"])
+    out = capsys.readouterr().out
+    for tokens in ("16", "64"):
+        rows = _table_rows(out, tokens)
+        assert len(rows) == 2  # training and inference
+        for row in rows:
+            throughputs = [float(cell) for cell in row[1:4]]
+            ratios = [float(cell.rstrip("x")) for cell in row[4:6]]
+            assert all(value > 0 for value in throughputs + ratios)
+
+
+def test_bench_models_rejects_non_square_token_counts():
+    bench = load("bench_models")
+    try:
+        bench.parse_args(["--tokens", "200"])
+    except SystemExit as err:
+        assert err.code == 2
+    else:
+        raise AssertionError("--tokens 200 was accepted")
+
+
+def test_bench_attention_writes_rows(tmp_path):
+    """A subprocess: on CPU the script measures memory in a spawned child, which must import it by path."""
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--device", "cpu", "--repeats", "1",
+         "--sizes", "64", "--blocks", "1", "4", "--heads", "2", "--dim", "8", "--threads", "1",
+         "--out", str(out)],
+        check=True, timeout=300,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["N"], row["M"]) for row in rows] == [(64, 1), (64, 4)]
+    for row in rows:
+        assert row["peak_mib_mhla"] >= 0 and row["peak_mib_la"] >= 0
