@@ -12,14 +12,16 @@ Padded slots of uneven layouts hold φ(k) = 0 and so add nothing to S or z.
 
 Two implementations compute the same thing:
 
-* :class:`MHLAFunction` (the default for ``causal=False``): a hand-written backward. It saves the
-  output, the summaries ``S̃``, ``z``, ``z̃`` (and ``S`` while it is smaller than ``v``) and the
-  per-token denominators, and rebuilds the
-  block-major ``φ(q)``, ``φ(k)``, ``v`` from the inputs in backward (a copy is cheaper than keeping
-  them). On even layouts φ, the normaliser division and φ' run inside the reordering copies
-  (``out=`` on split views, see ``BlockLayout.token_split_view``), the normaliser's gradient is a
-  rank-1 GEMM update and a GEMM ``beta=1`` term, and ``(g·out)`` is a batched GEMV. Net: fewer
-  elementwise passes and less memory than autograd, and than plain linear attention at small M.
+* :class:`MHLAFunction` (the default for ``causal=False``): a hand-written backward. The normaliser
+  rides along as a column of ones appended to v (``φ(K_j)ᵀ [V_j 1] = [S_j z_j]``, as SANA pads v), so
+  forward and backward are three batched GEMMs each plus the mixing-weight gradient. It saves the
+  output, the mixed summaries, the per-token denominators (and the unmixed summaries while they are
+  no larger than ``v``) and rebuilds the block-major ``φ(q)``, ``φ(k)``, ``v`` from the inputs in
+  backward (a copy is cheaper than keeping them). On even layouts φ, the normaliser division and φ'
+  run inside the reordering copies (``out=`` on split views, see ``BlockLayout.token_split_view``),
+  and the output and input gradients take the strides of the inputs (diffusers' heads-interleaved
+  ``(B, N, H, d)`` memory: merging heads afterwards is a view). Net: fewer elementwise passes and less
+  memory than autograd, and than plain linear attention at small M.
 * :func:`mhla_attention_autograd`: the same forward written with differentiable torch ops only
   (also the causal path). Tests check both against the references in ``naive.py``.
 """
