@@ -59,7 +59,7 @@ class DiTMHLAProcessor(MHLAProcessor):
             key = attn.norm_k(key)
 
         hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d)
-        # (B, heads, N, d) -> (B, N, heads * d): a view, the output has the strides of the (B, N, C) value
+        # (B, heads, N, d) -> (B, N, heads * d); on even grids a view (the output keeps the value's strides)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = self.apply_extras(hidden_states, value, layer_input)
 
