@@ -63,12 +63,18 @@ def mhla_attention(
     Under ``torch.autocast`` the op runs with autocast off: it already picks its own precision (fp32
     summaries for half inputs), and autocast would re-cast its GEMMs to half precision.
     """
-    with torch.autocast(q.device.type, enabled=False):
-        if causal:
-            return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
-        check_inputs(q, k, v, layout, mixing, causal)
-        phi = get_feature_map(feature_map)
-        return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
+    if torch.is_autocast_enabled(q.device.type):  # the context costs ~10 µs a call, so only when needed
+        with torch.autocast(q.device.type, enabled=False):
+            return _mhla_attention(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
+    return _mhla_attention(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
+
+
+def _mhla_attention(q, k, v, layout, mixing, feature_map, normalize, causal, eps) -> torch.Tensor:
+    if causal:
+        return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
+    check_inputs(q, k, v, layout, mixing, causal)
+    phi = get_feature_map(feature_map)
+    return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
 
 
 # --------------------------------------------------------------------------------------------------
