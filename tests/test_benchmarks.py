@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,14 +43,13 @@ def test_bench_models_prints_both_tables(capsys):
             assert all(value > 0 for value in throughputs + ratios)
 
 
-def test_bench_models_rejects_non_square_token_counts():
+@pytest.mark.parametrize("argv", [["--tokens", "200"], ["--min-sample-s", "-1"], ["--reps", "0"]])
+def test_bench_models_rejects_bad_arguments(argv, capsys):
     bench = load("bench_models")
-    try:
-        bench.parse_args(["--tokens", "200"])
-    except SystemExit as err:
-        assert err.code == 2
-    else:
-        raise AssertionError("--tokens 200 was accepted")
+    with pytest.raises(SystemExit) as err:
+        bench.parse_args(argv)
+    assert err.value.code == 2
+    assert argv[0] in capsys.readouterr().err  # the message names the option
 
 
 def test_bench_attention_writes_rows(tmp_path):
