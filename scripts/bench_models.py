@@ -3,6 +3,7 @@
     python scripts/bench_models.py                      # DiT-S/2 shapes, depth 12, 256/1024/4096 tokens
     python scripts/bench_models.py --depth 4 --reps 5 --threads 2
     python scripts/bench_models.py --device cuda --dtype bf16 --batch 32
+    python scripts/bench_models.py --depth 4 --tokens 256 --batch 1 --attention-breakdown
 
 The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 12 heads x 32, patch 2, 4 latent
 channels); ``--depth`` reduces the 12 blocks for quick CPU runs. Token counts 256 / 1024 / 4096 are
@@ -24,6 +25,12 @@ pays for re-growing the allocator's heap after another one's large free (softmax
 Throughput is ``batch`` over the median time per step; ratios are medians of the per-repetition ratios
 (as ``bench_attention.py``), which cancels drift that the interleaving leaves.
 Prints Markdown tables (items/s).
+
+``--attention-breakdown`` adds a table that splits the inference step into the time spent inside the
+self-attention modules (``attn1`` of every block: q/k/v/out projections and the attention kernel, timed by
+forward pre/post hooks) and the rest of the step, in ms per step. The rest is the same computation in all
+three models, so it shows how much of a ratio is the attention itself and how much is run-to-run noise.
+The hooks cost a few µs per layer, so throughput from such a run is slightly lower than without them.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--attention-breakdown", action="store_true",
+                        help="also time the self-attention modules inside the inference step (ms per step)")
     args = parser.parse_args(argv)
     for n in args.tokens:
         side = round(n**0.5)
@@ -115,8 +124,33 @@ def timed(fn, device, steps: int = 1) -> float:
     return (time.perf_counter() - start) / steps
 
 
+class AttentionTimer:
+    """Wall time spent inside the ``attn1`` forward of every block of one model (forward hooks)."""
+
+    def __init__(self, model, device):
+        self.device, self.total_s, self._start = device, 0.0, 0.0
+        self._handles = []
+        for block in model.transformer_blocks:
+            self._handles.append(block.attn1.register_forward_pre_hook(self._enter))
+            self._handles.append(block.attn1.register_forward_hook(self._leave))
+
+    def _enter(self, module, args):
+        sync(self.device)
+        self._start = time.perf_counter()
+
+    def _leave(self, module, args, output):
+        sync(self.device)
+        self.total_s += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def bench_size(models, optimizers, tokens, args, dtype):
-    """``{kind: {"items_s": {model: items/s}, "ratio": {(a, b): median of per-rep time_b / time_a}}}``."""
+    """``{kind: {"items_s": {model: items/s}, "ratio": {(a, b): median of per-rep time_b / time_a}}}``;
+    with ``--attention-breakdown`` also ``result["infer"]["attention_ms"]`` / ``["rest_ms"]``
+    ``{model: median ms per step}``."""
     x, target, t, y = make_batch(tokens, args.batch, args.device, dtype)
 
     def train_step(name):
@@ -137,16 +171,25 @@ def bench_size(models, optimizers, tokens, args, dtype):
     for kind, step in (("train", train_step), ("infer", infer)):
         for model in models.values():
             model.train(kind == "train")
+        breakdown = kind == "infer" and args.attention_breakdown
+        timers = {name: AttentionTimer(m, args.device) for name, m in models.items()} if breakdown else {}
         steps = {}
         for name in models:  # warm-up; its duration sizes the samples
             step(name)
             warm_s = timed(lambda n=name, f=step: f(n), args.device)
             steps[name] = max(1, math.ceil(args.min_sample_s / warm_s))
         times = {name: [] for name in models}
+        attention_s = {name: [] for name in models}
         for _ in range(args.reps):
             for name in models:
                 step(name)  # untimed: warms this model's allocations (see the module docstring)
+                if breakdown:
+                    timers[name].total_s = 0.0
                 times[name].append(timed(lambda n=name, f=step: f(n), args.device, steps[name]))
+                if breakdown:
+                    attention_s[name].append(timers[name].total_s / steps[name])
+        for timer in timers.values():
+            timer.remove()
         result[kind] = {
             "items_s": {name: args.batch / statistics.median(ts) for name, ts in times.items()},
             "ratio": {
@@ -154,6 +197,12 @@ def bench_size(models, optimizers, tokens, args, dtype):
                 for a, b in (("mhla", "linear"), ("mhla", "softmax"))
             },
         }
+        if breakdown:
+            result[kind]["attention_ms"] = {n: 1e3 * statistics.median(s) for n, s in attention_s.items()}
+            result[kind]["rest_ms"] = {
+                name: 1e3 * statistics.median(t - a for t, a in zip(times[name], attention_s[name]))
+                for name in models
+            }
     return result
 
 
@@ -167,6 +216,20 @@ def markdown(results, kind: str) -> str:
         s, lin, m = (r[kind]["items_s"][name] for name in MODES)
         vs_linear, vs_softmax = r[kind]["ratio"][("mhla", "linear")], r[kind]["ratio"][("mhla", "softmax")]
         lines.append(f"| {tokens} | {s:.2f} | {lin:.2f} | {m:.2f} | {vs_linear:.2f}x | {vs_softmax:.2f}x |")
+    return "\n".join(lines)
+
+
+def breakdown_markdown(results) -> str:
+    lines = [
+        "| tokens | softmax attn (ms/step) | linear attn | MHLA attn | MHLA − linear attn "
+        "| softmax rest (ms/step) | linear rest | MHLA rest |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tokens, r in results.items():
+        attn, rest = r["infer"]["attention_ms"], r["infer"]["rest_ms"]
+        attn_cells = " | ".join(f"{attn[name]:.2f}" for name in MODES)
+        rest_cells = " | ".join(f"{rest[name]:.2f}" for name in MODES)
+        lines.append(f"| {tokens} | {attn_cells} | {attn['mhla'] - attn['linear']:+.2f} | {rest_cells} |")
     return "\n".join(lines)
 
 
@@ -192,6 +255,9 @@ def main(argv=None):
     print(markdown(results, "train"))
     print("\nInference (forward):\n")
     print(markdown(results, "infer"))
+    if args.attention_breakdown:
+        print("\nInference step split into self-attention (attn1: projections + kernel) and the rest:\n")
+        print(breakdown_markdown(results))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,35 @@ def test_bench_models_prints_both_tables(capsys):
             assert all(value > 0 for value in throughputs + ratios)
 
 
+def test_bench_models_attention_breakdown(capsys):
+    """The split table: attention and rest are positive and add up to about the measured step time."""
+    bench = load("bench_models")
+    bench.main(["--depth", "1", "--tokens", "16", "--batch", "1", "--reps", "2", "--min-sample-s", "0",
+                "--blocks", "2", "2", "--attention-breakdown"])
+    out = capsys.readouterr().out
+    infer_row, breakdown_row = _table_rows(out, "16")[1:]
+    step_ms = [1e3 / float(cell) for cell in infer_row[1:4]]  # batch 1: ms per step = 1000 / items/s
+    attn_ms = [float(cell) for cell in breakdown_row[1:4]]
+    rest_ms = [float(cell) for cell in breakdown_row[5:8]]
+    assert float(breakdown_row[4]) == pytest.approx(attn_ms[2] - attn_ms[1], abs=0.011)
+    for step, attn, rest in zip(step_ms, attn_ms, rest_ms):
+        assert attn > 0 and rest > 0
+        assert attn + rest == pytest.approx(step, rel=0.5)  # medians of different samples: loose
+
+
+def test_bench_models_hooks_are_removed():
+    bench = load("bench_models")
+    model = bench.build_models(1, (2, 2), "cpu", bench.torch.float32)["mhla"]
+    timer = bench.AttentionTimer(model, "cpu")
+    x, _, t, y = bench.make_batch(16, 1, "cpu", bench.torch.float32)
+    model(x, timestep=t, class_labels=y)
+    assert timer.total_s > 0
+    timer.remove()
+    timer.total_s = 0.0
+    model(x, timestep=t, class_labels=y)
+    assert timer.total_s == 0.0
+
+
 @pytest.mark.parametrize("argv", [["--tokens", "200"], ["--min-sample-s", "-1"], ["--reps", "0"]])
 def test_bench_models_rejects_bad_arguments(argv, capsys):
     bench = load("bench_models")
