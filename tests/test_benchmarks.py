@@ -53,7 +53,8 @@ def test_bench_models_attention_breakdown(capsys):
     step_ms = [1e3 / float(cell) for cell in infer_row[1:4]]  # batch 1: ms per step = 1000 / items/s
     attn_ms = [float(cell) for cell in breakdown_row[1:4]]
     rest_ms = [float(cell) for cell in breakdown_row[5:8]]
-    assert float(breakdown_row[4]) == pytest.approx(attn_ms[2] - attn_ms[1], abs=0.011)
+    # each printed cell is rounded to 0.01 (±0.005): the printed difference may be off by up to 0.015
+    assert float(breakdown_row[4]) == pytest.approx(attn_ms[2] - attn_ms[1], abs=0.016)
     for step, attn, rest in zip(step_ms, attn_ms, rest_ms):
         assert attn > 0 and rest > 0
         assert attn + rest == pytest.approx(step, rel=0.5)  # medians of different samples: loose
