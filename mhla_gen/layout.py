@@ -76,6 +76,7 @@ class BlockLayout:
         self.is_even = all(g % b == 0 for g, b in zip(grid, blocks))
         self.max_block_len = math.prod(max(s) for s in self.axis_sizes)
         self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._view_cache: dict[tuple, tuple[torch.Size, tuple[int, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"BlockLayout(grid={self.grid}, blocks={self.blocks})"
@@ -222,16 +223,40 @@ class BlockLayout:
     # normaliser and φ' into the reordering copies. Both accept any strides (``view`` only splits the
     # token / block axes), e.g. heads-interleaved ``(B, N, H, d)`` memory seen as ``(B, H, N, d)``.
 
+    #
+    # The fast path takes several such views per call on the same few shapes, so each view's geometry
+    # (sizes, strides) is computed once per input geometry and then replayed with ``as_strided``:
+    # one dispatch instead of a view plus a permute (the views cost more than the small kernels
+    # around them at 256 tokens).
+
     def block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
         """Block-major ``(*batch, M, L, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
-        return xb.view(*xb.shape[:-3], *self._split_shapes[0], xb.shape[-1])
+        return self._cached_view(xb, self._block_split_view)
 
     def token_split_view(self, x: torch.Tensor) -> torch.Tensor:
         """Token-order ``(*batch, N, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
+        return self._cached_view(x, self._token_split_view)
+
+    def _block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
+        return xb.view(*xb.shape[:-3], *self._split_shapes[0], xb.shape[-1])
+
+    def _token_split_view(self, x: torch.Tensor) -> torch.Tensor:
         _, token_split, order = self._split_shapes
         split = x.view(*x.shape[:-2], *token_split, x.shape[-1])
         nb = x.dim() - 2  # (*batch, b0, s0, b1, s1, .., d) -> (*batch, b0, b1, .., s0, s1, .., d)
         return split.permute(*range(nb), *(nb + a for a in order), split.dim() - 1)
+
+    def _cached_view(self, x: torch.Tensor, make_view) -> torch.Tensor:
+        """``make_view(x)``, replayed from a cache keyed by the view kind and x's sizes and strides."""
+        key = (make_view.__name__, x.shape, x.stride())
+        geometry = self._view_cache.get(key)
+        if geometry is None or (x.requires_grad and torch.is_grad_enabled()):  # autograd: plain views
+            view = make_view(x)  # also validates (even layout, token count) on first use
+            if len(self._view_cache) >= 64:  # a few shapes per run; bound it anyway
+                self._view_cache.clear()
+            geometry = self._view_cache[key] = (view.shape, view.stride())
+            return view
+        return x.as_strided(*geometry, x.storage_offset())
 
     @cached_property
     def _split_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -5,8 +5,9 @@
     python scripts/bench_models.py --device cuda --dtype bf16 --batch 32
     python scripts/bench_models.py --depth 4 --tokens 256 --batch 1 --attention-breakdown
 
-The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 12 heads x 32, patch 2, 4 latent
-channels); ``--depth`` reduces the 12 blocks for quick CPU runs. Token counts 256 / 1024 / 4096 are
+The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 6 heads x 64, patch 2, 4 latent
+channels; ``--heads`` / ``--head-dim`` change the split, e.g. SANA's head dim 32 as 12 x 32); ``--depth``
+reduces the 12 blocks for quick CPU runs. Token counts 256 / 1024 / 4096 are
 latents of 32 / 64 / 128 pixels. Three identical copies differ only in the ``attn1`` processor:
 
 - ``softmax``: diffusers' stock ``AttnProcessor2_0`` (SDPA);
@@ -60,6 +61,8 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--depth", type=int, default=12, help="transformer blocks (DiT-S has 12)")
+    parser.add_argument("--heads", type=int, default=6, help="attention heads (DiT-S has 6)")
+    parser.add_argument("--head-dim", type=int, default=64, help="dimension per head (DiT-S has 64)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
@@ -76,16 +79,19 @@ def parse_args(argv=None):
         side = round(n**0.5)
         if side * side != n:
             parser.error(f"--tokens must be square numbers (a side x side token grid), got {n}")
-    if args.depth < 1 or args.batch < 1 or args.reps < 1 or args.min_sample_s < 0:
-        parser.error("--depth, --batch and --reps must be positive, --min-sample-s not negative")
+    if min(args.depth, args.heads, args.head_dim, args.batch, args.reps) < 1 or args.min_sample_s < 0:
+        parser.error("--depth, --heads, --head-dim, --batch and --reps must be positive, "
+                     "--min-sample-s not negative")
     return args
 
 
-def build_models(depth: int, blocks, device, dtype) -> dict[str, DiTTransformer2DModel]:
+def build_models(
+    depth: int, blocks, device, dtype, heads: int = 6, head_dim: int = 64
+) -> dict[str, DiTTransformer2DModel]:
     torch.manual_seed(0)
     base = DiTTransformer2DModel(
-        num_attention_heads=12, attention_head_dim=32, in_channels=4, out_channels=8, num_layers=depth,
-        sample_size=32, patch_size=2, num_embeds_ada_norm=1000,
+        num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=8,
+        num_layers=depth, sample_size=32, patch_size=2, num_embeds_ada_norm=1000,
     )
     linear = copy.deepcopy(base)
     for block in linear.transformer_blocks:
@@ -238,7 +244,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    models = build_models(args.depth, args.blocks, args.device, dtype)
+    models = build_models(args.depth, args.blocks, args.device, dtype, args.heads, args.head_dim)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     results = {}
     for tokens in args.tokens:
@@ -246,7 +252,8 @@ def main(argv=None):
         print(f"done {tokens} tokens", file=sys.stderr, flush=True)
 
     print(
-        f"DiT-S/2 shapes (hidden 384, 12 heads x 32), depth {args.depth}, batch {args.batch}, {args.dtype}, "
+        f"DiT, hidden {args.heads * args.head_dim} = {args.heads} heads x {args.head_dim}, patch 2, "
+        f"depth {args.depth}, batch {args.batch}, {args.dtype}, "
         f"{args.device}, {torch.get_num_threads()} threads, medians of {args.reps} interleaved repetitions "
         f"(samples >= {args.min_sample_s} s); "
         f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0\n"

@@ -34,6 +34,7 @@ def test_bench_models_prints_both_tables(capsys):
     bench.main(["--depth", "1", "--tokens", "16", "64", "--batch", "1", "--reps", "2", "--min-sample-s", "0",
                 "--blocks", "2", "2"])
     out = capsys.readouterr().out
+    assert "hidden 384 = 6 heads x 64" in out  # DiT-S/2's split by default
     for tokens in ("16", "64"):
         rows = _table_rows(out, tokens)
         assert len(rows) == 2  # training and inference
@@ -73,7 +74,10 @@ def test_bench_models_hooks_are_removed():
     assert timer.total_s == 0.0
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "200"], ["--min-sample-s", "-1"], ["--reps", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--tokens", "200"], ["--min-sample-s", "-1"], ["--reps", "0"], ["--heads", "0"], ["--head-dim", "0"]],
+)
 def test_bench_models_rejects_bad_arguments(argv, capsys):
     bench = load("bench_models")
     with pytest.raises(SystemExit) as err:

@@ -98,6 +98,30 @@ def test_token_count_mismatch_raises():
         layout.from_blocks(torch.zeros(1, 3, 4, 2))
 
 
+def test_split_views_replayed_from_the_cache_match_fresh_views():
+    """The cached geometry is keyed by sizes and strides and applied at the tensor's own storage offset."""
+    layout = BlockLayout((4, 6), (2, 3))
+    memory = torch.randn(2, 24, 3, 5)  # heads-interleaved, like diffusers' (B, N, H, d)
+    views = [memory[:, :, h].unsqueeze(1) for h in range(3)]  # same sizes and strides, different offsets
+    views.append(torch.randn(2, 1, 24, 5))  # same sizes, other strides
+    for _ in range(2):  # the first pass fills the cache, the second replays it
+        for x in views:
+            assert torch.equal(layout.token_split_view(x), layout._token_split_view(x))
+            xb = layout.copy_to_blocks(x)
+            assert torch.equal(layout.block_split_view(xb), layout._block_split_view(xb))
+            assert torch.equal(layout.copy_from_blocks(xb), x)
+
+
+def test_split_views_stay_plain_views_under_autograd():
+    layout = BlockLayout((4, 6), (2, 3))
+    x = torch.randn(2, 24, 5, requires_grad=True)
+    layout.token_split_view(x.detach())  # cache this geometry first
+    view = layout.token_split_view(x)
+    assert "AsStrided" not in type(view.grad_fn).__name__
+    (view * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
 def test_split_views_pair_tokens_with_their_block_slots():
     layout = BlockLayout((4, 6), (2, 3))
     x = torch.randn(2, 24, 5)

@@ -55,6 +55,40 @@ def test_matches_references(path, grid, blocks, feature_map, normalize, make_qkv
     _assert_all_close(got, _outputs_and_grads(mhla_block_loop, q, k, v, mixing, **kwargs), atol=1e-10)
 
 
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode", "inputs_without_grad"])
+@pytest.mark.parametrize("grid, blocks", LAYOUTS)
+@pytest.mark.parametrize("feature_map", ["relu", "elu+1"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_inference_path_matches_references(grad_mode, grid, blocks, feature_map, normalize, make_qkv,
+                                           random_mixing):
+    """Without autograd the op skips MHLAFunction (nothing saved, eps added in place): same forward."""
+    layout = BlockLayout(grid, blocks)
+    q, k, v = make_qkv(layout.num_tokens, value_dim=5, grad=grad_mode != "inputs_without_grad")
+    mixing = random_mixing(layout, grad=False)
+    kwargs = dict(layout=layout, mixing=mixing, feature_map=feature_map, normalize=normalize)
+    expected = mhla_dense(q, k, v, **kwargs)
+    contexts = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    context = contexts.get(grad_mode, torch.enable_grad)
+    with context():
+        got = mhla_attention(q, k, v, **kwargs)
+        again = mhla_attention(q, k, v, **kwargs)  # replays the cached views
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, expected.detach(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
+def test_inference_path_keeps_heads_interleaved_strides(grid, blocks, make_qkv, random_mixing):
+    layout = BlockLayout(grid, blocks)
+    q, k, v = (_heads_interleaved(t) for t in make_qkv(layout.num_tokens, value_dim=5))
+    mixing = random_mixing(layout, grad=False)
+    with torch.inference_mode():
+        got = mhla_attention(q, k, v, layout, mixing)
+    torch.testing.assert_close(got, mhla_dense(q, k, v, layout, mixing), atol=1e-10, rtol=0)
+    if layout.is_even:
+        assert got.stride() == v.stride()
+
+
 @pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
 def test_callable_feature_map(grid, blocks, make_qkv, random_mixing):
     """Any callable φ works; the fused backward differentiates it with autograd."""

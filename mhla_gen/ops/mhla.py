@@ -21,7 +21,9 @@ Two implementations compute the same thing:
   run inside the reordering copies (``out=`` on split views, see ``BlockLayout.token_split_view``),
   and the output and input gradients take the strides of the inputs (diffusers' heads-interleaved
   ``(B, N, H, d)`` memory: merging heads afterwards is a view). Net: fewer elementwise passes and less
-  memory than autograd, and than plain linear attention at small M.
+  memory than autograd, and than plain linear attention at small M. When nothing needs a gradient
+  (``torch.no_grad`` / ``torch.inference_mode``, or no input requires grad) the same forward runs
+  outside the Function (:func:`_forward`): nothing is saved and eps goes into the denominators in place.
 * :func:`mhla_attention_autograd`: the same forward written with differentiable torch ops only
   (also the causal path). Tests check both against the references in ``naive.py``.
 """
@@ -74,7 +76,9 @@ def _mhla_attention(q, k, v, layout, mixing, feature_map, normalize, causal, eps
         return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
     check_inputs(q, k, v, layout, mixing, causal)
     phi = get_feature_map(feature_map)
-    return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
+        return MHLAFunction.apply(q, k, v, mixing, layout, phi, normalize, eps)
+    return _forward(q, k, v, mixing, layout, phi, normalize, eps, for_backward=False)[0]  # nothing saved
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,6 +186,16 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return rows.permute(*sorted(range(a.dim() - 1), key=order.__getitem__), -1)
 
 
+def _block_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for block-major ``(B, H, M, r, c) @ (B, H, M, c, s)``, as one bmm over ``B·H·M``.
+
+    The leading dims are flattened as views (``torch.matmul`` spends a few µs more per call on its
+    broadcasting logic, which adds up at small sizes); a and b may be transposed in their last two dims.
+    """
+    out = torch.bmm(a.flatten(0, 2), b.flatten(0, 2))
+    return out.view(*a.shape[:3], *out.shape[1:])
+
+
 def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``Σ_j w[i, j] x[..., j, :, :]`` for x ``(B, H, M, *rest)``: one bmm with W broadcast over B·H.
 
@@ -198,6 +212,30 @@ def _mix_grad(grad_mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     b, h, m = x.shape[:3]
     g, x = grad_mixed.reshape(b * h, m, -1), x.reshape(b * h, m, -1)
     return (g @ x.transpose(-1, -2)).sum(dim=0)  # bmm + small sum: no (M, B·H·d·e) transposed copies
+
+
+def _forward(q, k, v, mixing, layout: BlockLayout, phi, normalize: bool, eps: float, for_backward: bool):
+    """The forward GEMM chain; returns ``out`` and, for backward, ``Ŝ``, ``W Ŝ`` and the denominators.
+
+    ``for_backward=False`` (inference) adds eps to the denominators in place inside the result buffer;
+    backward needs them on their own (``(B, H, M, L, 1)``), so then they are a fresh tensor.
+    """
+    acc = accumulation_dtype(q.dtype)
+    e = v.shape[-1]
+    fq = _phi_blocks(q, layout, phi, acc)  # (B, H, M, L, d)
+    fk = _phi_blocks(k, layout, phi, acc)
+    vb = _values_blocks(v, layout, acc, ones_column=normalize)  # (B, H, M, L, e [+ 1])
+    summaries = _block_bmm(fk.transpose(-1, -2), vb)  # Ŝ = [S z] = φ(K)ᵀ [V 1]: (B, H, M, d, e [+ 1])
+    del fk
+    mixed = _mix(mixing.to(acc), summaries)  # W Ŝ = [S̃ z̃]
+    num = vb  # (B, H, M, L, e [+ 1]) into v's dead buffer (bmm: matmul's out= would copy through a temp)
+    torch.bmm(fq.flatten(0, 2), mixed.flatten(0, 2), out=num.flatten(0, 2))
+    del fq
+    den = None
+    if normalize:  # φ(q)ᵀ z̃ + eps: (B, H, M, L, 1)
+        den = num[..., e:] + eps if for_backward else num[..., e:].add_(eps)
+    out = _divide_from_blocks(num[..., :e], den, layout, _token_like(v, q.dtype))  # (B, H, N, e)
+    return out, summaries, mixed, den
 
 
 class MHLAFunction(torch.autograd.Function):
@@ -217,21 +255,7 @@ class MHLAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout: BlockLayout, phi, normalize: bool, eps: float):
-        acc = accumulation_dtype(q.dtype)
-        e = v.shape[-1]
-        w = mixing.to(acc)
-        fq = _phi_blocks(q, layout, phi, acc)  # (B, H, M, L, d)
-        fk = _phi_blocks(k, layout, phi, acc)
-        vb = _values_blocks(v, layout, acc, ones_column=normalize)  # (B, H, M, L, e [+ 1])
-        summaries = fk.transpose(-1, -2) @ vb  # Ŝ = [S z]: (B, H, M, d, e [+ 1])
-        del fk
-        mixed = _mix(w, summaries)  # W Ŝ = [S̃ z̃]
-        num = vb  # (B, H, M, L, e [+ 1]) into v's dead buffer (bmm: matmul's out= would copy through a temp)
-        torch.bmm(fq.flatten(0, 2), mixed.flatten(0, 2), out=num.flatten(0, 2))
-        del fq
-        den = num[..., e:] + eps if normalize else None  # φ(q)ᵀ z̃ + eps: (B, H, M, L, 1)
-        out = _divide_from_blocks(num[..., :e], den, layout, _token_like(v, q.dtype))  # (B, H, N, e)
-        del vb, num
+        out, summaries, mixed, den = _forward(q, k, v, mixing, layout, phi, normalize, eps, for_backward=True)
         # Ŝ is only needed for ∂W: keep it while it is no larger than v (M·d <= N), else recompute it
         keep = summaries if layout.num_blocks * q.shape[-1] <= layout.num_tokens else None
         ctx.save_for_backward(q, k, v, mixing, keep, mixed, den, out)
@@ -252,26 +276,25 @@ class MHLAFunction(torch.autograd.Function):
         g_num = grad_out.new_empty(*mixed.shape[:3], layout.max_block_len, mixed.shape[-1], dtype=acc)
         if normalize:
             _divide_to_blocks(grad_out, den, layout, out=g_num[..., :e])
-            row_dot = _row_dot(grad_out.to(acc), out.to(acc))  # (B, H, N, 1)
-            _divide_to_blocks(row_dot, den, layout, out=g_num[..., e:])
-            g_num[..., e:].neg_()
+            neg_row_dot = _row_dot(grad_out.to(acc), out.to(acc)).neg_()  # (B, H, N, 1), dense: cheap
+            _divide_to_blocks(neg_row_dot, den, layout, out=g_num[..., e:])
         else:
             layout.copy_to_blocks(grad_out, out=g_num)
 
         fq = _phi_blocks(q, layout, phi, acc)  # (B, H, M, L, d)
         grad_q = grad_k = grad_v = grad_w = None
         if need_q:
-            g_fq = g_num @ mixed.transpose(-1, -2)  # (B, H, M, L, d), the ∂den ⊗ z̃ term included
+            g_fq = _block_bmm(g_num, mixed.transpose(-1, -2))  # (B, H, M, L, d), the ∂den ⊗ z̃ term included
             grad_q = _phi_vjp_from_blocks(g_fq, q, layout, phi, phi_blocks=fq)
             del g_fq
-        g_mixed = fq.transpose(-1, -2) @ g_num  # ∂(W Ŝ): (B, H, M, d, e [+ 1])
+        g_mixed = _block_bmm(fq.transpose(-1, -2), g_num)  # ∂(W Ŝ): (B, H, M, d, e [+ 1])
         del fq, g_num
         fk = vb = None
         if need_w:
             if summaries is None:  # not kept by forward: rebuild φ(k), v (reused below) and Ŝ
                 fk = _phi_blocks(k, layout, phi, acc)
                 vb = _values_blocks(v, layout, acc, ones_column=normalize)
-                summaries = fk.transpose(-1, -2) @ vb
+                summaries = _block_bmm(fk.transpose(-1, -2), vb)
             grad_w = _mix_grad(g_mixed, summaries).to(mixing.dtype)
             del summaries
         if need_k or need_v:
@@ -281,13 +304,13 @@ class MHLAFunction(torch.autograd.Function):
                 fk = _phi_blocks(k, layout, phi, acc)  # ReLU' read off φ(k); kept for ∂v
             if need_k:
                 vb = _values_blocks(v, layout, acc, ones_column=normalize) if vb is None else vb
-                g_fk = vb @ g_summaries.transpose(-1, -2)  # (B, H, M, L, d), ∂z via the ones column
+                g_fk = _block_bmm(vb, g_summaries.transpose(-1, -2))  # (B, H, M, L, d), ∂z via ones column
                 del vb
                 grad_k = _phi_vjp_from_blocks(g_fk, k, layout, phi, phi_blocks=fk)
                 del g_fk
             if need_v:
                 fk = _phi_blocks(k, layout, phi, acc) if fk is None else fk
-                g_vb = fk @ g_summaries[..., :e]  # (B, H, M, L, e)
+                g_vb = _block_bmm(fk, g_summaries[..., :e])  # (B, H, M, L, e)
                 del fk, g_summaries  # before the output copy: lowers the peak by two (N·d)-sized buffers
                 grad_v = layout.copy_from_blocks(g_vb, out=_token_like(v, v.dtype))
         return grad_q, grad_k, grad_v, grad_w, None, None, None, None
