@@ -222,8 +222,6 @@ class BlockLayout:
     # so an elementwise op with ``out=`` reorders while it computes: the fast path fuses φ, the
     # normaliser and φ' into the reordering copies. Both accept any strides (``view`` only splits the
     # token / block axes), e.g. heads-interleaved ``(B, N, H, d)`` memory seen as ``(B, H, N, d)``.
-
-    #
     # The fast path takes several such views per call on the same few shapes, so each view's geometry
     # (sizes, strides) is computed once per input geometry and then replayed with ``as_strided``:
     # one dispatch instead of a view plus a permute (the views cost more than the small kernels
@@ -248,13 +246,15 @@ class BlockLayout:
 
     def _cached_view(self, x: torch.Tensor, make_view) -> torch.Tensor:
         """``make_view(x)``, replayed from a cache keyed by the view kind and x's sizes and strides."""
+        if x.requires_grad and torch.is_grad_enabled():  # autograd: plain views (cheaper backward)
+            return make_view(x)
         key = (make_view.__name__, x.shape, x.stride())
         geometry = self._view_cache.get(key)
-        if geometry is None or (x.requires_grad and torch.is_grad_enabled()):  # autograd: plain views
+        if geometry is None:
             view = make_view(x)  # also validates (even layout, token count) on first use
             if len(self._view_cache) >= 64:  # a few shapes per run; bound it anyway
                 self._view_cache.clear()
-            geometry = self._view_cache[key] = (view.shape, view.stride())
+            self._view_cache[key] = (view.shape, view.stride())
             return view
         return x.as_strided(*geometry, x.storage_offset())
 
