@@ -109,6 +109,25 @@ def test_summaries_kept_or_recomputed(dim, make_qkv, random_mixing):
     _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, layout=layout), atol=1e-10)
 
 
+@pytest.mark.parametrize("dim", [4, 16])
+@pytest.mark.parametrize("trainable", ["q k v", "k v mixing", "v", "mixing", "q mixing"])
+def test_gradients_of_any_input_subset_twice(dim, trainable, make_qkv, random_mixing):
+    """Backward when only some inputs need a gradient (frozen mixing, frozen projections), run twice on
+    one graph: the second pass must see the saved tensors untouched (backward reuses its own buffers)."""
+    layout = BlockLayout((6, 8), (2, 4))
+    q, k, v = make_qkv(layout.num_tokens, dim=dim, value_dim=3)
+    inputs = dict(q=q, k=k, v=v, mixing=random_mixing(layout, grad=False))
+    wanted = [inputs[name].requires_grad_() for name in trainable.split()]
+    probe = torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    loss = (mhla_attention(q, k, v, layout, inputs["mixing"]) * probe).sum()
+    first = torch.autograd.grad(loss, wanted, retain_graph=True)
+    second = torch.autograd.grad(loss, wanted)
+    expected = torch.autograd.grad((mhla_dense(q, k, v, layout, inputs["mixing"]) * probe).sum(), wanted)
+    for name, a, b, ref in zip(trainable.split(), first, second, expected):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{name}: second backward differs")
+        torch.testing.assert_close(a, ref, rtol=0, atol=1e-10, msg=f"{name}: wrong gradient")
+
+
 @pytest.mark.parametrize("grid, blocks", CAUSAL_LAYOUTS)
 @pytest.mark.parametrize("normalize", [True, False])
 def test_causal_matches_references(grid, blocks, normalize, make_qkv, random_mixing):

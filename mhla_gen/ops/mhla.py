@@ -196,15 +196,19 @@ def _block_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(*a.shape[:3], *out.shape[1:])
 
 
-def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _mix(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_j w[i, j] x[..., j, :, :]`` for x ``(B, H, M, *rest)``: one bmm with W broadcast over B·H.
 
     An explicit bmm: ``torch.matmul(w, x)`` may fold it into ``(xᵀ wᵀ)ᵀ``, which copies x and the
-    result (two extra ``x``-sized buffers, as large as q itself once M·d >= N).
+    result (two extra ``x``-sized buffers, as large as q itself once M·d >= N). ``out``: a contiguous
+    x-shaped buffer to write into (not x itself).
     """
     b, h, m, *rest = x.shape
     flat = x.reshape(b * h, m, -1)
-    return torch.bmm(w.expand(b * h, m, m), flat).view(b, h, m, *rest)
+    if out is None:
+        return torch.bmm(w.expand(b * h, m, m), flat).view(b, h, m, *rest)
+    torch.bmm(w.expand(b * h, m, m), flat, out=out.view(b * h, m, -1))
+    return out
 
 
 def _mix_grad(grad_mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +263,10 @@ class MHLAFunction(torch.autograd.Function):
     Saved for backward: the output, the mixed summaries ``(W Ŝ)ᵀ``, the ``(B, H, M, L, 1)`` denominators
     and ``Ŝᵀ`` while it is no larger than ``v`` (``M·d <= N``; else backward recomputes it for ∂W);
     ``φ(q)``, ``φ(k)`` and ``v`` are rebuilt in block-major order from the inputs.
+    When backward rebuilds ``Ŝᵀ``, it writes ``∂Ŝᵀ`` into that buffer afterwards: summaries-sized
+    tensors are the largest temporaries when blocks are smaller than the head dim (``L < d``, e.g. 4x
+    ``v`` at 256 tokens in 16 blocks with d = 64), and on CPU glibc hands freed blocks of that size back
+    to the kernel, so each fresh one costs a page fault per 4 KiB on its first write.
     """
 
     @staticmethod
@@ -298,16 +306,18 @@ class MHLAFunction(torch.autograd.Function):
             del g_fq
         g_mixed_t = _block_bmm(g_num.transpose(-1, -2), fq)  # ∂(W Ŝ)ᵀ: (B, H, M, c, d)
         del fq, g_num
-        fk = vb = None
+        fk = vb = spare = None
         if need_w:
             if summaries_t is None:  # not kept by forward: rebuild φ(k), v (reused below) and Ŝᵀ
                 fk = _phi_blocks(k, layout, phi, acc)
                 vb = _values_blocks(v, layout, acc, ones_column=normalize)
-                summaries_t = _block_bmm(vb.transpose(-1, -2), fk)
+                summaries_t = spare = _block_bmm(vb.transpose(-1, -2), fk)  # ours: reused for ∂Ŝᵀ
             grad_w = _mix_grad(g_mixed_t, summaries_t).to(mixing.dtype)
             del summaries_t
         if need_k or need_v:
-            g_summaries_t = _mix(w.transpose(0, 1), g_mixed_t)  # ∂Ŝᵀ: (B, H, M, c, d)
+            # ∂Ŝᵀ: (B, H, M, c, d), into the rebuilt Ŝᵀ's buffer when there is one (see the class docstring)
+            g_summaries_t = _mix(w.transpose(0, 1), g_mixed_t, out=spare)
+            del spare
             del g_mixed_t
             if fk is None and need_k and not _fused_phi_vjp(k, layout, phi, acc):
                 fk = _phi_blocks(k, layout, phi, acc)  # ReLU' read off φ(k); kept for ∂v
