@@ -25,7 +25,15 @@ one short, jittery call. Each sample directly follows an untimed step of the sam
 pays for re-growing the allocator's heap after another one's large free (softmax's N×N scores).
 Throughput is ``batch`` over the median time per step; ratios are medians of the per-repetition ratios
 (as ``bench_attention.py``), which cancels drift that the interleaving leaves.
-Prints Markdown tables (items/s).
+Prints Markdown tables (items/s), and the minor page faults per step where the OS reports them.
+
+Allocator (``--malloc``): by default (``retain``) glibc is told to keep freed memory in the process
+(:func:`retain_freed_memory`), as jemalloc / tcmalloc (which PyTorch's CPU performance guide recommends
+preloading) or the CUDA caching allocator do. With glibc's own settings (``stock``) freed blocks above a
+self-adjusting size go back to the kernel, and the next step faults the same buffers in again page by page
+(about 10k faults per training step here, mostly the parameter gradients that ``zero_grad`` frees). Which
+buffers that hits depends on the heap's history, so stock step times jump between runs by more than the
+differences being measured; the fault table shows how much of a step it was.
 
 ``--attention-breakdown`` adds a table that splits the inference step into the time spent inside the
 self-attention modules (``attn1`` of every block: q/k/v/out projections and the attention kernel, timed by
@@ -38,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import math
+import platform
 import statistics
 import sys
 import time
@@ -51,6 +61,11 @@ from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
+
+try:
+    import resource  # Unix only: page fault counts
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 MODES = ("softmax", "linear", "mhla")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,6 +87,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--malloc", choices=("retain", "stock"), default="retain",
+                        help="retain: glibc keeps freed memory (no page faults per step); stock: glibc as it "
+                             "comes (see the module docstring)")
     parser.add_argument("--attention-breakdown", action="store_true",
                         help="also time the self-attention modules inside the inference step (ms per step)")
     args = parser.parse_args(argv)
@@ -113,6 +131,26 @@ def make_batch(tokens: int, batch: int, device, dtype):
     t = torch.randint(0, 1000, (batch,), generator=g).to(device)
     y = torch.randint(0, 1000, (batch,), generator=g).to(device)
     return x, target, t, y
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc keep freed memory in the process; False (nothing changed) where libc is not glibc.
+
+    ``mallopt``: ``M_MMAP_THRESHOLD`` at its maximum (32 MiB), so blocks below it come from the heap
+    instead of fresh ``mmap``'s, and ``M_TRIM_THRESHOLD`` at 2 GiB, so freeing never shrinks the heap.
+    A step's buffers are then reused by the next step instead of being returned to the kernel and
+    faulted in again. Process-wide and irreversible: call it once, before the models are built.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def minor_faults() -> int | None:
+    """Minor page faults of this process so far (None where the OS does not say)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else None
 
 
 def sync(device) -> None:
@@ -186,12 +224,16 @@ def bench_size(models, optimizers, tokens, args, dtype):
             steps[name] = max(1, math.ceil(args.min_sample_s / warm_s))
         times = {name: [] for name in models}
         attention_s = {name: [] for name in models}
+        faults = {name: [] for name in models}
         for _ in range(args.reps):
             for name in models:
                 step(name)  # untimed: warms this model's allocations (see the module docstring)
                 if breakdown:
                     timers[name].total_s = 0.0
+                faults_before = minor_faults()
                 times[name].append(timed(lambda n=name, f=step: f(n), args.device, steps[name]))
+                if faults_before is not None:
+                    faults[name].append((minor_faults() - faults_before) / steps[name])
                 if breakdown:
                     attention_s[name].append(timers[name].total_s / steps[name])
         for timer in timers.values():
@@ -202,6 +244,7 @@ def bench_size(models, optimizers, tokens, args, dtype):
                 (a, b): statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
                 for a, b in (("mhla", "linear"), ("mhla", "softmax"))
             },
+            "faults": {name: statistics.median(f) for name, f in faults.items() if f},
         }
         if breakdown:
             result[kind]["attention_ms"] = {n: 1e3 * statistics.median(s) for n, s in attention_s.items()}
@@ -225,6 +268,15 @@ def markdown(results, kind: str) -> str:
     return "\n".join(lines)
 
 
+def faults_markdown(results) -> str:
+    header = " | ".join(f"{name} {kind}" for kind in ("train", "infer") for name in MODES)
+    lines = [f"| tokens | {header} |", "|---:|" + "---:|" * 2 * len(MODES)]
+    for tokens, r in results.items():
+        cells = " | ".join(f"{r[kind]['faults'][name]:.0f}" for kind in ("train", "infer") for name in MODES)
+        lines.append(f"| {tokens} | {cells} |")
+    return "\n".join(lines)
+
+
 def breakdown_markdown(results) -> str:
     lines = [
         "| tokens | softmax attn (ms/step) | linear attn | MHLA attn | MHLA − linear attn "
@@ -241,6 +293,9 @@ def breakdown_markdown(results) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    malloc = args.malloc
+    if malloc == "retain" and not retain_freed_memory():
+        malloc = "stock (retain needs glibc)"
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -256,12 +311,15 @@ def main(argv=None):
         f"depth {args.depth}, batch {args.batch}, {args.dtype}, "
         f"{args.device}, {torch.get_num_threads()} threads, medians of {args.reps} interleaved repetitions "
         f"(samples >= {args.min_sample_s} s); "
-        f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0\n"
+        f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0; malloc {malloc}\n"
     )
     print("Training step (forward + backward + AdamW):\n")
     print(markdown(results, "train"))
     print("\nInference (forward):\n")
     print(markdown(results, "infer"))
+    if all(r[kind]["faults"] for r in results.values() for kind in ("train", "infer")):
+        print("\nMinor page faults per step (median):\n")
+        print(faults_markdown(results))
     if args.attention_breakdown:
         print("\nInference step split into self-attention (attn1: projections + kernel) and the rest:\n")
         print(breakdown_markdown(results))
