@@ -68,6 +68,7 @@ except ImportError:  # pragma: no cover - Windows
     resource = None
 
 MODES = ("softmax", "linear", "mhla")
+LABELS = {"softmax": "softmax", "linear": "linear", "mhla": "MHLA"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -136,16 +137,18 @@ def make_batch(tokens: int, batch: int, device, dtype):
 def retain_freed_memory() -> bool:
     """Make glibc keep freed memory in the process; False (nothing changed) where libc is not glibc.
 
-    ``mallopt``: ``M_MMAP_THRESHOLD`` at its maximum (32 MiB), so blocks below it come from the heap
-    instead of fresh ``mmap``'s, and ``M_TRIM_THRESHOLD`` at 2 GiB, so freeing never shrinks the heap.
-    A step's buffers are then reused by the next step instead of being returned to the kernel and
-    faulted in again. Process-wide and irreversible: call it once, before the models are built.
+    ``mallopt`` (see mallopt(3)): ``M_MMAP_MAX = 0`` serves every block from the heap instead of fresh
+    ``mmap``'s (glibc maps blocks above a self-adjusting threshold, and always those above 32 MiB, such
+    as a DiT MLP's activations at 4096 tokens), and ``M_TRIM_THRESHOLD = -1`` stops freeing from ever
+    shrinking the heap. A step's buffers are then reused by the next step instead of being returned to
+    the kernel and faulted in again. Process-wide and irreversible: call it once, before the models are
+    built.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))
 
 
 def minor_faults() -> int | None:
@@ -269,7 +272,7 @@ def markdown(results, kind: str) -> str:
 
 
 def faults_markdown(results) -> str:
-    header = " | ".join(f"{name} {kind}" for kind in ("train", "infer") for name in MODES)
+    header = " | ".join(f"{LABELS[name]} {kind}" for kind in ("train", "infer") for name in MODES)
     lines = [f"| tokens | {header} |", "|---:|" + "---:|" * 2 * len(MODES)]
     for tokens, r in results.items():
         cells = " | ".join(f"{r[kind]['faults'][name]:.0f}" for kind in ("train", "infer") for name in MODES)
