@@ -135,7 +135,8 @@ def make_batch(tokens: int, batch: int, device, dtype):
 
 
 def retain_freed_memory() -> bool:
-    """Make glibc keep freed memory in the process; False (nothing changed) where libc is not glibc.
+    """Make glibc keep freed memory in the process; False where libc is not glibc (nothing changed) or
+    ``mallopt`` refuses a setting.
 
     ``mallopt`` (see mallopt(3)): ``M_MMAP_MAX = 0`` serves every block from the heap instead of fresh
     ``mmap``'s (glibc maps blocks above a self-adjusting threshold, and always those above 32 MiB, such
