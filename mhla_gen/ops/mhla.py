@@ -141,12 +141,6 @@ def _values_blocks(v: torch.Tensor, layout: BlockLayout, dtype, ones_column: boo
     return vb
 
 
-def _token_like(v: torch.Tensor, dtype) -> torch.Tensor:
-    """An empty ``v``-shaped tensor with ``v``'s strides when they are dense (processors hand in
-    heads-interleaved ``(B, N, H, e)`` memory, so merging heads afterwards is a free view)."""
-    return torch.empty_like(v, dtype=dtype)
-
-
 def _divide_to_blocks(x, den, layout: BlockLayout, out) -> None:
     """``out = to_blocks(x) / den`` for token-order x ``(B, H, N, c)``, block-major den ``(B, H, M, L, 1)``;
     ``out`` a block-major ``(B, H, M, L, c)`` buffer (any strides)."""
@@ -245,7 +239,9 @@ def _forward(q, k, v, mixing, layout: BlockLayout, phi, normalize: bool, eps: fl
         den_row = num_t[..., e:, :]
         den = (den_row + eps if for_backward else den_row.add_(eps)).transpose(-1, -2)
     num = num_t[..., :e, :].transpose(-1, -2)  # (B, H, M, L, e)
-    out = _divide_from_blocks(num, den, layout, _token_like(v, q.dtype))  # (B, H, N, e)
+    # (B, H, N, e) with v's strides when dense: processors hand in heads-interleaved (B, N, H, e) memory,
+    # so merging heads afterwards is a free view
+    out = _divide_from_blocks(num, den, layout, torch.empty_like(v, dtype=q.dtype))
     return out, summaries_t, mixed_t, den
 
 
@@ -317,8 +313,7 @@ class MHLAFunction(torch.autograd.Function):
         if need_k or need_v:
             # ∂Ŝᵀ: (B, H, M, c, d), into the rebuilt Ŝᵀ's buffer when there is one (see the class docstring)
             g_summaries_t = _mix(w.transpose(0, 1), g_mixed_t, out=spare)
-            del spare
-            del g_mixed_t
+            del spare, g_mixed_t
             if fk is None and need_k and not _fused_phi_vjp(k, layout, phi, acc):
                 fk = _phi_blocks(k, layout, phi, acc)  # ReLU' read off φ(k); kept for ∂v
             if need_k:
@@ -331,7 +326,7 @@ class MHLAFunction(torch.autograd.Function):
                 fk = _phi_blocks(k, layout, phi, acc) if fk is None else fk
                 g_vb = _block_bmm(fk, g_summaries_t[..., :e, :].transpose(-1, -2))  # (B, H, M, L, e)
                 del fk, g_summaries_t  # before the output copy: lowers the peak by two (N·d)-sized buffers
-                grad_v = layout.copy_from_blocks(g_vb, out=_token_like(v, v.dtype))
+                grad_v = layout.copy_from_blocks(g_vb, out=torch.empty_like(v))  # v's strides, as out
         return grad_q, grad_k, grad_v, grad_w, None, None, None, None
 
 
