@@ -20,7 +20,7 @@ class MHLAConfig:
         layers: indices of the self-attention layers to replace (None = all). The paper's Wan hybrid keeps
             softmax attention in every third layer, as the release does:
             ``[i for i in range(30) if i % 3 != 0]``.
-        feature_map: ``relu`` or ``elu+1``.
+        feature_map: ``relu``, ``elu+1`` or ``relu+1e-6`` (the original release's).
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (the released Wan recipe has no normaliser).
         eps: normaliser epsilon.
         mixing_init: locality rule for W (``linear`` is the paper's); see ``mhla_gen.mixing``.
@@ -55,8 +55,9 @@ class MHLAConfig:
             self.layers = [int(i) for i in self.layers]
         if not 2 <= len(self.blocks) <= 3 or any(b < 1 for b in self.blocks):
             raise ValueError(f"blocks must be 2 or 3 positive ints, got {self.blocks}")
-        if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"feature_map {self.feature_map!r} not in {sorted(FEATURE_MAPS)}")
+        if self.feature_map not in FEATURE_MAPS or self.feature_map == "identity":
+            choices = sorted(set(FEATURE_MAPS) - {"identity"})
+            raise ValueError(f"feature_map {self.feature_map!r} not in {choices}")
         if self.mixing_init not in INIT_RULES:
             raise ValueError(f"mixing_init {self.mixing_init!r} not in {INIT_RULES}")
         if self.mixing_normalize not in ("row", "column", "none"):

@@ -1,4 +1,4 @@
-"""Feature maps φ for linear attention. Each maps ``(..., d) -> (..., d)`` to non-negative values."""
+"""Feature maps φ for linear attention. Each maps ``(..., d) -> (..., d)``; all but ``identity`` are non-negative."""
 
 from __future__ import annotations
 
@@ -12,10 +12,22 @@ def _elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
+def _relu_plus_1e6(x: torch.Tensor) -> torch.Tensor:
+    """The original MHLA release's feature map, ``relu(x) + 1e-6``."""
+    return F.relu(x) + 1e-6
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    """No feature map: for inputs that already are features (e.g. Wan's RoPE after φ)."""
+    return x
+
+
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "elu+1": _elu_plus_one,
     "elu": _elu_plus_one,  # alias: the linear-transformer paper's φ(x) = elu(x) + 1
+    "relu+1e-6": _relu_plus_1e6,  # the original release's φ
+    "identity": _identity,
 }
 
 
