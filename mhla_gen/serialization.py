@@ -7,11 +7,21 @@ Saving a whole transformer is diffusers' own ``transformer.save_pretrained(d)``:
 
 The MHLA parameters alone (a few KB: mixing matrices, CPE, gates) can be exported and imported with
 :func:`save_mhla_parameters` / :func:`load_mhla_parameters`; the MHLA config travels in the file metadata.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters of a sharded model are ``DTensor`` shards.
+:func:`save_mhla_parameters` then gathers each one (``DTensor.full_tensor()``, a collective: call it on
+every rank) and rank 0 writes the file; :func:`load_mhla_parameters` cuts the full tensors of the file into
+each parameter's own shard (every rank reads the file; no communication). :func:`load_transformer`
+returns a full model: shard it after loading, or load a ``save_pretrained`` folder into an already sharded
+model with ``torch.distributed.checkpoint.state_dict.set_model_state_dict`` (README, "FSDP2").
+A folder written by :func:`mhla_gen.lora.save_lora_mhla` (LoRA adapter + MHLA parameters, no full
+weights) is recognised by :func:`load_transformer` too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -27,7 +37,6 @@ from .install import (
     install_mhla,
     is_mhla_installed,
     mhla_parameters,
-    mhla_state_dict,
     spec_for,
     spec_for_class_name,
 )
@@ -107,17 +116,55 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None) 
     return model.eval()
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 / tensor-parallel shard); False where torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without the public DTensor API: nothing can be sharded
+        return False
+    return isinstance(t, DTensor)
+
+
+@torch.no_grad()
+def _gathered_mhla_state(transformer: nn.Module) -> tuple[dict[str, torch.Tensor], bool]:
+    """``(full CPU copies of the MHLA parameters, whether any was sharded)``.
+
+    A ``DTensor`` parameter is gathered with ``full_tensor()``: a collective, so every rank must get here
+    and visit the parameters in the same order (``mhla_parameters`` is in module order on every rank).
+    """
+    state, sharded = {}, False
+    for name, param in mhla_parameters(transformer).items():
+        tensor = param.detach()
+        if _is_dtensor(tensor):
+            tensor, sharded = tensor.full_tensor(), True
+        state[name] = tensor.cpu().contiguous()
+    return state, sharded
+
+
 def save_mhla_parameters(transformer: nn.Module, file) -> None:
-    """Write only the MHLA parameters of ``transformer`` to a safetensors ``file`` (config in metadata)."""
+    """Write only the MHLA parameters of ``transformer`` to a safetensors ``file`` (config in metadata).
+
+    On an FSDP2-sharded model (``DTensor`` parameters) call it on every rank: the full parameters are
+    gathered (a collective), rank 0 writes the file, and every rank returns once it is written. An
+    unsharded model is written by whichever process calls it (e.g. only the main one under DDP). The file
+    is written under a temporary name and renamed into place, so it is never seen half-written.
+    """
     if not is_mhla_installed(transformer):
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}; nothing to save")
     metadata = {
         METADATA_CONFIG_KEY: json.dumps(transformer.mhla_config.to_dict()),
         METADATA_BASE_KEY: spec_for(transformer).name,
     }
+    state, sharded = _gathered_mhla_state(transformer)
+    writer = not sharded or torch.distributed.get_rank() == 0
     file = Path(file)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(mhla_state_dict(transformer), file, metadata=metadata)
+    if writer:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.tmp")
+        save_file(state, tmp, metadata=metadata)
+        os.replace(tmp, file)
+    if sharded:
+        torch.distributed.barrier()  # the other ranks return only once rank 0 has written the file
 
 
 def read_mhla_config(file) -> MHLAConfig:
@@ -146,6 +193,11 @@ def load_mhla_parameters(transformer: nn.Module, file) -> nn.Module:
     if saved_base != base:
         raise ValueError(f"{file} holds MHLA parameters for {saved_base!r}, not for this {base!r} model")
     if not is_mhla_installed(transformer):
+        if any(_is_dtensor(p) for p in transformer.parameters()):
+            raise ValueError(
+                f"this {type(transformer).__name__} is sharded (FSDP2 / DTensor parameters) and has no MHLA: "
+                "install_mhla (or load_mhla_parameters) before fully_shard, then load into the sharded model"
+            )
         install_mhla(transformer, cfg)
     elif transformer.mhla_config != cfg:
         raise ValueError(
@@ -159,6 +211,18 @@ def load_mhla_parameters(transformer: nn.Module, file) -> nn.Module:
         raise ValueError(
             f"MHLA parameters in {file} do not match: missing keys {missing}, unexpected keys {unexpected}"
         )
+    wrong = [
+        f"{n}: file {tuple(state[n].shape)} vs model {tuple(p.shape)}"
+        for n, p in params.items()
+        if state[n].shape != p.shape
+    ]
+    if wrong:
+        raise ValueError(f"MHLA parameters in {file} have the wrong shapes: {wrong}")
     for name, param in params.items():
-        param.copy_(state[name])
+        source = state[name].to(param.dtype)
+        if _is_dtensor(param):  # FSDP2 shard: keep this rank's part of the full tensor (no communication)
+            from torch.distributed.tensor import distribute_tensor
+
+            source = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(source)
     return transformer
