@@ -2,13 +2,13 @@
 
 ``install_mhla(transformer, cfg)`` swaps the processor of the selected self-attention layers for the
 base model's MHLA processor (an ``nn.Module``, so its parameters live in ``transformer.state_dict()``
-and ``save_pretrained`` writes them), attaches one :class:`GridContext` plus a forward pre-hook that
-reads the token grid from the latent, and records the config in three places:
+and ``save_pretrained`` writes them), adds the hooks that hand each layer the token grid of its own call
+(``processors/grid.py``) plus a forward pre-hook that checks the latent against the blocks before any
+work, and records the config in two places:
 
 - ``transformer.mhla_config``: the :class:`MHLAConfig` object;
 - ``transformer.config["mhla"]``: its dict, registered with diffusers' ``register_to_config`` so that
-  ``transformer.save_pretrained(d)`` writes it into ``d/config.json`` (read back by ``load_transformer``);
-- ``transformer.mhla_context``: the shared grid context.
+  ``transformer.save_pretrained(d)`` writes it into ``d/config.json`` (read back by ``load_transformer``).
 
 A folder saved this way is not loadable by the stock ``from_pretrained`` (it would drop the MHLA
 weights with a warning): use :func:`mhla_gen.load_transformer`.
@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import MHLAConfig
 from .processors.base import BaseSpec, MHLAProcessor
-from .processors.grid import GridContext, latent_from_call
+from .processors.grid import check_grid, latent_from_call
 
 CONFIG_KEY = "mhla"
 
@@ -73,14 +73,14 @@ def mhla_parameters(transformer: nn.Module) -> dict[str, nn.Parameter]:
     }
 
 
-def _set_token_grid(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: ``transformer.mhla_context.grid = token grid of this call's latent``.
+def _check_latent(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the latent's token grid must fit the MHLA blocks (a clear error before any work).
 
-    A module-level function that looks everything up on ``transformer`` (instead of a closure over the
-    context), so a ``copy.deepcopy`` of the model (e.g. an EMA copy) drives its own context.
+    A module-level function that looks everything up on ``transformer`` (no closure), so a
+    ``copy.deepcopy`` of the model (e.g. an EMA copy) keeps working hooks.
     """
     spec = spec_for(transformer)
-    transformer.mhla_context.set_grid(spec.token_grid(transformer, latent_from_call(args, kwargs)))
+    check_grid(spec.token_grid(transformer, latent_from_call(args, kwargs)), transformer.mhla_config.blocks)
 
 
 def _selected_layers(cfg: MHLAConfig, num_layers: int) -> list[int]:
@@ -119,16 +119,17 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
     if is_mhla_installed(transformer):
         uninstall_mhla(transformer)
 
-    context = GridContext(cfg.blocks)
     for index in selected:
         attn = attention_layers[index]
         weight = attn.to_q.weight
-        processor = spec.make_processor(attn, cfg, context).to(device=weight.device, dtype=weight.dtype)
+        processor = spec.make_processor(attn, cfg).to(device=weight.device, dtype=weight.dtype)
         attn.set_processor(processor)
 
-    transformer.mhla_context = context
     transformer.mhla_config = cfg
-    transformer._mhla_hook = transformer.register_forward_pre_hook(_set_token_grid, with_kwargs=True)
+    transformer._mhla_hooks = [
+        transformer.register_forward_pre_hook(_check_latent, with_kwargs=True),
+        *spec.grid_hooks(transformer),
+    ]
     transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
     return transformer
 
@@ -144,8 +145,9 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     for attn in spec.self_attention(transformer):
         if isinstance(attn.processor, MHLAProcessor):
             attn.set_processor(spec.stock_processor())
-    transformer._mhla_hook.remove()
-    for name in ("_mhla_hook", "mhla_context", "mhla_config"):
+    for hook in transformer._mhla_hooks:
+        hook.remove()
+    for name in ("_mhla_hooks", "mhla_config"):
         delattr(transformer, name)
     transformer._internal_dict = FrozenDict({k: v for k, v in transformer.config.items() if k != CONFIG_KEY})
     return transformer

@@ -2,27 +2,39 @@
 
 Tokens are numbered row-major over the grid, the order diffusers produces after patchify:
 ``(n)``, ``(h w)`` or ``(f h w)``. Each grid axis of length ``L`` cut into ``b`` blocks is split into
-``b`` contiguous ranges whose lengths differ by at most one (the first ``L % b`` ranges are one
-longer, as ``torch.tensor_split`` does). Block ids are row-major over the block grid.
+``b`` contiguous ranges whose lengths differ by at most one: the first ``L % b`` ranges have
+``L // b + 1`` tokens, the rest ``L // b`` (as ``torch.tensor_split``). Block ids are row-major over
+the block grid.
 
-The fast path works in *block-major* order: a ``(..., N, d)`` tensor becomes ``(..., M, L_max, d)``
-where ``L_max`` is the largest block. When every axis divides evenly this is a pure
-view + permute; otherwise tokens are scattered into a zero-padded buffer (zero rows contribute
-nothing to the summaries) and gathered back.
+The fast paths work on **sub-grids** (DESIGN §6): per axis the blocks form at most two runs of equal
+blocks (the long ones, then the short ones), so a 2D / 3D grid is the union of at most 4 / 8 evenly
+tiled boxes. Inside one box every block has the same shape, so reordering its tokens block-major is a
+view, a permute and (at most) one copy — no padding, no index scatter. An evenly divisible grid is a
+single sub-grid. Everything here is plain integer arithmetic, so ``torch.compile`` traces it.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from functools import cached_property
+from dataclasses import dataclass
 
 import torch
 
 
 def split_sizes(length: int, parts: int) -> list[int]:
     """Lengths of ``parts`` contiguous ranges covering ``length`` that differ by at most one."""
-    base, extra = divmod(length, parts)
+    base, extra = length // parts, length % parts
     return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def _axis_runs(length: int, parts: int) -> list[tuple[int, int, int, int]]:
+    """Runs of equal blocks along one axis: ``(first token, first block, blocks, tokens per block)``."""
+    base, extra = length // parts, length % parts
+    runs = [(0, 0, extra, base + 1)] if extra else []
+    runs.append((extra * (base + 1), extra, parts - extra, base))
+    return runs
 
 
 def _as_tuple(value, name: str) -> tuple[int, ...]:
@@ -37,6 +49,51 @@ def _as_tuple(value, name: str) -> tuple[int, ...]:
     return out
 
 
+@dataclass(frozen=True)
+class SubGrid:
+    """An evenly tiled box of the token grid: ``counts[a]`` blocks of ``sizes[a]`` tokens along axis a.
+
+    Attributes:
+        start: first token coordinate per axis.
+        first_block: first block coordinate per axis (in the layout's block grid).
+        counts: blocks per axis inside the box.
+        sizes: tokens per block per axis.
+        offset: position of the box's first block in the layout's sub-grid block order.
+    """
+
+    start: tuple[int, ...]
+    first_block: tuple[int, ...]
+    counts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    offset: int
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.counts)
+
+    @property
+    def block_len(self) -> int:
+        return math.prod(self.sizes)
+
+    def token_view(self, x: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+        """``(B, H, N, c)`` token-order ``x`` -> the box's tokens as a view
+        ``(n0, [n1, n2,] B, H, s0, [s1, s2,] c)`` (block coords first, then coords inside the block)."""
+        nd = len(grid)
+        x = x.unflatten(2, grid)  # (B, H, *grid, c)
+        for axis in range(nd):
+            x = x.narrow(2 + axis, self.start[axis], self.counts[axis] * self.sizes[axis])
+        split = [v for pair in zip(self.counts, self.sizes) for v in pair]
+        x = x.reshape(*x.shape[:2], *split, x.shape[-1])  # a view: each axis is split, not merged
+        # (B, H, n0, s0, n1, s1, .., c) -> (n0, n1, .., B, H, s0, s1, .., c)
+        blocks_first = [2 + 2 * a for a in range(nd)]
+        inside = [3 + 2 * a for a in range(nd)]
+        return x.permute(*blocks_first, 0, 1, *inside, x.dim() - 1)
+
+    def block_split(self, xb: torch.Tensor) -> torch.Tensor:
+        """Block-major ``(Mg, B, H, Lg, c)`` seen with the shape of :meth:`token_view`."""
+        return xb.view(*self.counts, *xb.shape[1:3], *self.sizes, xb.shape[-1])
+
+
 class BlockLayout:
     """Tiles of a token grid.
 
@@ -47,9 +104,12 @@ class BlockLayout:
     Attributes:
         num_tokens: ``N = prod(grid)``.
         num_blocks: ``M = prod(blocks)``.
-        block_index: LongTensor ``(N,)``, the block id of every token (row-major token order).
-        max_block_len: ``L_max``, the number of tokens in the largest block.
-        is_even: every axis divides exactly (block-major order is a pure permute, no padding).
+        axis_sizes: per axis, the length of each block range.
+        subgrids: the evenly tiled boxes (one when every axis divides), in row-major order of their runs.
+        block_order: ``(M,)`` list: the layout's block id of each block in sub-grid order (the order
+            the fast paths produce summaries in).
+        natural_order: ``block_order`` is the identity (even grids, and every 1D layout).
+        is_even: every axis divides exactly (a single sub-grid).
     """
 
     def __init__(self, grid, blocks):
@@ -74,9 +134,27 @@ class BlockLayout:
         self.num_blocks = math.prod(blocks)
         self.axis_sizes = [split_sizes(g, b) for g, b in zip(grid, blocks)]
         self.is_even = all(g % b == 0 for g, b in zip(grid, blocks))
-        self.max_block_len = math.prod(max(s) for s in self.axis_sizes)
-        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._view_cache: dict[tuple, tuple[torch.Size, tuple[int, ...]]] = {}
+        self.subgrids = self._subgrids()
+        self.block_order = [
+            self._block_id([f + c for f, c in zip(sub.first_block, coords)])
+            for sub in self.subgrids
+            for coords in itertools.product(*[range(n) for n in sub.counts])
+        ]
+        self.natural_order = self.block_order == list(range(self.num_blocks))  # even grids, 1D, ..
+
+    def _subgrids(self) -> list[SubGrid]:
+        subgrids, offset = [], 0
+        for runs in itertools.product(*[_axis_runs(g, b) for g, b in zip(self.grid, self.blocks)]):
+            start, first, counts, sizes = (tuple(run[i] for run in runs) for i in range(4))
+            subgrids.append(SubGrid(start, first, counts, sizes, offset))
+            offset += math.prod(counts)
+        return subgrids
+
+    def _block_id(self, coords) -> int:
+        block = 0
+        for c, b in zip(coords, self.blocks):
+            block = block * b + c
+        return block
 
     def __repr__(self) -> str:
         return f"BlockLayout(grid={self.grid}, blocks={self.blocks})"
@@ -87,189 +165,86 @@ class BlockLayout:
     def __hash__(self) -> int:
         return hash((self.grid, self.blocks))
 
-    # ----------------------------------------------------------------------------------------------
-    # index tensors (built once on CPU, copied per device on demand)
-
-    def _axis_block_ids(self, axis: int) -> torch.Tensor:
-        sizes = self.axis_sizes[axis]
-        return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-
-    def _axis_offsets(self, axis: int) -> torch.Tensor:
-        """Position of each coordinate inside its block along ``axis``."""
-        sizes = self.axis_sizes[axis]
-        return torch.cat([torch.arange(s) for s in sizes])
-
-    @cached_property
-    def block_index(self) -> torch.Tensor:
-        """LongTensor ``(N,)``: block id of each token in row-major token order."""
-        ids = torch.zeros((), dtype=torch.long)
-        for axis in range(self.ndim):
-            axis_ids = self._axis_block_ids(axis)
-            ids = ids.unsqueeze(-1) * self.blocks[axis] + axis_ids
-        return ids.reshape(-1)
-
-    @cached_property
-    def block_lengths(self) -> torch.Tensor:
-        """LongTensor ``(M,)``: number of tokens in each block."""
-        return torch.bincount(self.block_index, minlength=self.num_blocks)
-
-    @cached_property
-    def slot_index(self) -> torch.Tensor:
-        """LongTensor ``(N,)``: position of each token in the flat ``(M * L_max)`` block-major buffer.
-
-        Inside a block, tokens keep their row-major order over the block's own sub-grid.
-        """
-        max_sizes = [max(s) for s in self.axis_sizes]
-        within = torch.zeros((), dtype=torch.long)
-        for axis in range(self.ndim):
-            within = within.unsqueeze(-1) * max_sizes[axis] + self._axis_offsets(axis)
-        return self.block_index * self.max_block_len + within.reshape(-1)
-
-    @cached_property
-    def block_centers(self) -> torch.Tensor:
-        """Float tensor ``(M, ndim)``: block coordinates in block units (row-major block ids)."""
-        axes = [torch.arange(b, dtype=torch.float64) for b in self.blocks]
-        return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, self.ndim)
-
-    def slot_index_on(self, device: torch.device) -> torch.Tensor:
-        device = torch.device(device)
-        if device not in self._device_cache:
-            self._device_cache[device] = self.slot_index.to(device)
-        return self._device_cache[device]
-
-    # ----------------------------------------------------------------------------------------------
-    # token order <-> block-major order
-
     def check_tokens(self, n: int, what: str = "sequence length") -> None:
         if n != self.num_tokens:
             raise ValueError(
                 f"{what} {n} does not match grid {self.grid} (expected {self.num_tokens} tokens)"
             )
 
-    def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``(*batch, N, d)`` in token order -> ``(*batch, M, L_max, d)`` block-major, zero-padded."""
-        *batch, n, d = x.shape
-        self.check_tokens(n)
-        if self.is_even:
-            sub = [g // b for g, b in zip(self.grid, self.blocks)]
-            # (*batch, b0, s0, b1, s1, ..., d) -> (*batch, b0, b1, ..., s0, s1, ..., d)
-            split = [v for pair in zip(self.blocks, sub) for v in pair]
-            x = x.reshape(*batch, *split, d)
-            nb = len(batch)
-            block_axes = [nb + 2 * a for a in range(self.ndim)]
-            sub_axes = [nb + 2 * a + 1 for a in range(self.ndim)]
-            x = x.permute(*range(nb), *block_axes, *sub_axes, x.dim() - 1)
-            return x.reshape(*batch, self.num_blocks, self.max_block_len, d)
-        slots = self.slot_index_on(x.device)
-        out = x.new_zeros(*batch, self.num_blocks * self.max_block_len, d)
-        out = out.index_copy(len(batch), slots, x)
-        return out.reshape(*batch, self.num_blocks, self.max_block_len, d)
+    # ----------------------------------------------------------------------------------------------
+    # index tensors, for the references, tests and analysis (never on a fast path)
 
-    def from_blocks(self, xb: torch.Tensor) -> torch.Tensor:
-        """``(*batch, M, L_max, d)`` block-major -> ``(*batch, N, d)`` token order (padding dropped)."""
-        *batch, m, lmax, d = xb.shape
-        if (m, lmax) != (self.num_blocks, self.max_block_len):
-            raise ValueError(
-                f"block tensor has (M, L_max)=({m}, {lmax}); layout {self} needs "
-                f"({self.num_blocks}, {self.max_block_len})"
-            )
-        if self.is_even:
-            sub = [g // b for g, b in zip(self.grid, self.blocks)]
-            x = xb.reshape(*batch, *self.blocks, *sub, d)
-            nb = len(batch)
-            # (*batch, b0, b1, .., s0, s1, .., d) -> (*batch, b0, s0, b1, s1, .., d)
-            order = [v for a in range(self.ndim) for v in (nb + a, nb + self.ndim + a)]
-            x = x.permute(*range(nb), *order, x.dim() - 1)
-            return x.reshape(*batch, self.num_tokens, d)
-        flat = xb.reshape(*batch, m * lmax, d)
-        return flat.index_select(len(batch), self.slot_index_on(xb.device))
+    @property
+    def block_index(self) -> torch.Tensor:
+        """LongTensor ``(N,)``: block id of each token in row-major token order."""
+        ids = torch.zeros((), dtype=torch.long)
+        for axis, sizes in enumerate(self.axis_sizes):
+            axis_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+            ids = ids.unsqueeze(-1) * self.blocks[axis] + axis_ids
+        return ids.reshape(-1)
 
-    def copy_to_blocks(self, x: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
-        """Like :meth:`to_blocks` but one fused copy (with dtype cast) into a fresh buffer; no autograd.
+    @property
+    def block_lengths(self) -> torch.Tensor:
+        """LongTensor ``(M,)``: number of tokens in each block."""
+        return torch.bincount(self.block_index, minlength=self.num_blocks)
 
-        For even layouts the block-major buffer is written through a permuted view of ``x``, so a
-        half-precision input is cast and reordered in a single pass. ``out``: a ``(*batch, M, L_max, d)``
-        buffer (any strides, e.g. a column slice of a wider buffer) to write into instead.
-        """
-        dtype = out.dtype if out is not None else dtype or x.dtype
-        if not self.is_even:
-            blocks = self.to_blocks(x.to(dtype))
-            return blocks if out is None else out.copy_(blocks)
-        *batch, n, d = x.shape
-        self.check_tokens(n)
-        if out is None:
-            out = torch.empty(*batch, self.num_blocks, self.max_block_len, d, dtype=dtype, device=x.device)
-        self.block_split_view(out).copy_(self.token_split_view(x))
-        return out
+    @property
+    def block_centers(self) -> torch.Tensor:
+        """Float tensor ``(M, ndim)``: block coordinates in block units (row-major block ids)."""
+        axes = [torch.arange(b, dtype=torch.float64) for b in self.blocks]
+        return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, self.ndim)
 
-    def copy_from_blocks(self, xb: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
-        """Like :meth:`from_blocks` but one fused copy (with dtype cast); no autograd.
+    # ----------------------------------------------------------------------------------------------
+    # token order <-> block-major order, differentiable (the plain-autograd path and the references)
 
-        ``out``: a ``(*batch, N, d)`` buffer (any strides) to write into instead of a fresh one.
-        """
-        dtype = out.dtype if out is not None else dtype or xb.dtype
-        if not self.is_even:
-            tokens = self.from_blocks(xb).to(dtype)
-            return tokens if out is None else out.copy_(tokens)
-        *batch, _, _, d = xb.shape
-        if out is None:
-            out = torch.empty(*batch, self.num_tokens, d, dtype=dtype, device=xb.device)
-        self.token_split_view(out).copy_(self.block_split_view(xb))
-        return out
+    def to_blocks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``(B, H, N, c)`` token order -> one ``(Mg, B, H, Lg, c)`` tensor per sub-grid."""
+        self.check_tokens(x.shape[2])
+        return [
+            sub.token_view(x, self.grid).reshape(sub.num_blocks, *x.shape[:2], sub.block_len, x.shape[-1])
+            for sub in self.subgrids
+        ]
 
-    # Even layouts only: a token-order tensor and a block-major tensor seen as the same logical
-    # ``(*batch, b0, b1, .., s0, s1, .., d)`` array (``b`` blocks, ``s`` tokens per block, per axis),
-    # so an elementwise op with ``out=`` reorders while it computes: the fast path fuses φ, the
-    # normaliser and φ' into the reordering copies. Both accept any strides (``view`` only splits the
-    # token / block axes), e.g. heads-interleaved ``(B, N, H, d)`` memory seen as ``(B, H, N, d)``.
-    # The fast path takes several such views per call on the same few shapes, so each view's geometry
-    # (sizes, strides) is computed once per input geometry and then replayed with ``as_strided``:
-    # one dispatch instead of a view plus a permute (the views cost more than the small kernels
-    # around them at 256 tokens).
+    def from_blocks(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`to_blocks`: ``(Mg, B, H, Lg, c)`` per sub-grid -> ``(B, H, N, c)``."""
+        boxes = [self._box(sub, xb) for sub, xb in zip(self.subgrids, parts)]  # (B, H, *box, c) each
+        for axis in reversed(range(self.ndim)):  # glue the runs back together, last axis first
+            runs = len(_axis_runs(self.grid[axis], self.blocks[axis]))
+            boxes = [torch.cat(boxes[i : i + runs], dim=2 + axis) for i in range(0, len(boxes), runs)]
+        (tokens,) = boxes
+        return tokens.flatten(2, 1 + self.ndim)
 
-    def block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
-        """Block-major ``(*batch, M, L, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
-        return self._cached_view(xb, self._block_split_view)
+    def _box(self, sub: SubGrid, xb: torch.Tensor) -> torch.Tensor:
+        """``(Mg, B, H, Lg, c)`` -> the box in grid order ``(B, H, n0 s0, n1 s1, .., c)``."""
+        nd = self.ndim
+        x = sub.block_split(xb)  # (n0, n1, .., B, H, s0, s1, .., c)
+        order = [nd, nd + 1] + [v for a in range(nd) for v in (a, nd + 2 + a)]
+        x = x.permute(*order, x.dim() - 1)  # (B, H, n0, s0, n1, s1, .., c)
+        box = [n * s for n, s in zip(sub.counts, sub.sizes)]
+        return x.reshape(*x.shape[:2], *box, x.shape[-1])
 
-    def token_split_view(self, x: torch.Tensor) -> torch.Tensor:
-        """Token-order ``(*batch, N, d)`` viewed as ``(*batch, b0, b1, .., s0, s1, .., d)``."""
-        return self._cached_view(x, self._token_split_view)
+    def mixing_in_block_order(self, mixing: torch.Tensor) -> torch.Tensor:
+        """``W`` with rows and columns in sub-grid block order (``W[order][:, order]``)."""
+        if self.natural_order:
+            return mixing
+        order = torch.tensor(self.block_order, device=mixing.device)
+        return mixing[order][:, order]
 
-    def _block_split_view(self, xb: torch.Tensor) -> torch.Tensor:
-        return xb.view(*xb.shape[:-3], *self._split_shapes[0], xb.shape[-1])
+    def mixing_from_block_order(self, mixing: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`mixing_in_block_order` (e.g. for the mixing gradient)."""
+        if self.natural_order:
+            return mixing
+        inverse = torch.argsort(torch.tensor(self.block_order, device=mixing.device))
+        return mixing[inverse][:, inverse]
 
-    def _token_split_view(self, x: torch.Tensor) -> torch.Tensor:
-        _, token_split, order = self._split_shapes
-        split = x.view(*x.shape[:-2], *token_split, x.shape[-1])
-        nb = x.dim() - 2  # (*batch, b0, s0, b1, s1, .., d) -> (*batch, b0, b1, .., s0, s1, .., d)
-        return split.permute(*range(nb), *(nb + a for a in order), split.dim() - 1)
 
-    def _cached_view(self, x: torch.Tensor, make_view) -> torch.Tensor:
-        """``make_view(x)``, replayed from a cache keyed by the view kind and x's sizes and strides."""
-        if x.requires_grad and torch.is_grad_enabled():  # autograd: plain views (cheaper backward)
-            return make_view(x)
-        key = (make_view.__name__, x.shape, x.stride())
-        geometry = self._view_cache.get(key)
-        if geometry is None:
-            view = make_view(x)  # also validates (even layout, token count) on first use
-            if len(self._view_cache) >= 64:  # a few shapes per run; bound it anyway
-                self._view_cache.clear()
-            self._view_cache[key] = (view.shape, view.stride())
-            return view
-        return x.as_strided(*geometry, x.storage_offset())
+@functools.lru_cache(maxsize=64)
+def _cached_layout(grid: tuple[int, ...], blocks: tuple[int, ...]) -> BlockLayout:
+    return BlockLayout(grid, blocks)
 
-    @cached_property
-    def _split_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """``(b0, b1, .., s0, s1, ..)``, ``(b0, s0, b1, s1, ..)`` and the permutation between them."""
-        if not self.is_even:
-            raise ValueError(f"split views need an evenly divisible layout, got {self}")
-        sub = [g // b for g, b in zip(self.grid, self.blocks)]
-        token_split = tuple(v for pair in zip(self.blocks, sub) for v in pair)
-        order = tuple(2 * a for a in range(self.ndim)) + tuple(2 * a + 1 for a in range(self.ndim))
-        return (*self.blocks, *sub), token_split, order
 
-    def block_mask(self, device=None) -> torch.Tensor:
-        """Bool ``(M, L_max)``: True where a block-major slot holds a real token."""
-        mask = torch.zeros(self.num_blocks * self.max_block_len, dtype=torch.bool)
-        mask[self.slot_index] = True
-        return mask.reshape(self.num_blocks, self.max_block_len).to(device or "cpu")
+def layout_for(grid: tuple[int, ...], blocks: tuple[int, ...]) -> BlockLayout:
+    """``BlockLayout(grid, blocks)``, cached in eager mode (torch.compile traces the constructor)."""
+    if torch.compiler.is_compiling():
+        return BlockLayout(grid, blocks)
+    return _cached_layout(tuple(grid), tuple(blocks))

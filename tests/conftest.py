@@ -43,6 +43,21 @@ def make_qkv():
 
 
 @pytest.fixture
+def used_grids(monkeypatch):
+    """The token grid of every MHLA layer call from now on, in call order (a spy on the processors)."""
+    from mhla_gen.processors.base import MHLAProcessor
+
+    seen, original = [], MHLAProcessor.layout
+
+    def spy(self, grid, num_tokens):
+        seen.append(tuple(grid))
+        return original(self, grid, num_tokens)
+
+    monkeypatch.setattr(MHLAProcessor, "layout", spy)
+    return seen
+
+
+@pytest.fixture
 def random_mixing():
     """``random_mixing(layout, grad=True)``: a positive, non-symmetric float64 ``(M, M)`` leaf tensor."""
 

@@ -166,11 +166,10 @@ def test_converted_layer_computes_what_the_release_computed():
     converted = convert_wan_checkpoint(state, dict(model.config), torch_dtype=torch.float64)
     latent = torch.zeros(1, 16, 3, 10, 20, dtype=torch.float64)  # grid (3, 5, 10): the release's tiles fit
     grid = (3, 5, 10)
-    converted.mhla_context.set_grid(grid)
-    cos, sin = converted.rope(latent)
+    rotary = converted.rope(latent)  # carries the token grid
     x = torch.randn(1, 150, 24, dtype=torch.float64)
-    ours = converted.blocks[1].attn1(x, None, None, (cos, sin))
-    cos, sin = cos.double(), sin.double()
+    ours = converted.blocks[1].attn1(x, None, None, rotary)
+    cos, sin = (t.double() for t in rotary)
     # exact up to the one documented difference: the release's φ is relu(x) + 1e-6, ours relu(x)
     release = _release_self_attention(state, 1, x, grid, cos, sin, heads=2, phi_eps=0.0)
     torch.testing.assert_close(ours, release, rtol=1e-9, atol=1e-9)

@@ -28,13 +28,13 @@ def test_captured_qk_are_what_the_mhla_kernel_sees(factory, monkeypatch):
     seen = []
     for attn in (block.attn1 for block in model.transformer_blocks):
         original = attn.processor.attend
-        monkeypatch.setattr(attn.processor, "attend",
-                            lambda q, k, v, original=original: seen.append((q, k)) or original(q, k, v))
+        monkeypatch.setattr(attn.processor, "attend", lambda q, k, v, grid, original=original:
+                            seen.append((q, k, grid)) or original(q, k, v, grid))
     with capture_qk(model) as records, torch.no_grad():
         run_forward(model)()
     assert len(records) == len(seen) == 2
-    for (q, k), slot in zip(seen, records.values()):
-        assert slot["kind"] == "mhla"
+    for (q, k, grid), slot in zip(seen, records.values()):
+        assert slot["kind"] == "mhla" and slot["grid"] == grid
         torch.testing.assert_close(slot["q"], q)
         torch.testing.assert_close(slot["k"], k)
 

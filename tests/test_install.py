@@ -57,7 +57,7 @@ def test_layers_replaces_exactly_those_layers():
     assert {n.split(".")[1] for n in mhla_parameters(model)} == {"0", "2"}
 
 
-def test_reinstall_replaces_config():
+def test_reinstall_replaces_config(used_grids):
     model = tiny_dit(num_layers=3).eval()
     install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 1], gate=True))
     second = MHLAConfig(blocks=(4, 4), layers=[2])
@@ -67,28 +67,28 @@ def test_reinstall_replaces_config():
     assert len(model._forward_pre_hooks) == 1
     assert all(p.shape == (16, 16) for n, p in mhla_parameters(model).items())
     dit_call(model)
-    assert model.mhla_context.grid == (4, 4)
+    assert used_grids == [(4, 4)]
 
 
-def test_uneven_grid_and_any_resolution():
+def test_uneven_grid_and_any_resolution(used_grids):
     """sample_size 10, patch 2 -> 5x5 tokens with 2x2 blocks; then 7x7 (DiT's unpatchify needs squares)."""
     model = tiny_dit(sample_size=10).eval()
     install_mhla(model, MHLAConfig(blocks=(2, 2)))
     out = dit_call(model, size=10)
     assert out.shape == (2, 8, 10, 10) and torch.isfinite(out).all()
-    assert model.mhla_context.grid == (5, 5)
     out = dit_call(model, size=14)
-    assert out.shape == (2, 8, 14, 14) and model.mhla_context.grid == (7, 7)
+    assert out.shape == (2, 8, 14, 14) and used_grids == [(5, 5)] * 2 + [(7, 7)] * 2
 
 
-def test_sana_non_square_grid():
+def test_sana_non_square_grid(used_grids):
     model = tiny_sana().eval()
     install_mhla(model, MHLAConfig(blocks=(2, 3)))
     g = torch.Generator().manual_seed(0)
     x, text = torch.randn(1, 4, 5, 7, generator=g), torch.randn(1, 3, 16, generator=g)
     with torch.no_grad():
         out = model(x, encoder_hidden_states=text, timestep=torch.tensor([3.0])).sample
-    assert out.shape == (1, 4, 5, 7) and model.mhla_context.grid == (5, 7)
+    assert out.shape == (1, 4, 5, 7) and used_grids == [(5, 7)] * 2
+    assert all(block.attn1.processor.token_grid is None for block in model.transformer_blocks)  # call-scoped
 
 
 @pytest.mark.parametrize("factory, call", BASES)
@@ -116,17 +116,21 @@ def test_unsupported_model_raises():
         install_mhla(torch.nn.Linear(2, 2), MHLAConfig())
 
 
-def test_deepcopy_drives_its_own_grid():
-    """An EMA-style deepcopy must set its own grid, not the original's."""
-    model = tiny_dit().eval()
+@pytest.mark.parametrize("factory, call", BASES)
+def test_deepcopy_keeps_its_own_hooks(factory, call, used_grids):
+    """An EMA-style deepcopy runs its own grids and hooks; uninstalling it leaves the original intact."""
+    model = factory().eval()
     install_mhla(model, MHLAConfig(blocks=(2, 2)))
-    dit_call(model, size=8)
+    call(model, size=8)
     ema = copy.deepcopy(model)
-    dit_call(ema, size=12)
-    assert ema.mhla_context.grid == (6, 6) and model.mhla_context.grid == (4, 4)
-    torch.testing.assert_close(dit_call(ema, size=8), dit_call(model, size=8), rtol=0, atol=0)
+    call(ema, size=12)
+    grid = used_grids[-1]
+    assert grid in ((6, 6), (12, 12))
+    torch.testing.assert_close(call(ema, size=8), call(model, size=8), rtol=0, atol=0)
+    hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
     uninstall_mhla(ema)
-    assert len(model._forward_pre_hooks) == 1
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
+    torch.testing.assert_close(call(ema, size=8), call(factory().eval(), size=8), rtol=0, atol=0)
 
 
 def test_processor_follows_model_dtype():

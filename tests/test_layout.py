@@ -25,17 +25,51 @@ LAYOUTS = [
 def test_round_trip(grid, blocks):
     layout = BlockLayout(grid, blocks)
     x = torch.randn(2, 3, layout.num_tokens, 5)
-    xb = layout.to_blocks(x)
-    assert xb.shape == (2, 3, layout.num_blocks, layout.max_block_len, 5)
-    assert torch.equal(layout.from_blocks(xb), x)
-    # the fused no-autograd copies agree with the reshaping ones, dtype cast included
-    assert torch.equal(layout.copy_to_blocks(x), xb)
-    assert torch.equal(layout.copy_from_blocks(xb), x)
-    assert torch.equal(layout.copy_to_blocks(x, torch.float64), xb.double())
-    # padded slots are exactly zero and the mask marks the real tokens
-    mask = layout.block_mask()
-    assert int(mask.sum()) == layout.num_tokens
-    assert torch.all(xb[..., ~mask, :] == 0)
+    parts = layout.to_blocks(x)
+    assert [p.shape for p in parts] == [(s.num_blocks, 2, 3, s.block_len, 5) for s in layout.subgrids]
+    assert torch.equal(layout.from_blocks(parts), x)
+    assert sum(p.shape[0] * p.shape[3] for p in parts) == layout.num_tokens  # no padding anywhere
+    # heads-interleaved memory (B, N, H, c) seen as (B, H, N, c): the views read it in place
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    for a, b in zip(layout.to_blocks(strided), parts):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grid, blocks", LAYOUTS)
+def test_subgrids_tile_the_grid_with_equal_blocks(grid, blocks):
+    """At most 2 runs per axis; every block of a sub-grid holds exactly the tokens of one layout block."""
+    layout = BlockLayout(grid, blocks)
+    assert len(layout.subgrids) <= 2 ** len(grid)
+    assert (len(layout.subgrids) == 1) == layout.is_even
+    assert sorted(layout.block_order) == list(range(layout.num_blocks))
+    assert layout.natural_order == (layout.block_order == list(range(layout.num_blocks)))
+    token_ids = torch.arange(layout.num_tokens, dtype=torch.float64).view(1, 1, -1, 1)
+    index = layout.block_index
+    for sub, part in zip(layout.subgrids, layout.to_blocks(token_ids)):
+        for local in range(sub.num_blocks):
+            block = layout.block_order[sub.offset + local]
+            members = part[local, 0, 0, :, 0].long()
+            assert torch.equal(members, (index == block).nonzero().squeeze(-1))  # row-major inside the block
+
+
+@pytest.mark.parametrize(
+    "grid, blocks", [((7, 5), (3, 2)), ((3, 5, 6), (2, 2, 3)), ((21, 30, 52), (3, 5, 10))]
+)
+def test_mixing_block_order_round_trip(grid, blocks):
+    layout = BlockLayout(grid, blocks)
+    w = torch.randn(layout.num_blocks, layout.num_blocks)
+    ordered = layout.mixing_in_block_order(w)
+    order = layout.block_order
+    assert torch.equal(ordered[1, 2], w[order[1], order[2]])
+    assert torch.equal(layout.mixing_from_block_order(ordered), w)
+
+
+def test_the_real_wan_grid_is_eight_boxes():
+    """480x832x81 -> tokens (21, 30, 52) in (3, 5, 10) blocks: 52 = 2 x 6 + 8 x 5."""
+    layout = BlockLayout((21, 30, 52), (3, 5, 10))
+    assert len(layout.subgrids) == 2
+    assert [(s.counts, s.sizes) for s in layout.subgrids] == [((3, 5, 2), (7, 6, 6)), ((3, 5, 8), (7, 6, 5))]
+    assert len(BlockLayout((21, 31, 52), (2, 5, 10)).subgrids) == 8
 
 
 @pytest.mark.parametrize("grid, blocks", LAYOUTS)
@@ -58,7 +92,6 @@ def test_block_index_is_a_row_major_tiling(grid, blocks):
             extent.append(hi - lo)
         assert len(members) == math.prod(extent)  # the full box, nothing missing
     assert torch.equal(layout.block_lengths, torch.bincount(index, minlength=layout.num_blocks))
-    assert layout.max_block_len == int(layout.block_lengths.max())
     assert layout.block_centers.shape == (layout.num_blocks, len(grid))
 
 
@@ -93,38 +126,4 @@ def test_bad_layouts_raise(grid, blocks, match):
 def test_token_count_mismatch_raises():
     layout = BlockLayout((4, 4), (2, 2))
     with pytest.raises(ValueError, match="15"):
-        layout.to_blocks(torch.zeros(1, 15, 2))
-    with pytest.raises(ValueError, match="L_max"):
-        layout.from_blocks(torch.zeros(1, 3, 4, 2))
-
-
-def test_split_views_replayed_from_the_cache_match_fresh_views():
-    """The cached geometry is keyed by sizes and strides and applied at the tensor's own storage offset."""
-    layout = BlockLayout((4, 6), (2, 3))
-    memory = torch.randn(2, 24, 3, 5)  # heads-interleaved, like diffusers' (B, N, H, d)
-    views = [memory[:, :, h].unsqueeze(1) for h in range(3)]  # same sizes and strides, different offsets
-    views.append(torch.randn(2, 1, 24, 5))  # same sizes, other strides
-    for _ in range(2):  # the first pass fills the cache, the second replays it
-        for x in views:
-            assert torch.equal(layout.token_split_view(x), layout._token_split_view(x))
-            xb = layout.copy_to_blocks(x)
-            assert torch.equal(layout.block_split_view(xb), layout._block_split_view(xb))
-            assert torch.equal(layout.copy_from_blocks(xb), x)
-
-
-def test_split_views_stay_plain_views_under_autograd():
-    layout = BlockLayout((4, 6), (2, 3))
-    x = torch.randn(2, 24, 5, requires_grad=True)
-    layout.token_split_view(x.detach())  # cache this geometry first
-    view = layout.token_split_view(x)
-    assert "AsStrided" not in type(view.grad_fn).__name__
-    (view * 2).sum().backward()
-    assert torch.equal(x.grad, torch.full_like(x, 2.0))
-
-
-def test_split_views_pair_tokens_with_their_block_slots():
-    layout = BlockLayout((4, 6), (2, 3))
-    x = torch.randn(2, 24, 5)
-    assert torch.equal(layout.token_split_view(x), layout.block_split_view(layout.to_blocks(x)))
-    with pytest.raises(ValueError, match=r"\(7, 5\)"):
-        BlockLayout((7, 5), (3, 2)).token_split_view(torch.zeros(1, 35, 2))
+        layout.to_blocks(torch.zeros(1, 1, 15, 2))

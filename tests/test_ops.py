@@ -61,7 +61,7 @@ def test_matches_references(path, grid, blocks, feature_map, normalize, make_qkv
 @pytest.mark.parametrize("normalize", [True, False])
 def test_inference_path_matches_references(grad_mode, grid, blocks, feature_map, normalize, make_qkv,
                                            random_mixing):
-    """Without autograd the op skips MHLAFunction (nothing saved, eps added in place): same forward."""
+    """Without autograd (no_grad, inference_mode, or inputs that need no gradient): same forward."""
     layout = BlockLayout(grid, blocks)
     q, k, v = make_qkv(layout.num_tokens, value_dim=5, grad=grad_mode != "inputs_without_grad")
     mixing = random_mixing(layout, grad=False)
@@ -71,22 +71,8 @@ def test_inference_path_matches_references(grad_mode, grid, blocks, feature_map,
     context = contexts.get(grad_mode, torch.enable_grad)
     with context():
         got = mhla_attention(q, k, v, **kwargs)
-        again = mhla_attention(q, k, v, **kwargs)  # replays the cached views
     assert got.grad_fn is None
     torch.testing.assert_close(got, expected.detach(), atol=1e-10, rtol=0)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
-def test_inference_path_keeps_heads_interleaved_strides(grid, blocks, make_qkv, random_mixing):
-    layout = BlockLayout(grid, blocks)
-    q, k, v = (_heads_interleaved(t) for t in make_qkv(layout.num_tokens, value_dim=5))
-    mixing = random_mixing(layout, grad=False)
-    with torch.inference_mode():
-        got = mhla_attention(q, k, v, layout, mixing)
-    torch.testing.assert_close(got, mhla_dense(q, k, v, layout, mixing), atol=1e-10, rtol=0)
-    if layout.is_even:
-        assert got.stride() == v.stride()
 
 
 @pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
@@ -98,15 +84,6 @@ def test_callable_feature_map(grid, blocks, make_qkv, random_mixing):
     kwargs = dict(layout=layout, feature_map=F.softplus)
     got = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
     _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
-
-
-@pytest.mark.parametrize("dim", [4, 16])  # M·d < N keeps S for ∂W; M·d >= N makes backward recompute it
-def test_summaries_kept_or_recomputed(dim, make_qkv, random_mixing):
-    layout = BlockLayout((6, 8), (2, 4))
-    q, k, v = make_qkv(layout.num_tokens, dim=dim, value_dim=3, grad=True)
-    mixing = random_mixing(layout)
-    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout)
-    _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, layout=layout), atol=1e-10)
 
 
 @pytest.mark.parametrize("dim", [4, 16])
@@ -276,8 +253,8 @@ def _heads_interleaved(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("grid, blocks", [((6, 8), (2, 4)), ((7, 5), (3, 2))])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixing):
-    """(B, N, H, d).transpose(1, 2) views: exact values and gradients, and the output and gradients keep
-    that memory layout on even grids (merging heads afterwards is then a view, not a copy)."""
+    """(B, N, H, d).transpose(1, 2) views: exact values and gradients; the gradients keep the inputs'
+    memory layout and the output has SANA's channels-first memory, so merging heads is a view."""
     layout = BlockLayout(grid, blocks)
     q, k, v = (_heads_interleaved(t) for t in make_qkv(layout.num_tokens, value_dim=5, grad=True))
     assert not q.is_contiguous()
@@ -285,12 +262,12 @@ def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixi
     kwargs = dict(layout=layout, normalize=normalize)
     got = _outputs_and_grads(mhla_attention, q, k, v, mixing, **kwargs)
     _assert_all_close(got, _outputs_and_grads(mhla_dense, q, k, v, mixing, **kwargs), atol=1e-10)
-    if layout.is_even:
-        for result, like in zip(got, (v, q, k, v)):
-            assert result.stride() == like.stride()
-        batch, heads, tokens, width = got[0].shape
-        merged = got[0].transpose(1, 2).reshape(batch, tokens, heads * width)
-        assert merged.data_ptr() == got[0].data_ptr()  # a view
+    for result, like in zip(got[1:], (q, k, v)):
+        assert result.stride() == like.stride()
+    batch, heads, tokens, width = got[0].shape
+    assert got[0].mT.is_contiguous()  # (B, H, e, N) memory
+    merged = got[0].transpose(1, 2).reshape(batch, tokens, heads * width)
+    assert merged._base is got[0] or merged._base is got[0]._base  # a view
 
 
 def _bad_call(**override):

@@ -7,6 +7,7 @@ from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 from mhla_gen import BlockLayout, MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.ops.naive import mhla_dense
 from mhla_gen.processors.dit import DiTMHLAProcessor
+from mhla_gen.processors.grid import image_token_grid
 from mhla_gen.processors.sana import SanaMHLAProcessor
 from mhla_gen.testing import tiny_dit, tiny_sana
 
@@ -29,16 +30,21 @@ def sana_inputs(batch=2, size=8):
     )
 
 
-def test_sana_single_block_equals_stock_linear_attention():
-    model = tiny_sana().eval()
-    x = sana_inputs()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sana_single_block_equals_stock_linear_attention(dtype):
+    """One block, no extras, eps 1e-15: bit for bit diffusers' SanaLinearAttnProcessor2_0, with SANA's
+    q/k RMSNorm across heads, in fp32 and fp16 (the same GEMMs in the same orientation)."""
+    model = tiny_sana(qk_norm="rms_norm_across_heads").eval().to(dtype)
+    assert model.transformer_blocks[0].attn1.norm_q is not None
+    x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sana_inputs().items()}
     assert all(isinstance(b.attn1.processor, SanaLinearAttnProcessor2_0) for b in model.transformer_blocks)
     with torch.no_grad():
         stock = model(**x).sample
         install_mhla(model, MHLAConfig(blocks=(1, 1), eps=1e-15))
         assert all(isinstance(b.attn1.processor, SanaMHLAProcessor) for b in model.transformer_blocks)
         ours = model(**x).sample
-    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, stock, rtol=0, atol=0)
 
 
 def test_sana_cross_attention_stays_stock():
@@ -66,8 +72,9 @@ def test_processor_matches_dense_oracle(factory, inputs):
     install_mhla(model, MHLAConfig(blocks=(2, 3)))
     for p in mhla_parameters(model).values():  # a non-init mixing matrix
         p.data.uniform_(0.0, 1.0)
-    attn, x, out = _capture_attn1_io(model, inputs(size=10))
-    grid = model.mhla_context.grid
+    x_in = inputs(size=10)
+    attn, x, out = _capture_attn1_io(model, x_in)
+    grid = image_token_grid(model, x_in["hidden_states"])
     b, n, _ = x.shape
     q, k, v = (p(x).view(b, n, attn.heads, -1).transpose(1, 2) for p in (attn.to_q, attn.to_k, attn.to_v))
     layout = BlockLayout(grid, (2, 3))
@@ -104,7 +111,6 @@ def test_gradients_reach_every_mhla_parameter(factory, inputs):
 def test_processor_rejects_masks_and_cross_attention():
     model = tiny_dit()
     install_mhla(model, MHLAConfig(blocks=(2, 2)))
-    model(**dit_inputs())  # sets the token grid
     attn = model.transformer_blocks[0].attn1
     assert isinstance(attn.processor, DiTMHLAProcessor)
     x = torch.randn(2, 16, 16)

@@ -11,7 +11,6 @@ from diffusers.utils import export_to_video
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla, mhla_processors, uninstall_mhla
 from mhla_gen.layout import BlockLayout
-from mhla_gen.processors.grid import GridContext
 from mhla_gen.processors.wan import WanMHLAProcessor, wan_token_grid
 from mhla_gen.serialization import load_transformer
 from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
@@ -101,8 +100,8 @@ def test_processor_matches_dense_reference(wan_rope, normalize, head_norm):
     install_mhla(model, cfg)
     _randomize_mhla_(model)
     latent, _, _ = _inputs(dtype=torch.float64)
-    rotary = model.rope(latent)
-    model.mhla_context.set_grid(wan_token_grid(model, latent))
+    rotary = model.rope(latent)  # carries the token grid (install_mhla hooks the rope)
+    assert rotary.grid == wan_token_grid(model, latent)
     attn = model.blocks[0].attn1
     x = torch.randn(latent.shape[0], 45, attn.to_q.in_features, dtype=torch.float64)
     out = attn(x, None, None, rotary)
@@ -205,11 +204,14 @@ def test_save_load_round_trip(tmp_path):
         assert torch.equal(loaded(latent, t, text).sample, model(latent, t, text).sample)
 
 
-def test_context_is_required():
-    proc = WanMHLAProcessor(MHLAConfig(blocks=BLOCKS), GridContext(BLOCKS), inner_dim=24, in_dim=24, heads=2)
+def test_grid_carrying_rotary_embedding_is_required():
+    proc = WanMHLAProcessor(MHLAConfig(blocks=BLOCKS), inner_dim=24, in_dim=24, heads=2)
     attn = tiny_wan_transformer().blocks[0].attn1
-    with pytest.raises(ValueError, match="token grid was set"):
-        proc(attn, torch.randn(1, 45, 24))
+    plain_rotary = attn.processor  # any non-GridRotaryEmb
+    with pytest.raises(ValueError, match="carries the token grid"):
+        proc(attn, torch.randn(1, 45, 24), rotary_emb=None)
+    with pytest.raises(ValueError, match="carries the token grid"):
+        proc(attn, torch.randn(1, 45, 24), rotary_emb=(plain_rotary, plain_rotary))
     with pytest.raises(ValueError, match="self-attention only"):
         proc(attn, torch.randn(1, 45, 24), torch.randn(1, 3, 24))
 

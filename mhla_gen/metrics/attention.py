@@ -52,10 +52,18 @@ def _apply_norm(norm: nn.Module | None, x: torch.Tensor, heads: int) -> torch.Te
 
 @contextmanager
 def capture_qk(transformer: nn.Module):
-    """Context manager yielding ``{layer index: {"q": (B,H,N,d), "k": ..., "kind", "attn"}}`` filled by the
-    first forward run inside it (later forwards are ignored)."""
+    """Context manager yielding ``{layer index: {"q": (B,H,N,d), "k": ..., "kind", "attn", "grid"}}``
+    filled by the first forward run inside it (later forwards are ignored)."""
+    from ..install import spec_for
+    from ..processors.grid import latent_from_call
+
     records: dict[int, dict] = {}
-    handles = []
+    grid: dict = {}  # the token grid of the first forward (the grid every MHLA layer of that call uses)
+
+    def save_grid(model, args, kwargs):
+        grid.setdefault("grid", spec_for(model).token_grid(model, latent_from_call(args, kwargs)))
+
+    handles = [transformer.register_forward_pre_hook(save_grid, with_kwargs=True)]
     for index, attn in enumerate(self_attention_layers(transformer)):
         slot: dict = {"kind": layer_kind(attn), "attn": attn}
 
@@ -74,6 +82,7 @@ def capture_qk(transformer: nn.Module):
             handle.remove()
         for slot in records.values():
             attn = slot["attn"]
+            slot["grid"] = grid.get("grid")
             if "q_raw" in slot:
                 slot["q"] = _apply_norm(getattr(attn, "norm_q", None), slot.pop("q_raw"), attn.heads)
                 slot["k"] = _apply_norm(getattr(attn, "norm_k", None), slot.pop("k_raw"), attn.heads)
@@ -101,7 +110,7 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
                              "too large; use a smaller resolution or raise max_tokens")
         if slot["kind"] == "mhla":
             proc = attn.processor
-            maps = attention_matrix(q, k, "mhla", proc.context.layout(n), proc.mixing.weight.detach(),
+            maps = attention_matrix(q, k, "mhla", proc.layout(slot["grid"], n), proc.mixing().detach(),
                                     proc.cfg.feature_map)
         else:
             maps = attention_matrix(q, k, slot["kind"])

@@ -1,14 +1,13 @@
 """MHLA operators: the fast path, the recurrent decoder and the plain references."""
 
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .mhla import MHLAFunction, mhla_attention, mhla_attention_autograd
+from .mhla import mhla_attention, mhla_attention_autograd
 from .naive import linear_attention, mhla_block_loop, mhla_dense, mhla_dense_weights
 from .recurrent import MHLADecodeState, mhla_decode_step
 
 __all__ = [
     "FEATURE_MAPS",
     "MHLADecodeState",
-    "MHLAFunction",
     "get_feature_map",
     "linear_attention",
     "mhla_attention",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..layout import BlockLayout
@@ -39,3 +41,11 @@ def cast_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float16:
         out = out.clip(-65504, 65504)
     return out.to(dtype)
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off on ``device_type`` when it is on (the op picks its own precision:
+    fp32 sums for half inputs; autocast would halve it). Devices without autocast (meta) get a no-op."""
+    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""Feature maps φ for linear attention. Each maps ``(..., d) -> (..., d)``; all but ``identity`` are non-negative."""
+"""Feature maps φ for linear attention: ``(..., d) -> (..., d)``, non-negative except ``identity``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu+1e-6": _relu_plus_1e6,  # the original release's φ
     "identity": _identity,
 }
+
+
+# In place on a fresh buffer (the fast path's block-major copies): one pass, no extra allocation.
+FEATURE_MAPS_INPLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu_,
+    "elu+1": lambda x: F.elu_(x).add_(1.0),
+    "elu": lambda x: F.elu_(x).add_(1.0),
+    "relu+1e-6": lambda x: F.relu_(x).add_(1e-6),
+    "identity": _identity,
+}
+
+
+def feature_map_vjp_(name: str, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad * φ'(x)`` for a named φ, written into ``grad`` (x is the input of φ)."""
+    if name in ("relu", "relu+1e-6"):
+        return grad.masked_fill_(x <= 0, 0.0)
+    if name in ("elu+1", "elu"):  # d/dx (elu(x) + 1) = 1 for x > 0, exp(x) otherwise
+        return grad.mul_(torch.where(x > 0, 1.0, torch.exp(x)))
+    if name == "identity":
+        return grad
+    raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
 
 
 def get_feature_map(name: str | Callable) -> Callable[[torch.Tensor], torch.Tensor]:

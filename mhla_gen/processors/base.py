@@ -18,8 +18,11 @@ class BaseSpec:
         model_cls: the diffusers transformer class.
         grid_ndim: 2 (images) or 3 (video).
         self_attention: ``transformer -> [attention module]`` of every self-attention layer, in depth order.
-        token_grid: ``(transformer, latent) -> grid`` from the latent shape and the patch size.
-        make_processor: ``(attn, cfg, context) -> nn.Module`` the MHLA processor for one layer.
+        token_grid: ``(transformer, latent) -> grid`` from the latent shape and the patch size (checked
+            against the blocks before every forward).
+        make_processor: ``(attn, cfg) -> nn.Module`` the MHLA processor for one layer.
+        grid_hooks: ``transformer -> [hook handles]`` that route each call's grid to the processors
+            (see ``processors/grid.py``).
         stock_processor: ``() -> processor`` the stock diffusers processor (for uninstall).
     """
 
@@ -30,6 +33,7 @@ class BaseSpec:
     token_grid: Callable[[nn.Module, torch.Tensor], tuple[int, ...]]
     make_processor: Callable[..., nn.Module]
     stock_processor: Callable[[], object]
+    grid_hooks: Callable[[nn.Module], list] = lambda transformer: []
 
 
 class MHLAProcessor(nn.Module):
@@ -37,24 +41,24 @@ class MHLAProcessor(nn.Module):
 
     It owns the learnable MHLA parameters under fixed names, so save/load and the MHLA-only export
     find them the same way for every base: ``mixing`` (:class:`MixingMatrix`), ``cpe``
-    (:class:`ConvPositionEncoding` or None) and ``gate`` (:class:`OutputGate` or None). The token grid
-    comes from the shared :class:`GridContext` (kept as a plain attribute, not a submodule).
+    (:class:`ConvPositionEncoding` or None) and ``gate`` (:class:`OutputGate` or None). Parameters are
+    read through module calls (``self.mixing()``, ``self.cpe(...)``, ``self.gate(...)``), never as
+    ``.weight`` attributes: offloading hooks (accelerate's ``cpu_offload``, diffusers' group offloading,
+    layerwise casting) put a module's weights in place only around its own forward.
 
     Args:
         cfg: the :class:`MHLAConfig`.
-        context: the transformer's grid context.
         inner_dim: ``heads * head_dim`` of q/k/v (CPE channels, gate width).
         in_dim: width of the layer input (the gate reads it).
     """
 
-    def __init__(self, cfg, context, inner_dim: int, in_dim: int):
+    def __init__(self, cfg, inner_dim: int, in_dim: int):
         super().__init__()
         from ..extras import ConvPositionEncoding, OutputGate
         from ..layout import BlockLayout
         from ..mixing import MixingMatrix
 
         self.cfg = cfg
-        self.context = context
         # block centres depend only on the block grid, so init W on the (blocks -> blocks) layout
         block_grid = BlockLayout(cfg.blocks, cfg.blocks)
         self.mixing = MixingMatrix(block_grid, cfg.mixing_init, cfg.mixing_normalize, cfg.mixing_temperature)
@@ -72,19 +76,26 @@ class MHLAProcessor(nn.Module):
                 f"MHLA (linear attention) cannot apply an attention_mask; {base} never passes one"
             )
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """MHLA of ``(B, heads, N, d)`` q, k, v on the current grid -> ``(B, heads, N, d)``."""
+    def layout(self, grid: tuple[int, ...], num_tokens: int):
+        """The :class:`BlockLayout` of this call's token grid, checked against the sequence length."""
+        from ..layout import layout_for
+
+        layout = layout_for(tuple(grid), self.cfg.blocks)
+        layout.check_tokens(num_tokens, "self-attention sequence length")
+        return layout
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid) -> torch.Tensor:
+        """MHLA of ``(B, heads, N, d)`` q, k, v on the token ``grid`` -> ``(B, heads, N, d)``."""
         from ..ops import mhla_attention
 
-        layout = self.context.layout(q.shape[2])
-        return mhla_attention(
-            q, k, v, layout, self.mixing.weight, self.cfg.feature_map, self.cfg.normalize, eps=self.cfg.eps
-        )
+        cfg = self.cfg
+        layout = self.layout(grid, q.shape[2])
+        return mhla_attention(q, k, v, layout, self.mixing(), cfg.feature_map, cfg.normalize, eps=cfg.eps)
 
-    def apply_extras(self, out: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+    def apply_extras(self, out, value, layer_input, grid) -> torch.Tensor:
         """CPE and gate on merged heads: out, value ``(B, N, inner_dim)``, layer_input ``(B, N, in_dim)``."""
         if self.cpe is not None:
-            out = out + self.cpe(value, self.context.grid).to(out.dtype)
+            out = out + self.cpe(value, grid).to(out.dtype)
         if self.gate is not None:
             out = self.gate(out, layer_input)
         return out

@@ -14,7 +14,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
 from .base import BaseSpec, MHLAProcessor
-from .grid import image_token_grid
+from .grid import image_token_grid, square_token_grid
 
 
 class DiTMHLAProcessor(MHLAProcessor):
@@ -39,6 +39,9 @@ class DiTMHLAProcessor(MHLAProcessor):
         if input_ndim == 4:
             batch_size, channel, height, width = hidden_states.shape
             hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+            grid = (height, width)
+        else:
+            grid = square_token_grid(hidden_states.shape[1])  # DiT's own grids are square
         batch_size = hidden_states.shape[0]
         if attn.group_norm is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
@@ -58,10 +61,10 @@ class DiTMHLAProcessor(MHLAProcessor):
         if attn.norm_k is not None:
             key = attn.norm_k(key)
 
-        hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d)
-        # (B, heads, N, d) -> (B, N, heads * d); on even grids a view (the output keeps the value's strides)
+        hidden_states = self.attend(query, key, heads_value, grid)  # (B, heads, N, d)
+        # (B, heads, N, d) -> (B, N, heads * d): a view (the op writes heads-interleaved memory)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = self.apply_extras(hidden_states, value, layer_input)
+        hidden_states = self.apply_extras(hidden_states, value, layer_input, grid)
 
         hidden_states = attn.to_out[0](hidden_states)  # linear proj
         hidden_states = attn.to_out[1](hidden_states)  # dropout
@@ -74,8 +77,8 @@ class DiTMHLAProcessor(MHLAProcessor):
         return hidden_states
 
 
-def _make_processor(attn: Attention, cfg, context) -> DiTMHLAProcessor:
-    return DiTMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+def _make_processor(attn: Attention, cfg) -> DiTMHLAProcessor:
+    return DiTMHLAProcessor(cfg, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
 
 
 SPEC = BaseSpec(

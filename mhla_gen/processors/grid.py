@@ -1,48 +1,34 @@
-"""How the token grid reaches the attention processors.
+"""How each MHLA layer learns its token grid: from its own call, never from "the last forward" (DESIGN §6).
 
-SANA and Wan blocks call self-attention without height/width/frames (DESIGN §4), so a forward
-pre-hook on the transformer (``mhla_gen.install``) reads the latent shape and patch size before every
-forward and stores the token grid in a :class:`GridContext` shared by all MHLA processors of that
-transformer.
+A layer's block layout is fixed by the call that runs it, so a gradient-checkpointed recompute (which
+re-runs the same calls with the same arguments) uses the grid of its own forward, even when the model
+ran other forwards at other grids in between (mixed aspect-ratio buckets):
+
+* DiT: the self-attention input ``(B, N, C)`` of a square token grid (DiT's own unpatchify supports
+  square grids only), or ``(B, C, H, W)``.
+* SANA: every ``SanaTransformerBlock`` is called with ``height`` and ``width``; a forward pre-hook on the
+  block hands them to its self-attention processor right before the block runs (and again when a
+  checkpointed block is recomputed).
+* Wan: every block receives the rotary embedding computed from this forward's latent; a forward hook
+  on ``transformer.rope`` returns it as a :class:`GridRotaryEmb`, a 2-tuple ``(cos, sin)`` (what the
+  stock processors unpack) that also carries the token grid.
+
+A forward pre-hook on the transformer (``check_latent``) validates the latent against the MHLA blocks
+before any work, with a message naming both.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layout import BlockLayout
 
+class GridRotaryEmb(tuple):
+    """Wan's ``(freqs_cos, freqs_sin)`` plus the token grid ``(F, H, W)`` of the latent they encode."""
 
-class GridContext:
-    """Token grid of the current forward, plus a cache of block layouts per grid."""
-
-    def __init__(self, blocks: tuple[int, ...]):
-        self.blocks = tuple(blocks)
-        self.grid: tuple[int, ...] | None = None
-        self._layouts: dict[tuple[int, ...], BlockLayout] = {}
-
-    def set_grid(self, grid: tuple[int, ...]) -> None:
-        grid = tuple(int(g) for g in grid)
-        if len(grid) != len(self.blocks):
-            raise ValueError(f"token grid {grid} and MHLA blocks {self.blocks} have different ranks")
-        for axis, (g, b) in enumerate(zip(grid, self.blocks)):
-            if b > g:
-                raise ValueError(
-                    f"MHLA blocks {self.blocks} do not fit the token grid {grid}: axis {axis} has {g} tokens "
-                    f"but {b} blocks; use fewer blocks or a larger resolution"
-                )
+    def __new__(cls, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, grid: tuple[int, int, int]):
+        self = super().__new__(cls, (freqs_cos, freqs_sin))
         self.grid = grid
-
-    def layout(self, num_tokens: int) -> BlockLayout:
-        if self.grid is None:
-            raise ValueError(
-                "MHLA processor called before the token grid was set (was install_mhla used?)"
-            )
-        if self.grid not in self._layouts:
-            self._layouts[self.grid] = BlockLayout(self.grid, self.blocks)
-        layout = self._layouts[self.grid]
-        layout.check_tokens(num_tokens, "self-attention sequence length")
-        return layout
+        return self
 
 
 def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -64,3 +50,44 @@ def image_token_grid(transformer, latent: torch.Tensor) -> tuple[int, int]:
         )
     p = transformer.config.patch_size
     return latent.shape[-2] // p, latent.shape[-1] // p
+
+
+def check_grid(grid: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+    """``ValueError`` naming both when the MHLA blocks cannot tile the token grid."""
+    if len(grid) != len(blocks):
+        raise ValueError(f"token grid {grid} and MHLA blocks {blocks} have different ranks")
+    for axis, (g, b) in enumerate(zip(grid, blocks)):
+        if b > g:
+            raise ValueError(
+                f"MHLA blocks {blocks} do not fit the token grid {grid}: axis {axis} has {g} tokens "
+                f"but {b} blocks; use fewer blocks or a larger resolution"
+            )
+
+
+def square_token_grid(num_tokens: int) -> tuple[int, int]:
+    """DiT's ``(n, n)`` grid of ``n * n`` tokens (its unpatchify takes ``n = int(N ** 0.5)`` too)."""
+    side = int(num_tokens**0.5 + 0.5)
+    if side * side != num_tokens:
+        raise ValueError(f"DiT supports square token grids only; got {num_tokens} tokens")
+    return side, side
+
+
+def sana_block_grid(block, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on a ``SanaTransformerBlock``: its ``height`` / ``width`` arguments (positions
+    5 and 6, or keywords) become the token grid of its MHLA self-attention for this call."""
+    height = kwargs["height"] if "height" in kwargs else args[5]
+    width = kwargs["width"] if "width" in kwargs else args[6]
+    block.attn1.processor.token_grid = (height, width)
+
+
+def clear_block_grid(block, args: tuple, output) -> None:
+    """Forward hook on a ``SanaTransformerBlock``: the grid is valid during the block's call only."""
+    block.attn1.processor.token_grid = None
+
+
+def wan_rotary_with_grid(rope, args: tuple, output) -> GridRotaryEmb:
+    """Forward hook on ``WanTransformer3DModel.rope``: tag the rotary embedding with the token grid of
+    the latent it was computed from (``rope``'s input ``(B, C, F, H, W)``, patch size ``rope.patch_size``)."""
+    frames, height, width = args[0].shape[-3:]
+    p_t, p_h, p_w = rope.patch_size
+    return GridRotaryEmb(*output, grid=(frames // p_t, height // p_h, width // p_w))

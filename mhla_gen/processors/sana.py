@@ -3,6 +3,10 @@
 Replaces ``attn1`` of every ``SanaTransformerBlock`` (stock: ``SanaLinearAttnProcessor2_0``, i.e. global
 ReLU linear attention); the cross-attention ``attn2`` stays stock. Pretrained q/k/v/out weights are
 reused. With ``blocks=(1, 1)``, no extras and ``eps=1e-15`` this is exactly the stock processor.
+
+The token grid comes from the block: a forward pre-hook on each ``SanaTransformerBlock`` (installed by
+``install_mhla``, see ``grid.py``) sets :attr:`SanaMHLAProcessor.token_grid` from the block's
+``height`` / ``width`` arguments right before the block runs (and a forward hook clears it afterwards).
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from diffusers import SanaTransformer2DModel
 from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 
 from .base import BaseSpec, MHLAProcessor
-from .grid import image_token_grid
+from .grid import clear_block_grid, image_token_grid, sana_block_grid
 
 
 class SanaMHLAProcessor(MHLAProcessor):
     """``SanaLinearAttnProcessor2_0`` with the global linear attention replaced by block-mixed MHLA."""
+
+    token_grid: tuple[int, int] | None = None  # set per call by the block's pre-hook
 
     def forward(
         self,
@@ -28,6 +34,12 @@ class SanaMHLAProcessor(MHLAProcessor):
     ) -> torch.Tensor:
         """hidden_states ``(B, N, C)`` -> ``(B, N, C)``."""
         self.check_self_attention(encoder_hidden_states, attention_mask, "SANA")
+        grid = self.token_grid
+        if grid is None:
+            raise ValueError(
+                "SANA MHLA processor called outside a SanaTransformerBlock of a model prepared by "
+                "install_mhla (the block's height/width give the token grid)"
+            )
         original_dtype = hidden_states.dtype
         layer_input = hidden_states  # (B, N, C): what the gate reads
         query = attn.to_q(hidden_states)
@@ -41,9 +53,9 @@ class SanaMHLAProcessor(MHLAProcessor):
         # (B, N, heads * d) -> (B, heads, N, d)
         split_heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)
         query, key, heads_value = split_heads(query), split_heads(key), split_heads(value)
-        hidden_states = self.attend(query, key, heads_value)  # (B, heads, N, d), fp32 sums inside
+        hidden_states = self.attend(query, key, heads_value, grid)  # (B, heads, N, d), fp32 sums inside
         hidden_states = hidden_states.transpose(1, 2).flatten(2).to(original_dtype)  # (B, N, heads * d)
-        hidden_states = self.apply_extras(hidden_states, value, layer_input)
+        hidden_states = self.apply_extras(hidden_states, value, layer_input, grid)
 
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
@@ -52,8 +64,15 @@ class SanaMHLAProcessor(MHLAProcessor):
         return hidden_states
 
 
-def _make_processor(attn: Attention, cfg, context) -> SanaMHLAProcessor:
-    return SanaMHLAProcessor(cfg, context, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+def _make_processor(attn: Attention, cfg) -> SanaMHLAProcessor:
+    return SanaMHLAProcessor(cfg, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+
+
+def _grid_hooks(transformer: SanaTransformer2DModel) -> list:
+    blocks = [b for b in transformer.transformer_blocks if isinstance(b.attn1.processor, SanaMHLAProcessor)]
+    return [b.register_forward_pre_hook(sana_block_grid, with_kwargs=True) for b in blocks] + [
+        b.register_forward_hook(clear_block_grid, always_call=True) for b in blocks
+    ]
 
 
 SPEC = BaseSpec(
@@ -64,4 +83,5 @@ SPEC = BaseSpec(
     token_grid=image_token_grid,
     make_processor=_make_processor,
     stock_processor=SanaLinearAttnProcessor2_0,
+    grid_hooks=_grid_hooks,
 )

@@ -17,6 +17,9 @@ Where RoPE goes (``MHLAConfig.wan_rope``), with ``R`` the rotation of token ``t`
   head's output instead (``wan_head_norm``; its ``g_norm``, here :attr:`WanMHLAProcessor.head_norm`).
 
 Order after the attention core: head norm -> merge heads -> CPE / gate (base class) -> ``to_out``.
+
+The token grid comes with the rotary embedding: ``install_mhla`` hooks ``transformer.rope`` so that it
+returns a :class:`~mhla_gen.processors.grid.GridRotaryEmb` (see ``grid.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
 from .base import BaseSpec, MHLAProcessor
+from .grid import GridRotaryEmb, wan_rotary_with_grid
 
 
 def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -50,42 +54,46 @@ def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
     return rotated.flatten(-2).to(x.dtype)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the head dim, shared by all heads (the release's ``g_norm``), in the input's dtype."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
 
 class WanMHLAProcessor(MHLAProcessor):
     """``WanAttnProcessor`` for self-attention with softmax replaced by MHLA on the 3D token grid.
 
     Args:
-        cfg, context, inner_dim, in_dim: see :class:`MHLAProcessor`.
+        cfg, inner_dim, in_dim: see :class:`MHLAProcessor`.
         heads: number of attention heads (``head_dim = inner_dim / heads``).
         head_norm_eps: epsilon of the per-head RMSNorm (Wan uses its block ``eps``, 1e-6).
 
     Attributes:
-        head_norm: ``nn.RMSNorm(head_dim)`` shared by all heads when ``cfg.wan_head_norm`` (the release's
+        head_norm: :class:`HeadRMSNorm` shared by all heads when ``cfg.wan_head_norm`` (the release's
             ``g_norm``), else None. Initialised to weight 1.
     """
 
-    def __init__(self, cfg, context, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
-        super().__init__(cfg, context, inner_dim, in_dim)
+    def __init__(self, cfg, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
+        super().__init__(cfg, inner_dim, in_dim)
         if inner_dim % heads:
             raise ValueError(f"inner_dim {inner_dim} is not divisible by heads {heads}")
         self.heads = heads
-        self.head_norm = nn.RMSNorm(inner_dim // heads, eps=head_norm_eps) if cfg.wan_head_norm else None
+        self.head_norm = HeadRMSNorm(inner_dim // heads, eps=head_norm_eps) if cfg.wan_head_norm else None
 
     def attend_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_emb) -> torch.Tensor:
-        """MHLA with Wan's RoPE placed as ``cfg.wan_rope`` says. q, k, v ``(B, heads, N, d)`` -> same.
-
-        Without ``rotary_emb`` (a Wan variant without RoPE) both modes reduce to plain MHLA.
-        """
-        if rotary_emb is None:
-            return self.attend(q, k, v)
+        """MHLA with Wan's RoPE placed as ``cfg.wan_rope`` says. q, k, v ``(B, heads, N, d)`` -> same."""
+        grid = rotary_emb.grid
         if self.cfg.wan_rope == "before_phi":
-            return self.attend(apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb), v)
+            return self.attend(apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb), v, grid)
         # after_phi_numerator: two MHLA passes with the identity feature map on precomputed features
-        layout = self.context.layout(q.shape[2])
-        mixing = self.mixing.weight
+        layout = self.layout(grid, q.shape[2])
+        mixing = self.mixing()
         acc = accumulation_dtype(q.dtype)
         phi = get_feature_map(self.cfg.feature_map)
         fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
@@ -95,14 +103,14 @@ class WanMHLAProcessor(MHLAProcessor):
             v.to(acc),
             layout,
             mixing,
-            feature_map=_identity,
+            feature_map="identity",
             normalize=False,
         )  # Σ_s W[b(t), b(s)] (R φ(q_t))·(R φ(k_s)) v_s
         if not self.cfg.normalize:
             return cast_output(numerator, q.dtype)
         ones = torch.ones_like(v[..., :1], dtype=acc)  # (B, heads, N, 1): the summary of ones is z_j
         # Σ_s W[b(t), b(s)] φ(q_t)·φ(k_s): the normaliser without RoPE
-        denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map=_identity, normalize=False)
+        denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map="identity", normalize=False)
         return cast_output(numerator / (denominator + self.cfg.eps), q.dtype)
 
     def forward(
@@ -116,6 +124,11 @@ class WanMHLAProcessor(MHLAProcessor):
     ) -> torch.Tensor:
         """hidden_states ``(B, N, C)`` in row-major ``(f h w)`` token order -> ``(B, N, C)``."""
         self.check_self_attention(encoder_hidden_states, attention_mask, "Wan")
+        if not isinstance(rotary_emb, GridRotaryEmb):
+            raise ValueError(
+                "Wan MHLA processor needs the rotary embedding of a model prepared by install_mhla (it "
+                f"carries the token grid); got {type(rotary_emb).__name__}"
+            )
         layer_input = hidden_states  # (B, N, C): what the gate reads
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, N, heads * d) each
         query = attn.norm_q(query)  # RMSNorm across all heads, before the head split (as Wan does)
@@ -131,9 +144,9 @@ class WanMHLAProcessor(MHLAProcessor):
             # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
             acc = accumulation_dtype(query.dtype)
             out = self.attend_rope(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
-            out = F.rms_norm(out, out.shape[-1:], self.head_norm.weight.to(acc), self.head_norm.eps)
+            out = self.head_norm(out)
         out = out.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, N, heads * d)
-        out = self.apply_extras(out, value, layer_input)
+        out = self.apply_extras(out, value, layer_input, rotary_emb.grid)
 
         out = attn.to_out[0](out)
         out = attn.to_out[1](out)
@@ -151,10 +164,9 @@ def wan_token_grid(transformer: WanTransformer3DModel, latent: torch.Tensor) -> 
     return frames // pt, height // ph, width // pw
 
 
-def _make_processor(attn: WanAttention, cfg, context) -> WanMHLAProcessor:
+def _make_processor(attn: WanAttention, cfg) -> WanMHLAProcessor:
     return WanMHLAProcessor(
         cfg,
-        context,
         inner_dim=attn.inner_dim,
         in_dim=attn.to_q.in_features,
         heads=attn.heads,
@@ -170,4 +182,5 @@ SPEC = BaseSpec(
     token_grid=wan_token_grid,
     make_processor=_make_processor,
     stock_processor=WanAttnProcessor,
+    grid_hooks=lambda transformer: [transformer.rope.register_forward_hook(wan_rotary_with_grid)],
 )
