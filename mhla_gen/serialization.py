@@ -80,13 +80,19 @@ def saved_with_mhla(path) -> bool:
     return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
 
 
-def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None) -> nn.Module:
+def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:
     """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded.
 
+    A LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters and a manifest,
+    e.g. the ``final/`` of a ``train.trainable=lora`` run) loads too: the pretrained base weights, then
+    MHLA, then the adapter (:func:`mhla_gen.lora.load_lora_mhla`).
+
     Args:
-        path: the folder holding ``config.json`` and the safetensors weights.
+        path: the folder holding ``config.json`` and the safetensors weights (or a LoRA + MHLA folder).
         torch_dtype: cast after loading (None keeps the saved dtype).
         device: move after loading (None keeps CPU).
+        base: LoRA + MHLA folders only: the pretrained checkpoint (folder or hub id) to take the base
+            weights from instead of the one recorded in the folder. Ignored for full folders.
     Returns:
         the diffusers model (``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or
         ``WanTransformer3DModel``) in eval mode.
@@ -97,6 +103,10 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None) 
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"transformer folder {folder} does not exist")
+    from .lora import is_lora_folder, load_lora_mhla
+
+    if is_lora_folder(folder):
+        return load_lora_mhla(folder, base=base, torch_dtype=torch_dtype, device=device)
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())

@@ -23,7 +23,8 @@ def load_pipeline_transformer(
 ) -> nn.Module:
     """The transformer of a pipeline, with MHLA, found in this order:
 
-    1. ``transformer_path``: a folder written by ``transformer.save_pretrained`` (e.g. ``runs/x/final``);
+    1. ``transformer_path``: a folder written by ``transformer.save_pretrained`` (e.g. ``runs/x/final``),
+       or a LoRA + MHLA folder (``train.trainable=lora`` runs), applied to ``path_or_id``'s transformer;
     2. ``path_or_id/transformer`` when that local folder was saved with MHLA (a whole saved pipeline);
     3. otherwise the stock pretrained transformer (local folder or hub id) with ``mhla`` installed fresh.
 
@@ -33,7 +34,7 @@ def load_pipeline_transformer(
     """
     saved = Path(transformer_path) if transformer_path is not None else Path(path_or_id) / "transformer"
     if transformer_path is not None or saved_with_mhla(saved):
-        transformer = load_transformer(saved, torch_dtype=torch_dtype)
+        transformer = load_transformer(saved, torch_dtype=torch_dtype, base=path_or_id)  # base: LoRA only
     else:
         transformer = model_cls.from_pretrained(path_or_id, subfolder="transformer", dtype=torch_dtype)
     if not isinstance(transformer, model_cls):
