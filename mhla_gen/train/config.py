@@ -43,7 +43,11 @@ class TrainConfig:
     max_grad_norm: float = 0.0  # 0 = no clipping (DiT does not clip); the norm is logged either way
     mixed_precision: str = "no"  # no | fp16 | bf16
     gradient_checkpointing: bool = False
-    trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate)
+    trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate) | lora (see below)
+    # trainable=lora (SANA / Wan): a peft LoRA adapter on every attention's to_q/to_k/to_v/to_out.0 plus
+    # the MHLA parameters are trained, the rest is frozen; final/ holds adapter + MHLA (mhla_gen.lora)
+    lora_rank: int = 16
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     ema_decay: float = 0.9999  # 0 = no EMA
     checkpoint_every: int = 5_000
     checkpoints_total_limit: int = 2
@@ -53,8 +57,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.mixed_precision not in ("no", "fp16", "bf16"):
             raise ValueError(f"train.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        if self.trainable not in ("all", "mhla"):
-            raise ValueError(f"train.trainable must be all or mhla, got {self.trainable!r}")
+        if self.trainable not in ("all", "mhla", "lora"):
+            raise ValueError(f"train.trainable must be all, mhla or lora, got {self.trainable!r}")
+        from ..lora import check_lora_settings
+
+        check_lora_settings(self.lora_rank, self.lora_alpha, "train.lora_rank", "train.lora_alpha")
         for name in (
             "max_steps",
             "global_batch_size",
@@ -166,6 +173,13 @@ class DiTRunConfig(RunConfig):
     data: DiTDataConfig = field(default_factory=DiTDataConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        if self.train.trainable == "lora":  # diffusers' DiT has no PEFT (add_adapter) support
+            raise ValueError(
+                "train.trainable=lora is for the fine-tuning scripts (finetune_sana.py, finetune_wan.py); "
+                "train_dit.py takes train.trainable=all or mhla"
+            )
 
 
 # ------------------------------------------------------------------------------------ SANA and Wan

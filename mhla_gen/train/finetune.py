@@ -40,10 +40,13 @@ class FlowFinetuneTask(TrainTask):
     # ---------------------------------------------------------------------------------- model
     def signature(self) -> dict:
         mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        tc = self.cfg.train
         return {
             "pretrained": self.cfg.model.pretrained,
             "attention": self.cfg.model.attention,
             "mhla": mhla.to_dict() if mhla is not None else None,
+            # None (not absent) otherwise, so checkpoints written before LoRA existed still match
+            "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
         }
 
     def build_transformer(self) -> nn.Module:
@@ -56,7 +59,27 @@ class FlowFinetuneTask(TrainTask):
             revision=self.cfg.model.revision,
             dtype=torch.float32,
         )
-        return install_attention(transformer, self.cfg.model.attention, self.cfg.mhla)
+        install_attention(transformer, self.cfg.model.attention, self.cfg.mhla)
+        if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
+            from ..lora import add_lora
+
+            add_lora(transformer, self.cfg.train.lora_rank, self.cfg.train.lora_alpha)
+        return transformer
+
+    def save_final(self, transformer: nn.Module, folder: Path) -> None:
+        """LoRA runs: adapter + MHLA parameters + the pretrained checkpoint's name (``load_transformer``
+        rebuilds the model from the three); otherwise the whole transformer (``save_pretrained``)."""
+        if self.cfg.train.trainable != "lora":
+            return super().save_final(transformer, folder)
+        from ..lora import save_lora_mhla
+
+        save_lora_mhla(
+            transformer,
+            folder,
+            self.cfg.model.pretrained,
+            subfolder="transformer",
+            revision=self.cfg.model.revision,
+        )
 
     def frozen_pipeline(self, device):
         """The checkpoint's pipeline minus the transformer, frozen, in ``model.dtype`` on ``device``."""

@@ -67,11 +67,20 @@ class TrainTask:
         """End-of-run evaluation (main process, final weights); returns metrics to record."""
         return {}
 
+    def save_final(self, transformer: nn.Module, folder: Path) -> None:
+        """Write the final weights into ``folder`` (main process): ``save_pretrained`` by default."""
+        transformer.save_pretrained(str(folder))
+
 
 def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
-    """``all``: every parameter; ``mhla``: only those of the MHLA processors (others frozen)."""
+    """``all``: every parameter; ``mhla``: only those of the MHLA processors; ``lora``: the LoRA adapter
+    and the MHLA parameters (``mhla_gen.lora``). The others are frozen."""
     if which == "all":
         params = list(transformer.parameters())
+    elif which == "lora":
+        from ..lora import lora_training_parameters
+
+        params = lora_training_parameters(transformer)
     else:
         from ..processors.base import MHLAProcessor
 
@@ -296,7 +305,7 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
             model.load_state_dict(state_dict)
         with _ema_weights(ema, params if accelerator.distributed_type != DistributedType.FSDP else []):
             model.eval()
-            model.save_pretrained(str(final))
+            task.save_final(model, final)
             metrics = task.finish(model, accelerator)
         if metrics:
             append_jsonl(out / "metrics.jsonl", {"step": step, **metrics})
