@@ -202,7 +202,7 @@ def test_training_config_validates_lora_settings():
         load_config(DiTRunConfig, None, ["train.trainable=lora"])
 
 
-def test_sana_forward_helper_unchanged_by_adapter_with_zero_b():
+def test_default_adapter_starts_from_the_mhla_model_exactly():
     """peft's default init (B = 0) leaves the model's output unchanged: LoRA fine-tuning starts from the
     MHLA model exactly."""
     model = install_mhla(tiny_sana(), SANA_CFG).eval()
