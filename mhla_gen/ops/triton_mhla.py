@@ -1,0 +1,662 @@
+"""Triton kernels for non-causal MHLA on CUDA (DESIGN §1, §6): forward and backward.
+
+Import this module only where ``triton`` is importable (the registered op imports it lazily for CUDA
+tensors); ``import mhla_gen`` never does. Under ``TRITON_INTERPRET=1`` (set before this module is
+imported) the kernels run on CPU tensors, which is how the tests check them without a GPU.
+
+Math (``b(t)`` = block of token t, ``W`` the ``M x M`` mixing matrix, φ the feature map)::
+
+    S_j = Σ_{s∈j} φ(k_s) v_sᵀ    z_j = Σ_{s∈j} φ(k_s)          (kernel 1, per key block)
+    S̃_i = Σ_j W[i, j] S_j        z̃_i = Σ_j W[i, j] z_j         (one GEMM over all batch·heads)
+    den_t = φ(q_t)·z̃_{b(t)} + eps   o_t = φ(q_t)ᵀ S̃_{b(t)} / den_t  (kernel 2, per query block)
+
+Backward, with ``G`` the output gradient, ``g_num_t = G_t / den_t`` and ``g_den_t = -(G_t·o_t) / den_t``
+(without normalisation ``g_num = G`` and there is no ``g_den``)::
+
+    dφ(q_t) = S̃_{b(t)} g_num_t + g_den_t z̃_{b(t)}                          (kernel 3, per query block,
+    dS̃_i = Σ_{t∈i} φ(q_t) g_num_tᵀ     dz̃_i = Σ_{t∈i} g_den_t φ(q_t)        in the same pass)
+    dW[i, j] = Σ_{batch, heads} <dS̃_i, S_j> + <dz̃_i, z_j>                  (GEMM; S, z from kernel 1 again)
+    dS_j = Σ_i W[i, j] dS̃_i            dz_j = Σ_i W[i, j] dz̃_i             (GEMM)
+    dφ(k_s) = dS_{b(s)} v_s + dz_{b(s)}   dv_s = dS_{b(s)}ᵀ φ(k_s)            (kernel 4, per key block)
+
+Each kernel's program owns one (block, batch·head) pair and loops over that block's tokens in tiles of
+``BT``; token indices come from the block's coordinates arithmetically (no padding, no index tensors), so
+uneven grids (an axis of length L in b blocks: the first L % b blocks one token longer) cost nothing
+extra. q, k, v, the output gradient and the outputs are read and written through their strides (the
+processors pass heads-interleaved views ``(B, N, H, d).transpose(1, 2)``).
+
+Precision: summaries, normalisers and every accumulator are fp32. Dot operands are the input dtype
+(tensor cores for bf16/fp16): φ(k), φ(q) and the fp32 states S̃ (forward) and dS (backward) are cast to
+it; for fp16 the state is first scaled by a power of two so its largest entry is about 2^14 (fp16's range
+is 6.5e4; summaries over thousands of tokens exceed it), and the dot's result is scaled back in fp32.
+Normalisers (φ(q)·z̃, G·o) are fp32 vector reductions, never half-precision dots. fp32 inputs use
+``input_precision="tf32"`` iff ``torch.backends.cuda.matmul.allow_tf32`` (else "ieee"). The mixing
+GEMMs are ``torch.matmul`` in fp32 (they follow the same flag).
+
+HBM traffic per call (forward): q, k, v read once and the output written once, plus the fp32 summaries
+``M·B·H·d·(e+1)·4`` bytes written by kernel 1, read and written by the mixing GEMM and read by kernel 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# feature map name -> the FEATURE constexpr of the kernels (names as in feature_maps.FEATURE_MAPS)
+FEATURE_IDS = {"relu": 0, "elu+1": 1, "elu": 1, "relu+1e-6": 2, "identity": 3}
+_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _phi(x, FEATURE: tl.constexpr):
+    """The feature map on an fp32 tile: 0 relu, 1 elu+1, 2 relu+1e-6, 3 identity."""
+    if FEATURE == 0:
+        y = tl.maximum(x, 0.0)
+    elif FEATURE == 1:
+        y = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))  # elu(x) + 1
+    elif FEATURE == 2:
+        y = tl.maximum(x, 0.0) + 1e-6
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _dphi(x, FEATURE: tl.constexpr):
+    """φ'(x) on an fp32 tile (relu: 1 where x > 0; elu+1: 1 where x > 0, else exp(x); identity: 1)."""
+    if FEATURE == 0 or FEATURE == 2:
+        y = tl.where(x > 0, 1.0, 0.0)
+    elif FEATURE == 1:
+        y = tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+    else:
+        y = tl.full(x.shape, 1.0, tl.float32)
+    return y
+
+
+@triton.jit
+def _axis_range(c, BASE, EXTRA):
+    """First token and length of block ``c`` along one axis: the first EXTRA blocks have BASE + 1 tokens."""
+    start = c * BASE + tl.minimum(c, EXTRA)
+    length = tl.where(c < EXTRA, BASE + 1, BASE)
+    return start, length
+
+
+@triton.jit
+def _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2):
+    """Token box of block ``i_m`` (row-major over the block grid (NB0, NB1, NB2)).
+
+    Returns the first token coordinate per axis, the box's lengths along axes 1 and 2 and its
+    number of tokens.
+    """
+    c0 = i_m // (NB1 * NB2)
+    c1 = (i_m // NB2) % NB1
+    c2 = i_m % NB2
+    s0, n0 = _axis_range(c0, BASE0, EXTRA0)
+    s1, n1 = _axis_range(c1, BASE1, EXTRA1)
+    s2, n2 = _axis_range(c2, BASE2, EXTRA2)
+    return s0, s1, s2, n1, n2, n0 * n1 * n2
+
+
+@triton.jit
+def _block_tokens(r, s0, s1, s2, n1, n2, length, G1, G2):
+    """Row-major token ids (int64) of the block's local indices ``r`` and the mask ``r < length``.
+
+    Local index r = (l0 * n1 + l1) * n2 + l2 inside the box; the token is
+    ((s0 + l0) * G1 + s1 + l1) * G2 + s2 + l2 on the (G0, G1, G2) token grid.
+    """
+    l0 = r // (n1 * n2)
+    l1 = (r // n2) % n1
+    l2 = r % n2
+    tok = ((s0 + l0) * G1 + s1 + l1).to(tl.int64) * G2 + s2 + l2
+    return tok, r < length
+
+
+@triton.jit
+def _dot_operand(x, DOT_DTYPE: tl.constexpr, SCALE: tl.constexpr):
+    """An fp32 state tile as a dot operand: ``(x / c).to(DOT_DTYPE), c``.
+
+    SCALE (fp16): c is a power of two that puts max|x| near 2^14, safely inside fp16's range; the
+    caller multiplies the dot's fp32 result by c. Otherwise c = 1.
+    """
+    c = 1.0
+    if SCALE:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        c = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(amax)) - 14.0), 1.0)
+    return (x / c).to(DOT_DTYPE), c
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _summary_kernel(
+    k, v, s_out, z_out,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_ve,
+    BH, H, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    FEATURE: tl.constexpr, WITH_Z: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+):
+    """S_j[d-tile] = Σ_{s∈j} φ(k_s)[d-tile] v_sᵀ and z_j[d-tile] = Σ_{s∈j} φ(k_s)[d-tile].
+
+    Grid (M, B*H, cdiv(D, BD)). Writes ``s_out`` (M, B*H, D, E) and ``z_out`` (M, B*H, D), contiguous fp32.
+    """
+    i_m, i_bh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    s0, s1, s2, n1, n2, length = _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_e = tl.arange(0, BE)
+    m_d, m_e = o_d < D, o_e < E
+    k_base = k + i_b * stride_kb + i_h * stride_kh
+    v_base = v + i_b * stride_vb + i_h * stride_vh
+
+    acc = tl.zeros([BD, BE], dtype=tl.float32)
+    acc_z = tl.zeros([BD], dtype=tl.float32)
+    for r0 in range(0, length, BT):
+        tok, m_t = _block_tokens(r0 + tl.arange(0, BT), s0, s1, s2, n1, n2, length, G1, G2)
+        m_kt = m_d[:, None] & m_t[None, :]
+        # φ(k)ᵀ tile [BD, BT]; padded rows/columns are zeroed after φ (φ(0) = 1 for elu+1)
+        b_k = tl.load(k_base + o_d[:, None] * stride_kd + tok[None, :] * stride_kn, mask=m_kt, other=0.0)
+        b_fk = tl.where(m_kt, _phi(b_k.to(tl.float32), FEATURE), 0.0)
+        b_v = tl.load(v_base + tok[:, None] * stride_vn + o_e[None, :] * stride_ve,
+                      mask=m_t[:, None] & m_e[None, :], other=0.0)
+        acc += tl.dot(b_fk.to(DOT_DTYPE), b_v.to(DOT_DTYPE), input_precision=PRECISION)
+        if WITH_Z:
+            acc_z += tl.sum(b_fk, axis=1)
+
+    row = (i_m * BH + i_bh).to(tl.int64)  # (block, batch·head) row of the summary buffers
+    p_s = s_out + row * D * E + o_d[:, None] * E + o_e[None, :]
+    tl.store(p_s, acc, mask=m_d[:, None] & m_e[None, :])
+    if WITH_Z:
+        tl.store(z_out + row * D + o_d, acc_z, mask=m_d)
+
+
+@triton.jit
+def _output_kernel(
+    q, s_mix, z_mix, out, den,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_sb, stride_sh, stride_sm, stride_sd, stride_se,
+    stride_zb, stride_zh, stride_zm, stride_zd,
+    stride_ob, stride_oh, stride_on, stride_oe,
+    stride_db, stride_dh, stride_dn,
+    H, D, E, eps, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SCALE: tl.constexpr, CLIP_FP16: tl.constexpr, SPLIT: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+):
+    """o_t[e-tile] = φ(q_t)ᵀ S̃_i[:, e-tile] / den_t for the tokens t of query block i.
+
+    Grid (M * SPLIT, B*H, cdiv(E, BE)): program (i * SPLIT + s) takes the block's token tiles
+    s, s + SPLIT, ... . The e-tile-0 programs also write den (B, H, N).
+    """
+    i_ms, i_bh, i_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_s = i_ms // SPLIT, i_ms % SPLIT
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    s0, s1, s2, n1, n2, length = _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    o_d = tl.arange(0, BD)
+    o_e = i_e * BE + tl.arange(0, BE)
+    m_d, m_e = o_d < D, o_e < E
+
+    # the block's mixed state S̃_i[:, e-tile] [BD, BE] (and z̃_i [BD]), loaded once per program
+    p_s = (s_mix + i_b * stride_sb + i_h * stride_sh + i_m * stride_sm
+           + o_d[:, None] * stride_sd + o_e[None, :] * stride_se)
+    b_s, c_s = _dot_operand(tl.load(p_s, mask=m_d[:, None] & m_e[None, :], other=0.0), STATE_DTYPE, SCALE)
+    if NORMALIZE:
+        p_z = z_mix + i_b * stride_zb + i_h * stride_zh + i_m * stride_zm + o_d * stride_zd
+        b_z = tl.load(p_z, mask=m_d, other=0.0)
+
+    q_base = q + i_b * stride_qb + i_h * stride_qh
+    o_base = out + i_b * stride_ob + i_h * stride_oh
+    for r0 in range(i_s * BT, length, SPLIT * BT):
+        tok, m_t = _block_tokens(r0 + tl.arange(0, BT), s0, s1, s2, n1, n2, length, G1, G2)
+        m_qt = m_t[:, None] & m_d[None, :]
+        b_q = tl.load(q_base + tok[:, None] * stride_qn + o_d[None, :] * stride_qd, mask=m_qt, other=0.0)
+        b_fq = tl.where(m_qt, _phi(b_q.to(tl.float32), FEATURE), 0.0)  # [BT, BD]
+        b_o = tl.dot(b_fq.to(STATE_DTYPE), b_s, input_precision=PRECISION) * c_s  # [BT, BE]
+        if NORMALIZE:
+            b_den = tl.sum(b_fq * b_z[None, :], axis=1) + eps  # fp32 [BT]
+            b_o = b_o / b_den[:, None]
+            p_den = den + i_b * stride_db + i_h * stride_dh + tok * stride_dn
+            tl.store(p_den, b_den, mask=m_t & (i_e == 0))
+        if CLIP_FP16:
+            b_o = tl.minimum(tl.maximum(b_o, -65504.0), 65504.0)
+        p_o = o_base + tok[:, None] * stride_on + o_e[None, :] * stride_oe
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
+
+
+@triton.jit
+def _dq_dstate_kernel(
+    q, g, o, den, s_mix, z_mix, dq, ds_out, dz_out,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_gb, stride_gh, stride_gn, stride_ge,
+    stride_ob, stride_oh, stride_on, stride_oe,
+    stride_db, stride_dh, stride_dn,
+    stride_sb, stride_sh, stride_sm, stride_sd, stride_se,
+    stride_zb, stride_zh, stride_zm, stride_zd,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    BH, H, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SCALE: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DSTATE: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+):
+    """One pass over query block i: dq (d-tile) and dS̃_i[d-tile, :], dz̃_i[d-tile].
+
+    Grid (M, B*H, cdiv(D, BD)). Per token tile, with g_num = G / den and g_den = -(G·o) / den:
+        dφ(q) = (G S̃_iᵀ) / den + g_den z̃_i        dq = φ'(q) * dφ(q)
+        dS̃_i += φ(q)ᵀ g_num                        dz̃_i += Σ_t g_den_t φ(q_t)
+    Writes ``ds_out`` (M, B*H, D, E) and ``dz_out`` (M, B*H, D), contiguous fp32.
+    """
+    i_m, i_bh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    s0, s1, s2, n1, n2, length = _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_e = tl.arange(0, BE)
+    m_d, m_e = o_d < D, o_e < E
+
+    if COMPUTE_DQ:  # S̃_i[d-tile, :] as a dot operand [BD, BE], and z̃_i[d-tile]
+        p_s = (s_mix + i_b * stride_sb + i_h * stride_sh + i_m * stride_sm
+               + o_d[:, None] * stride_sd + o_e[None, :] * stride_se)
+        b_s, c_s = _dot_operand(tl.load(p_s, mask=m_d[:, None] & m_e[None, :], other=0.0), STATE_DTYPE, SCALE)
+    if NORMALIZE:
+        p_z = z_mix + i_b * stride_zb + i_h * stride_zh + i_m * stride_zm + o_d * stride_zd
+        b_z = tl.load(p_z, mask=m_d, other=0.0)
+
+    acc_s = tl.zeros([BD, BE], dtype=tl.float32)
+    acc_z = tl.zeros([BD], dtype=tl.float32)
+    q_base = q + i_b * stride_qb + i_h * stride_qh
+    g_base = g + i_b * stride_gb + i_h * stride_gh
+    for r0 in range(0, length, BT):
+        tok, m_t = _block_tokens(r0 + tl.arange(0, BT), s0, s1, s2, n1, n2, length, G1, G2)
+        m_qt = m_t[:, None] & m_d[None, :]
+        m_gt = m_t[:, None] & m_e[None, :]
+        b_q = tl.load(q_base + tok[:, None] * stride_qn + o_d[None, :] * stride_qd, mask=m_qt, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_fq = tl.where(m_qt, _phi(b_q, FEATURE), 0.0)  # [BT, BD]
+        b_g = tl.load(g_base + tok[:, None] * stride_gn + o_e[None, :] * stride_ge, mask=m_gt, other=0.0)
+        if NORMALIZE:
+            p_den = den + i_b * stride_db + i_h * stride_dh + tok * stride_dn
+            b_rden = 1.0 / tl.load(p_den, mask=m_t, other=1.0)  # [BT]
+            p_o = o + i_b * stride_ob + i_h * stride_oh + tok[:, None] * stride_on + o_e[None, :] * stride_oe
+            b_o = tl.load(p_o, mask=m_gt, other=0.0).to(tl.float32)
+            b_gden = -tl.sum(b_g.to(tl.float32) * b_o, axis=1) * b_rden  # [BT]
+        if COMPUTE_DQ:
+            # G S̃_iᵀ: [BT, BE] @ [BE, BD]; the 1/den row scale is applied to the fp32 result
+            b_dfq = tl.dot(b_g.to(STATE_DTYPE), tl.trans(b_s), input_precision=PRECISION) * c_s
+            if NORMALIZE:
+                b_dfq = b_dfq * b_rden[:, None] + b_gden[:, None] * b_z[None, :]
+            b_dq = b_dfq * _dphi(b_q, FEATURE)
+            p_dq = (dq + i_b * stride_dqb + i_h * stride_dqh
+                    + tok[:, None] * stride_dqn + o_d[None, :] * stride_dqd)
+            tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=m_qt)
+        if COMPUTE_DSTATE:
+            b_a = b_fq
+            if NORMALIZE:
+                b_a = b_fq * b_rden[:, None]  # φ(q_t) / den_t, so that φ(q)ᵀ G sums φ(q_t) g_num_tᵀ
+                acc_z += tl.sum(b_fq * b_gden[:, None], axis=0)
+            acc_s += tl.dot(tl.trans(b_a.to(DOT_DTYPE)), b_g.to(DOT_DTYPE), input_precision=PRECISION)
+
+    if COMPUTE_DSTATE:
+        row = (i_m * BH + i_bh).to(tl.int64)
+        p_ds = ds_out + row * D * E + o_d[:, None] * E + o_e[None, :]
+        tl.store(p_ds, acc_s, mask=m_d[:, None] & m_e[None, :])
+        if NORMALIZE:
+            tl.store(dz_out + row * D + o_d, acc_z, mask=m_d)
+
+
+@triton.jit
+def _dkv_kernel(
+    k, v, ds, dz, dk, dv,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_ve,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dve,
+    BH, H, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SCALE: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+):
+    """dk, dv for the tokens s of key block j from dS_j (D, E) and dz_j (D):
+        dφ(k_s) = dS_j v_s + dz_j     dk = φ'(k) * dφ(k)     dv_s = dS_jᵀ φ(k_s)
+
+    Grid (M * SPLIT, B*H); ``ds`` (M, B*H, D, E) and ``dz`` (M, B*H, D) contiguous fp32.
+    """
+    i_ms, i_bh = tl.program_id(0), tl.program_id(1)
+    i_m, i_s = i_ms // SPLIT, i_ms % SPLIT
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    s0, s1, s2, n1, n2, length = _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    o_d = tl.arange(0, BD)
+    o_e = tl.arange(0, BE)
+    m_d, m_e = o_d < D, o_e < E
+    row = (i_m * BH + i_bh).to(tl.int64)
+    p_ds = ds + row * D * E + o_d[:, None] * E + o_e[None, :]
+    b_ds, c_ds = _dot_operand(tl.load(p_ds, mask=m_d[:, None] & m_e[None, :], other=0.0), STATE_DTYPE, SCALE)
+    if NORMALIZE and COMPUTE_DK:
+        b_dz = tl.load(dz + row * D + o_d, mask=m_d, other=0.0)
+
+    k_base = k + i_b * stride_kb + i_h * stride_kh
+    v_base = v + i_b * stride_vb + i_h * stride_vh
+    for r0 in range(i_s * BT, length, SPLIT * BT):
+        tok, m_t = _block_tokens(r0 + tl.arange(0, BT), s0, s1, s2, n1, n2, length, G1, G2)
+        m_kt = m_t[:, None] & m_d[None, :]
+        m_vt = m_t[:, None] & m_e[None, :]
+        b_k = tl.load(k_base + tok[:, None] * stride_kn + o_d[None, :] * stride_kd, mask=m_kt, other=0.0)
+        b_k = b_k.to(tl.float32)
+        if COMPUTE_DK:
+            b_v = tl.load(v_base + tok[:, None] * stride_vn + o_e[None, :] * stride_ve, mask=m_vt, other=0.0)
+            b_dfk = tl.dot(b_v.to(STATE_DTYPE), tl.trans(b_ds), input_precision=PRECISION) * c_ds  # [BT, BD]
+            if NORMALIZE:
+                b_dfk += b_dz[None, :]
+            b_dk = b_dfk * _dphi(b_k, FEATURE)
+            p_dk = (dk + i_b * stride_dkb + i_h * stride_dkh
+                    + tok[:, None] * stride_dkn + o_d[None, :] * stride_dkd)
+            tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_kt)
+        if COMPUTE_DV:
+            b_fk = tl.where(m_kt, _phi(b_k, FEATURE), 0.0)
+            b_dv = tl.dot(b_fk.to(STATE_DTYPE), b_ds, input_precision=PRECISION) * c_ds  # [BT, BE]
+            p_dv = (dv + i_b * stride_dvb + i_h * stride_dvh
+                    + tok[:, None] * stride_dvn + o_e[None, :] * stride_dve)
+            tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_vt)
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters. ``None`` fields are chosen by :func:`tile_config`.
+
+    block_t: tokens per tile. block_d: d-tile of the summary and dq kernels (<= next power of two of d).
+    block_e: e-tile of the output kernel. split: programs per block in the output and dk/dv kernels
+    (each takes every split-th token tile). num_warps: warps per program. fp32_state_dots: for bf16/fp16
+    inputs, run the dots against S~ and dS in fp32 ("ieee") instead of the input dtype (no tensor cores;
+    for precision comparisons).
+    """
+
+    block_t: int | None = None
+    block_d: int | None = None
+    block_e: int | None = None
+    split: int | None = None
+    num_warps: int | None = None
+    fp32_state_dots: bool = False
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))  # tl.dot needs every tile dim >= 16
+
+
+def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len: int, device,
+                override: TileConfig | None = None) -> TileConfig:
+    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture).
+
+    Full d and e per program (d, e <= 128 for the bases: a [128, 128] fp32 accumulator is 64
+    registers per thread at 8 warps); 32-token tiles for d or e above 64, else 64; the query-side
+    kernels split a block over several programs only when there are fewer (block, batch·head) pairs
+    than about two waves of the device.
+    """
+    override = override or TileConfig()
+    bd, be = _pow2(d), _pow2(e)
+    block_t = override.block_t or (32 if max(bd, be) > 64 else 64)
+    split = override.split
+    if split is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        tiles = triton.cdiv(max_block_len, block_t)
+        split = max(1, min(tiles, triton.cdiv(2 * sms, num_blocks * batch_heads)))
+    return TileConfig(
+        block_t=block_t,
+        block_d=override.block_d or bd,
+        block_e=override.block_e or be,
+        split=split,
+        num_warps=override.num_warps or (8 if bd * be > 64 * 64 else 4),
+        fp32_state_dots=override.fp32_state_dots,
+    )
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The layout as the kernels see it: grid and blocks padded to 3D (leading ones)."""
+
+    grid: tuple[int, int, int]
+    blocks: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, grid: Sequence[int], blocks: Sequence[int]) -> _Geometry:
+        grid, blocks = tuple(int(g) for g in grid), tuple(int(b) for b in blocks)
+        if not 1 <= len(grid) <= 3 or len(blocks) != len(grid):
+            raise ValueError(f"grid {grid} and blocks {blocks} must both be 1D, 2D or 3D")
+        if any(not 1 <= b <= g for g, b in zip(grid, blocks)):
+            raise ValueError(f"blocks {blocks} must be between 1 and grid {grid} per axis")
+        pad = (1,) * (3 - len(grid))
+        return cls(pad + grid, pad + blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.blocks)
+
+    @property
+    def max_block_len(self) -> int:
+        return math.prod(triton.cdiv(g, b) for g, b in zip(self.grid, self.blocks))
+
+    def args(self) -> tuple[int, ...]:
+        """G1, G2, NB1, NB2, then (BASE, EXTRA) per axis: a block along axis a has BASE or BASE + 1 tokens."""
+        (_, g1, g2), (_, nb1, nb2) = self.grid, self.blocks
+        per_axis = [v for g, b in zip(self.grid, self.blocks) for v in (g // b, g % b)]
+        return (g1, g2, nb1, nb2, *per_axis)
+
+
+def _check(q, k, v, mixing, geometry: _Geometry, feature_map: str) -> None:
+    if feature_map not in FEATURE_IDS:
+        raise ValueError(f"unknown feature_map {feature_map!r}; choose one of {sorted(FEATURE_IDS)}")
+    if q.dim() != 4 or q.shape != k.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k (B, H, N, d) and v (B, H, N, e) disagree: {q.shape}, {k.shape}, {v.shape}")
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"Triton MHLA needs value dim e == key dim d, got e={v.shape[-1]}, d={q.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DOT_DTYPES:
+        raise ValueError(f"q, k, v must share one of fp32/fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] != geometry.num_tokens:
+        raise ValueError(f"{q.shape[2]} tokens do not match grid {geometry.grid}")
+    m = geometry.num_blocks
+    if mixing.shape != (m, m):
+        raise ValueError(f"mixing must be ({m}, {m}) for blocks {geometry.blocks}, got {tuple(mixing.shape)}")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: only fp32 operands use it; they follow torch's TF32 switch."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _common(dtype: torch.dtype, feature_map: str, cfg: TileConfig) -> dict:
+    """Constexpr kwargs shared by the kernels."""
+    return dict(FEATURE=FEATURE_IDS[feature_map], DOT_DTYPE=_DOT_DTYPES[dtype], PRECISION=_precision(dtype),
+                BT=cfg.block_t, num_warps=cfg.num_warps)
+
+
+def _state_dots(dtype: torch.dtype, cfg: TileConfig) -> dict:
+    """Constexpr kwargs of the dots against a state (S~ or dS): operand dtype, and the power-of-two
+    scaling fp16 needs for states beyond its range."""
+    state = tl.float32 if cfg.fp32_state_dots else _DOT_DTYPES[dtype]
+    return dict(STATE_DTYPE=state, SCALE=state == tl.float16)
+
+
+def heads_interleaved_empty(b: int, h: int, n: int, c: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``(B, H, N, c)`` on ``(B, N, H, c)`` memory: the layout the processors merge heads from for free."""
+    return torch.empty(b, n, h, c, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
+
+
+def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], normalize: bool):
+    """Empty tensors with the shapes, dtypes and strides :func:`mhla_forward_triton` returns (fake impls)."""
+    (b, h, n, e), d, m = v.shape, q.shape[-1], math.prod(blocks)
+    out = heads_interleaved_empty(b, h, n, e, q)
+    mixed_kv = q.new_empty(m, b, h, d, e, dtype=torch.float32).permute(1, 2, 0, 3, 4)
+    if normalize:
+        mixed_k = q.new_empty(m, b, h, d, dtype=torch.float32).permute(1, 2, 0, 3)
+        den = q.new_empty(b, h, n, dtype=torch.float32)
+    else:
+        mixed_k = den = q.new_empty(0, dtype=torch.float32)
+    return out, mixed_kv, mixed_k, den
+
+
+def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """An optional kernel argument: ``dummy`` (a live tensor the kernel never touches) stands in for None."""
+    return dummy if t is None else t
+
+
+def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
+    return (0,) * ndim if t is None else t.stride()
+
+
+def _summaries(k, v, geometry: _Geometry, feature_map: str, with_z: bool, cfg: TileConfig):
+    """Kernel 1: ``(S, z)``: S (M, B*H, d, e) and z (M, B*H, d) (or None), contiguous fp32."""
+    b, h, n, d = k.shape
+    e, m = v.shape[-1], geometry.num_blocks
+    s = torch.empty(m, b * h, d, e, dtype=torch.float32, device=k.device)
+    z = torch.empty(m, b * h, d, dtype=torch.float32, device=k.device) if with_z else None
+    grid = (m, b * h, triton.cdiv(d, cfg.block_d))
+    _summary_kernel[grid](
+        k, v, s, _ptr(z, s), *k.stride(), *v.stride(), b * h, h, d, e, *geometry.args(),
+        WITH_Z=with_z, BD=cfg.block_d, BE=_pow2(e), **_common(k.dtype, feature_map, cfg),
+    )
+    return s, z
+
+
+def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``Σ_j w[i, j] x[j]`` for ``x`` (M, ...): one fp32 GEMM ``(M, M) @ (M, rest)``."""
+    return torch.matmul(w, x.reshape(x.shape[0], -1)).view(x.shape)
+
+
+def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[int], feature_map: str,
+                        normalize: bool, eps: float, *, config: TileConfig | None = None):
+    """Non-causal MHLA forward.
+
+    Args:
+        q, k: ``(B, H, N, d)``; v: ``(B, H, N, e)`` with e == d; one dtype of fp32/fp16/bf16; any strides.
+        mixing: ``(M, M)``, any float dtype (used in fp32).
+        grid, blocks: token grid and blocks per axis, 1D/2D/3D (uneven allowed).
+        feature_map: ``relu``, ``elu+1`` (alias ``elu``), ``relu+1e-6`` or ``identity``.
+        config: launch parameters overriding :func:`tile_config` (tests, tuning).
+    Returns:
+        ``(out, mixed_kv, mixed_k, den)``:
+        out ``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)`` (fp16 clipped
+        to ±65504); mixed_kv ``(B, H, M, d, e)`` fp32 (S̃, a permuted view of ``(M, B, H, d, e)``);
+        mixed_k ``(B, H, M, d)`` fp32 (z̃, a view of ``(M, B, H, d)``) and den ``(B, H, N)`` fp32
+        contiguous (φ(q)·z̃ + eps); the last two are ``torch.empty(0)`` without normalisation.
+        Shapes, dtypes and strides as :func:`forward_outputs_like`.
+    """
+    geometry = _Geometry.of(grid, blocks)
+    _check(q, k, v, mixing, geometry, feature_map)
+    b, h, n, d = q.shape
+    e, m = v.shape[-1], geometry.num_blocks
+    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
+
+    s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
+    w = mixing.to(torch.float32)
+    mixed_kv = _mix(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
+    del s
+    out = heads_interleaved_empty(b, h, n, e, q)
+    mixed_k = den = q.new_empty(0, dtype=torch.float32)
+    if normalize:
+        mixed_k = _mix(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
+        den = q.new_empty(b, h, n, dtype=torch.float32)
+    z_mix, den_out = (mixed_k, den) if normalize else (None, None)
+    launch = (m * cfg.split, b * h, triton.cdiv(e, cfg.block_e))
+    _output_kernel[launch](
+        q, mixed_kv, _ptr(z_mix, q), out, _ptr(den_out, q),
+        *q.stride(), *mixed_kv.stride(), *_strides(z_mix, 4), *out.stride(), *_strides(den_out, 3),
+        h, d, e, float(eps), *geometry.args(),
+        NORMALIZE=normalize, CLIP_FP16=q.dtype == torch.float16, **_state_dots(q.dtype, cfg),
+        SPLIT=cfg.split, BD=_pow2(d), BE=cfg.block_e, **_common(q.dtype, feature_map, cfg),
+    )
+    return out, mixed_kv, mixed_k, den
+
+
+def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den, grid: Sequence[int],
+                         blocks: Sequence[int], feature_map: str, normalize: bool, eps: float,
+                         needs: Sequence[bool], *, config: TileConfig | None = None):
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`mhla_forward_triton`; None where ``needs[i]`` is False.
+
+    Args:
+        grad_out: ``(B, H, N, e)``, any strides and float dtype (read as is, cast in the kernels).
+        out, mixed_kv, mixed_k, den: what the forward returned (any strides); ``eps`` is already in den.
+        needs: which of (q, k, v, mixing) need a gradient.
+    Returns:
+        dq, dk, dv in the dtypes of q, k, v on heads-interleaved memory like ``out``; dmixing ``(M, M)``
+        in mixing's dtype. Gradients are not clipped (an fp16 overflow stays inf for loss scaling).
+    """
+    geometry = _Geometry.of(grid, blocks)
+    _check(q, k, v, mixing, geometry, feature_map)
+    need_q, need_k, need_v, need_w = (bool(x) for x in needs)
+    b, h, n, d = q.shape
+    e, m = v.shape[-1], geometry.num_blocks
+    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
+    common = _common(q.dtype, feature_map, cfg)
+    state = _state_dots(q.dtype, cfg)
+    need_state = need_k or need_v or need_w  # dS̃ feeds dW and, mixed back, dk and dv
+
+    if not (need_q or need_state):
+        return None, None, None, None
+    dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
+    ds_mix = q.new_empty(m, b * h, d, e, dtype=torch.float32) if need_state else None  # dS~
+    dz_mix = q.new_empty(m, b * h, d, dtype=torch.float32) if need_state and normalize else None  # dz~
+    z_mix, den_in = (mixed_k, den) if normalize else (None, None)
+    _dq_dstate_kernel[(m, b * h, triton.cdiv(d, cfg.block_d))](
+        q, grad_out, out, _ptr(den_in, q), mixed_kv, _ptr(z_mix, q), _ptr(dq, q), _ptr(ds_mix, q),
+        _ptr(dz_mix, q),
+        *q.stride(), *grad_out.stride(), *out.stride(), *_strides(den_in, 3), *mixed_kv.stride(),
+        *_strides(z_mix, 4), *_strides(dq, 4),
+        b * h, h, d, e, *geometry.args(),
+        NORMALIZE=normalize, **state, COMPUTE_DQ=need_q, COMPUTE_DSTATE=need_state,
+        BD=cfg.block_d, BE=_pow2(e), **common,
+    )
+    if not need_state:
+        return dq, None, None, None
+
+    w = mixing.to(torch.float32)
+    dmixing = None
+    if need_w:  # dW[i, j] = Σ_{b,h} <dS̃_i, S_j> + <dz̃_i, z_j>, with S and z rebuilt by kernel 1
+        s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
+        dmixing = ds_mix.view(m, -1) @ s.view(m, -1).T
+        if normalize:
+            dmixing += dz_mix.view(m, -1) @ z.view(m, -1).T
+        dmixing = dmixing.to(mixing.dtype)
+        del s, z
+    if not (need_k or need_v):
+        return dq, None, None, dmixing
+
+    ds = _mix(w.T, ds_mix)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
+    dz = _mix(w.T, dz_mix) if normalize else None
+    del ds_mix, dz_mix
+    dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
+    dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
+    _dkv_kernel[(m * cfg.split, b * h)](
+        k, v, ds, _ptr(dz, ds), _ptr(dk, ds), _ptr(dv, ds),
+        *k.stride(), *v.stride(), *_strides(dk, 4), *_strides(dv, 4),
+        b * h, h, d, e, *geometry.args(),
+        NORMALIZE=normalize, **state, COMPUTE_DK=need_k, COMPUTE_DV=need_v, SPLIT=cfg.split,
+        BD=_pow2(d), BE=_pow2(e), **common,
+    )
+    return dq, dk, dv, dmixing
+
+
+__all__ = [
+    "FEATURE_IDS",
+    "TileConfig",
+    "forward_outputs_like",
+    "mhla_backward_triton",
+    "mhla_forward_triton",
+    "tile_config",
+]

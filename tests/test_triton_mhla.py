@@ -1,0 +1,365 @@
+"""The Triton MHLA kernels (``mhla_gen.ops.triton_mhla``) against the float64 dense oracle.
+
+Without a GPU the kernels run in Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``)
+before ``triton`` itself is first imported (parts of ``triton.language`` are ``@triton.jit`` functions,
+built at import). So :func:`test_kernels_in_interpreter` runs this file's interpreter tests in one child
+``pytest`` with the variable set; nothing leaks into this process. Run them directly with
+``TRITON_INTERPRET=1 pytest tests/test_triton_mhla.py``. The interpreter is faithful for fp32 and fp16
+(its dots accumulate fp16 products in fp32, like tensor cores) but loads bf16 wrongly, so bf16 runs only
+in the ``gpu``-marked tests.
+
+Errors are ``max |got - ref| / max |ref|`` per tensor (output and each gradient). Tiny tiles
+(``block_t`` 2-8, d- and e-tiles of 8) make blocks span several token tiles, so every kernel loop
+runs more than once on these small grids.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhla_gen import BlockLayout
+from mhla_gen.ops.naive import mhla_dense
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETED, reason="interpreter test: runs in the child pytest of test_kernels_in_interpreter"
+)
+EPS = 1e-6
+NEEDS_ALL = (True, True, True, True)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")
+def test_kernels_in_interpreter():
+    """All interpreter tests of this file in one child pytest with ``TRITON_INTERPRET=1`` (CPU tensors)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
+         str(Path(__file__).resolve())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-5000:]
+
+
+@pytest.fixture(scope="module")
+def tm():
+    """The kernel module (built for the interpreter in the child run, for the GPU otherwise)."""
+    pytest.importorskip("triton")
+    return importlib.import_module("mhla_gen.ops.triton_mhla")
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs and the oracle
+
+
+def _strided_inputs(b, h, n, d, dtype, seed=0):
+    """q contiguous (B, H, N, d); k heads-interleaved (B, N, H, d) memory; v a slice of a fused
+    (B, N, 3, H, d) projection (token stride 3·H·d); grad_out heads-interleaved. float64 values that
+    are exact in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)
+    v = torch.randn(b, n, 3, h, d, generator=gen, dtype=torch.float64)[:, :, 1].transpose(1, 2)
+    g = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)
+    return tuple(x.to(dtype).to(torch.float64) for x in (q, k, v, g))
+
+
+def _cast(x, dtype):
+    """``x.to(dtype)`` keeping x's strides (``.to`` would keep them too, but say it)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=dtype).copy_(x)
+
+
+def _oracle(q, k, v, g, layout, mixing, feature_map, normalize):
+    """float64 ``(out, dq, dk, dv, dmixing)`` of the dense form."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, mixing)]
+    out = mhla_dense(*leaves[:3], layout, leaves[3], feature_map, normalize, eps=EPS)
+    return (out.detach(), *torch.autograd.grad(out, leaves, g))
+
+
+def _mixing(layout, seed=1):
+    """Positive, non-symmetric (M, M), rows not summing to one."""
+    m = layout.num_blocks
+    mixing = 0.1 + torch.rand(m, m, generator=torch.Generator().manual_seed(seed))
+    return mixing.double()  # exact in fp32, the kernels' mixing dtype here
+
+
+def _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config=None, needs=NEEDS_ALL):
+    args = (layout.grid, layout.blocks, feature_map, normalize, EPS)
+    qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
+    out, mixed_kv, mixed_k, den = tm.mhla_forward_triton(qx, kx, vx, mixing.float(), *args, config=config)
+    grads = tm.mhla_backward_triton(gx, qx, kx, vx, mixing.float(), out, mixed_kv, mixed_k, den, *args,
+                                    needs, config=config)
+    return (out, *grads), (mixed_kv, mixed_k, den)
+
+
+def _rel_errors(got, expected) -> dict[str, float]:
+    names = ("out", "dq", "dk", "dv", "dmixing")
+    return {
+        name: ((a.double() - b).abs().max() / b.abs().max()).item()
+        for name, a, b in zip(names, got, expected)
+        if a is not None
+    }
+
+
+def _assert_close(got, expected, tol):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmixing"), got, expected):
+        assert a is not None and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), name
+    errors = _rel_errors(got, expected)
+    assert max(errors.values()) <= tol, errors
+
+
+# --------------------------------------------------------------------------------------------------
+# interpreter: forward and all gradients vs the float64 oracle
+
+# (grid, blocks, d, feature_map, normalize, tile config, (batch, heads)): uneven 2D / 3D, 1D, one block,
+# one token per block, non-power-of-two head dims (72 -> tiles of 128, 24 -> 32), several d- and e-tiles,
+# blocks split over programs
+CASES = [
+    ((7, 5), (3, 2), 24, "relu", True, dict(block_t=4, split=2), (2, 2)),
+    ((3, 5, 6), (2, 2, 3), 16, "elu+1", False, dict(block_t=4, block_d=8, block_e=8), (1, 2)),
+    ((3, 4, 5), (2, 1, 3), 16, "relu", True, dict(block_t=4, block_d=8, block_e=8, split=3), (2, 2)),
+    ((13,), (5,), 72, "elu+1", True, dict(block_t=2), (2, 2)),
+    ((4, 6), (1, 1), 8, "relu", False, dict(block_t=8, split=2), (2, 2)),  # one block, three tiles
+    ((4, 3), (4, 3), 8, "elu+1", True, dict(block_t=4), (1, 2)),  # one token per block
+    ((5, 7), (2, 3), 8, "relu+1e-6", True, dict(block_t=4), (1, 2)),
+    ((5, 7), (2, 3), 8, "identity", False, dict(block_t=4), (1, 2)),
+    ((9,), (4,), 32, "relu", False, {}, (2, 2)),  # default tiles
+]
+CASE_IDS = [
+    f"{'x'.join(map(str, grid))}-{'x'.join(map(str, blocks))}-d{d}-{feature_map}-norm{int(normalize)}"
+    for grid, blocks, d, feature_map, normalize, *_ in CASES
+]
+FP16_CASES = [2, 3, 5]  # and test_fp16_large_states_and_clipping (2D, relu, normaliser on and off)
+
+# Max relative errors of the correct kernels over these cases, measured in the interpreter: fp32 5.0e-7
+# (every tensor 5.6e-8..5.0e-7); fp16 9.3e-4 (dq, one token per block; every tensor 6.5e-5..9.3e-4, about
+# 2x fp16's unit roundoff: the output and gradients are rounded to fp16). With fp32 instead of fp16 state
+# operands (TileConfig.fp32_state_dots) the fp16 maximum is 7.5e-4: the fp16 state costs little.
+TOL = {torch.float32: 1e-6, torch.float16: 1.5e-3}
+
+
+def _check_case(tm, case, dtype):
+    grid, blocks, d, feature_map, normalize, config, (b, h) = CASES[case]
+    layout = BlockLayout(grid, blocks)
+    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype)
+    mixing = _mixing(layout)
+    got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
+    assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
+    _assert_close(got, _oracle(q, k, v, g, layout, mixing, feature_map, normalize), TOL[dtype])
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+def test_matches_oracle_fp32(tm, case):
+    _check_case(tm, case, torch.float32)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", FP16_CASES, ids=[CASE_IDS[i] for i in FP16_CASES])
+def test_matches_oracle_fp16(tm, case):
+    _check_case(tm, case, torch.float16)
+
+
+@interpreter_only
+def test_one_block_normalized(tm):
+    """One block with the normaliser: out does not depend on W's scale, so dW = <dS~, S> + <dz~, z> cancels
+    to ~0 (the relative error is meaningless there); the rest matches the oracle."""
+    layout = BlockLayout((4, 6), (1, 1))
+    q, k, v, g = _strided_inputs(2, 2, layout.num_tokens, 8, torch.float32)
+    mixing = _mixing(layout)
+    cfg = tm.TileConfig(block_t=8, split=2)
+    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, torch.float32, cfg)
+    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
+    errors = _rel_errors(got[:4], expected[:4])
+    assert max(errors.values()) <= TOL[torch.float32], errors
+    # the oracle's dW is 1.1e-6 (from eps); measured |error| 1.5e-7 (fp32 cancellation of two sums of ~20)
+    assert abs(got[4].item() - expected[4].item()) < 1e-6
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalize", [True, False])
+def test_forward_states_and_layouts(tm, normalize):
+    """S~, z~, den against float64 sums over the layout's blocks; out on heads-interleaved memory; shapes,
+    dtypes and strides as ``forward_outputs_like`` promises (what a fake implementation returns)."""
+    layout = BlockLayout((5, 7), (2, 3))
+    b, h, n, d, m = 2, 2, layout.num_tokens, 8, layout.num_blocks
+    q, k, v, _ = _strided_inputs(b, h, n, d, torch.float32)
+    mixing = _mixing(layout)
+    got = tm.mhla_forward_triton(_cast(q, torch.float32), _cast(k, torch.float32), _cast(v, torch.float32),
+                                 mixing.float(), layout.grid, layout.blocks, "elu+1", normalize, EPS,
+                                 config=tm.TileConfig(block_t=4))
+    for x, y in zip(got, tm.forward_outputs_like(q.float(), v.float(), layout.blocks, normalize)):
+        assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+    out, mixed_kv, mixed_k, den = got
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
+
+    fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    onehot = torch.nn.functional.one_hot(layout.block_index, m).double()  # (N, M)
+    s = torch.einsum("nm,bhnd,bhne->bhmde", onehot, fk, v)  # S_j
+    s_mix = torch.einsum("ij,bhjde->bhide", mixing, s)
+    torch.testing.assert_close(mixed_kv.double(), s_mix, rtol=1e-6, atol=1e-6 * s_mix.abs().max().item())
+    if normalize:
+        z_mix = torch.einsum("ij,nj,bhnd->bhid", mixing, onehot, fk)
+        torch.testing.assert_close(mixed_k.double(), z_mix, rtol=1e-6, atol=0)
+        expected_den = torch.einsum("bhnd,bhnd->bhn", fq, z_mix[:, :, layout.block_index]) + EPS
+        torch.testing.assert_close(den.double(), expected_den, rtol=1e-6, atol=0)
+    else:
+        assert mixed_k.numel() == den.numel() == 0
+
+
+@interpreter_only
+def test_gradient_subsets(tm):
+    """Every single input, two of them, and none: the same values as with all four (and None elsewhere)."""
+    layout = BlockLayout((5, 7), (2, 3))
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    mixing = _mixing(layout)
+    q, k, v, g = (_cast(x, torch.float32) for x in (q, k, v, g))
+    args = (layout.grid, layout.blocks, "relu", True, EPS)
+    cfg = tm.TileConfig(block_t=8)
+    out, *saved = tm.mhla_forward_triton(q, k, v, mixing.float(), *args, config=cfg)
+    backward = lambda needs: tm.mhla_backward_triton(  # noqa: E731
+        g, q, k, v, mixing.float(), out, *saved, *args, needs, config=cfg
+    )
+    full = backward(NEEDS_ALL)
+    for needs in [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 0, 0, 1), (0, 0, 0, 0)]:
+        for need, a, b in zip(needs, backward(needs), full):
+            assert (a is None) if not need else torch.equal(a, b), needs
+
+
+@interpreter_only
+def test_fp16_large_states_and_clipping(tm):
+    """fp16 with states beyond fp16's range (|S~|, |dS| ~ 1.3e5): the power-of-two scaled dot operands keep
+    the normalised output and all gradients accurate (forward: large v; backward: large G); without the
+    normaliser the output saturates at ±65504 (clipped, not inf)."""
+    layout = BlockLayout((8, 8), (2, 1))  # 32 tokens per block
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float16)
+    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=8)
+    half = lambda x: x.half().double()  # noqa: E731
+    # a per-channel sign shared by all tokens, so that sums over a block's tokens grow linearly
+    common = torch.randn(16, generator=torch.Generator().manual_seed(5), dtype=torch.float64).sign()
+
+    big_v = half((v + common) * 4000)  # |v| < 2e4, |S~| ~ 1.3e5
+    got, (mixed_kv, _, _) = _run(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
+    assert mixed_kv.abs().max() > 1e5
+    # measured 1.7e-3 (dq, dmixing), the same with fp32 state dots: it comes from G·o with o rounded to fp16
+    _assert_close(got, _oracle(q, k, big_v, g, layout, mixing, "relu", True), 3e-3)
+
+    out, *_ = tm.mhla_forward_triton(*(_cast(x, torch.float16) for x in (q, k, big_v)), mixing.float(),
+                                     layout.grid, layout.blocks, "relu", False, EPS, config=cfg)
+    expected = _oracle(q, k, big_v, g, layout, mixing, "relu", False)[0]
+    big = expected.abs() > 65504
+    assert big.any() and (~big).any() and torch.isfinite(out).all()
+    assert torch.equal(out[big].double(), expected[big].sign() * 65504)
+    torch.testing.assert_close(out[~big].double(), expected[~big], rtol=2e-3, atol=0.0)
+
+    # backward: dS = W^T Σ φ(q) Gᵀ ~ 1.3e5 for a large G; small k, v keep dk, dv and the output in range
+    small_k, small_v, big_g = half(k * 1e-3), half(v * 1e-3), half((g + common) * 4000)
+    got, _ = _run(tm, q, small_k, small_v, big_g, mixing, layout, "relu", False, torch.float16, cfg)
+    _assert_close(got, _oracle(q, small_k, small_v, big_g, layout, mixing, "relu", False), TOL[torch.float16])
+
+
+@interpreter_only
+@pytest.mark.parametrize("negative", ["q", "k"])
+def test_zero_features(tm, negative):
+    """ReLU features all zero (every q, or every k, negative): output 0 and den = eps exactly, and all
+    gradients 0 (no NaN from 0 / eps or from the 1e6-sized dS~ = φ(q)ᵀG / eps when k is negative)."""
+    layout = BlockLayout((4, 5), (2, 2))
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    q, k = (-x.abs() if name == negative else x for name, x in (("q", q), ("k", k)))
+    got, (_, _, den) = _run(tm, q, k, v, g, _mixing(layout), layout, "relu", True, torch.float32)
+    assert (den == EPS).all()
+    assert all((x == 0).all() for x in got)
+    assert all((x == 0).all() for x in _oracle(q, k, v, g, layout, _mixing(layout), "relu", True))
+
+
+def test_rejects_bad_inputs(tm):
+    """Shape, dtype and layout mistakes raise ValueError before any launch (no GPU needed)."""
+    layout = BlockLayout((4, 5), (2, 2))
+    q = torch.zeros(1, 2, 20, 8)
+    w = torch.ones(4, 4)
+    args = ("relu", True, EPS)
+    bad = {
+        "value dim": (q, q, torch.zeros(1, 2, 20, 4), w, layout.grid, layout.blocks, *args),
+        "dtype": (q, q, q.double(), w, layout.grid, layout.blocks, *args),
+        "tokens": (q, q, q, w, (4, 6), layout.blocks, *args),
+        "mixing": (q, q, q, torch.ones(3, 3), layout.grid, layout.blocks, *args),
+        "blocks": (q, q, q, w, layout.grid, (5, 1), *args),
+        "feature map": (q, q, q, w, layout.grid, layout.blocks, "softmax", True, EPS),
+    }
+    for what, call_args in bad.items():
+        with pytest.raises(ValueError):
+            tm.mhla_forward_triton(*call_args)
+        assert what
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): compiled kernels, bf16 included, default and tiled launch configs
+
+GPU_CASES = [
+    ((7, 5), (3, 2), 64, "relu", True, {}),
+    ((3, 5, 6), (2, 2, 3), 72, "elu+1", False, {}),
+    ((13,), (5,), 32, "relu", True, dict(split=2)),
+    ((4, 6), (1, 1), 128, "relu", False, dict(block_d=32, block_e=64)),
+    ((4, 3), (4, 3), 64, "elu+1", True, {}),
+    ((9, 11), (4, 4), 128, "relu+1e-6", True, dict(block_t=16, block_d=64, split=3)),
+]
+# Not measured yet (no GPU so far): fp32 should match the interpreter's ~5e-7 (ieee dots; TF32 off);
+# fp16 the interpreter's 7.5e-4; bf16 about 8x fp16 (unit roundoff 2^-8 vs 2^-11). Tighten once measured.
+GPU_TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _cuda(*xs):
+    return tuple(x.cuda() for x in xs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("grid, blocks, d, feature_map, normalize, config", GPU_CASES)
+def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize, config):
+    layout = BlockLayout(grid, blocks)
+    q, k, v, g = _cuda(*_strided_inputs(2, 3, layout.num_tokens, d, dtype))
+    mixing = _mixing(layout).cuda()
+    got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
+    assert got[0].is_cuda and [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
+    _assert_close(got, _oracle(q, k, v, g, layout, mixing, feature_map, normalize), GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_wan_like_shape(tm, dtype):
+    """Wan2.1-1.3B's attention shape at a small grid: batch 2 (CFG), 12 heads x 128, 3D blocks (3, 5, 10)
+    on an uneven (5, 6, 13) grid; default launch configuration."""
+    layout = BlockLayout((5, 6, 13), (3, 5, 10))
+    q, k, v, g = _cuda(*_strided_inputs(2, 12, layout.num_tokens, 128, dtype))
+    mixing = torch.as_tensor(_mixing(layout)).cuda()
+    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_cuda_real_wan_grid(tm):
+    """The real Wan 480p latent grid (21, 30, 52) = 32,760 tokens in (3, 5, 10) blocks (uneven on two axes,
+    ~218 tokens per block), bf16, against the float64 block-major PyTorch path (the dense oracle's N x N
+    matrix would not fit)."""
+    from mhla_gen.ops.mhla import mhla_attention_autograd
+
+    layout = BlockLayout((21, 30, 52), (3, 5, 10))
+    q, k, v, g = _cuda(*_strided_inputs(1, 2, layout.num_tokens, 64, torch.bfloat16))
+    mixing = _mixing(layout).cuda()
+    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, torch.bfloat16)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, mixing)]
+    out = mhla_attention_autograd(*leaves[:3], layout, leaves[3], "relu", True, eps=EPS)
+    expected = (out.detach(), *torch.autograd.grad(out, leaves, g))
+    _assert_close(got, expected, GPU_TOL[torch.bfloat16])
