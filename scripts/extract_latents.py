@@ -8,24 +8,33 @@
 
 import argparse
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from mhla_gen.cli import run
+from mhla_gen.data import ClassFolderDataset, write_class_latents
+from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 
-from mhla_gen.data import ClassFolderDataset, write_class_latents  # noqa: E402
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="class folder root: DATA/<class>/<image>")
-    parser.add_argument("--out", required=True, help="cache folder to write (replaced when complete)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="cache folder to write: new, empty or an earlier latent cache (replaced when complete)",
+    )
     parser.add_argument("--vae", default="stabilityai/sd-vae-ft-ema", help="AutoencoderKL folder or hub id")
     parser.add_argument("--vae-subfolder", default=None)
-    parser.add_argument("--resolution", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--resolution", type=positive_int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="seed of the latent-distribution samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -33,6 +42,8 @@ def main(argv=None):
 
     from diffusers import AutoencoderKL
 
+    # before any work: --out must not overlap --data nor hold files of its own
+    check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data})
     dataset = ClassFolderDataset(args.data, args.resolution)
     vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder).to(args.device).eval()
     generator = torch.Generator(args.device).manual_seed(args.seed)
@@ -48,9 +59,9 @@ def main(argv=None):
         "classes": dataset.classes,
         "num_classes": len(dataset.classes),
     }
-    out = write_class_latents(dataset, encode, args.out, meta, args.batch_size)
+    out = write_class_latents(dataset, encode, args.out, meta, args.batch_size, settings=("--out", "--data"))
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -7,8 +7,9 @@ accelerate launch --config_file configs/accelerate/ddp.yaml scripts/finetune_san
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for scripts._cli (mhla_gen is installed)
 
+from mhla_gen.cli import run  # noqa: E402
 from mhla_gen.train.config import SanaRunConfig  # noqa: E402
 from mhla_gen.train.finetune import SanaTask  # noqa: E402
 from mhla_gen.train.loop import train  # noqa: E402
@@ -21,4 +22,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

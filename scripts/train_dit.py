@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # for scripts._cli (mhla_gen is installed)
 
+from mhla_gen.cli import run  # noqa: E402
 from mhla_gen.train.config import DiTRunConfig  # noqa: E402
 from mhla_gen.train.dit import DiTTask  # noqa: E402
 from mhla_gen.train.loop import train  # noqa: E402
@@ -25,4 +26,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

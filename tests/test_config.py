@@ -74,3 +74,29 @@ def test_bad_cli_override_is_named(override, named):
 def test_missing_config_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(WanRunConfig, tmp_path / "nope.yaml")
+
+
+def test_yaml_boolean_no_is_mixed_precision_no(tmp_path):
+    """YAML 1.1 reads a bare `no` as False; `train.mixed_precision: no` still means no mixed precision."""
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  mixed_precision: no\n")
+    assert load_config(DiTRunConfig, f).train.mixed_precision == "no"
+    assert load_config(DiTRunConfig, None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_config(DiTRunConfig, f, ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+
+
+def test_errors_say_where_the_bad_key_came_from(tmp_path):
+    """A typo on the command line is not blamed on the YAML file, and the reverse."""
+    from mhla_gen.errors import ConfigError
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("seed: 1\n")
+    bad.write_text("seed: 1\ntrain:\n  max_stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"^invalid config on the command line: Key 'max_stepz'") as err:
+        load_config(DiTRunConfig, good, ["train.max_stepz=3"])
+    assert "good.yaml" not in str(err.value) and "object_type" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^invalid config in .*bad\.yaml: Key 'max_stepz'"):
+        load_config(DiTRunConfig, bad, ["seed=2"])
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"invalid config in .*bad\.yaml"):
+        load_config(DiTRunConfig, bad)

@@ -149,3 +149,93 @@ def test_feature_cache_reuse_and_rebuild(tmp_path):
     assert calls == ["a cat", "a cat"]
     item = FeatureCacheDataset(tmp_path / "c")[0]
     assert item["latents"].shape == (3, 4, 4) and item["prompt_embeds"].shape == (3, 4)
+
+
+# ------------------------------------------------------------------ caches never delete what is not theirs
+def _avgpool(x):  # stand-in VAE
+    return torch.nn.functional.avg_pool2d(x, 2)
+
+
+def _class_folder(root):
+    for i in range(2):
+        _png(root / f"c{i}" / f"{i}.png", 16, 16, seed=i)
+    return ClassFolderDataset(root, 8)
+
+
+def _tree(root):
+    """Every file under ``root`` with its bytes: what a refused call must leave untouched."""
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "containing"])
+def test_latent_cache_refuses_to_overlap_the_data(tmp_path, where):
+    from mhla_gen.errors import ConfigError
+
+    data = tmp_path / "data"
+    ds = _class_folder(data)
+    out = {"equal": data, "inside": data / "c0" / "cache", "containing": tmp_path}[where]
+    before = _tree(tmp_path)
+    with pytest.raises(ConfigError, match=r"--out=.* (is|is inside|contains) --data="):
+        write_class_latents(ds, _avgpool, out, {}, settings=("--out", "--data"))
+    assert _tree(tmp_path) == before
+
+
+def test_caches_refuse_a_folder_with_other_files(tmp_path):
+    from mhla_gen.errors import ConfigError
+
+    ds = _class_folder(tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"out_dir=.*out'.* not empty .*notes\.txt"):
+        write_class_latents(ds, _avgpool, tmp_path / "out", {})
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+    captioned = tmp_path / "captioned"
+    _png(captioned / "a.png", 8, 8)
+    (captioned / "a.txt").write_text("a cat")
+    caption_ds = CaptionedImageFolder(captioned, 8, 8)
+    encode = lambda item: {"latents": item["pixels"]}
+    with pytest.raises(ConfigError, match=r"cache_dir=.*notes\.txt"):
+        build_feature_cache(caption_ds, encode, tmp_path / "out", {"v": 1})
+    with pytest.raises(ConfigError, match="is data.path"):
+        build_feature_cache(caption_ds, encode, captioned, {"v": 1})
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (captioned / "a.txt").exists()
+
+    # a cache of one kind is not a cache of the other kind
+    write_class_latents(ds, _avgpool, tmp_path / "latents", {})
+    with pytest.raises(ConfigError, match="latent_cache folder of mhla_gen, not a feature_cache"):
+        build_feature_cache(caption_ds, encode, tmp_path / "latents", {"v": 1})
+    # a file the user added to a cache is not deleted with it either
+    (tmp_path / "latents" / "readme.md").write_text("mine")
+    with pytest.raises(ConfigError, match="readme.md"):
+        write_class_latents(ds, _avgpool, tmp_path / "latents", {})
+    assert (tmp_path / "latents" / "readme.md").exists()
+
+
+def test_caches_are_replaced_when_they_are_ours(tmp_path):
+    ds = _class_folder(tmp_path / "data")
+    write_class_latents(ds, _avgpool, tmp_path / "latents", {"run": 1})
+    write_class_latents(ds, _avgpool, tmp_path / "latents", {"run": 2})  # our own: replaced
+    assert LatentCacheDataset(tmp_path / "latents").meta["run"] == 2
+    (tmp_path / "empty").mkdir()
+    write_class_latents(ds, _avgpool, tmp_path / "empty", {})  # an empty folder is fine too
+    # a leftover temporary folder is deleted only if it is ours
+    (tmp_path / ".tmp-fresh").mkdir()
+    (tmp_path / ".tmp-fresh" / "photo.png").write_bytes(b"mine")
+    from mhla_gen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"temporary folder.*photo\.png"):
+        write_class_latents(ds, _avgpool, tmp_path / "fresh", {})
+    assert (tmp_path / ".tmp-fresh" / "photo.png").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("size", [0, -8])
+def test_bad_sizes_are_named_not_reported_as_unreadable_files(tmp_path, size):
+    _png(tmp_path / "c0" / "a.png", 8, 8)
+    (tmp_path / "c0" / "a.txt").write_text("a cat")
+    with pytest.raises(ValueError, match="resolution must be a positive"):
+        ClassFolderDataset(tmp_path, size)
+    with pytest.raises(ValueError, match="height must be a positive"):
+        CaptionedImageFolder(tmp_path, size, 8)
+    with pytest.raises(ValueError, match="width must be a positive"):
+        CaptionedVideoFolder(tmp_path, 5, 8, size)

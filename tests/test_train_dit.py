@@ -9,7 +9,15 @@ import signal
 
 import pytest
 import torch
-from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess, run_subprocess
+from train_helpers import (
+    REPO,
+    final_weights,
+    max_abs_diff,
+    read_metrics,
+    run_inprocess,
+    run_subprocess,
+    run_torchrun,
+)
 
 TINY = str(REPO / "configs" / "tiny" / "dit.yaml")
 
@@ -84,33 +92,27 @@ def test_sigkill_then_resume_equals_uninterrupted(reference_run, tmp_path, kill)
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-    """accelerate launch --num_processes 2 --cpu (gloo), same global batch: same losses and weights."""
-    args = ("--config", TINY, "train.max_steps=2", "train.ema_decay=0")
+    """Two real gloo processes (torchrun, ACCELERATE_USE_CPU), same global batch: same losses and weights.
+    The world size is asserted from inside the run (each metrics record holds Accelerate's count)."""
+    args = ("--config", TINY, "train.max_steps=2", "train.ema_decay=0", "log.sample_every=0")
     run_inprocess("train_dit.py", *args, f"output_dir={tmp_path / 'one'}")
-    two = run_subprocess(
-        "train_dit.py",
-        *args,
-        f"output_dir={tmp_path / 'two'}",
-        launch=[
-            "--num_processes",
-            "2",
-            "--cpu",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "29517",
-        ],
-    )
+    two = run_torchrun("train_dit.py", *args, f"output_dir={tmp_path / 'two'}")
     assert two.returncode == 0, two.stderr[-3000:]
-    loss_one = [r["loss"] for r in read_metrics(tmp_path / "one")]
-    loss_two = [r["loss"] for r in read_metrics(tmp_path / "two")]
-    assert len(loss_one) == 2
-    torch.testing.assert_close(torch.tensor(loss_two), torch.tensor(loss_one), rtol=1e-5, atol=1e-6)
+    one_records, two_records = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["num_processes"] for r in one_records] == [1, 1]
+    assert [r["num_processes"] for r in two_records] == [2, 2]
+    loss_one = torch.tensor([r["loss"] for r in one_records])
+    loss_two = torch.tensor([r["loss"] for r in two_records])
+    torch.testing.assert_close(loss_two, loss_one, rtol=1e-5, atol=1e-6)
     assert max_abs_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "two")) < 1e-5
+
+
+def test_launcher_processes_that_accelerate_does_not_join_fail_fast(tmp_path, monkeypatch):
+    """E.g. an FSDP/DDP launch config on a CPU machine: WORLD_SIZE=2, but each process is alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but Accelerate sees a single process"):
+        train(tmp_path, "train.max_steps=1")
+    assert not (tmp_path / "config.yaml").exists()  # nothing written
 
 
 @pytest.mark.parametrize("attention, blocks", [("softmax", None), ("linear", (1, 1)), ("mhla", (2, 2))])
@@ -270,3 +272,124 @@ def test_bf16_mixed_precision_with_gradient_checkpointing(tmp_path, attention):
         "log.sample_every=0",
     )
     assert torch.isfinite(torch.tensor(read_metrics(tmp_path)[0]["loss"]))
+
+
+# ----------------------------------------------------------------- output folders and where a run starts
+def test_output_dir_with_other_files_is_refused(tmp_path):
+    from mhla_gen.errors import ConfigError
+
+    (tmp_path / "metrics.jsonl").write_text("my own notes\n")  # a name we write, but this is not our folder:
+    (tmp_path / "photo.png").write_bytes(b"mine")  # the unrelated file says so
+    with pytest.raises(ConfigError, match=r"output_dir=.* not empty .*photo\.png"):
+        train(tmp_path, "train.max_steps=1")
+    assert (tmp_path / "metrics.jsonl").read_text() == "my own notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "photo.png"]
+
+
+def test_restart_without_checkpoint_drops_the_interrupted_runs_records(reference_run, tmp_path):
+    """resume=latest, no checkpoint yet (killed before the first one): the run starts at step 0 and its
+    records replace the interrupted run's, instead of being appended after them (1..5 then 1..3)."""
+    from mhla_gen.folders import write_marker
+
+    write_marker(tmp_path, "run")
+    stale = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 6))
+    (tmp_path / "metrics.jsonl").write_text(stale)
+    train(tmp_path, "train.max_steps=3")
+    records = read_metrics(tmp_path)
+    reference = read_metrics(reference_run)[:3]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference]
+
+
+def test_restart_refused_where_it_would_mix_runs(reference_run, tmp_path):
+    from mhla_gen.errors import ConfigError
+
+    shutil.copytree(reference_run, tmp_path / "done")
+    shutil.rmtree(tmp_path / "done" / "checkpoints")  # a finished run whose checkpoints were deleted
+    with pytest.raises(ConfigError, match="finished run .*resume=none"):
+        train(tmp_path / "done", "train.max_steps=6")
+    shutil.copytree(reference_run, tmp_path / "old")  # checkpoints 4 and 5 would outlive a fresh start
+    with pytest.raises(ConfigError, match=r"later checkpoints \['checkpoint_4', 'checkpoint_5'\]"):
+        train(tmp_path / "old", "train.max_steps=3", "resume=none")
+    assert read_metrics(tmp_path / "old") == read_metrics(reference_run)  # untouched
+
+
+def _tensorboard_scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_hides_the_events_past_the_checkpoint(tmp_path):
+    """A run logged steps 1..3 but its last checkpoint is step 2: the resumed run's events for step 3
+    replace the old ones (TensorBoard purge_step), they do not sit next to them."""
+    tb = ("log.trackers=[tensorboard]", "log.sample_every=0")
+    train(tmp_path, "train.max_steps=3", *tb)
+    shutil.rmtree(tmp_path / "checkpoints" / "checkpoint_3")  # as if killed after logging step 3
+    train(tmp_path, "train.max_steps=4", "seed=1", *tb)  # another seed: other losses from step 3 on
+    records = read_metrics(tmp_path)
+    scalars = _tensorboard_scalars(tmp_path / "logs" / "dit", "loss")
+    assert [s for s, _ in scalars] == [1, 2, 3, 4]
+    assert [v for _, v in scalars] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_with_gradient_accumulation_matches_uninterrupted(tmp_path):
+    """2 micro-batches per step, EMA on: 4 steps == 3 steps, then resume=latest to 4 (final weights)."""
+    accumulate = ("train.gradient_accumulation_steps=2", "log.sample_every=0")
+    train(tmp_path / "ref", "train.max_steps=4", *accumulate)
+    train(tmp_path / "run", "train.max_steps=3", *accumulate)
+    train(tmp_path / "run", "train.max_steps=4", *accumulate)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert max_abs_diff(final_weights(tmp_path / "run"), final_weights(tmp_path / "ref")) == 0.0
+
+
+# ---------------------------------------------------------------------- start-up checks, short errors
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.resolution=9"], r"data\.resolution=9 .* patch size 2 does not tile"),
+        (["mhla.blocks=[8,8]"], r"mhla\.blocks=\[8, 8\] does not fit DiT's 4x4 token grid"),
+        (["log.every=0"], r"log\.every must be >= 1"),
+        (["log.sample_steps=0"], r"log\.sample_steps must be >= 1"),
+        (["diffusion.sampler=euler"], r"diffusion\.sampler must be"),
+        (["model.num_classes=1001"], r"model\.num_classes must be in 1\.\.1000"),
+    ],
+)
+def test_bad_settings_fail_before_any_work(tmp_path, overrides, message):
+    from mhla_gen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        train(tmp_path / "run", *overrides)
+    assert not (tmp_path / "run").exists()
+
+
+def test_class_count_and_pretrained_family_are_checked(tmp_path):
+    from diffusers import SanaTransformer2DModel
+
+    from mhla_gen.errors import ConfigError
+
+    for i in range(3):
+        (tmp_path / "data" / f"class{i}").mkdir(parents=True)
+    folder = ("data.source=folder", f"data.path={tmp_path / 'data'}", "data.vae=null")
+    with pytest.raises(ConfigError, match=r"model\.num_classes=10 but data\.path=.* has 3 class folders"):
+        train(tmp_path / "run", *folder)
+    with pytest.raises(ConfigError, match=r"eval\.fid_num_samples=8 is for data\.source=digits"):
+        train(tmp_path / "run", *folder, "model.num_classes=3", "eval.fid_num_samples=8")
+    SanaTransformer2DModel(
+        num_attention_heads=1, attention_head_dim=8, num_layers=1, cross_attention_dim=8, caption_channels=8
+    ).save_pretrained(tmp_path / "sana")
+    with pytest.raises(ConfigError, match=r"model\.init_from=.* is a SanaTransformer2DModel, not a DiT"):
+        train(tmp_path / "run", f"model.init_from={tmp_path / 'sana'}")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_cli_config_errors_are_one_line_exit_2(tmp_path):
+    bad = run_subprocess("train_dit.py", "--config", TINY, f"output_dir={tmp_path}", "train.max_stepz=3")
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
+    assert "train_dit.py: error: invalid config on the command line: Key 'max_stepz'" in bad.stderr
+    assert "Did you mean: 'max_steps'?" in bad.stderr

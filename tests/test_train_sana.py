@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from train_helpers import REPO, final_weights, read_metrics, run_inprocess
+from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess
 
 TINY = str(REPO / "configs" / "tiny" / "sana.yaml")
 
@@ -47,21 +47,26 @@ def finetune(setup, out, *overrides):
 
 
 def test_finetune_all_weights_checkpoint_resume(sana_setup, tmp_path):
+    """Accumulation 2 (global batch 2 = 2 micro-batches of 1): 2 steps, then resume=latest to 3, ends with
+    exactly the weights of an uninterrupted 3-step run."""
     from mhla_gen.serialization import load_transformer
 
-    accumulate = "train.gradient_accumulation_steps=2"  # global batch 2 = 2 micro-batches of 1
-    finetune(sana_setup, tmp_path, "train.max_steps=2", accumulate)
-    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    run = tmp_path / "run"
+    accumulate = "train.gradient_accumulation_steps=2"
+    finetune(sana_setup, run, "train.max_steps=2", accumulate)
+    meta = json.loads((run / "cache" / "meta.json").read_text())
     assert meta["count"] == 4 and meta["skipped"] == 1
-    item = load_file(str(tmp_path / "cache" / "items" / "00000000.safetensors"))
+    item = load_file(str(run / "cache" / "items" / "00000000.safetensors"))
     assert item["latents"].shape == (4, 16, 16) and item["prompt_embeds"].shape == (8, 16)
-    assert (tmp_path / "samples" / "step_0000002.png").is_file()
-    finetune(sana_setup, tmp_path, "train.max_steps=3", accumulate)  # resume=latest: continues at step 3
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
-    assert (tmp_path / "checkpoints" / "checkpoint_3").is_dir()
-    model = load_transformer(tmp_path / "final")
+    assert (run / "samples" / "step_0000002.png").is_file()
+    finetune(sana_setup, run, "train.max_steps=3", accumulate)  # resume=latest: continues at step 3
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert (run / "checkpoints" / "checkpoint_3").is_dir()
+    model = load_transformer(run / "final")
     assert model.mhla_config.blocks == (2, 2)
-    assert torch.isfinite(torch.tensor([r["loss"] for r in read_metrics(tmp_path)])).all()
+    assert torch.isfinite(torch.tensor([r["loss"] for r in read_metrics(run)])).all()
+    finetune(sana_setup, tmp_path / "ref", "train.max_steps=3", accumulate, "log.sample_every=0")
+    assert max_abs_diff(final_weights(run), final_weights(tmp_path / "ref")) == 0.0
 
 
 def test_finetune_only_mhla_parameters(sana_setup, tmp_path):
@@ -89,3 +94,74 @@ def test_missing_image_folder(sana_setup, tmp_path):
             f"data.path={tmp_path / 'missing_images'}",
             f"output_dir={tmp_path / 'run'}",
         )
+
+
+# ------------------------------------------------------------------------- start-up checks, cache safety
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.height=40"], r"data\.height=40 must be a multiple of 32"),  # SanaPipeline, at the end
+        (["data.width=33"], r"data\.width=33 must be a multiple of 32"),
+        (["mhla.blocks=[32,2]"], r"mhla\.blocks=\[32, 2\] does not fit the token grid \(16, 16\)"),
+        (["data.max_sequence_length=0"], r"data\.max_sequence_length must be >= 1"),
+        (["data.height=-32"], r"data\.height must be >= 1"),
+        (["log.sample_steps=0"], r"log\.sample_steps must be >= 1"),
+    ],
+)
+def test_bad_settings_fail_before_any_work(sana_setup, tmp_path, overrides, message):
+    from mhla_gen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        finetune(sana_setup, tmp_path / "run", *overrides)
+    assert not (tmp_path / "run").exists()  # nothing written, nothing encoded
+
+
+def test_wrong_model_family_is_named(sana_setup, tmp_path):
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.testing_wan import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+    with pytest.raises(
+        ConfigError, match=r"model\.pretrained=.*wan'.* is a WanPipeline checkpoint, not a SanaPipeline"
+    ):
+        run_inprocess(
+            "finetune_sana.py",
+            "--config",
+            TINY,
+            f"model.pretrained={tmp_path / 'wan'}",
+            f"data.path={sana_setup / 'data'}",
+            f"output_dir={tmp_path / 'run'}",
+        )
+
+
+def _tree(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_cache_dir_never_deletes_what_is_not_a_cache(sana_setup, tmp_path):
+    """data.cache_dir equal to the data, holding an unrelated file, or equal to the run folder: refused
+    before any work, nothing deleted. A cache of ours (e.g. from another checkpoint) is rebuilt."""
+    from mhla_gen.errors import ConfigError
+
+    data = sana_setup / "data"
+    before = _tree(data)
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is data\.path="):
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={data}")
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* contains data\.path="):
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={sana_setup}")
+    assert _tree(data) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("mine")
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* not empty .*thesis\.tex"):
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={tmp_path / 'mine'}")
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "mine"
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is output_dir="):
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={tmp_path / 'run'}")
+
+    shared = f"data.cache_dir={tmp_path / 'cache'}"
+    finetune(sana_setup, tmp_path / "a", shared, "train.max_steps=1", "log.sample_every=0")
+    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    finetune(sana_setup, tmp_path / "b", shared, "train.max_steps=1", "data.max_sequence_length=6")
+    rebuilt = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    assert meta["fingerprint"]["max_sequence_length"] == 8
+    assert rebuilt["fingerprint"]["max_sequence_length"] == 6

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from safetensors.torch import load_file
-from train_helpers import REPO, read_metrics, run_inprocess
+from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess
 
 TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
 
@@ -44,23 +44,38 @@ def finetune(setup, out, *overrides):
 
 
 def test_finetune_hybrid_checkpoint_resume(wan_setup, tmp_path):
+    """Accumulation 2: 2 steps, then resume=latest to 3, equals an uninterrupted 3-step run exactly."""
     from mhla_gen.serialization import load_transformer
 
-    finetune(wan_setup, tmp_path, "train.max_steps=2", "train.gradient_checkpointing=true")
-    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    run = tmp_path / "run"
+    common = ("train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2")
+    finetune(wan_setup, run, "train.max_steps=2", *common)
+    meta = json.loads((run / "cache" / "meta.json").read_text())
     assert meta["count"] == 2 and meta["skipped"] == 1
-    item = load_file(str(tmp_path / "cache" / "items" / "00000000.safetensors"))
+    item = load_file(str(run / "cache" / "items" / "00000000.safetensors"))
     assert item["latents"].shape == (16, 2, 4, 4)  # 5 frames -> 2 latent frames, 32 px -> 4
-    assert (tmp_path / "samples" / "step_0000002.png").is_file()
-    finetune(wan_setup, tmp_path, "train.max_steps=3", "train.gradient_checkpointing=true")
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
-    model = load_transformer(tmp_path / "final")
+    assert (run / "samples" / "step_0000002.png").is_file()
+    finetune(wan_setup, run, "train.max_steps=3", *common)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    model = load_transformer(run / "final")
     assert model.mhla_config.blocks == (1, 2, 2) and model.mhla_config.layers == [0, 1]
+    finetune(wan_setup, tmp_path / "ref", "train.max_steps=3", *common, "log.sample_every=0")
+    assert max_abs_diff(final_weights(run), final_weights(tmp_path / "ref")) == 0.0
 
 
-def test_frame_count_must_be_4k_plus_1(wan_setup, tmp_path):
-    with pytest.raises(ValueError, match="4k"):
-        finetune(wan_setup, tmp_path, "data.num_frames=4")
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.num_frames=4"], "4k"),
+        (["data.height=40"], r"data\.height=40 must be a multiple of 16"),
+        (["mhla.blocks=[3,2,2]"], r"mhla\.blocks=\[3, 2, 2\] does not fit the token grid \(2, 2, 2\)"),
+        (["mhla.blocks=[2,2]"], r"mhla\.blocks=\[2, 2\] does not fit"),
+    ],
+)
+def test_bad_settings_fail_before_any_work(wan_setup, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        finetune(wan_setup, tmp_path / "run", *overrides)
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_video_folder(wan_setup, tmp_path):

@@ -40,13 +40,21 @@ def subprocess_env() -> dict:
     return env
 
 
-def run_subprocess(script: str, *args: str, launch: list[str] | None = None, timeout: int = 240):
-    """Run the script in a fresh interpreter (optionally under ``accelerate launch``); returns the result."""
-    cmd = [PYTHON, "-m", "accelerate.commands.launch", *launch] if launch is not None else [PYTHON]
-    cmd += [str(REPO / "scripts" / script), *args]
+def run_subprocess(script: str, *args: str, timeout: int = 240):
+    """Run the script in a fresh interpreter; returns the ``CompletedProcess``."""
+    cmd = [PYTHON, str(REPO / "scripts" / script), *args]
     return subprocess.run(
         cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
+    """``ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node <nproc> scripts/<script> args``: real
+    gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(REPO / "scripts" / script), *args]
+    env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:

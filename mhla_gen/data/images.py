@@ -28,6 +28,12 @@ def require_dir(path: str | Path, what: str = "data folder") -> Path:
     return path
 
 
+def check_size(name: str, value: int) -> None:
+    """A pixel size must be a positive int (else every file would fail to load and look unreadable)."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive number of pixels, got {value!r}")
+
+
 def center_crop_arr(image: Image.Image, size: int) -> Image.Image:
     """ADM / DiT preprocessing: halve with BOX while >= 2x, BICUBIC-resize the short side, centre crop."""
     while min(*image.size) >= 2 * size:
@@ -95,7 +101,8 @@ class ClassFolderDataset(_SkippingDataset):
 
     def __init__(self, root: str | Path, resolution: int):
         super().__init__()
-        root = require_dir(root)
+        check_size("resolution", resolution)
+        self.root = root = require_dir(root)
         self.classes = sorted(d.name for d in root.iterdir() if d.is_dir())
         if not self.classes:
             raise FileNotFoundError(f"no class folders inside {str(root)!r}")
@@ -143,7 +150,9 @@ class CaptionedImageFolder(_SkippingDataset):
 
     def __init__(self, root: str | Path, height: int, width: int):
         super().__init__()
-        root = require_dir(root)
+        check_size("height", height)
+        check_size("width", width)
+        self.root = root = require_dir(root)
         files = sorted(p for p in root.rglob("*") if p.suffix in IMAGE_EXTENSIONS)
         self.captions = read_captions(root, files)
         self.paths = [f for f in files if f in self.captions]

@@ -7,6 +7,10 @@
 * :class:`FeatureCacheDataset` — SANA / Wan fine-tuning: one safetensors file per item with the VAE
   latents and the text encoder's embeddings, plus ``meta.json`` with a fingerprint of what made them
   (checkpoint, resolution, frames, text length); a different fingerprint rebuilds the cache.
+
+Both caches are folders this project owns (:mod:`mhla_gen.folders`): they carry a marker file, and a
+folder that is not empty and not a cache of the same kind is refused before anything is written, as is
+a cache folder that is, contains or lies inside the data folder.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,9 +25,30 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..folders import check_apart, check_owned, fresh_temp, replace_with
 from .images import require_dir
 
 logger = logging.getLogger(__name__)
+
+LATENT_CACHE = "latent_cache"
+LATENT_CACHE_ENTRIES = frozenset({"latents.npy", "labels.npy", "meta.json", "latents_trim.npy"})
+FEATURE_CACHE = "feature_cache"
+FEATURE_CACHE_ENTRIES = frozenset({"items", "meta.json"})
+
+
+def check_cache_target(
+    kind: str,
+    cache_dir: str | Path,
+    setting: str,
+    inputs: dict[str, str | Path | None],
+    inside_ok: tuple[str, ...] = (),
+) -> None:
+    """Refuse (``ValueError`` naming ``setting``) a cache folder that is, contains or lies inside an input
+    folder (inside is allowed for ``inside_ok``, e.g. the run's output_dir) or that holds files this project
+    did not write. Call it before any work; the writers call it again."""
+    known = LATENT_CACHE_ENTRIES if kind == LATENT_CACHE else FEATURE_CACHE_ENTRIES
+    check_apart(cache_dir, setting, inputs, inside_ok)
+    check_owned(cache_dir, kind, setting, known)
 
 
 # ------------------------------------------------------------------------------------------- DiT
@@ -35,16 +59,19 @@ def write_class_latents(
     out_dir: str | Path,
     meta: dict,
     batch_size: int = 64,
+    settings: tuple[str, str] = ("out_dir", "dataset root"),
 ) -> Path:
     """Encode every readable image of a :class:`ClassFolderDataset` and its flip into ``out_dir``.
 
     ``encode``: pixels ``(B, 3, R, R)`` in [-1, 1] -> scaled latents ``(B, C, h, w)``. Unreadable images
-    are skipped (logged, counted in ``meta["skipped"]``).
+    are skipped (logged, counted in ``meta["skipped"]``). ``out_dir`` is replaced when complete; it must
+    be new, empty or an earlier latent cache, and apart from the data (``settings`` name both in errors).
     """
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_cache_target(LATENT_CACHE, out_dir, settings[0], {settings[1]: dataset.root})
+    tmp = fresh_temp(out_dir, LATENT_CACHE, settings[0], LATENT_CACHE_ENTRIES)
     good, pixels, labels, skipped = [], [], [], 0
     latents = None
 
@@ -86,8 +113,7 @@ def write_class_latents(
         os.replace(tmp / "latents_trim.npy", tmp / "latents.npy")
     np.save(tmp / "labels.npy", np.asarray(good, dtype=np.int64))
     (tmp / "meta.json").write_text(json.dumps({**meta, "count": count, "skipped": skipped}, indent=1))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    replace_with(tmp, out_dir, LATENT_CACHE, settings[0], LATENT_CACHE_ENTRIES)
     logger.info("wrote %d latents to %s (%d files skipped)", count, out_dir, skipped)
     return out_dir
 
@@ -117,22 +143,31 @@ class LatentCacheDataset(Dataset):
 
 # ---------------------------------------------------------------------------------- SANA and Wan
 def build_feature_cache(
-    dataset, encode: Callable[[dict], dict[str, torch.Tensor]], cache_dir: str | Path, fingerprint: dict
+    dataset,
+    encode: Callable[[dict], dict[str, torch.Tensor]],
+    cache_dir: str | Path,
+    fingerprint: dict,
+    setting: str = "cache_dir",
+    inputs: dict[str, str | Path | None] | None = None,
+    inside_ok: tuple[str, ...] = (),
 ) -> Path:
     """Encode each item of a captioned dataset once: ``cache_dir/items/<i>.safetensors``.
 
-    Reuses the cache when ``meta.json`` holds the same fingerprint. Unreadable files are skipped
-    (logged and counted in ``meta["skipped"]``).
+    Reuses the cache when ``meta.json`` holds the same fingerprint, otherwise rebuilds it in a temporary
+    sibling and replaces ``cache_dir``, which must be new, empty or a feature cache, and apart from
+    ``inputs`` (setting -> folder; default: the dataset's root). Unreadable files are skipped (logged and
+    counted in ``meta["skipped"]``).
     """
     from safetensors.torch import save_file
 
     cache_dir = Path(cache_dir)
+    inputs = {"data.path": getattr(dataset, "root", None)} if inputs is None else inputs
+    check_cache_target(FEATURE_CACHE, cache_dir, setting, inputs, inside_ok)
     meta_path = cache_dir / "meta.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("fingerprint") == fingerprint:
         return cache_dir
-    tmp = cache_dir.with_name(f".tmp-{cache_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "items").mkdir(parents=True)
+    tmp = fresh_temp(cache_dir, FEATURE_CACHE, setting, FEATURE_CACHE_ENTRIES)
+    (tmp / "items").mkdir()
     count, skipped = 0, 0
     for i in range(len(dataset)):
         try:
@@ -153,8 +188,7 @@ def build_feature_cache(
     (tmp / "meta.json").write_text(
         json.dumps({"fingerprint": fingerprint, "count": count, "skipped": skipped}, indent=1)
     )
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    os.replace(tmp, cache_dir)
+    replace_with(tmp, cache_dir, FEATURE_CACHE, setting, FEATURE_CACHE_ENTRIES)
     logger.info("cached %d items in %s (%d skipped)", count, cache_dir, skipped)
     return cache_dir
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .images import _SkippingDataset, read_captions, require_dir, resize_center_crop
+from .images import _SkippingDataset, check_size, read_captions, require_dir, resize_center_crop
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".gif")
 
@@ -47,7 +47,9 @@ class CaptionedVideoFolder(_SkippingDataset):
         super().__init__()
         if num_frames < 1 or (num_frames - 1) % 4:
             raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {num_frames}")
-        root = require_dir(root)
+        check_size("height", height)
+        check_size("width", width)
+        self.root = root = require_dir(root)
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS)
         self.captions = read_captions(root, files)
         self.paths = [f for f in files if f in self.captions]

@@ -28,6 +28,14 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step in a ``checkpoint_<step>`` folder name."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not named checkpoint_<step>")
+    return int(match.group(1))
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_root(output_dir)

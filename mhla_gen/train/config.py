@@ -17,8 +17,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import MHLAConfig
+from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
+
 
 T = TypeVar("T")
 
@@ -51,10 +53,12 @@ class TrainConfig:
     ema_decay: float = 0.9999  # 0 = no EMA
     checkpoint_every: int = 5_000
     checkpoints_total_limit: int = 2
-    num_workers: int = 4
+    num_workers: int = -1  # DataLoader workers; -1 = min(4, CPUs available to the process)
     allow_tf32: bool = True
 
     def __post_init__(self):
+        if str(self.mixed_precision) in ("False", "false"):  # YAML 1.1 reads a bare `no` as a boolean
+            self.mixed_precision = "no"
         if self.mixed_precision not in ("no", "fp16", "bf16"):
             raise ValueError(f"train.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.trainable not in ("all", "mhla", "lora"):
@@ -73,6 +77,13 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("lr_warmup_steps", "max_grad_norm", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_workers < -1:
+            raise ValueError(f"train.num_workers must be >= 0 (or -1 = automatic), got {self.num_workers}")
 
 
 @dataclass
@@ -85,6 +96,13 @@ class LogConfig:
     num_samples: int = 8
     sample_steps: int = 50  # denoising steps of the sampling pipeline
     guidance_scale: float = 4.0
+
+    def __post_init__(self):
+        for name, low in (("every", 1), ("sample_every", 0), ("num_samples", 1), ("sample_steps", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"log.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.guidance_scale < 0:
+            raise ValueError(f"log.guidance_scale must be >= 0, got {self.guidance_scale}")
 
 
 @dataclass
@@ -128,6 +146,15 @@ class DiTModelConfig:
     def __post_init__(self):
         if self.attention not in ATTENTION_TYPES:
             raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
+        if not 1 <= self.num_classes <= 1000:  # DiTPipeline's null class is 1000 (see train.dit)
+            raise ValueError(f"model.num_classes must be in 1..1000, got {self.num_classes}")
+        if not 0.0 <= self.class_dropout_prob < 1.0:
+            raise ValueError(f"model.class_dropout_prob must be in [0, 1), got {self.class_dropout_prob}")
+        for name in ("hidden_size", "depth", "heads", "patch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(
+                    f"model.{name} must be >= 1 (or null: the preset's), got {getattr(self, name)}"
+                )
 
 
 @dataclass
@@ -145,6 +172,8 @@ class DiTDataConfig:
     def __post_init__(self):
         if self.source not in ("folder", "latents", "digits"):
             raise ValueError(f"data.source must be folder, latents or digits, got {self.source!r}")
+        if self.resolution < 1:
+            raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
 
 
 @dataclass
@@ -157,6 +186,12 @@ class DiffusionConfig:
     beta_end: float = 0.02
     sampler: str = "ddim"  # ddim | dpm | ddpm
 
+    def __post_init__(self):
+        if self.sampler not in ("ddim", "dpm", "ddpm"):
+            raise ValueError(f"diffusion.sampler must be ddim, dpm or ddpm, got {self.sampler!r}")
+        if self.num_train_timesteps < 2:
+            raise ValueError(f"diffusion.num_train_timesteps must be >= 2, got {self.num_train_timesteps}")
+
 
 @dataclass
 class EvalConfig:
@@ -164,6 +199,12 @@ class EvalConfig:
 
     fid_num_samples: int = 0  # 0 = no FID
     fid_batch_size: int = 250
+
+    def __post_init__(self):
+        if self.fid_num_samples < 0 or self.fid_num_samples == 1:
+            raise ValueError(f"eval.fid_num_samples must be 0 (off) or >= 2, got {self.fid_num_samples}")
+        if self.fid_batch_size < 1:
+            raise ValueError(f"eval.fid_batch_size must be >= 1, got {self.fid_batch_size}")
 
 
 @dataclass
@@ -209,6 +250,12 @@ class FlowMatchingConfig:
     mode_scale: float = 1.29
     shift: float | None = None  # None = the checkpoint scheduler's shift
 
+    def __post_init__(self):
+        if self.weighting not in ("logit_normal", "mode", "uniform"):
+            raise ValueError(f"flow.weighting must be logit_normal, mode or uniform, got {self.weighting!r}")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"flow.shift must be > 0 (or null for the checkpoint's), got {self.shift}")
+
 
 @dataclass
 class CaptionDataConfig:
@@ -221,6 +268,13 @@ class CaptionDataConfig:
     num_frames: int = 81  # video only: 4k + 1
     max_sequence_length: int = 300
     sample_prompts: list[str] = field(default_factory=lambda: ["a photo of a cat"])
+
+    def __post_init__(self):
+        for name in ("height", "width", "num_frames", "max_sequence_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.sample_prompts:
+            raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
 
 
 @dataclass
@@ -240,6 +294,10 @@ class WanRunConfig(RunConfig):
     )
     flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
 
+    def __post_init__(self):
+        if (self.data.num_frames - 1) % 4:
+            raise ValueError(f"data.num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.data.num_frames}")
+
 
 # ------------------------------------------------------------------------------------------ loading
 def load_config(
@@ -249,24 +307,42 @@ def load_config(
 
     Raises:
         FileNotFoundError: ``config_file`` does not exist.
-        ValueError: an unknown key, a wrong type or an invalid value; the message names it.
+        ConfigError: an unknown key, a wrong type or an invalid value; the message names it and where it
+            came from (the file or the command line).
     """
     merged = OmegaConf.structured(schema)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        merged = _merge(merged, lambda: OmegaConf.load(path), f"in {path}")
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"command-line overrides must look like key=value, got {bad}")
+        merged = _merge(merged, lambda: OmegaConf.from_dotlist(list(overrides)), "on the command line")
     try:
-        if config_file is not None:
-            path = Path(config_file)
-            if not path.is_file():
-                raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ValueError(f"overrides must look like key=value, got {bad}")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)  # runs every __post_init__ check
     except OmegaConfBaseException as err:
-        where = f" in {config_file}" if config_file else ""
-        raise ValueError(f"invalid config{where}: {err}") from err
+        raise ConfigError(f"invalid config: {_short(err)}") from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _merge(base, load, where: str):
+    """``OmegaConf.merge(base, load())``; errors become a ConfigError saying ``where`` they came from."""
+    import yaml
+
+    try:
+        return OmegaConf.merge(base, load())
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"invalid config {where}: {_short(err)}") from None
+
+
+def _short(err: Exception) -> str:
+    """OmegaConf's message without its ``reference_type`` / ``object_type`` lines."""
+    lines = str(err).splitlines()
+    return "\n".join(ln for ln in lines if not ln.strip().startswith(("reference_type", "object_type")))
 
 
 def config_to_yaml(cfg: Any) -> str:

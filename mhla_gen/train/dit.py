@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import MHLAConfig
-from .config import DiTRunConfig
+from .config import ConfigError, DiTRunConfig
 from .loop import TrainTask
 from .objectives import DDPMLoss
 
@@ -196,6 +196,15 @@ class DiTTask(TrainTask):
             self.latent_scale = self.vae.config.scaling_factor
         return self.vae
 
+    def _vae_config(self) -> dict | None:
+        """The data VAE's ``config.json`` (no weights loaded), or None in pixel space."""
+        data = self.cfg.data
+        if data.vae is None or data.source == "digits":
+            return None
+        from diffusers import AutoencoderKL
+
+        return dict(AutoencoderKL.load_config(data.vae, subfolder=data.vae_subfolder))
+
     def _channels_and_size(self) -> tuple[int, int]:
         """``(in_channels, sample_size)`` of the transformer input."""
         data = self.cfg.data
@@ -206,11 +215,88 @@ class DiTTask(TrainTask):
 
             shape = LatentCacheDataset(data.path).latents.shape  # (N, 2, C, h, w)
             return shape[2], shape[3]
-        vae = self._load_vae()
+        vae = self._vae_config()
         if vae is None:
             return 3, data.resolution
-        factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        return vae.config.latent_channels, data.resolution // factor
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        if data.resolution % factor:
+            raise ConfigError(
+                f"data.resolution={data.resolution} is not a multiple of the VAE's downsampling {factor}"
+            )
+        return vae["latent_channels"], data.resolution // factor
+
+    # ------------------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Data folder, class count, resolution vs VAE and patch, MHLA blocks vs token grid, init_from."""
+        m, data = self.cfg.model, self.cfg.data
+        arch = dit_architecture(m)
+        if data.source != "digits":
+            if data.path is None:
+                raise ConfigError(f"data.path is required for data.source={data.source}")
+            self._check_classes()
+        channels, size = self._channels_and_size()
+        if size % arch["patch_size"]:
+            raise ConfigError(
+                f"data.resolution={data.resolution} gives a {size}x{size} model input, which patch size "
+                f"{arch['patch_size']} does not tile (model.patch_size / model.preset)"
+            )
+        grid = size // arch["patch_size"]
+        mhla = attention_mhla_config(m.attention, self.cfg.mhla)
+        if mhla is not None and (len(mhla.blocks) != 2 or any(b > grid for b in mhla.blocks)):
+            raise ConfigError(
+                f"mhla.blocks={list(mhla.blocks)} does not fit DiT's {grid}x{grid} token grid "
+                f"(data.resolution={data.resolution}, patch size {arch['patch_size']})"
+            )
+        if m.init_from:
+            self._check_init_from(channels, size)
+        if self.cfg.eval.fid_num_samples and data.source != "digits":
+            raise ConfigError(
+                f"eval.fid_num_samples={self.cfg.eval.fid_num_samples} is for data.source=digits only "
+                f"(score other data with eval/generate.py + eval/fid.py); set it to 0"
+            )
+
+    def _check_classes(self) -> None:
+        """``model.num_classes`` must equal the data's class count (folders, or the latent cache's labels)."""
+        from ..data.images import require_dir
+
+        data, want = self.cfg.data, self.cfg.model.num_classes
+        root = require_dir(data.path, "data.path")
+        if data.source == "folder":
+            found = len([d for d in root.iterdir() if d.is_dir()])
+            what = f"{found} class folders"
+        else:
+            from ..data import LatentCacheDataset
+
+            cache = LatentCacheDataset(root)
+            found = int(cache.meta.get("num_classes", int(cache.labels.max()) + 1))
+            if len(cache.labels) and int(cache.labels.max()) >= want:
+                raise ConfigError(
+                    f"model.num_classes={want} but the latent cache data.path={data.path!r} holds label "
+                    f"{int(cache.labels.max())}"
+                )
+            what = f"{found} classes (its meta.json)"
+        if found != want:
+            raise ConfigError(f"model.num_classes={want} but data.path={data.path!r} has {what}")
+
+    def _check_init_from(self, channels: int, size: int) -> None:
+        """``model.init_from`` must be a DiT whose input and label table fit the data."""
+        from diffusers import DiTTransformer2DModel
+
+        m = self.cfg.model
+        path = Path(m.init_from)
+        sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
+        config = DiTTransformer2DModel.load_config(m.init_from, subfolder=sub)
+        if config.get("_class_name") != "DiTTransformer2DModel":
+            raise ConfigError(
+                f"model.init_from={m.init_from!r} is a {config.get('_class_name')}, not a DiT transformer"
+            )
+        got = (config.get("in_channels"), config.get("sample_size"), config.get("num_embeds_ada_norm"))
+        need = (channels, size, label_table_size(m.num_classes))
+        if got != need:
+            raise ConfigError(
+                f"model.init_from={m.init_from!r} has (in_channels, sample_size, num_classes) = {got}, "
+                f"the data/config need {need}"
+            )
 
     def signature(self) -> dict:
         channels, size = self._channels_and_size()
@@ -233,19 +319,10 @@ class DiTTask(TrainTask):
         arch = dit_architecture(m)
         channels, size = self._channels_and_size()
         if m.init_from:
+            self._check_init_from(channels, size)
             path = Path(m.init_from)
             sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
             transformer = DiTTransformer2DModel.from_pretrained(m.init_from, subfolder=sub)
-            got = (
-                transformer.config.in_channels,
-                transformer.config.sample_size,
-                transformer.config.num_embeds_ada_norm,
-            )
-            if got != (channels, size, label_table_size(m.num_classes)):
-                raise ValueError(
-                    f"model.init_from={m.init_from!r} has (in_channels, sample_size, num_classes) = "
-                    f"{got}, the data/config need {(channels, size, label_table_size(m.num_classes))}"
-                )
         else:
             transformer = DiTTransformer2DModel(
                 num_attention_heads=arch["heads"],
@@ -339,12 +416,7 @@ class DiTTask(TrainTask):
     def finish(self, transformer, accelerator) -> dict:
         """FID (digits feature extractor) between generated and real digits, for the digits source."""
         ev = self.cfg.eval
-        if ev.fid_num_samples <= 0:
-            return {}
-        if self.cfg.data.source != "digits":
-            logger.warning(
-                "eval.fid_num_samples is only used with data.source=digits (use eval/ for ImageNet)"
-            )
+        if ev.fid_num_samples <= 0 or self.cfg.data.source != "digits":  # validate() refused the latter
             return {}
         from ..data import digits_tensors
         from ..metrics.extractors import digits_extractor, extract_features

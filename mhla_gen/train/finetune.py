@@ -9,6 +9,7 @@ training loop only runs the transformer. Samples go through the stock ``SanaPipe
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from .config import ConfigError
 from .dit import attention_mhla_config, install_attention
 from .loop import TrainTask
 from .objectives import flow_matching_loss, flow_matching_sigmas
@@ -104,7 +106,72 @@ class FlowFinetuneTask(TrainTask):
         config = self.frozen.scheduler.config
         return float(config.get("shift", None) or config.get("flow_shift", None) or 1.0)
 
+    # --------------------------------------------------------------------------------- checks
+    def _component_config(self, cls_name: str, subfolder: str | None) -> dict:
+        """``config.json`` (``model_index.json`` for the pipeline) of ``model.pretrained``, no weights."""
+        import diffusers
+
+        pretrained = self.cfg.model.pretrained
+        local = Path(pretrained).expanduser()
+        if (local.exists() or pretrained.startswith((".", "/", "~"))) and not local.is_dir():
+            raise FileNotFoundError(f"model.pretrained={pretrained!r} is not a folder")
+        try:
+            return dict(
+                getattr(diffusers, cls_name).load_config(
+                    pretrained, subfolder=subfolder, revision=self.cfg.model.revision
+                )
+            )
+        except OSError as err:
+            raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
+
+    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
+        """The transformer's token grid for ``data.*`` sizes; ConfigError when they do not tile."""
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Checkpoint family, sizes vs VAE / patch / pipeline, MHLA blocks vs the token grid, data and
+        cache folders: all before the pipeline is loaded or any item is encoded."""
+        from ..data.images import require_dir
+        from ..data.latents import FEATURE_CACHE, check_cache_target
+
+        index = self._component_config("DiffusionPipeline", None)
+        if index.get("_class_name") != self.pipeline_cls_name:
+            raise ConfigError(
+                f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
+                f"not a {self.pipeline_cls_name} (wrong script for this model?)"
+            )
+        transformer = self._component_config(self.transformer_cls_name, "transformer")
+        vae = self._component_config(index["vae"][1], "vae")
+        grid = self.token_grid(transformer, vae)
+        mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        fits = mhla is None or (len(mhla.blocks) == len(grid) and all(map(int.__le__, mhla.blocks, grid)))
+        if not fits:
+            raise ConfigError(
+                f"mhla.blocks={list(mhla.blocks)} does not fit the token grid {grid} of data.height="
+                f"{self.cfg.data.height}, data.width={self.cfg.data.width}"
+                + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
+            )
+        data = self.cfg.data
+        require_dir(data.path, "data.path")
+        check_cache_target(
+            FEATURE_CACHE,
+            self.cache_dir,
+            "data.cache_dir",
+            {"data.path": data.path, "output_dir": self.cfg.output_dir},
+            inside_ok=("output_dir",),
+        )
+
+    def _check_multiple(self, multiple: int, why: str) -> None:
+        for name in ("height", "width"):
+            value = getattr(self.cfg.data, name)
+            if value % multiple:
+                raise ConfigError(f"data.{name}={value} must be a multiple of {multiple} ({why})")
+
     # ----------------------------------------------------------------------------------- data
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.cfg.data.cache_dir or Path(self.cfg.output_dir) / "cache")
+
     def raw_dataset(self) -> Dataset:
         raise NotImplementedError
 
@@ -117,7 +184,7 @@ class FlowFinetuneTask(TrainTask):
 
         data = self.cfg.data
         self.frozen_pipeline(accelerator.device)
-        cache_dir = Path(data.cache_dir or Path(self.cfg.output_dir) / "cache")
+        cache_dir = self.cache_dir
         raw = self.raw_dataset()
         fingerprint = {
             "task": self.name,
@@ -129,7 +196,10 @@ class FlowFinetuneTask(TrainTask):
             "num_frames": data.num_frames if self.name == "wan" else None,
             "max_sequence_length": data.max_sequence_length,
         }
-        build_feature_cache(raw, self.encode, cache_dir, fingerprint)
+        inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
+        build_feature_cache(
+            raw, self.encode, cache_dir, fingerprint, "data.cache_dir", inputs, inside_ok=("output_dir",)
+        )
         return FeatureCacheDataset(cache_dir)
 
     # ----------------------------------------------------------------------------------- loss
@@ -156,6 +226,16 @@ class SanaTask(FlowFinetuneTask):
     name = "sana"
     pipeline_cls_name = "SanaPipeline"
     transformer_cls_name = "SanaTransformer2DModel"
+
+    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
+        """``(H / (f p), W / (f p))``: DC-AE factor f, patch p; SanaPipeline also wants multiples of 32."""
+        factor = 2 ** (len(vae["encoder_block_out_channels"]) - 1)
+        patch = transformer["patch_size"]
+        self._check_multiple(
+            math.lcm(32, factor * patch), f"SanaPipeline needs multiples of 32; VAE {factor}x, patch {patch}"
+        )
+        d = self.cfg.data
+        return d.height // (factor * patch), d.width // (factor * patch)
 
     def raw_dataset(self) -> Dataset:
         from ..data import CaptionedImageFolder
@@ -205,6 +285,23 @@ class WanTask(FlowFinetuneTask):
     name = "wan"
     pipeline_cls_name = "WanPipeline"
     transformer_cls_name = "WanTransformer3DModel"
+
+    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
+        """``(F' / pt, H / (s ph), W / (s pw))``, ``F' = (F - 1) / t + 1`` latent frames (VAE t x s x s)."""
+        spatial, temporal = vae.get("scale_factor_spatial", 8), vae.get("scale_factor_temporal", 4)
+        pt, ph, pw = transformer["patch_size"]
+        self._check_multiple(
+            math.lcm(16, spatial * ph, spatial * pw),
+            f"WanPipeline samples multiples of 16; VAE {spatial}x, patch {ph}x{pw}",
+        )
+        d = self.cfg.data
+        if (d.num_frames - 1) % temporal or ((d.num_frames - 1) // temporal + 1) % pt:
+            raise ConfigError(
+                f"data.num_frames={d.num_frames} does not fit the VAE's {temporal}x temporal compression "
+                f"and the temporal patch {pt}"
+            )
+        frames = (d.num_frames - 1) // temporal + 1
+        return frames // pt, d.height // (spatial * ph), d.width // (spatial * pw)
 
     def raw_dataset(self) -> Dataset:
         from ..data import CaptionedVideoFolder

@@ -9,6 +9,13 @@ Exact resume: the data order comes from Accelerate's seedable sampler (epoch-see
 ``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
 model, optimizer, LR scheduler, EMA (``register_for_checkpointing``) and RNG states come from
 ``accelerator.load_state``. A run killed with SIGKILL and resumed ends with the same weights.
+
+Where a run starts (:func:`plan_start`): ``resume=latest`` continues from the newest checkpoint in
+``output_dir``. Without one it starts at step 0, and the records of an interrupted earlier run (which
+this run is about to redo) are dropped from ``metrics.jsonl``; a folder holding a *finished* run
+(``final/``) is refused instead. In every case ``metrics.jsonl`` keeps only the rows up to the start step,
+and TensorBoard hides the events past it (``SummaryWriter(purge_step=start + 1)``). The output folder is
+a folder this project owns (:mod:`mhla_gen.folders`): a non-empty folder with other files is refused.
 """
 
 from __future__ import annotations
@@ -25,13 +32,29 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..folders import check_owned, claim
 from ..mixing import clamp_mixing_
 from . import checkpoint as ckpt
-from .config import RunConfig, config_to_dict, config_to_yaml
+from .config import ConfigError, RunConfig, config_to_dict, config_to_yaml
 from .io import append_jsonl, atomic_write_text, read_jsonl
 from .randomness import StepRandom
 
 logger = logging.getLogger(__name__)
+
+RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.folders)
+RUN_ENTRIES = frozenset(
+    {
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoints",
+        "logs",
+        "samples",
+        "final",
+        "cache",
+        ".config.yaml.*",
+        ".metrics.jsonl.*",
+    }
+)
 
 
 class TrainTask:
@@ -54,6 +77,10 @@ class TrainTask:
     def build_dataset(self, accelerator) -> Dataset:
         """Training items (dicts of tensors). Caches are built here (main process first)."""
         raise NotImplementedError
+
+    def validate(self) -> None:
+        """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
+        before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files."""
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """Scalar training loss of one micro-batch; every random draw goes through ``rnd``."""
@@ -120,6 +147,71 @@ def _batches(loader, epoch: int, skip: int) -> Iterator:
     return iter(skip_first_batches(loader, skip) if skip else loader)
 
 
+def check_world_size(accelerator) -> None:
+    """Fail fast when the launcher started several processes that Accelerate does not join into one job
+    (they would each train alone, as rank 0, into the same output_dir)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but Accelerate sees a single process ({accelerator.distributed_type}): "
+            f"each process would train alone into the same output_dir. On CPU, launch with "
+            f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {world} scripts/<script>.py ...` (gloo); "
+            f"the DDP and FSDP launch configs need one GPU per process"
+        )
+
+
+def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
+    """``(checkpoint to resume from or None, step this run starts at)``; see the module docstring.
+
+    Raises:
+        ConfigError: ``resume=latest`` without a checkpoint in a folder that holds a finished run, or
+            checkpoints in ``output_dir`` newer than the start step (a later ``resume=latest`` would
+            continue from them instead of from this run).
+    """
+    resume_from = ckpt.resolve_resume(cfg.resume, out)
+    start = ckpt.read_state(resume_from)["step"] if resume_from is not None else 0
+    if resume_from is None and cfg.resume == "latest" and (out / "final").exists():
+        raise ConfigError(
+            f"resume=latest: output_dir={str(out)!r} holds a finished run (final/) but no checkpoint to "
+            f"continue from; pass resume=none to train again from step 0 in this folder (its "
+            f"metrics.jsonl, logs and final/ are replaced), or choose another output_dir"
+        )
+    newer = [p.name for p in ckpt.list_checkpoints(out) if ckpt.checkpoint_step(p) > start]
+    if newer:
+        raise ConfigError(
+            f"resume={cfg.resume}: this run starts at step {start}, but output_dir={str(out)!r} holds "
+            f"later checkpoints {newer} that a later resume=latest would continue from; move them away "
+            f"or choose another output_dir"
+        )
+    return resume_from, start
+
+
+def prepare_output_dir(out: Path, start: int) -> None:
+    """Main process: claim ``out`` as a run folder and keep only the ``metrics.jsonl`` rows up to
+    ``start`` (the rows after it are written again by this run)."""
+    claim(out, RUN_FOLDER, "output_dir", RUN_ENTRIES)
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        records = read_jsonl(metrics)
+        kept = [r for r in records if r.get("step", 0) <= start]
+        if len(kept) < len(records):
+            logger.warning(
+                "%s: dropping %d records past step %d (this run writes those steps again)",
+                metrics,
+                len(records) - len(kept),
+                start,
+            )
+        atomic_write_text(metrics, "".join(f"{_json(r)}\n" for r in kept))
+
+
+def _num_workers(requested: int) -> int:
+    """``train.num_workers``; -1 = min(4, CPUs this process may use)."""
+    if requested >= 0:
+        return requested
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cpus)
+
+
 def train(cfg: RunConfig, task: TrainTask) -> Path:
     """Run ``task`` with ``cfg``; returns ``output_dir/final``."""
     from accelerate import Accelerator, DataLoaderConfiguration
@@ -135,24 +227,26 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
         mixed_precision=tc.mixed_precision,
         log_with=list(cfg.log.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
     )
+    check_world_size(accelerator)
     per_step = accelerator.num_processes * tc.gradient_accumulation_steps
     if tc.global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"train.global_batch_size={tc.global_batch_size} is not divisible by processes x "
             f"accumulation steps = {per_step}"
         )
     local_batch = tc.global_batch_size // per_step
+    task.validate()  # everything the run uses, before any work
+    resume_from, step = plan_start(cfg, out)
+    if resume_from is not None:
+        ckpt.check_signature(resume_from, task.signature())
+    check_owned(out, RUN_FOLDER, "output_dir", RUN_ENTRIES)  # every process: all raise, none waits
     if tc.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     set_seed(cfg.seed)  # same on every process: identical initial weights
-
-    resume_from = ckpt.resolve_resume(cfg.resume, out)
-    if resume_from is not None:
-        ckpt.check_signature(resume_from, task.signature())
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        prepare_output_dir(out, step)
         atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
         ckpt.remove_partial(out)
     accelerator.wait_for_everyone()
@@ -187,8 +281,9 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
         shuffle=True,
         drop_last=True,
         generator=torch.Generator().manual_seed(cfg.seed),
-        num_workers=tc.num_workers,
+        num_workers=_num_workers(tc.num_workers),
         collate_fn=task.collate_fn,
+        pin_memory=accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
     )
     if len(loader) == 0:
         raise ValueError(
@@ -203,18 +298,15 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
 
-    step = 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        step = ckpt.read_state(resume_from)["step"]
         logger.info("resumed from %s at step %d", resume_from, step)
-        if (
-            accelerator.is_main_process and (out / "metrics.jsonl").exists()
-        ):  # drop records after the checkpoint
-            kept = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("step", 0) <= step]
-            atomic_write_text(out / "metrics.jsonl", "".join(f"{_json(r)}\n" for r in kept))
     if accelerator.is_main_process and cfg.log.trackers:
-        accelerator.init_trackers(task.name, config=_flat(config_to_dict(cfg)))
+        accelerator.init_trackers(  # purge_step: TensorBoard hides older events from the next step on
+            task.name,
+            config=_flat(config_to_dict(cfg)),
+            init_kwargs={"tensorboard": {"purge_step": step + 1}},
+        )
 
     def save(at_step: int) -> None:
         hook = None
@@ -277,6 +369,7 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
                     "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
                     "steps_per_s": (step - step_last) / (now - t_last),
+                    "num_processes": accelerator.num_processes,
                 }
                 loss_sum, loss_count, t_last, step_last = 0.0, 0, now, step
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
