@@ -30,6 +30,19 @@ Example (the README table; CPU fp32, B=1, 4 heads, d=64):
 
     python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
         --sizes 1024 4096 16384 --blocks 4 16 64 256 --skip-sdpa-above 4096 --out bench.json
+
+Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
+heads-interleaved inputs as the processors pass them, ReLU features with the normaliser, a learnable
+locality-initialised mixing matrix. Side by side: SDPA (FlashAttention backend for bf16/fp16), SANA's
+linear attention, the PyTorch MHLA path (:func:`mhla_gen.ops.mhla_attention_autograd`), the registered op
+(:func:`mhla_gen.mhla_attention`, whatever it dispatches to) and the Triton kernels called directly
+(``mhla_gen.ops.triton_mhla``, CUDA only). CUDA times come from CUDA events over enough back-to-back
+calls for >= 20 ms per sample. Achieved bandwidth counts the bytes MHLA cannot avoid: forward q, k, v
+read and the output written (4 tensors); forward+backward adds q, k, v and the output gradient read and
+dq, dk, dv written (11 tensors). It is printed as a fraction of a measured device-to-device copy
+(1 GiB, read + write):
+
+    python scripts/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
 """
 
 from __future__ import annotations
@@ -43,14 +56,17 @@ import multiprocessing
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention  # noqa: E402
+from mhla_gen.ops import mhla_attention_autograd  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -252,6 +268,181 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------------
+# model shapes (CUDA)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One attention layer: batch, heads x head dim, token grid and MHLA blocks."""
+
+    batch: int
+    heads: int
+    dim: int
+    grid: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+MODEL_SHAPES = {
+    "wan480": ModelShape(2, 12, 128, (21, 30, 52), (3, 5, 10)),  # Wan2.1-1.3B, 480p: 32,760 tokens
+    "sana4096": ModelShape(2, 70, 32, (128, 128), (4, 4)),  # SANA-1.6B, 4096 px: 16,384 tokens
+    "dit256": ModelShape(2, 16, 72, (16, 16), (4, 4)),  # DiT-XL/2, 256 px
+    "dit512": ModelShape(2, 16, 72, (32, 32), (4, 4)),  # DiT-XL/2, 512 px
+}
+MODEL_METHODS = ("sdpa", "la", "mhla_torch", "mhla_op", "mhla_triton")
+
+
+class _TritonMHLA(torch.autograd.Function):
+    """The Triton entry points behind autograd (ReLU, normalised), independent of the op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, grid, blocks):
+        from mhla_gen.ops import triton_mhla
+
+        out, *saved = triton_mhla.mhla_forward_triton(q, k, v, mixing, grid, blocks, "relu", True, 1e-6)
+        ctx.save_for_backward(q, k, v, mixing, out, *saved)
+        ctx.layout = (grid, blocks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from mhla_gen.ops import triton_mhla
+
+        q, k, v, mixing, out, *saved = ctx.saved_tensors
+        grads = triton_mhla.mhla_backward_triton(grad_out, q, k, v, mixing, out, *saved, *ctx.layout, "relu",
+                                                 True, 1e-6, ctx.needs_input_grad[:4])
+        return (*grads, None, None)
+
+
+def time_ms(fn, device: torch.device, min_sample_ms: float = 20.0) -> float:
+    """Milliseconds per call of ``fn`` in one sample: CUDA events around enough back-to-back calls for
+    ``min_sample_ms`` (after one call that sizes the sample); one perf_counter call on CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events[0].record()
+    fn()
+    events[1].record()
+    events[1].synchronize()
+    calls = max(1, math.ceil(min_sample_ms / max(events[0].elapsed_time(events[1]), 1e-3)))
+    events[0].record()
+    for _ in range(calls):
+        fn()
+    events[1].record()
+    events[1].synchronize()
+    return events[0].elapsed_time(events[1]) / calls
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of ``nbytes``), median of 5 samples."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / (statistics.median(time_ms(lambda: dst.copy_(src), device) for _ in range(5)) * 1e-3)
+
+
+def build_model_methods(shape: ModelShape, device, dtype):
+    """``({name: fn}, inputs, grad_out)`` at one model shape; q, k, v heads-interleaved (processors')."""
+    layout = BlockLayout(shape.grid, shape.blocks)
+    b, h, n, d = shape.batch, shape.heads, layout.num_tokens, shape.dim
+    q, k, v = (torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    grad_out = torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2)
+    mixing = locality_init(layout).to(device, torch.float32).requires_grad_()
+
+    def flash(q_, k_, v_, w_):
+        if dtype == torch.float32:  # FlashAttention has no fp32 kernel: let SDPA choose
+            return sdpa(q_, k_, v_)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q_, k_, v_)
+
+    methods = {
+        "sdpa": flash,
+        "la": lambda q_, k_, v_, w_: linear_attention(q_, k_, v_),
+        "mhla_torch": lambda q_, k_, v_, w_: mhla_attention_autograd(q_, k_, v_, layout, w_),
+        "mhla_op": lambda q_, k_, v_, w_: mhla_attention(q_, k_, v_, layout, w_),
+    }
+    if device.type == "cuda":
+        methods["mhla_triton"] = lambda q_, k_, v_, w_: _TritonMHLA.apply(q_, k_, v_, w_, shape.grid,
+                                                                          shape.blocks)
+    return methods, (q, k, v, mixing), grad_out
+
+
+def time_model_shape(name: str, shape: ModelShape, args, device, dtype, copy_bw: float) -> dict:
+    """Interleaved fwd / fwd+bwd medians (ms) of every method at one model shape, plus MHLA bandwidths.
+
+    A method that runs out of memory gets NaN (SDPA's math fallback, or the PyTorch path, at large N)."""
+    methods, inputs, grad_out = build_model_methods(shape, device, dtype)
+    samples = {(m, mode): [] for m in methods for mode in ("fwd", "fwd_bwd")}
+    failed = set()
+
+    def forward(fn):
+        with torch.no_grad():
+            fn(*inputs)
+
+    def forward_backward(fn):
+        torch.autograd.grad(fn(*inputs), inputs, grad_out, allow_unused=True)  # SDPA, LA: no mixing
+
+    for _ in range(args.warmup + args.repeats):
+        for method, fn in methods.items():
+            for mode, call in (("fwd", forward), ("fwd_bwd", forward_backward)):
+                if (method, mode) in failed:
+                    continue
+                try:
+                    samples[method, mode].append(time_ms(lambda call=call, fn=fn: call(fn), device))
+                except torch.cuda.OutOfMemoryError:
+                    failed.add((method, mode))
+                    print(f"{name}: {method} {mode} out of memory", file=sys.stderr)
+                    torch.cuda.empty_cache()
+    row = {"shape": name, **asdict(shape), "N": math.prod(shape.grid), "M": math.prod(shape.blocks)}
+    for (method, mode), times in samples.items():
+        times = [] if (method, mode) in failed else times[args.warmup:]
+        row[f"{method}_{mode}_ms"] = statistics.median(times) if times else math.nan
+    tensor_bytes = shape.batch * shape.heads * row["N"] * shape.dim * torch.finfo(dtype).bits // 8
+    for mode, tensors in (("fwd", 4), ("fwd_bwd", 11)):
+        for method in ("mhla_op", "mhla_triton"):
+            ms = row.get(f"{method}_{mode}_ms", math.nan)
+            row[f"{method}_{mode}_gbps"] = tensors * tensor_bytes / (ms * 1e-3) / 1e9
+            row[f"{method}_{mode}_of_copy"] = tensors * tensor_bytes / (ms * 1e-3) / copy_bw
+    return row
+
+
+def model_markdown(rows: list[dict], mode: str) -> str:
+    head = ("| shape | B×H×d | N | M | SDPA | LA | MHLA torch | MHLA op | MHLA Triton | SDPA/Triton "
+            "| Triton GB/s | Triton / copy | op / copy |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(x, unit=""):
+        return "–" if x is None or math.isnan(x) else f"{x:.1f}{unit}" if x >= 10 else f"{x:.3g}{unit}"
+
+    for r in rows:
+        ms = {m: r.get(f"{m}_{mode}_ms", math.nan) for m in MODEL_METHODS}
+        triton_of_copy, op_of_copy = (100 * r[f"{m}_{mode}_of_copy"] for m in ("mhla_triton", "mhla_op"))
+        lines.append(
+            f"| {r['shape']} | {r['batch']}×{r['heads']}×{r['dim']} | {r['N']} | {r['M']} "
+            + "".join(f"| {f(ms[m])} " for m in MODEL_METHODS)
+            + f"| {f(ms['sdpa'] / ms['mhla_triton'], '×')} | {f(r[f'mhla_triton_{mode}_gbps'])} "
+            f"| {f(triton_of_copy, '%')} | {f(op_of_copy, '%')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_model_shapes(args, device, dtype) -> tuple[str, list[dict]]:
+    """The model-shape tables (forward, forward+backward) as text, and their rows."""
+    copy_bw = copy_bandwidth(device) if device.type == "cuda" else math.nan
+    rows = []
+    for name in args.shapes:
+        rows.append(time_model_shape(name, MODEL_SHAPES[name], args, device, dtype, copy_bw))
+        print(f"timed {name}", file=sys.stderr)
+    text = (f"model shapes: device-to-device copy {copy_bw / 1e9:.0f} GB/s; times in ms (median of "
+            f"{args.repeats}); bandwidth = unavoidable bytes / time (fwd: q, k, v, out; f+b: 11 tensors)\n\n"
+            f"forward (no grad)\n\n{model_markdown(rows, 'fwd')}\n\n"
+            f"forward + backward (q, k, v, mixing)\n\n{model_markdown(rows, 'fwd_bwd')}")
+    return text, rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,7 +452,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--sizes", type=int, nargs="*", default=None,
+                        help="square-grid table sizes (default: 1024 4096 16384 on CPU, none on CUDA)")
+    parser.add_argument("--shapes", nargs="*", choices=sorted(MODEL_SHAPES), default=None,
+                        help="model-shape tables (default: all on CUDA, none on CPU)")
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--skip-sdpa-above", type=int, default=4096,
                         help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
@@ -271,13 +465,19 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.sizes is None:
+        args.sizes = [] if device.type == "cuda" else [1024, 4096, 16384]
+    if args.shapes is None:
+        args.shapes = sorted(MODEL_SHAPES) if device.type == "cuda" else []
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
     for n in args.sizes:  # all timings first, under the default allocator
         rows += time_size(n, args, device, dtype)
         print(f"timed N={n}", file=sys.stderr)
-    if device.type == "cpu":  # a fresh process, so glibc can be configured before its heap grows
+    if not rows:
+        memory = {}
+    elif device.type == "cpu":  # a fresh process, so glibc can be configured before its heap grows
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             memory = pool.apply(measure_memory, (args,))
     else:
@@ -289,11 +489,17 @@ def main(argv=None) -> None:
 
     setup = (f"device={args.device} dtype={args.dtype} B={args.batch} heads={args.heads} d={args.dim} "
              f"threads={torch.get_num_threads()} repeats={args.repeats} torch={torch.__version__}")
-    print(f"{setup}\ntimes in ms (median), peak memory in MiB (fwd+bwd), ratios: median of paired ratios\n")
-    print(markdown(rows))
+    print(setup)
+    if rows:
+        print("times in ms (median), peak memory in MiB (fwd+bwd), ratios: median of paired ratios\n")
+        print(markdown(rows))
+    model_rows = []
+    if args.shapes:
+        text, model_rows = run_model_shapes(args, device, dtype)
+        print(f"\n{text}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"setup": setup, "rows": rows, "model_rows": model_rows}, indent=2))
 
 
 if __name__ == "__main__":

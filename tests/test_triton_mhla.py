@@ -363,3 +363,30 @@ def test_cuda_real_wan_grid(tm):
     out = mhla_attention_autograd(*leaves[:3], layout, leaves[3], "relu", True, eps=EPS)
     expected = (out.detach(), *torch.autograd.grad(out, leaves, g))
     _assert_close(got, expected, GPU_TOL[torch.bfloat16])
+
+
+# --------------------------------------------------------------------------------------------------
+# the benchmark's model-shape mode (its CUDA run is the measurement; here: it runs and prints on CPU)
+
+
+def test_bench_model_shapes_on_cpu(capsys, tmp_path):
+    import importlib.util
+    import json
+
+    path = ROOT / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_for_triton", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    bench.MODEL_SHAPES["tiny"] = bench.ModelShape(1, 2, 8, (3, 5, 4), (2, 2, 3))
+    bench.main(["--device", "cpu", "--sizes", "--shapes", "tiny", "--repeats", "1", "--warmup", "0",
+                "--out", str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2  # forward, forward + backward
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[4:8])  # SDPA, LA, MHLA torch, MHLA op (no Triton on CPU)
+        assert cells[8] == "–"
+    (row,) = json.loads((tmp_path / "b.json").read_text())["model_rows"]
+    assert row["N"] == 60 and row["M"] == 12 and row["mhla_torch_fwd_bwd_ms"] > 0
