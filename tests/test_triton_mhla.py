@@ -62,21 +62,20 @@ def tm():
 # inputs and the oracle
 
 
-def _strided_inputs(b, h, n, d, dtype, seed=0):
+def _strided_inputs(b, h, n, d, dtype, device="cpu", seed=0):
     """q contiguous (B, H, N, d); k heads-interleaved (B, N, H, d) memory; v a slice of a fused
     (B, N, 3, H, d) projection (token stride 3·H·d); grad_out heads-interleaved. float64 values that
     are exact in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)
-    v = torch.randn(b, n, 3, h, d, generator=gen, dtype=torch.float64)[:, :, 1].transpose(1, 2)
-    g = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)
-    return tuple(x.to(dtype).to(torch.float64) for x in (q, k, v, g))
+    shapes = [(b, h, n, d), (b, n, h, d), (b, n, 3, h, d), (b, n, h, d)]
+    q, k, qkv, g = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes)
+    q, k, qkv, g = (x.to(device, torch.float64) for x in (q, k, qkv, g))
+    return q, k.transpose(1, 2), qkv[:, :, 1].transpose(1, 2), g.transpose(1, 2)
 
 
 def _cast(x, dtype):
-    """``x.to(dtype)`` keeping x's strides (``.to`` would keep them too, but say it)."""
-    return torch.empty_strided(x.shape, x.stride(), dtype=dtype).copy_(x)
+    """``x`` in ``dtype`` with x's strides (``.to`` would make a non-dense view such as v contiguous)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device).copy_(x)
 
 
 def _oracle(q, k, v, g, layout, mixing, feature_map, normalize):
@@ -320,16 +319,12 @@ GPU_TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def _cuda(*xs):
-    return tuple(x.cuda() for x in xs)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("grid, blocks, d, feature_map, normalize, config", GPU_CASES)
 def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize, config):
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _cuda(*_strided_inputs(2, 3, layout.num_tokens, d, dtype))
+    q, k, v, g = _strided_inputs(2, 3, layout.num_tokens, d, dtype, "cuda")
     mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
     assert got[0].is_cuda and [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
@@ -342,8 +337,8 @@ def test_cuda_wan_like_shape(tm, dtype):
     """Wan2.1-1.3B's attention shape at a small grid: batch 2 (CFG), 12 heads x 128, 3D blocks (3, 5, 10)
     on an uneven (5, 6, 13) grid; default launch configuration."""
     layout = BlockLayout((5, 6, 13), (3, 5, 10))
-    q, k, v, g = _cuda(*_strided_inputs(2, 12, layout.num_tokens, 128, dtype))
-    mixing = torch.as_tensor(_mixing(layout)).cuda()
+    q, k, v, g = _strided_inputs(2, 12, layout.num_tokens, 128, dtype, "cuda")
+    mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
     _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), GPU_TOL[dtype])
 
@@ -356,7 +351,7 @@ def test_cuda_real_wan_grid(tm):
     from mhla_gen.ops.mhla import mhla_attention_autograd
 
     layout = BlockLayout((21, 30, 52), (3, 5, 10))
-    q, k, v, g = _cuda(*_strided_inputs(1, 2, layout.num_tokens, 64, torch.bfloat16))
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 64, torch.bfloat16, "cuda")
     mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, torch.bfloat16)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, mixing)]
