@@ -219,7 +219,8 @@ def test_forward_states_and_layouts(tm, normalize):
 
 @interpreter_only
 def test_gradient_subsets(tm):
-    """Every single input, two of them, and none: the same values as with all four (and None elsewhere)."""
+    """Every single input, two of them, and none: the same values as with all four (and None elsewhere);
+    shapes, dtypes and strides as ``backward_outputs_like`` promises."""
     layout = BlockLayout((5, 7), (2, 3))
     q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
     mixing = _mixing(layout)
@@ -232,8 +233,11 @@ def test_gradient_subsets(tm):
     )
     full = backward(NEEDS_ALL)
     for needs in [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 0, 0, 1), (0, 0, 0, 0)]:
-        for need, a, b in zip(needs, backward(needs), full):
-            assert (a is None) if not need else torch.equal(a, b), needs
+        like = tm.backward_outputs_like(q, k, v, mixing.float(), needs)
+        for need, a, b, fake in zip(needs, backward(needs), full, like):
+            assert (a is None and fake is None) if not need else torch.equal(a, b), needs
+            if need:  # what a fake implementation returns
+                assert (a.shape, a.stride(), a.dtype) == (fake.shape, fake.stride(), fake.dtype)
 
 
 @interpreter_only

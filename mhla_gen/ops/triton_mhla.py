@@ -526,6 +526,14 @@ def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
     return (0,) * ndim if t is None else t.stride()
 
 
+def backward_outputs_like(q, k, v, mixing, needs: Sequence[bool]):
+    """Empty tensors (or None) with the shapes, dtypes and strides :func:`mhla_backward_triton` returns."""
+    b, h, n, d = q.shape
+    grads = (heads_interleaved_empty(b, h, n, d, q), heads_interleaved_empty(b, h, n, d, k),
+             heads_interleaved_empty(b, h, n, v.shape[-1], v), torch.empty_like(mixing))
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 def _summaries(k, v, geometry: _Geometry, feature_map: str, with_z: bool, cfg: TileConfig):
     """Kernel 1: ``(S, z)``: S (M, B*H, d, e) and z (M, B*H, d) (or None), contiguous fp32."""
     b, h, n, d = k.shape
@@ -661,6 +669,7 @@ def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den,
 __all__ = [
     "FEATURE_IDS",
     "TileConfig",
+    "backward_outputs_like",
     "forward_outputs_like",
     "mhla_backward_triton",
     "mhla_forward_triton",
