@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen.metrics.attention import (  # noqa: E402
+from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
     save_attention_statistics,
 )
-from mhla_gen.serialization import load_transformer  # noqa: E402
+from mhla_gen.serialization import load_transformer
 
 
 def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen.metrics import (  # noqa: E402
+from mhla_gen.cli import run
+from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
     feature_statistics,
@@ -77,12 +75,17 @@ def is_stats_file(source: str | Path) -> bool:
         return "mu" in data.files and "arr_0" not in data.files
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_extractor(name: str, inception_weights: str | None, seed: int):
     if name == "digits":
         return digits_extractor(seed=seed)
-    if name == "inception":
-        if inception_weights is None:
-            raise ValueError("--extractor inception needs --inception-weights PATH (a local file)")
+    if name == "inception":  # no --inception-weights: clean-fid's own download and cache
         return inception_extractor(inception_weights)
     raise ValueError(f"unknown extractor {name!r}; choose digits or inception")
 
@@ -111,12 +114,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", required=True, help="folder of images or .npz (arr_0 uint8 NHWC)")
     parser.add_argument("--ref", required=True, help="folder, .npz images, .npz statistics, or 'digits'")
     parser.add_argument("--extractor", default="digits", choices=["digits", "inception"])
-    parser.add_argument("--inception-weights", default=None, help="local inception-2015-12-05.pt")
+    parser.add_argument("--inception-weights", default=None,
+                        help="local inception-2015-12-05.pt (default: clean-fid downloads it to its cache)")
     parser.add_argument("--extractor-seed", type=int, default=0, help="digits extractor seed")
-    parser.add_argument("--num", type=int, default=None, help="use at most this many samples / ref images")
-    parser.add_argument("--k", type=int, default=3, help="k of the k-NN manifolds (precision/recall)")
-    parser.add_argument("--kid-subsets", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--num", type=positive_int, default=None,
+                        help="use at most this many samples / ref images")
+    parser.add_argument("--k", type=positive_int, default=3,
+                        help="k of the k-NN manifolds (precision/recall)")
+    parser.add_argument("--kid-subsets", type=positive_int, default=100)
+    parser.add_argument("--batch-size", type=positive_int, default=128)
     parser.add_argument("--save-ref-stats", default=None, help="write the reference statistics .npz here")
     parser.add_argument("--out", default=None, help="metrics JSON (default: next to --samples)")
     args = parser.parse_args(argv)
@@ -152,4 +158,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

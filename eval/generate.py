@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mhla_gen.cli import run
+from mhla_gen.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,18 +73,35 @@ class GenerateConfig:
                              "config.yaml)")
         if self.base != "dit" and not self.model:
             raise ValueError(f"base={self.base} needs `model` (a pipeline folder or hub id)")
+        for name in ("num_per_item", "steps", "batch_size", "height", "width", "num_frames", "fps",
+                     "max_sequence_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        if self.labels and min(self.labels) < 0:
+            raise ValueError(f"labels must be class ids >= 0, got {self.labels}")
 
 
 def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConfig:
-    from omegaconf import OmegaConf
+    """Defaults -> YAML -> ``key=value`` overrides, strict (``mhla_gen.train.config.load_config``)."""
+    from mhla_gen.train.config import load_config
 
-    merged = OmegaConf.structured(GenerateConfig)
-    if path is not None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"config file {path!r} does not exist")
-        merged = OmegaConf.merge(merged, OmegaConf.load(path))
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-    return OmegaConf.to_object(merged)
+    return load_config(GenerateConfig, path, overrides)
+
+
+SAMPLES_FOLDER = "samples"  # the kind of folder output_dir is (mhla_gen.folders)
+SAMPLES_ENTRIES = frozenset({"config.yaml", "manifest.jsonl", "manifest.*.jsonl", "samples.npz",
+                             "[0-9][0-9][0-9][0-9][0-9][0-9].png", "[0-9][0-9][0-9][0-9][0-9][0-9].mp4",
+                             ".[0-9]*.tmp.png", ".[0-9]*.tmp.mp4", "metrics_*.json"})
+
+
+def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
+    """DiT labels must be classes the model was trained on (``num_classes``)."""
+    labels = cfg.labels or range(cfg.num_classes)
+    bad = sorted({int(c) for c in labels if not 0 <= int(c) < num_classes})
+    if bad:
+        raise ConfigError(f"labels {bad} are outside the model's classes 0..{num_classes - 1}")
 
 
 def config_hash(cfg: GenerateConfig) -> str:
@@ -120,9 +137,11 @@ class Sampler:
         if cfg.base == "dit" and cfg.model is None:
             self.pipe = self._training_run_pipeline(mhla, dtype)
         elif cfg.base == "dit":
-            from pipelines.dit import load_dit_pipeline
+            from pipelines.dit import check_class_labels, load_dit_pipeline
 
             self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+            check_class_labels(self.pipe.transformer, [i["label"] for i in sample_items(cfg)],
+                               cfg.guidance_scale)
         elif cfg.base == "sana":
             from pipelines.sana import load_sana_pipeline
 
@@ -224,7 +243,7 @@ def check_previous_run(out: Path, chash: str) -> None:
         if manifest.exists():
             for line in manifest.read_text().splitlines():
                 if json.loads(line)["config_hash"] != chash:
-                    raise ValueError(f"{out} holds samples from another config (hash in {manifest.name} "
+                    raise ConfigError(f"{out} holds samples from another config (hash in {manifest.name} "
                                      f"differs from {chash}); use a new output_dir")
                 break
 
@@ -235,12 +254,19 @@ def generate(cfg: GenerateConfig) -> Path:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    from mhla_gen.folders import check_owned, claim
+
     state = PartialState()
     out = Path(cfg.output_dir)
     chash = config_hash(cfg)
     items = sample_items(cfg)
+    check_owned(out, SAMPLES_FOLDER, "output_dir", SAMPLES_ENTRIES)  # every process: all raise
+    if cfg.base == "dit" and cfg.run_config:  # before loading anything
+        from mhla_gen.train.config import DiTRunConfig, load_config
+
+        check_labels(cfg, load_config(DiTRunConfig, cfg.run_config).model.num_classes)
     if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        claim(out, SAMPLES_FOLDER, "output_dir", SAMPLES_ENTRIES)
         check_previous_run(out, chash)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     state.wait_for_everyone()
@@ -281,4 +307,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mhla_gen.data.digits import digits_tensors
+from mhla_gen.metrics import digits_extractor, extract_features, fid_from_features
+from mhla_gen.metrics.attention import attention_statistics, example_inputs
+from mhla_gen.serialization import load_transformer
+from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.io import read_jsonl
+from mhla_gen.train.loop import train
 
-from mhla_gen.data.digits import digits_tensors  # noqa: E402
-from mhla_gen.metrics import digits_extractor, extract_features, fid_from_features  # noqa: E402
-from mhla_gen.metrics.attention import attention_statistics, example_inputs  # noqa: E402
-from mhla_gen.serialization import load_transformer  # noqa: E402
-from mhla_gen.train.config import DiTRunConfig, load_config  # noqa: E402
-from mhla_gen.train.dit import DiTTask  # noqa: E402
-from mhla_gen.train.io import read_jsonl  # noqa: E402
-from mhla_gen.train.loop import train  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ATTENTIONS = ("softmax", "linear", "mhla")
 

@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor  # noqa: E402
-from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video  # noqa: E402
+from mhla_gen.cli import run
+from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
+from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".avi", ".mov", ".gif"}
 
@@ -48,11 +47,26 @@ def load_aesthetic(clip_path: str | None, head_path: str | None):
     return hf_image_extractor(clip_path), head.eval()
 
 
+def import_vbench_package():
+    """The installed ``vbench`` package. Run as ``python eval/vbench.py``, this script's folder is first on
+    ``sys.path`` and ``import vbench`` would find the script itself: it is left out while importing."""
+    here = Path(__file__).resolve().parent
+    saved, cached = sys.path[:], sys.modules.get("vbench")
+    if cached is not None and Path(getattr(cached, "__file__", None) or "").resolve().parent == here:
+        del sys.modules["vbench"]  # this script, imported under the package's name
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    try:
+        if importlib.util.find_spec("vbench") is None:
+            raise ModuleNotFoundError("--use-vbench needs the `vbench` package (pip install vbench)")
+        import vbench
+    finally:
+        sys.path[:] = saved
+    return vbench
+
+
 def run_official_vbench(args) -> dict:
     """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply)."""
-    if importlib.util.find_spec("vbench") is None:
-        raise ModuleNotFoundError("--use-vbench needs the `vbench` package (pip install vbench)")
-    from vbench import VBench
+    VBench = import_vbench_package().VBench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(args.out).parent if args.out else Path(args.videos)
@@ -123,4 +137,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

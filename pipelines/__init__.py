@@ -34,7 +34,9 @@ def load_pipeline_transformer(
     """
     saved = Path(transformer_path) if transformer_path is not None else Path(path_or_id) / "transformer"
     if transformer_path is not None or saved_with_mhla(saved):
-        transformer = load_transformer(saved, torch_dtype=torch_dtype, base=path_or_id)  # base: LoRA only
+        transformer = load_transformer(saved, base=path_or_id)  # base: LoRA folders only
+        if torch_dtype is not None and transformer.dtype != torch_dtype:  # no no-op cast: diffusers warns
+            transformer = transformer.to(torch_dtype)
     else:
         transformer = model_cls.from_pretrained(path_or_id, subfolder="transformer", dtype=torch_dtype)
     if not isinstance(transformer, model_cls):

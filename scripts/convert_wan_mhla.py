@@ -12,14 +12,10 @@ the release differs from this library's defaults.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen.convert_wan import convert_wan_checkpoint  # noqa: E402
+from mhla_gen.convert_wan import convert_wan_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

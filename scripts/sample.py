@@ -22,9 +22,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import pipelines` from the repo root
-
-from mhla_gen.config import MHLAConfig  # noqa: E402
+from mhla_gen.config import MHLAConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -100,3 +100,14 @@ def test_errors_say_where_the_bad_key_came_from(tmp_path):
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match=r"invalid config in .*bad\.yaml"):
         load_config(DiTRunConfig, bad)
+
+
+def test_documented_output_dirs_are_the_configs():
+    """Commands in the README and configs/eval that read a training run's final/ name its output_dir."""
+    import re
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    texts = [readme] + [p.read_text() for p in (CONFIGS / "eval").glob("*.yaml")]
+    finals = {m for t in texts for m in re.findall(r"(runs/[\w.-]+)/final", t)}
+    outputs = {load_config(schema_for(p), p).output_dir for p in TRAINING_YAMLS}
+    assert finals and finals <= outputs | {"runs/x", "runs/dit", "runs/sana", "runs/wan"}, finals - outputs

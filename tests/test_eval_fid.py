@@ -65,5 +65,27 @@ def test_fid_cli_errors_name_the_input(eval_fid, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty"):
         eval_fid.main(["--samples", str(tmp_path / "empty"), "--ref", "digits"])
-    with pytest.raises(ValueError, match="inception-weights"):
-        eval_fid.main(["--samples", str(tmp_path / "empty"), "--ref", "digits", "--extractor", "inception"])
+    with pytest.raises(SystemExit):  # argparse: "--batch-size: must be >= 1, got 0", status 2
+        eval_fid.main(["--samples", str(tmp_path / "empty"), "--ref", "digits", "--batch-size", "0"])
+
+
+def test_inception_without_weights_uses_cleanfids_download_and_names_the_flag_offline(
+    eval_fid, tmp_path, monkeypatch
+):
+    import urllib.error
+    import urllib.request
+
+    from mhla_gen.metrics import extractors
+
+    calls = []
+
+    def offline(url, *args, **kwargs):
+        calls.append(url)
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(extractors, "cleanfid_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(FileNotFoundError, match=r"--inception-weights"):
+        eval_fid.main(["--samples", str(tmp_path), "--ref", "digits", "--extractor", "inception"])
+    assert calls == [extractors.INCEPTION_URL]  # clean-fid's standard download was tried
+    assert not list(tmp_path.iterdir())  # nothing half-written in the cache

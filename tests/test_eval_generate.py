@@ -107,3 +107,34 @@ def test_generate_sana_images(tmp_path):
     npz = np.load(out / "samples.npz")
     assert npz["arr_0"].shape == (2, 32, 32, 3) and "arr_1" not in npz.files
     assert not np.array_equal(npz["arr_0"][0], npz["arr_0"][1])  # seeds 0 and 1 differ
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_per_item=0", "num_per_item must be >= 1"),
+    ("batch_size=0", "batch_size must be >= 1"),
+    ("steps=0", "steps must be >= 1"),
+    ("labels=[-1,2]", "labels must be class ids >= 0"),
+    ("labels=[3,10,12]", r"labels \[10, 12\] are outside the model's classes 0\.\.9"),
+    ("stepz=3", r"on the command line: Key 'stepz'"),
+])
+def test_generate_bad_settings_fail_before_any_work(tiny_run, tmp_path, override, message):
+    from mhla_gen.errors import ConfigError
+
+    gen = load("generate")
+    out = tmp_path / "samples"
+    with pytest.raises(ConfigError, match=message):
+        gen.main(["base=dit", f"run_config={tiny_run / 'config.yaml'}", f"output_dir={out}", "labels=[0]",
+                  override])
+    assert not out.exists()
+
+
+def test_generate_refuses_a_folder_that_is_not_a_sample_set(tiny_run, tmp_path):
+    from mhla_gen.errors import ConfigError
+
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "000000.png").write_bytes(b"my photo")  # a name generate.py writes...
+    (tmp_path / "photos" / "holiday.jpg").write_bytes(b"mine")  # ...in a folder that is not ours
+    with pytest.raises(ConfigError, match=r"output_dir=.*photos.*\(holiday\.jpg\)"):
+        load("generate").main(["base=dit", f"run_config={tiny_run / 'config.yaml'}", "labels=[0]", "steps=1",
+                               f"output_dir={tmp_path / 'photos'}"])
+    assert (tmp_path / "photos" / "000000.png").read_bytes() == b"my photo"

@@ -165,3 +165,18 @@ def test_raft_and_aesthetic_paths_with_local_random_weights(tmp_path):
     first = torch.from_numpy(static_video()[:1]).permute(0, 3, 1, 2).float() / 255  # all frames are equal
     feats = torch.nn.functional.normalize(clip(first)["pool"], dim=-1)
     assert scores["aesthetic_quality"] == pytest.approx(head(feats).item() / 10, abs=1e-5)
+
+
+def test_use_vbench_imports_the_package_not_this_script(tmp_path, monkeypatch):
+    """`python eval/vbench.py` puts eval/ first on sys.path, where `import vbench` finds the script."""
+    package = tmp_path / "site" / "vbench"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("class VBench:\n    installed = True\n")
+    spec = importlib.util.spec_from_file_location("eval_vbench_import", ROOT / "eval" / "vbench.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))  # as when run as a script: the script's folder first
+    monkeypatch.delitem(__import__("sys").modules, "vbench", raising=False)
+    assert script.import_vbench_package().VBench.installed
+    assert str(ROOT / "eval") == __import__("sys").path[0]  # sys.path restored

@@ -60,15 +60,34 @@ def test_kid_unbiased_near_zero_on_identical_distributions():
     assert kid_shift > 10 * max(abs(kid_same), 1e-4)
 
 
-def test_polynomial_mmd_matches_torchmetrics():
-    from torchmetrics.image.kid import poly_mmd
-
-    from mhla_gen.metrics.fid import polynomial_mmd
-
+def test_kid_is_the_unbiased_polynomial_mmd_closed_form():
+    """One subset holding every row: KID is exactly the unbiased MMD² with k(a, b) = (aᵀb / F + 1)³."""
     rng = np.random.default_rng(6)
     x, y = rng.normal(size=(20, 4)), rng.normal(size=(20, 4)) + 0.3
-    expected = poly_mmd(torch.from_numpy(x), torch.from_numpy(y)).item()
-    assert polynomial_mmd(x, y) == pytest.approx(expected, rel=1e-10)
+    k = lambda a, b: (a @ b.T / 4 + 1) ** 3
+    m = len(x)
+    within = (k(x, x).sum() - np.trace(k(x, x)) + k(y, y).sum() - np.trace(k(y, y))) / (m * (m - 1))
+    expected = within - 2 * k(x, y).sum() / m**2
+    kid, std = kernel_inception_distance(x, y, num_subsets=1, subset_size=m)
+    assert kid == pytest.approx(expected, rel=1e-10) and std == 0.0
+    # reproducible subsets, the global RNG left as it was
+    state = torch.get_rng_state()
+    assert kernel_inception_distance(x, y, 5, 10, seed=3) == kernel_inception_distance(x, y, 5, 10, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_frechet_distance_with_a_dead_feature_is_quiet_and_unchanged():
+    """A zero-variance feature (a ReLU unit that never fires) makes the covariances singular: no
+    LinAlgWarning, and the distance equals the one without that feature."""
+    import warnings
+
+    rng = np.random.default_rng(7)
+    x, y = rng.normal(size=(300, 5)), rng.normal(size=(300, 5)) * 1.5 + 0.2
+    dead = lambda a: np.concatenate([a, np.zeros((len(a), 2))], axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_dead = fid_from_features(dead(x), dead(y))
+    assert with_dead == pytest.approx(fid_from_features(x, y), rel=1e-6)
 
 
 def test_precision_recall_identical_vs_separated_clouds():

@@ -1,6 +1,7 @@
 """DiT / SANA pipelines with MHLA end to end on CPU (tiny models, 2 steps), and scripts/sample.py."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,10 @@ from PIL import Image
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.testing import tiny_dit_pipeline, tiny_sana_pipeline
+from pipelines.dit import check_class_labels, load_dit_pipeline
+from pipelines.sana import load_sana_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `pipelines` lives at the repo root, next to the mhla_gen package
-from pipelines.dit import check_class_labels, load_dit_pipeline  # noqa: E402
-from pipelines.sana import load_sana_pipeline  # noqa: E402
 
 CFG = MHLAConfig(blocks=(2, 2), gate=True)
 
@@ -136,3 +136,37 @@ def test_sample_script_end_to_end(tmp_path, dit_pipeline_dir):
     assert sorted(p.name for p in out.glob("dit_seed0_0*.png")) == [
         "dit_seed0_00_1.png", "dit_seed0_01_2.png", "dit_seed0_02_3.png"
     ]
+
+
+def test_pipelines_import_from_any_directory(tmp_path):
+    """After `pip install -e .`, `pipelines` is an installed package: no repo root on sys.path needed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import pipelines, pipelines.dit, pipelines.sana, pipelines.wan; print(pipelines.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Path(result.stdout.strip()) == REPO / "pipelines" / "__init__.py"
+
+
+def test_loading_a_float32_transformer_as_float32_casts_nothing(tmp_path, dit_pipeline_dir):
+    """sample.py's default fp32 load of a saved transformer: no `.to(dtype)` (diffusers warns on every one,
+    'modules that should be kept in float32: []')."""
+    import logging
+
+    from diffusers.utils import logging as diffusers_logging
+
+    folder, _ = dit_pipeline_dir
+    transformer = load_dit_pipeline(folder).transformer
+    install_mhla(transformer, MHLAConfig(blocks=(2, 2))).save_pretrained(tmp_path / "final")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    diffusers_logging.get_logger("diffusers").addHandler(handler)
+    try:
+        pipe = load_dit_pipeline(folder, torch_dtype=torch.float32, transformer_path=tmp_path / "final")
+    finally:
+        diffusers_logging.get_logger("diffusers").removeHandler(handler)
+    assert pipe.transformer.dtype == torch.float32
+    assert not [r for r in records if "kept in float32" in r.getMessage()]
+    assert load_dit_pipeline(folder, torch_dtype=torch.float16, transformer_path=tmp_path / "final") \
+        .transformer.dtype == torch.float16

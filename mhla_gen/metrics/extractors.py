@@ -22,6 +22,7 @@ Every extractor is an ``nn.Module`` with a ``name`` (recorded in every metrics J
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -176,8 +177,29 @@ class InceptionExtractor(nn.Module):
         return {"pool": pool.float(), "logits": probs.float().clamp_min(1e-30).log()}
 
 
-def inception_extractor(weights_path: str | os.PathLike) -> InceptionExtractor:
-    """clean-fid / StyleGAN2-ADA Inception-V3 TorchScript from a LOCAL file (nothing is downloaded)."""
+def cleanfid_cache_dir() -> Path:
+    """Where clean-fid keeps its Inception download (``cleanfid.features.feature_extractor``'s folder)."""
+    return Path("./" if platform.system() == "Windows" else "/tmp")
+
+
+def inception_extractor(weights_path: str | os.PathLike | None = None) -> InceptionExtractor:
+    """clean-fid / StyleGAN2-ADA Inception-V3 TorchScript.
+
+    ``weights_path``: a local ``inception-2015-12-05.pt``. None: clean-fid's standard file, downloaded on
+    first use into clean-fid's cache folder (:func:`cleanfid_cache_dir`) by clean-fid itself. Without
+    network access that fails with a ``FileNotFoundError`` saying to pass a local file.
+    """
+    if weights_path is None:
+        from cleanfid.downloads_helper import check_download_inception
+
+        try:
+            weights_path = check_download_inception(fpath=str(cleanfid_cache_dir()))
+        except OSError as err:  # urllib's URLError is an OSError
+            raise FileNotFoundError(
+                f"could not download clean-fid's Inception weights ({INCEPTION_URL}) into "
+                f"{str(cleanfid_cache_dir())!r}: {err}. Offline, download {INCEPTION_FILE} on a machine "
+                f"with network access and pass its path with --inception-weights, or use --extractor digits"
+            ) from None
     path = Path(weights_path)
     if not path.is_file():
         raise FileNotFoundError(

@@ -1,9 +1,11 @@
 """The FID family on precomputed features: FID, sFID, KID, Inception Score, precision/recall.
 
 Features are ``(N, F)`` arrays (numpy or torch) from an extractor in :mod:`.extractors`. The Fréchet
-distance is clean-fid's (scipy ``sqrtm``, the TF-FID formula); KID's unbiased polynomial-kernel MMD is
-torchmetrics' estimator in numpy (the tests check it against ``poly_mmd``). Reference statistics are
-``.npz`` with ADM-compatible keys ``mu``/``sigma`` (and ``mu_s``/``sigma_s`` for sFID).
+distance is clean-fid's (scipy ``sqrtm``, the TF-FID formula); KID and the Inception Score are
+torchmetrics' ``KernelInceptionDistance`` / ``InceptionScore`` fed with these features (an identity
+"feature network"), with their random subsets / splits drawn from a seeded generator. Precision/recall
+is written here (neither library has it). Reference statistics are ``.npz`` with ADM-compatible keys
+``mu``/``sigma`` (and ``mu_s``/``sigma_s`` for sFID).
 """
 
 from __future__ import annotations
@@ -31,8 +33,17 @@ def feature_statistics(feats) -> tuple[np.ndarray, np.ndarray]:
 
 
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
-    """``||mu1 - mu2||² + Tr(S1 + S2 - 2 (S1 S2)^½)``: clean-fid's implementation (TF-FID numerics)."""
+    """``||mu1 - mu2||² + Tr(S1 + S2 - 2 (S1 S2)^½)``: clean-fid's implementation (TF-FID numerics).
+
+    A singular ``S1 S2`` is normal: a feature with zero variance (a ReLU unit that never fires, as some of
+    the digits CNN's do) or fewer samples than features makes a covariance rank-deficient. The square
+    root of the product of two PSD matrices is still well defined and clean-fid computes it (adding
+    ``eps`` to the diagonals only if the result is not finite), so scipy's "Matrix is singular"
+    ``LinAlgWarning`` is silenced here. Zero-variance features add nothing to the distance when both sets
+    agree on them (tested); FIDs from few samples are biased upwards, so compare equal sample counts.
+    """
     from cleanfid.fid import frechet_distance as cleanfid_frechet
+    from scipy.linalg import LinAlgWarning
 
     mu1, mu2 = np.atleast_1d(mu1), np.atleast_1d(mu2)
     sigma1, sigma2 = np.atleast_2d(sigma1), np.atleast_2d(sigma2)
@@ -41,6 +52,7 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
                          f"{sigma2.shape} (different extractors?)")
     with warnings.catch_warnings():  # scipy>=1.16 deprecates the `disp` argument clean-fid passes
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", LinAlgWarning)
         return float(cleanfid_frechet(mu1, sigma1, mu2, sigma2))
 
 
@@ -49,51 +61,60 @@ def fid_from_features(real, fake) -> float:
     return frechet_distance(*feature_statistics(real), *feature_statistics(fake))
 
 
-def polynomial_mmd(x: np.ndarray, y: np.ndarray) -> float:
-    """Unbiased MMD² with the KID kernel ``k(a, b) = (aᵀb / F + 1)³`` (diagonals of k_xx, k_yy dropped).
+def _torchmetrics_on_features(cls, **kwargs):
+    """A torchmetrics image metric whose "feature network" is the identity: it takes features directly.
+    (Its note that all features stay in memory is what we do anyway, so it is silenced.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer.*")
+        return cls(feature=torch.nn.Identity(), sync_on_compute=False, **kwargs)
 
-    The estimator of torchmetrics' ``poly_mmd`` / clean-fid's ``kernel_distance``, in numpy: under a busy
-    CPU, torch's intra-op threads made the same 200×200 kernels 100× slower than numpy's BLAS.
+
+def _seeded_compute(metric, seed: int) -> tuple[float, float]:
+    """``metric.compute()`` with torch's global RNG (its subset / split draws) seeded, then restored."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mean, std = metric.compute()
+    return float(mean), float(std)
+
+
+def kernel_inception_distance(
+    real, fake, num_subsets: int = 100, subset_size: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """KID (Bińkowski et al.): torchmetrics' ``KernelInceptionDistance`` on ``(N, F)`` features.
+
+    The mean and (population) std over ``num_subsets`` random subsets of ``min(len(real), len(fake),
+    subset_size)`` rows of the unbiased MMD² with the kernel ``k(a, b) = (aᵀb / F + 1)³``, in float64.
+    Subsets come from ``seed`` (torchmetrics draws them from torch's global RNG, which is restored).
     """
-    m, dim = len(x), x.shape[1]
-    k_xx, k_yy, k_xy = (x @ x.T / dim + 1) ** 3, (y @ y.T / dim + 1) ** 3, (x @ y.T / dim + 1) ** 3
-    within = (k_xx.sum() - np.trace(k_xx) + k_yy.sum() - np.trace(k_yy)) / (m * (m - 1))
-    return float(within - 2 * k_xy.sum() / m**2)
+    from torchmetrics.image.kid import KernelInceptionDistance
 
-
-def kernel_inception_distance(real, fake, num_subsets: int = 100, subset_size: int = 1000,
-                              seed: int = 0) -> tuple[float, float]:
-    """KID: mean and std over random subsets of :func:`polynomial_mmd`.
-
-    Subsets are drawn with a seeded generator (clean-fid draws from numpy's global RNG and returns no
-    std), so results are reproducible.
-    """
-    real, fake = _as_numpy(real), _as_numpy(fake)
+    real, fake = torch.from_numpy(_as_numpy(real)), torch.from_numpy(_as_numpy(fake))
     m = min(len(real), len(fake), subset_size)
     if m < 2:
         raise ValueError(f"KID needs at least 2 samples per set, got {len(real)} real and {len(fake)} fake")
-    rng = np.random.default_rng(seed)
-    subset = lambda feats: feats[rng.choice(len(feats), m, replace=False)]
-    values = np.asarray([polynomial_mmd(subset(real), subset(fake)) for _ in range(num_subsets)])
-    return float(values.mean()), float(values.std())
+    metric = _torchmetrics_on_features(KernelInceptionDistance, subsets=num_subsets, subset_size=m)
+    metric.update(real, real=True)
+    metric.update(fake, real=False)
+    return _seeded_compute(metric, seed)
 
 
-def inception_score(logits, splits: int = 10) -> tuple[float, float]:
-    """IS = exp(E_x KL(p(y|x) || p(y))), mean and std over ``splits`` contiguous splits.
+def inception_score(logits, splits: int = 10, seed: int = 0) -> tuple[float, float]:
+    """IS = exp(E_x KL(p(y|x) || p(y))): torchmetrics' ``InceptionScore`` on logits of any classifier.
 
-    Written out (5 lines) because torchmetrics' ``InceptionScore`` is bound to its own Inception network;
-    this takes logits (or log-probabilities) from any classifier. Uniform predictions give 1, confident
-    predictions spread evenly over K classes give K.
+    Mean and (sample) std over ``splits`` splits of a random permutation (drawn from ``seed``). Uniform
+    predictions give 1; confident predictions spread evenly over K classes give K.
     """
+    from torchmetrics.image.inception import InceptionScore
+
     logits = torch.from_numpy(_as_numpy(logits))
     splits = max(1, min(splits, len(logits)))
-    scores = []
-    for part in logits.chunk(splits):
-        log_p = torch.log_softmax(part, dim=-1)  # (n, K)
-        log_marginal = torch.logsumexp(log_p, dim=0) - np.log(len(part))  # log p(y): (K,)
-        kl = (log_p.exp() * (log_p - log_marginal)).sum(dim=-1)  # (n,)
-        scores.append(kl.mean().exp().item())
-    return float(np.mean(scores)), float(np.std(scores))
+    metric = _torchmetrics_on_features(InceptionScore, splits=splits)
+    metric.update(logits)
+    if splits > 1:
+        return _seeded_compute(metric, seed)
+    with warnings.catch_warnings():  # the std of one split: torch warns and returns nan
+        warnings.filterwarnings("ignore", message=r"std\(\): degrees of freedom")
+        return _seeded_compute(metric, seed)[0], 0.0
 
 
 def _kth_neighbour_radii(feats: torch.Tensor, k: int, batch: int = 1024) -> torch.Tensor:
