@@ -1,4 +1,4 @@
-"""``MHLAConfig``: how MHLA replaces a transformer's self-attention (DESIGN §3), plus paper presets."""
+"""``MHLAConfig``: how MHLA replaces a transformer's self-attention, plus paper presets."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class MHLAConfig:
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (the released Wan recipe has no normaliser).
         eps: normaliser epsilon.
         mixing_init: locality rule for W (``linear`` is the paper's); see ``mhla_gen.mixing``.
-        mixing_normalize: ``row`` (paper) or ``column`` (original release).
+        mixing_normalize: ``row`` (paper) or ``column`` (the original release's init rules, exactly; see
+            ``mhla_gen.mixing``).
         mixing_temperature: scale for the ``exp``/``gaussian``/``local`` rules.
         cpe_kernel: depthwise-conv positional encoding kernel on V (0 = off).
         gate: output gate from the layer input; ``gate_activation`` is ``sigmoid`` or ``silu``.
@@ -104,7 +105,7 @@ PRESETS: dict[str, MHLAConfig] = {
     "wan2.1-1.3b-480p-hybrid": MHLAConfig(blocks=(3, 5, 10), layers=_WAN_HYBRID_LAYERS),
     # what the released Wan-MHLA checkpoint was trained with (load it with this, see convert_wan)
     "wan-release": MHLAConfig(
-        blocks=(3, 5, 10), layers=_WAN_HYBRID_LAYERS, normalize=False, mixing_normalize="column",
-        wan_rope="after_phi_numerator", wan_head_norm=True,
+        blocks=(3, 5, 10), layers=_WAN_HYBRID_LAYERS, feature_map="relu+1e-6", normalize=False,
+        mixing_normalize="column", wan_rope="after_phi_numerator", wan_head_norm=True,
     ),
 }

@@ -13,11 +13,13 @@ layout: ``blocks.{i}.self_attn.q/k/v/o``, ``norm_q/norm_k``, ``cross_attn.*``, `
 Softmax layers (every third, ``i % 3 == 0`` in the released hybrid) carry no MHLA keys, so the MHLA
 layer list is read from the checkpoint. The result uses the ``wan-release`` preset: no normaliser, RoPE on
 φ(q), φ(k) for the numerator only, per-head RMSNorm. How the release differs from this library's
-defaults (see also DESIGN §1):
+defaults (see also the README, "The released Wan-MHLA checkpoint"):
 
 1. No normaliser: outputs scale with the number of tokens and ``g_norm`` rescales each head.
 2. RoPE after φ, numerator only (``wan_rope="after_phi_numerator"``).
-3. Its φ is ``relu(x) + 1e-6``; here ``relu(x)``. The difference is ~1e-7 relative on the numerator.
+3. Its φ is ``relu(x) + 1e-6`` (the preset's ``feature_map="relu+1e-6"``); this library's default is
+   ``relu(x)``, which would change the numerator by about 4e-6 relative (median, measured on the tiny
+   test model).
 4. Mixing matrix initialised with column normalisation; never clamped during training (it may hold
    values outside [0, 1]; :func:`mhla_gen.clamp_mixing_` would change a converted model: don't call it
    unless you fine-tune further and want the paper's constraint).

@@ -1,4 +1,4 @@
-"""The learnable M×M mixing matrix and its locality-biased initialisations (DESIGN §1, "Mixing matrix").
+"""The learnable M×M mixing matrix and its locality-biased initialisations.
 
 ``W[i, j]`` weights key block ``j``'s summary for query block ``i``. Distances are Euclidean between
 block centres in block units. Rules (``d = dist(i, j)``, ``D_i = max_k dist(i, k)``):
@@ -11,9 +11,19 @@ block centres in block units. Rules (``d = dist(i, j)``, ``D_i = max_k dist(i, k
     uniform   1                               (every block equally)
     identity  1 if i == j else 0              (independent linear attention per block)
 
-Rows are then normalised to sum to 1 (``normalize="row"``, the paper); ``normalize="column"``
-reproduces the original release, which normalised columns instead. Weights are kept in [0, 1]
+Rows are then normalised to sum to 1 (``normalize="row"``, the paper). Weights are kept in [0, 1]
 by :meth:`MixingMatrix.clamp_` after each optimizer step (see :func:`clamp_mixing_`).
+
+``normalize="column"`` is the original release's rule (DAGroup-PKU/MHLA, ``BlockDistanceConv`` /
+``BlockDistanceConv3D._apply_transform``), reproduced exactly, not just its normalisation. With
+``D = max_{i,k} dist(i, k)``, the largest distance over the whole matrix (not per row):
+
+    linear    1 - d / D,  columns normalised
+    cos       cos(π/4 · d / D),  columns normalised         (π/4, as the release's code)
+    exp       exp(-d / temperature),  columns normalised    (the release's exp_sigma, default 3)
+    local     1 if d <= temperature,  columns normalised    (the release's local_thres, default 1.5)
+    gaussian  exp(-d² / (2 σ²)), σ = D / 3, not normalised  (temperature unused, as the release)
+    uniform, identity (not in the release): columns normalised
 """
 
 from __future__ import annotations
@@ -31,34 +41,49 @@ INIT_RULES = ("linear", "cos", "exp", "gaussian", "local", "uniform", "identity"
 def locality_init(
     layout: BlockLayout, rule: str = "linear", normalize: str = "row", temperature: float = 1.0
 ) -> torch.Tensor:
-    """Initial mixing matrix ``(M, M)`` in float32."""
+    """Initial mixing matrix ``(M, M)`` in float32 (computed in float64)."""
     if rule not in INIT_RULES:
         raise ValueError(f"unknown mixing init rule {rule!r}; choose one of {INIT_RULES}")
     if normalize not in ("row", "column", "none"):
         raise ValueError(f"normalize must be 'row', 'column' or 'none', got {normalize!r}")
     centers = layout.block_centers  # (M, ndim) float64
     dist = torch.cdist(centers, centers)  # (M, M)
+    if normalize == "column":
+        return _release_init(dist, rule, temperature).float()
     farthest = dist.amax(dim=1, keepdim=True).clamp_min(1e-12)  # D_i; M = 1 gives 0 -> guarded
-    if rule == "linear":
-        w = 1 - dist / farthest
-    elif rule == "cos":
-        w = torch.cos(0.5 * math.pi * dist / farthest)
-    elif rule == "exp":
-        w = torch.exp(-dist / temperature)
-    elif rule == "gaussian":
-        w = torch.exp(-(dist**2) / (2 * temperature**2))
-    elif rule == "local":
-        w = (dist <= temperature + 1e-9).double()
-    elif rule == "uniform":
-        w = torch.ones_like(dist)
-    else:
-        w = torch.eye(len(dist), dtype=dist.dtype)
+    w = _shape(dist, rule, temperature, farthest, math.pi / 2)
     w = w.clamp_min(0)
     if normalize == "row":
         w = w / w.sum(dim=1, keepdim=True)
-    elif normalize == "column":
-        w = w / w.sum(dim=0, keepdim=True)
     return w.float()
+
+
+def _shape(dist: torch.Tensor, rule: str, temperature: float, farthest, cos_scale: float) -> torch.Tensor:
+    """Unnormalised weights ``(M, M)`` from distances; ``farthest`` scales linear / cos."""
+    if rule == "linear":
+        return 1 - dist / farthest
+    if rule == "cos":
+        return torch.cos(cos_scale * dist / farthest)
+    if rule == "exp":
+        return torch.exp(-dist / temperature)
+    if rule == "gaussian":
+        return torch.exp(-(dist**2) / (2 * temperature**2))
+    if rule == "local":
+        return (dist <= temperature + 1e-9).double()
+    if rule == "uniform":
+        return torch.ones_like(dist)
+    return torch.eye(len(dist), dtype=dist.dtype)
+
+
+def _release_init(dist: torch.Tensor, rule: str, temperature: float) -> torch.Tensor:
+    """The original release's init (module docstring): global max distance, π/4 for cos, columns
+    normalised, gaussian with σ = D / 3 and no normalisation."""
+    farthest = dist.max().clamp_min(1e-12)  # one block: every distance is 0
+    if rule == "gaussian":
+        sigma = farthest / 3
+        return torch.exp(-(dist**2) / (2 * sigma**2))
+    w = _shape(dist, rule, temperature, farthest, math.pi / 4)
+    return w / w.sum(dim=0, keepdim=True)
 
 
 class MixingMatrix(nn.Module):

@@ -1,6 +1,6 @@
 """The command line every training script shares: ``--config FILE`` plus ``key=value`` overrides.
 
-Kept in scripts/ (not mhla_gen) so the library has no argparse (DESIGN §2).
+Kept in scripts/ (not mhla_gen) so the library has no argparse.
 """
 
 from __future__ import annotations

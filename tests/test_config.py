@@ -111,3 +111,36 @@ def test_documented_output_dirs_are_the_configs():
     finals = {m for t in texts for m in re.findall(r"(runs/[\w.-]+)/final", t)}
     outputs = {load_config(schema_for(p), p).output_dir for p in TRAINING_YAMLS}
     assert finals and finals <= outputs | {"runs/x", "runs/dit", "runs/sana", "runs/wan"}, finals - outputs
+
+
+def test_wan_hybrid_yaml_is_the_preset():
+    """configs/wan_mhla_hybrid.yaml keeps softmax where the preset and the released model do (0, 3, ...)."""
+    from mhla_gen import MHLAConfig
+
+    cfg = load_config(WanRunConfig, CONFIGS / "wan_mhla_hybrid.yaml")
+    assert cfg.mhla == MHLAConfig.preset("wan2.1-1.3b-480p-hybrid")
+    assert sorted(set(range(30)) - set(cfg.mhla.layers)) == list(range(0, 30, 3))
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("path", TRAINING_YAMLS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_training_yamls_list_only_deviations(path):
+    """As the README says: a config file lists what differs from the dataclass defaults, nothing else."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema_for(path)))
+    repeated = []
+    for key, value in _leaves(yaml.safe_load(path.read_text())):
+        default = defaults
+        for part in key.split("."):
+            default = default[part]
+        if default == value or (isinstance(default, (list, tuple)) and list(default) == value):
+            repeated.append(key)
+    assert not repeated, f"{path.name} repeats defaults: {repeated}"
