@@ -27,4 +27,6 @@ def parse_run_args(
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
+    logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # "Saving current state to ..."
+    # (mhla_gen.train.checkpoint logs one line once a checkpoint is in place)
     return load_config(schema, args.config, args.overrides)

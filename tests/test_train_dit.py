@@ -79,6 +79,15 @@ def test_sigkill_then_resume_equals_uninterrupted(reference_run, tmp_path, kill)
         kill,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    # console: the checkpoint line stands on its own line, not inside the progress bar's
+    lines = [line.split("\r")[-1] for line in killed.stderr.split("\n") if "checkpoint_2" in line]
+    assert (
+        len(lines) == 1
+        and lines[0].endswith(
+            "INFO mhla_gen.train.checkpoint: saved " + str(tmp_path / "checkpoints" / "checkpoint_2")
+        )
+        and lines[0][:2] == "20"
+    ), lines
     assert not (tmp_path / "final").exists()
     assert (tmp_path / "checkpoints" / "checkpoint_2").is_dir()
     if "during" in kill:
@@ -393,3 +402,94 @@ def test_cli_config_errors_are_one_line_exit_2(tmp_path):
     assert "Traceback" not in bad.stderr
     assert "train_dit.py: error: invalid config on the command line: Key 'max_stepz'" in bad.stderr
     assert "Did you mean: 'max_steps'?" in bad.stderr
+
+
+# ------------------------------------------------------------------------- the step on an accelerator
+class CrossDeviceCopies:
+    """Records every copy between device types (``aten._to_copy`` / ``copy_``) made inside the context."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+                    src = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+                    dst = args[0] if func.overloadpacket is torch.ops.aten.copy_ else out
+                    if src.device.type != dst.device.type:
+                        seen.append(f"{func}: {src.device} -> {dst.device} {tuple(src.shape)}")
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_cross_device_copy_detector_sees_copies():
+    with CrossDeviceCopies() as copies:
+        torch.ones(3).to("meta")
+        torch.empty(2, device="meta").copy_(torch.zeros(2))
+        torch.ones(3).add(1)  # not a copy
+    assert len(copies.seen) == 2
+
+
+def test_step_random_is_the_global_draw_sliced_per_process():
+    from mhla_gen.train.randomness import StepRandom
+
+    one = StepRandom(seed=3, micro_step=7, local_batch=4)
+    full = (one.rand(), one.randint(10), one.randn(2, 3), one.normal(0.5, 2.0))
+    generator = torch.Generator()  # the loop's: re-seeded every micro-step
+    for rank in range(2):
+        mine = StepRandom(3, 7, 2, rank=rank, world=2, generator=generator)
+        part = (mine.rand(), mine.randint(10), mine.randn(2, 3), mine.normal(0.5, 2.0))
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[2 * rank : 2 * rank + 2])
+    assert not torch.equal(StepRandom(3, 8, 4).rand(), full[0])  # another micro-step, other numbers
+
+
+@pytest.mark.gpu
+def test_dit_loss_makes_no_host_to_device_copies():
+    """Random draws on the device from a re-seeded device generator, DDPM tables kept on the device:
+    after the first micro-step (tables moved once), the loss computation copies nothing to the GPU.
+    The model's own forward is left out (its processors are not this test's subject)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+    from mhla_gen.train.randomness import StepRandom
+
+    task = DiTTask(load_config(DiTRunConfig, TINY))
+    model = task.build_transformer().cuda()
+
+    def forward_outside_the_check(*args, **kwargs):
+        with _disable_current_modes():
+            return model(*args, **kwargs)
+
+    batch = {"pixels": torch.randn(8, 1, 8, 8, device="cuda"), "class_labels": torch.arange(8, device="cuda")}
+    generator = torch.Generator("cuda")
+    task.loss(forward_outside_the_check, batch, StepRandom(0, 0, 8, device="cuda", generator=generator))
+    with CrossDeviceCopies() as copies:
+        for micro in (1, 2):
+            rnd = StepRandom(0, micro, 8, device="cuda", generator=generator)
+            task.loss(forward_outside_the_check, batch, rnd)
+    assert copies.seen == []
+
+
+def test_default_dataloader_workers_fit_the_machine():
+    """train.num_workers=-1 (the default) never asks for more workers than CPUs (torch warns then)."""
+    import os
+
+    from mhla_gen.train.config import TrainConfig
+    from mhla_gen.train.loop import _num_workers
+
+    assert TrainConfig().num_workers == -1
+    assert 1 <= _num_workers(-1) <= min(4, len(os.sched_getaffinity(0)))
+    assert _num_workers(0) == 0 and _num_workers(3) == 3

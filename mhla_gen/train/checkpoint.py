@@ -106,6 +106,7 @@ def save_checkpoint(
         if final.exists():  # same step saved again (e.g. a resumed run re-saving); replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
+        logger.info("saved %s", final)
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

@@ -219,6 +219,7 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     out = Path(cfg.output_dir)
     tc = cfg.train
@@ -329,63 +330,66 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
 
     micro = step * tc.gradient_accumulation_steps
     epoch, skip = divmod(micro, len(loader))
+    generator = torch.Generator(accelerator.device)  # re-seeded by every micro-step's StepRandom
     bar = tqdm(
         total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc=task.name
     )
     loss_sum, loss_count, grad_norm, t_last, step_last = 0.0, 0, float("nan"), time.perf_counter(), step
-    while step < tc.max_steps:
-        for batch in _batches(loader, epoch, skip):
-            rnd = StepRandom(
-                cfg.seed,
-                micro,
-                local_batch,
-                accelerator.process_index,
-                accelerator.num_processes,
-                accelerator.device,
-            )
-            with accelerator.accumulate(transformer):
-                loss = task.loss(transformer, batch, rnd)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            micro += 1
-            loss_sum, loss_count = loss_sum + loss.detach().float(), loss_count + 1
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            clamp_mixing_(transformer)
-            if ema is not None:
-                ema.step(params)
-            bar.update(1)
-            if step % cfg.log.every == 0 or step == tc.max_steps:
-                mean_loss = accelerator.reduce(loss_sum / loss_count, "mean").item()
-                now = time.perf_counter()
-                record = {
-                    "step": step,
-                    "loss": mean_loss,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "steps_per_s": (step - step_last) / (now - t_last),
-                    "num_processes": accelerator.num_processes,
-                }
-                loss_sum, loss_count, t_last, step_last = 0.0, 0, now, step
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
-                accelerator.log(record, step=step)
-                if accelerator.is_main_process:
-                    append_jsonl(out / "metrics.jsonl", record)
-            if step % tc.checkpoint_every == 0 or step == tc.max_steps:
-                save(step)
-            if cfg.debug.kill_after_step == step:
-                _kill_self()
-            if cfg.log.sample_every and step % cfg.log.sample_every == 0 and step < tc.max_steps:
-                sample(step)
-            if step >= tc.max_steps:
-                break
-        epoch, skip = epoch + 1, 0
-    bar.close()
+    with logging_redirect_tqdm():  # log lines (checkpoint saves, warnings) print above the bar
+        while step < tc.max_steps:
+            for batch in _batches(loader, epoch, skip):
+                rnd = StepRandom(
+                    cfg.seed,
+                    micro,
+                    local_batch,
+                    accelerator.process_index,
+                    accelerator.num_processes,
+                    accelerator.device,
+                    generator,
+                )
+                with accelerator.accumulate(transformer):
+                    loss = task.loss(transformer, batch, rnd)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                micro += 1
+                loss_sum, loss_count = loss_sum + loss.detach().float(), loss_count + 1
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                clamp_mixing_(transformer)
+                if ema is not None:
+                    ema.step(params)
+                bar.update(1)
+                if step % cfg.log.every == 0 or step == tc.max_steps:
+                    mean_loss = accelerator.reduce(loss_sum / loss_count, "mean").item()
+                    now = time.perf_counter()
+                    record = {
+                        "step": step,
+                        "loss": mean_loss,
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm),
+                        "steps_per_s": (step - step_last) / (now - t_last),
+                        "num_processes": accelerator.num_processes,
+                    }
+                    loss_sum, loss_count, t_last, step_last = 0.0, 0, now, step
+                    bar.set_postfix(loss=f"{mean_loss:.4f}")
+                    accelerator.log(record, step=step)
+                    if accelerator.is_main_process:
+                        append_jsonl(out / "metrics.jsonl", record)
+                if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+                    save(step)
+                if cfg.debug.kill_after_step == step:
+                    _kill_self()
+                if cfg.log.sample_every and step % cfg.log.sample_every == 0 and step < tc.max_steps:
+                    sample(step)
+                if step >= tc.max_steps:
+                    break
+            epoch, skip = epoch + 1, 0
+        bar.close()
 
     sample(step)
     final = out / "final"

@@ -76,9 +76,11 @@ class DDPMLoss:
         return len(self.scheduler.betas)
 
     def _at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Table entries for timesteps ``t`` (B,), shaped (B, 1, ..., 1) like ``like``."""
-        v = self.tables[name].to(like.device)[t]
-        return v.view(-1, *([1] * (like.ndim - 1)))
+        """Table entries for timesteps ``t`` (B,), shaped (B, 1, ..., 1) like ``like``. The tables move to
+        ``like``'s device once (the first call there), not on every lookup."""
+        if self.tables[name].device != like.device:
+            self.tables = {k: v.to(like.device) for k, v in self.tables.items()}
+        return self.tables[name][t].view(-1, *([1] * (like.ndim - 1)))
 
     def __call__(
         self,
