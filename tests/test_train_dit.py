@@ -493,3 +493,16 @@ def test_default_dataloader_workers_fit_the_machine():
     assert TrainConfig().num_workers == -1
     assert 1 <= _num_workers(-1) <= min(4, len(os.sched_getaffinity(0)))
     assert _num_workers(0) == 0 and _num_workers(3) == 3
+
+
+def test_final_weights_are_written_before_the_final_sampling(tmp_path, monkeypatch):
+    """Whatever start-up checks miss, a failure in the last sample grid keeps the trained weights."""
+    from mhla_gen.train.dit import DiTTask
+
+    def broken(self, transformer):
+        raise RuntimeError("sampler broke")
+
+    monkeypatch.setattr(DiTTask, "sample_images", broken)
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        train(tmp_path, "train.max_steps=1")
+    assert (tmp_path / "final" / "diffusion_pytorch_model.safetensors").is_file()

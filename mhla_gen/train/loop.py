@@ -391,18 +391,23 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
             epoch, skip = epoch + 1, 0
         bar.close()
 
-    sample(step)
     final = out / "final"
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(transformer)  # full weights on the main process (also FSDP)
+    ema_params = params if accelerator.distributed_type != DistributedType.FSDP else []
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
         if accelerator.distributed_type == DistributedType.FSDP:
             model = task.build_transformer()
             model.load_state_dict(state_dict)
-        with _ema_weights(ema, params if accelerator.distributed_type != DistributedType.FSDP else []):
+        with _ema_weights(ema, ema_params):
             model.eval()
             task.save_final(model, final)
+    accelerator.wait_for_everyone()
+    sample(step)  # after final/ is written: a failure while sampling cannot lose the trained weights
+    if accelerator.is_main_process:
+        with _ema_weights(ema, ema_params):
+            model.eval()
             metrics = task.finish(model, accelerator)
         if metrics:
             append_jsonl(out / "metrics.jsonl", {"step": step, **metrics})
