@@ -138,6 +138,7 @@ def test_sample_script_end_to_end(tmp_path, dit_pipeline_dir):
     ]
 
 
+@pytest.mark.slow
 def test_pipelines_import_from_any_directory(tmp_path):
     """After `pip install -e .`, `pipelines` is an installed package: no repo root on sys.path needed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
