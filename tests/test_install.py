@@ -154,3 +154,72 @@ def test_gradient_checkpointing_gives_same_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def _sana_grid_inputs(height, width):
+    g = torch.Generator().manual_seed(height)
+    return dict(
+        hidden_states=torch.randn(2, 4, height, width, generator=g),  # patch 1: the token grid
+        encoder_hidden_states=torch.randn(2, 3, 16, generator=g),
+        timestep=torch.tensor([100.0, 700.0]),
+    )
+
+
+def _wan_grid_inputs(frames, height, width):
+    from mhla_gen.testing_wan import TEXT_DIM
+
+    g = torch.Generator().manual_seed(frames * height)
+    return dict(
+        hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),  # patch (1, 2, 2)
+        encoder_hidden_states=torch.randn(1, 5, TEXT_DIM, generator=g),
+        timestep=torch.tensor([500]),
+    )
+
+
+def _grid_case(base):
+    """A model with CPE and gate on (MHLA parameters moved off their init) and two inputs with the same
+    token count on different grids: SANA 16x16 and 8x32, Wan 4x8x8 and 2x8x16 (mixed aspect buckets)."""
+    from mhla_gen.testing_wan import tiny_wan_transformer
+
+    if base == "sana":
+        model, cfg = tiny_sana(), MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True)
+        inputs = [_sana_grid_inputs(16, 16), _sana_grid_inputs(8, 32)]
+    else:
+        model, cfg = (
+            tiny_wan_transformer(),
+            MHLAConfig(blocks=(2, 2, 2), layers=[1, 2], cpe_kernel=3, gate=True),
+        )
+        inputs = [_wan_grid_inputs(4, 8, 8), _wan_grid_inputs(2, 8, 16)]
+    install_mhla(model.eval(), cfg)
+    with torch.no_grad():
+        for p in mhla_parameters(model).values():
+            p.add_(0.1 * torch.rand_like(p))
+    return model, inputs
+
+
+def _loss(model, inputs):
+    return model(**inputs).sample.square().mean()
+
+
+@pytest.mark.parametrize("base", ["sana", "wan"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_two_grids_then_one_backward(base, checkpointing, used_grids):
+    """Two forwards at different grids, then one backward: the gradients of two separate backward
+    passes, with and without gradient checkpointing (the recompute uses its own call's grid)."""
+    model, inputs = _grid_case(base)
+    separate = []
+    for x in inputs:
+        alone = copy.deepcopy(model)
+        _loss(alone, x).backward()
+        separate.append({n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
+    grids_alone = list(used_grids)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    used_grids.clear()
+    (_loss(model, inputs[0]) + _loss(model, inputs[1])).backward()
+    assert len(set(grids_alone)) == 2
+    if checkpointing:  # forwards, then the recomputes in backward (last block first), each at its grid
+        assert set(used_grids) == set(grids_alone) and len(used_grids) == 2 * len(grids_alone)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, separate[0][name] + separate[1][name], rtol=1e-5, atol=1e-7)

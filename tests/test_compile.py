@@ -1,0 +1,168 @@
+"""MHLA models under torch.compile and torch.export, as diffusers users run them.
+
+Every base model, with the extras on, traces to the stock model's graph count with zero graph breaks,
+and the compiled / exported model matches eager within fp32 round-off, forward and backward. The
+models run in eval mode: DiT's class-label dropout draws random numbers in train mode, so compiled and
+eager runs would see different labels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
+from mhla_gen.testing import tiny_dit, tiny_sana
+from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_transformer
+
+
+def dit_inputs():
+    return dict(
+        hidden_states=torch.randn(2, 4, 8, 8),
+        timestep=torch.tensor([10, 700]),
+        class_labels=torch.tensor([3, 7]),
+    )
+
+
+def sana_inputs():
+    # a 6 x 10 grid with blocks (2, 3): uneven on both axes
+    return dict(
+        hidden_states=torch.randn(2, 4, 6, 10),
+        encoder_hidden_states=torch.randn(2, 5, 16),
+        timestep=torch.tensor([10.0, 700.0]),
+    )
+
+
+def wan_inputs():
+    # token grid (3, 3, 5) with blocks (2, 2, 3): every axis uneven
+    return dict(
+        hidden_states=torch.randn(2, 16, 3, 6, 10),
+        timestep=torch.tensor([300, 700]),
+        encoder_hidden_states=torch.randn(2, 7, TEXT_DIM),
+    )
+
+
+EXTRAS = dict(cpe_kernel=3, gate=True)
+CASES = {
+    "dit": (tiny_dit, dit_inputs, MHLAConfig.preset("dit-256", blocks=(2, 2), **EXTRAS)),
+    "dit-elu": (
+        tiny_dit,
+        dit_inputs,
+        MHLAConfig(blocks=(2, 2), feature_map="elu+1", gate_activation="silu", gate=True),
+    ),
+    "sana": (tiny_sana, sana_inputs, MHLAConfig.preset("sana", blocks=(2, 3), **EXTRAS)),
+    "wan-hybrid": (tiny_wan_transformer, wan_inputs, MHLAConfig(blocks=(2, 2, 3), layers=[1, 2], **EXTRAS)),
+    "wan-release": (
+        tiny_wan_transformer,
+        wan_inputs,
+        MHLAConfig.preset("wan-release", blocks=(2, 2, 3), layers=[1, 2], **EXTRAS),
+    ),
+}
+
+
+def build(case: str, mhla: bool = True):
+    """The case's tiny model in eval mode with MHLA installed (parameters moved off their init, so a
+    wrong mixing or extra shows in the output) and its inputs."""
+    factory, inputs, cfg = CASES[case]
+    model = factory().eval()
+    if mhla:
+        install_mhla(model, cfg)
+        with torch.no_grad():
+            for p in mhla_parameters(model).values():
+                p.add_(0.1 * torch.rand_like(p))
+    return model, inputs()
+
+
+def forward_backward(model, inputs):
+    """The output and the gradients of every parameter for a fixed random probe of the output."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)[0]
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * probe).sum().backward()
+    grads = {
+        name.removeprefix("_orig_mod."): p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return out.detach(), grads
+
+
+def assert_close_grads(grads, expected_grads, rtol=2e-5):
+    """Each gradient within ``rtol`` of the expected one in norm (fp32 round-off: compiled kernels sum
+    in another order), plus a floor of ``rtol`` times the largest gradient norm for gradients that are
+    zero in exact arithmetic (a key bias under softmax) and round-off only; the MHLA parameters among
+    them."""
+    assert grads.keys() == expected_grads.keys()
+    assert any("processor" in name for name in grads)  # the MHLA parameters are trained too
+    floor = rtol * max(g.norm() for g in expected_grads.values())
+    for name, grad in grads.items():
+        expected = expected_grads[name]
+        error = (grad - expected).norm()
+        assert error <= rtol * expected.norm() + floor, (name, error.item(), expected.norm().item())
+
+
+def assert_same_results(actual, expected):
+    (out, grads), (out_ref, grads_ref) = actual, expected
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    assert_close_grads(grads, grads_ref)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_graph_no_breaks_like_the_stock_model(case):
+    counts = {}
+    for mhla in (False, True):
+        model, inputs = build(case, mhla)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(**inputs)
+        counts[mhla] = (explained.graph_count, explained.graph_break_count)
+    assert counts[True] == counts[False] == (1, 0), counts
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fullgraph_compile_matches_eager_forward_and_backward(case):
+    """aot_eager runs the compiled forward and backward graphs (AOTAutograd, the op's fake shapes
+    included) with eager kernels, so this checks tracing, not inductor's codegen (below)."""
+    model, inputs = build(case)
+    expected = forward_backward(model, inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_same_results(forward_backward(compiled, inputs), expected)
+
+
+def test_inductor_compile_matches_eager():
+    model, inputs = build("sana")
+    expected = forward_backward(model, inputs)
+    torch._dynamo.reset()
+    assert_same_results(forward_backward(torch.compile(model, fullgraph=True), inputs), expected)
+
+
+def test_compile_repeated_blocks():
+    """diffusers' regional compilation (Wan declares ``_repeated_blocks``), with inductor."""
+    model, inputs = build("wan-hybrid")
+    expected = forward_backward(model, inputs)
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True)
+    assert_same_results(forward_backward(model, inputs), expected)
+
+
+@pytest.mark.parametrize("case", ["dit", "sana", "wan-release"])
+def test_export_and_decompositions(case):
+    """``torch.export`` of an MHLA model matches eager, forward and backward; ``run_decompositions``
+    keeps the op as one node per layer and matches too."""
+    model, inputs = build(case)
+    expected = forward_backward(model, inputs)
+    program = torch.export.export(model, (), inputs)
+    # the exported module (training IR) is differentiable: the op's registered autograd formula
+    exported = program.module()
+    out = exported(**inputs)[0]
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    names, params = zip(*exported.named_parameters())
+    grads = torch.autograd.grad((out * probe).sum(), params, allow_unused=True)
+    assert_close_grads({n: g for n, g in zip(names, grads) if g is not None}, expected[1])
+    # the inference IR (ATen ops) keeps one opaque mhla_gen.mhla node per MHLA layer
+    decomposed = program.run_decompositions()
+    mhla_nodes = [n for n in decomposed.graph.nodes if n.target is torch.ops.mhla_gen.mhla.default]
+    assert len(mhla_nodes) == len(CASES[case][2].layers or range(model.config.num_layers))
+    with torch.no_grad():
+        torch.testing.assert_close(decomposed.module()(**inputs)[0], expected[0], rtol=1e-5, atol=1e-5)
