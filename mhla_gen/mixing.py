@@ -105,7 +105,10 @@ class MixingMatrix(nn.Module):
         return self.weight.shape[0]
 
     def forward(self) -> torch.Tensor:
-        return self.weight
+        # A copy, not the Parameter: offloading hooks swap ``weight.data`` right after this call returns
+        # (diffusers' leaf-level group offloading to disk leaves ``torch.empty_like`` behind), which would
+        # change a returned Parameter under the caller's feet. M x M is tiny; the copy is differentiable.
+        return self.weight.clone()
 
     @torch.no_grad()
     def clamp_(self) -> None:

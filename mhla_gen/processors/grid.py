@@ -30,6 +30,12 @@ class GridRotaryEmb(tuple):
         self.grid = grid
         return self
 
+    def to(self, *args, **kwargs) -> GridRotaryEmb:
+        """Both tensors ``.to(...)``, grid kept. accelerate's ``send_to_device`` (its offload hooks,
+        diffusers' group offloading) calls ``.to`` where it exists; otherwise it rebuilds a tuple as
+        ``type(obj)(generator)``, which would drop the grid."""
+        return GridRotaryEmb(self[0].to(*args, **kwargs), self[1].to(*args, **kwargs), self.grid)
+
 
 def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
     """The ``hidden_states`` argument of a diffusers transformer forward (positional or keyword)."""
