@@ -365,6 +365,70 @@ def test_cuda_real_wan_grid(tm):
 
 
 # --------------------------------------------------------------------------------------------------
+# the registered op dispatches to the kernels (CUDA; here: the interpreter, dispatch widened to CPU)
+
+
+@pytest.fixture
+def dispatch_to_kernels(monkeypatch):
+    """``torch.ops.mhla_gen.mhla`` runs the kernels for CPU tensors too (interpreter only)."""
+    from mhla_gen.ops import triton_dispatch
+
+    def supports(q, k, v):  # the CUDA rule without the device check
+        same = q.dtype in triton_dispatch.KERNEL_DTYPES and k.dtype == v.dtype == q.dtype
+        return same and v.shape[-1] == q.shape[-1] and triton_dispatch.enabled()
+
+    monkeypatch.setattr(triton_dispatch, "supports", supports)
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalize", [True, False])
+def test_op_runs_the_kernels(dispatch_to_kernels, normalize, monkeypatch):
+    """Through ``mhla_attention`` (the custom op and its autograd formula): forward and all gradients
+    match the oracle, the output has the kernels' heads-interleaved memory, and ``opcheck`` confirms the
+    op's fake outputs (what compiled graphs allocate) match the kernels' shapes, dtypes and strides."""
+    from mhla_gen.ops import mhla_attention
+
+    layout = BlockLayout((3, 5, 6), (2, 2, 3))
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
+    mixing = _mixing(layout)
+    leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
+    out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory: the kernels wrote it
+    got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
+    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
+    args = (*leaves, list(layout.grid), list(layout.blocks), "relu", normalize, EPS)
+    torch.library.opcheck(
+        torch.ops.mhla_gen.mhla.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    monkeypatch.setenv("MHLA_TRITON", "0")  # the switch back to the PyTorch implementation
+    assert mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS).mT.is_contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
+    """On CUDA the op runs the kernels; opcheck (fake strides, autograd, AOT dispatch) passes; the
+    compiled (inductor) call matches eager; the PyTorch implementation agrees within the dtype's tolerance."""
+    from mhla_gen.ops import mhla_attention
+
+    layout = BlockLayout((5, 6, 13), (3, 5, 10))
+    q, k, v, _ = _strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
+    leaves = [_cast(x, dtype).requires_grad_() for x in (q, k, v)]
+    mixing = _mixing(layout).float().cuda().requires_grad_()
+    out = mhla_attention(*leaves, layout, mixing)
+    assert out.transpose(1, 2).is_contiguous()
+    args = (*leaves, mixing, list(layout.grid), list(layout.blocks), "relu", True, EPS)
+    torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args)
+    compiled = torch.compile(lambda *xs: mhla_attention(*xs, layout, mixing), fullgraph=True)
+    torch.testing.assert_close(compiled(*leaves), out, rtol=GPU_TOL[dtype], atol=GPU_TOL[dtype])
+    monkeypatch.setenv("MHLA_TRITON", "0")
+    reference = mhla_attention(*leaves, layout, mixing)
+    assert reference.mT.is_contiguous()  # the PyTorch implementation's channels-first output
+    error = (out.double() - reference.double()).abs().max() / reference.double().abs().max()
+    assert error <= GPU_TOL[dtype]
+
+
+# --------------------------------------------------------------------------------------------------
 # the benchmark's model-shape mode (its CUDA run is the measurement; here: it runs and prints on CPU)
 
 

@@ -62,11 +62,11 @@ def mhla_attention(
 # the registered op
 
 
-def _use_triton(q: Tensor, v: Tensor) -> bool:
+def _use_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the op runs the Triton kernels (CUDA, half/single precision, key dim = value dim)."""
     from . import triton_dispatch
 
-    return triton_dispatch.supports(q, v)
+    return triton_dispatch.supports(q, k, v)
 
 
 @torch.library.custom_op("mhla_gen::mhla", mutates_args=())
@@ -75,7 +75,7 @@ def _mhla_op(
     normalize: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(out, *saved)``: the output and three tensors for backward, in the implementation's format."""
-    if _use_triton(q, v):
+    if _use_triton(q, k, v):
         from . import triton_dispatch
 
         return triton_dispatch.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
@@ -86,7 +86,7 @@ def _mhla_op(
 @_mhla_op.register_fake
 def _mhla_op_fake(q, k, v, mixing, grid, blocks, feature_map, normalize, eps):
     (b, h, n, e), d = v.shape, q.shape[-1]
-    if _use_triton(q, v):
+    if _use_triton(q, k, v):
         from . import triton_dispatch
 
         return triton_dispatch.outputs_like(q, v, blocks, normalize)
@@ -104,7 +104,7 @@ def _mhla_backward_op(
     eps: float, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmixing)``; an entry whose ``needs`` is False is an empty tensor."""
-    if _use_triton(q, v):
+    if _use_triton(q, k, v):
         from . import triton_dispatch
 
         grads = triton_dispatch.backward(
@@ -121,7 +121,13 @@ def _mhla_backward_op(
 @_mhla_backward_op.register_fake
 def _mhla_backward_op_fake(grad_out, q, k, v, mixing, out, saved0, saved1, saved2, grid, blocks,
                            feature_map, normalize, eps, needs):
-    return tuple(torch.empty_like(x) if need else x.new_empty(0) for x, need in zip((q, k, v, mixing), needs))
+    if _use_triton(q, k, v):
+        from . import triton_dispatch
+
+        grads = triton_dispatch.backward_outputs_like(q, k, v, mixing, needs)
+    else:  # blocked.backward: torch.empty_like of each input (its strides)
+        grads = tuple(torch.empty_like(x) if need else None for x, need in zip((q, k, v, mixing), needs))
+    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, (q, k, v, mixing)))
 
 
 def _setup_context(ctx, inputs, output):

@@ -513,7 +513,7 @@ def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int]
         mixed_k = q.new_empty(m, b, h, d, dtype=torch.float32).permute(1, 2, 0, 3)
         den = q.new_empty(b, h, n, dtype=torch.float32)
     else:
-        mixed_k = den = q.new_empty(0, dtype=torch.float32)
+        mixed_k, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     return out, mixed_kv, mixed_k, den
 
 
@@ -582,7 +582,8 @@ def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[i
     mixed_kv = _mix(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
     del s
     out = heads_interleaved_empty(b, h, n, e, q)
-    mixed_k = den = q.new_empty(0, dtype=torch.float32)
+    # two tensors: outputs of a custom op may not alias each other
+    mixed_k, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     if normalize:
         mixed_k = _mix(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
         den = q.new_empty(b, h, n, dtype=torch.float32)
