@@ -31,16 +31,23 @@ Example (the README table; CPU fp32, B=1, 4 heads, d=64):
     python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
         --sizes 1024 4096 16384 --blocks 4 16 64 256 --skip-sdpa-above 4096 --out bench.json
 
+Grids (``--grids GRID:BLOCKS ...``): linear attention and MHLA on each listed token grid, all timed side
+by side, with MHLA's time per token against the first case's. The README's uneven-grid table (the Wan
+480p latent grid against an evenly divisible one, Wan-1.3B heads, CPU fp32):
+
+    python scripts/bench_attention.py --device cpu --heads 12 --dim 128 --repeats 5 \
+        --grids 21x30x50:3x5x10 21x30x52:3x5x10
+
 Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
 heads-interleaved inputs as the processors pass them, ReLU features with the normaliser, a learnable
 locality-initialised mixing matrix. Side by side: SDPA (FlashAttention backend for bf16/fp16), SANA's
-linear attention, the PyTorch MHLA path (:func:`mhla_gen.ops.mhla_attention_autograd`), the registered op
-(:func:`mhla_gen.mhla_attention`, whatever it dispatches to) and the Triton kernels called directly
-(``mhla_gen.ops.triton_mhla``, CUDA only). CUDA times come from CUDA events over enough back-to-back
-calls for >= 20 ms per sample. Achieved bandwidth counts the bytes MHLA cannot avoid: forward q, k, v
-read and the output written (4 tensors); forward+backward adds q, k, v and the output gradient read and
-dq, dk, dv written (11 tensors). It is printed as a fraction of a measured device-to-device copy
-(1 GiB, read + write):
+linear attention, the registered op with its PyTorch implementation (``MHLA_TRITON=0``), the
+registered op as it dispatches (:func:`mhla_gen.mhla_attention`: the Triton kernels on CUDA) and the
+Triton kernels called directly (``mhla_gen.ops.triton_mhla``, CUDA only). CUDA times come from CUDA
+events over enough back-to-back calls for >= 20 ms per sample. Achieved bandwidth counts the bytes
+MHLA cannot avoid: forward q, k, v read and the output written (4 tensors); forward+backward adds q, k,
+v and the output gradient read and dq, dk, dv written (11 tensors). It is printed as a fraction of a
+measured device-to-device copy (1 GiB, read + write):
 
     python scripts/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
 """
@@ -53,6 +60,7 @@ import gc
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -66,7 +74,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention  # noqa: E402
-from mhla_gen.ops import mhla_attention_autograd  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -269,6 +276,101 @@ def markdown(rows: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# any token grid (``--grids``): uneven against even grids, side by side
+
+
+def parse_grid_case(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``"21x30x52:3x5x10"`` -> ``((21, 30, 52), (3, 5, 10))`` (token grid : blocks per axis)."""
+    try:
+        grid, blocks = (tuple(int(x) for x in part.split("x")) for part in text.split(":"))
+    except ValueError:
+        message = f"--grids takes GRID:BLOCKS such as 21x30x52:3x5x10, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if len(grid) != len(blocks) or min(grid + blocks) < 1 or any(b > g for g, b in zip(grid, blocks)):
+        raise argparse.ArgumentTypeError(f"--grids {text!r}: blocks must fit the grid, axis by axis")
+    return grid, blocks
+
+
+def build_grid_methods(cases, args, device, dtype):
+    """``{(case, method): (fn, inputs, grad_out)}``: plain linear attention and MHLA on each grid case's
+    own q, k, v ``(B, H, N, d)`` (heads-interleaved memory, as the processors pass them)."""
+    methods = {}
+    for grid, blocks in cases:
+        layout = BlockLayout(grid, blocks)
+        b, h, n, d = args.batch, args.heads, layout.num_tokens, args.dim
+        gen = torch.Generator().manual_seed(n)
+        q, k, v, g = (torch.randn(b, n, h, d, generator=gen).to(device, dtype) for _ in range(4))
+        q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))  # (B, H, N, d) on (B, N, H, d) memory
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        mixing = locality_init(layout).to(device, torch.float32).requires_grad_()
+        case = "x".join(map(str, grid)) + ":" + "x".join(map(str, blocks))
+        methods[case, "la"] = (lambda q_, k_, v_: linear_attention(q_, k_, v_), (q, k, v), g)
+        mhla = lambda q_, k_, v_, w_, layout=layout: mhla_attention(q_, k_, v_, layout, w_)  # noqa: E731
+        methods[case, "mhla"] = (mhla, (q, k, v, mixing), g)
+    return methods
+
+
+def time_grids(args, device, dtype) -> dict:
+    """``{(case, method, mode): [seconds per repetition]}``, every method of every case interleaved."""
+    methods = build_grid_methods(args.grids, args, device, dtype)
+    times = {(case, method, mode): [] for case, method in methods for mode in ("fwd", "fwd_bwd")}
+    for rep in range(args.warmup + args.repeats):
+        for (case, method), (fn, inputs, grad_out) in methods.items():
+            time_forward(fn, inputs, device)  # allocator warm-up (see the module docstring)
+            t_fwd = time_forward(fn, inputs, device)
+            time_forward_backward(fn, inputs, grad_out, device)
+            t_fb = time_forward_backward(fn, inputs, grad_out, device)
+            if rep >= args.warmup:
+                times[case, method, "fwd"].append(t_fwd)
+                times[case, method, "fwd_bwd"].append(t_fb)
+    return times
+
+
+def measure_grid_memory(args) -> dict:
+    """``{(case, method): peak MiB}`` of one forward+backward call (fresh process on CPU, as
+    :func:`measure_memory`)."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peak = PeakMemory(device)
+    result = {}
+    for key, (fn, inputs, grad_out) in build_grid_methods(args.grids, args, device, dtype).items():
+        call = lambda fn=fn, inputs=inputs, g=grad_out: time_forward_backward(fn, inputs, g, device)  # noqa: E731
+        call()
+        result[key] = peak.measure(call)
+    return result
+
+
+def grids_markdown(args, times: dict, memory: dict) -> str:
+    """Per grid case: LA and MHLA times and peaks, MHLA / LA (and the flop ratio 1 + M²/(2N) of the
+    mixing GEMMs), and each case's MHLA per token against the first case's (the reference grid)."""
+    head = ("| grid : blocks | N | M | LA fwd | MHLA fwd | LA f+b | MHLA f+b | MHLA/LA fwd | MHLA/LA f+b "
+            "| 1 + M²/2N | peak LA | peak MHLA | peak MHLA/LA | MHLA per token vs first fwd | … f+b |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))  # noqa: E731
+    first = None
+    for grid, blocks in args.grids:
+        case = "x".join(map(str, grid)) + ":" + "x".join(map(str, blocks))
+        n, m = math.prod(grid), math.prod(blocks)
+        med = {key[1:]: statistics.median(ts) * 1e3 for key, ts in times.items() if key[0] == case}
+        first = first or (case, n)
+        per_token = [
+            ratio(times[case, "mhla", mode], times[first[0], "mhla", mode]) * first[1] / n
+            for mode in ("fwd", "fwd_bwd")
+        ]
+        peaks = memory[case, "la"], memory[case, "mhla"]
+        lines.append(
+            f"| {case} | {n} | {m} | {med['la', 'fwd']:.1f} | {med['mhla', 'fwd']:.1f} "
+            f"| {med['la', 'fwd_bwd']:.1f} | {med['mhla', 'fwd_bwd']:.1f} "
+            f"| {ratio(times[case, 'mhla', 'fwd'], times[case, 'la', 'fwd']):.2f}× "
+            f"| {ratio(times[case, 'mhla', 'fwd_bwd'], times[case, 'la', 'fwd_bwd']):.2f}× "
+            f"| {1 + m * m / (2 * n):.2f} | {peaks[0]:.0f} | {peaks[1]:.0f} | {peaks[1] / peaks[0]:.2f}× "
+            f"| {per_token[0]:.2f}× | {per_token[1]:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
 # model shapes (CUDA)
 
 
@@ -343,6 +445,20 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / (statistics.median(time_ms(lambda: dst.copy_(src), device) for _ in range(5)) * 1e-3)
 
 
+def pytorch_mhla(q, k, v, layout, mixing):
+    """The registered op with its PyTorch implementation (``blocked.py``) also on CUDA: ``MHLA_TRITON=0``
+    during the forward call (the backward follows what the forward ran)."""
+    previous = os.environ.get("MHLA_TRITON")
+    os.environ["MHLA_TRITON"] = "0"
+    try:
+        return mhla_attention(q, k, v, layout, mixing)
+    finally:
+        if previous is None:
+            del os.environ["MHLA_TRITON"]
+        else:
+            os.environ["MHLA_TRITON"] = previous
+
+
 def build_model_methods(shape: ModelShape, device, dtype):
     """``({name: fn}, inputs, grad_out)`` at one model shape; q, k, v heads-interleaved (processors')."""
     layout = BlockLayout(shape.grid, shape.blocks)
@@ -361,7 +477,7 @@ def build_model_methods(shape: ModelShape, device, dtype):
     methods = {
         "sdpa": flash,
         "la": lambda q_, k_, v_, w_: linear_attention(q_, k_, v_),
-        "mhla_torch": lambda q_, k_, v_, w_: mhla_attention_autograd(q_, k_, v_, layout, w_),
+        "mhla_torch": lambda q_, k_, v_, w_: pytorch_mhla(q_, k_, v_, layout, w_),
         "mhla_op": lambda q_, k_, v_, w_: mhla_attention(q_, k_, v_, layout, w_),
     }
     if device.type == "cuda":
@@ -456,6 +572,9 @@ def main(argv=None) -> None:
                         help="square-grid table sizes (default: 1024 4096 16384 on CPU, none on CUDA)")
     parser.add_argument("--shapes", nargs="*", choices=sorted(MODEL_SHAPES), default=None,
                         help="model-shape tables (default: all on CUDA, none on CPU)")
+    parser.add_argument("--grids", type=parse_grid_case, nargs="*", default=[],
+                        help="grid tables: GRID:BLOCKS cases timed side by side, e.g. the Wan 480p grid "
+                             "21x30x52:3x5x10 against the even 21x30x50:3x5x10 (ms, MiB)")
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--skip-sdpa-above", type=int, default=4096,
                         help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
@@ -466,7 +585,7 @@ def main(argv=None) -> None:
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.sizes is None:
-        args.sizes = [] if device.type == "cuda" else [1024, 4096, 16384]
+        args.sizes = [] if device.type == "cuda" or args.grids else [1024, 4096, 16384]
     if args.shapes is None:
         args.shapes = sorted(MODEL_SHAPES) if device.type == "cuda" else []
     if args.threads:
@@ -493,6 +612,16 @@ def main(argv=None) -> None:
     if rows:
         print("times in ms (median), peak memory in MiB (fwd+bwd), ratios: median of paired ratios\n")
         print(markdown(rows))
+    if args.grids:
+        times = time_grids(args, device, dtype)
+        if device.type == "cpu":
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                grid_memory = pool.apply(measure_grid_memory, (args,))
+        else:
+            grid_memory = measure_grid_memory(args)
+        print("\ngrids: times in ms (median), peak memory in MiB (fwd+bwd), ratios: medians of paired ratios")
+        print("(per token vs first: this case's MHLA time per token over the first case's)\n")
+        print(grids_markdown(args, times, grid_memory))
     model_rows = []
     if args.shapes:
         text, model_rows = run_model_shapes(args, device, dtype)

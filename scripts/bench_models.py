@@ -4,6 +4,7 @@
     python scripts/bench_models.py --depth 4 --reps 5 --threads 2
     python scripts/bench_models.py --device cuda --dtype bf16 --batch 32
     python scripts/bench_models.py --depth 4 --tokens 256 --batch 1 --attention-breakdown
+    python scripts/bench_models.py --depth 4 --tokens 256 1024 --compile   # eager vs torch.compile
 
 The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 6 heads x 64, patch 2, 4 latent
 channels; ``--heads`` / ``--head-dim`` change the split, e.g. SANA's head dim 32 as 12 x 32); ``--depth``
@@ -25,15 +26,16 @@ one short, jittery call. Each sample directly follows an untimed step of the sam
 pays for re-growing the allocator's heap after another one's large free (softmax's N×N scores).
 Throughput is ``batch`` over the median time per step; ratios are medians of the per-repetition ratios
 (as ``bench_attention.py``), which cancels drift that the interleaving leaves.
-Prints Markdown tables (items/s), and the minor page faults per step where the OS reports them.
+Prints Markdown tables (items/s).
 
-Allocator (``--malloc``): by default (``retain``) glibc is told to keep freed memory in the process
-(:func:`retain_freed_memory`), as jemalloc / tcmalloc (which PyTorch's CPU performance guide recommends
-preloading) or the CUDA caching allocator do. With glibc's own settings (``stock``) freed blocks above a
-self-adjusting size go back to the kernel, and the next step faults the same buffers in again page by page
-(about 10k faults per training step here, mostly the parameter gradients that ``zero_grad`` frees). Which
-buffers that hits depends on the heap's history, so stock step times jump between runs by more than the
-differences being measured; the fault table shows how much of a step it was.
+``--compile`` adds a ``torch.compile`` (inductor, static shapes) twin of each model, sharing its
+weights and optimizer, timed in the same interleaved repetitions, and a table of eager against compiled
+steps (compile time is not counted: the warm-up step compiles).
+
+Allocator: glibc as it comes. On a small CPU box, freed blocks above a self-adjusting size go back to the
+kernel and are faulted in again by the next step; that costs every model alike (mostly the parameter
+gradients ``zero_grad`` frees) and moves single runs by a few percent, which the interleaved, paired
+ratios absorb. GPU runs use the CUDA caching allocator.
 
 ``--attention-breakdown`` adds a table that splits the inference step into the time spent inside the
 self-attention modules (``attn1`` of every block: q/k/v/out projections and the attention kernel, timed by
@@ -46,9 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import math
-import platform
 import statistics
 import sys
 import time
@@ -61,11 +61,6 @@ from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
-
-try:
-    import resource  # Unix only: page fault counts
-except ImportError:  # pragma: no cover - Windows
-    resource = None
 
 MODES = ("softmax", "linear", "mhla")
 LABELS = {"softmax": "softmax", "linear": "linear", "mhla": "MHLA"}
@@ -88,9 +83,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--malloc", choices=("retain", "stock"), default="retain",
-                        help="retain: glibc keeps freed memory (no page faults per step); stock: glibc as it "
-                             "comes (see the module docstring)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile'd twins of the three models (eager vs compiled table)")
     parser.add_argument("--attention-breakdown", action="store_true",
                         help="also time the self-attention modules inside the inference step (ms per step)")
     args = parser.parse_args(argv)
@@ -101,6 +95,8 @@ def parse_args(argv=None):
     if min(args.depth, args.heads, args.head_dim, args.batch, args.reps) < 1 or args.min_sample_s < 0:
         parser.error("--depth, --heads, --head-dim, --batch and --reps must be positive, "
                      "--min-sample-s not negative")
+    if min(args.blocks) < 1:
+        parser.error(f"--blocks must be positive, got {args.blocks}")
     return args
 
 
@@ -132,29 +128,6 @@ def make_batch(tokens: int, batch: int, device, dtype):
     t = torch.randint(0, 1000, (batch,), generator=g).to(device)
     y = torch.randint(0, 1000, (batch,), generator=g).to(device)
     return x, target, t, y
-
-
-def retain_freed_memory() -> bool:
-    """Make glibc keep freed memory in the process; False where libc is not glibc (nothing changed) or
-    ``mallopt`` refuses a setting.
-
-    ``mallopt`` (see mallopt(3)): ``M_MMAP_MAX = 0`` serves every block from the heap instead of fresh
-    ``mmap``'s (glibc maps blocks above a self-adjusting threshold, and always those above 32 MiB, such
-    as a DiT MLP's activations at 4096 tokens), and ``M_TRIM_THRESHOLD = -1`` stops freeing from ever
-    shrinking the heap. A step's buffers are then reused by the next step instead of being returned to
-    the kernel and faulted in again. Process-wide and irreversible: call it once, before the models are
-    built.
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))
-
-
-def minor_faults() -> int | None:
-    """Minor page faults of this process so far (None where the OS does not say)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else None
 
 
 def sync(device) -> None:
@@ -195,20 +168,26 @@ class AttentionTimer:
             handle.remove()
 
 
+COMPILED = " compiled"  # suffix of a torch.compile twin's name in ``models``
+RATIOS = (("mhla", "linear"), ("mhla", "softmax"))
+COMPILE_RATIOS = (("mhla compiled", "mhla"), ("mhla compiled", "linear compiled"))
+
+
 def bench_size(models, optimizers, tokens, args, dtype):
-    """``{kind: {"items_s": {model: items/s}, "ratio": {(a, b): median of per-rep time_b / time_a}}}``;
-    with ``--attention-breakdown`` also ``result["infer"]["attention_ms"]`` / ``["rest_ms"]``
-    ``{model: median ms per step}``."""
+    """``{kind: {"items_s": {model: items/s}, "ratio": {(a, b): median of per-rep time_b / time_a}}}``
+    (a ratio above 1: ``a`` is faster); with ``--attention-breakdown`` also
+    ``result["infer"]["attention_ms"]`` / ``["rest_ms"]`` ``{model: median ms per step}``."""
     x, target, t, y = make_batch(tokens, args.batch, args.device, dtype)
 
     def train_step(name):
-        model, opt = models[name], optimizers[name]
-        out = model(x, timestep=t, class_labels=y).sample
+        base = name.removesuffix(COMPILED)  # a compiled twin shares the eager model's weights and optimizer
+        opt = optimizers[base]
+        out = models[name](x, timestep=t, class_labels=y).sample
         loss = torch.nn.functional.mse_loss(out.float(), target.float())
         loss.backward()
         opt.step()
-        if name == "mhla":
-            clamp_mixing_(model)  # the paper's [0, 1] projection, part of every MHLA training step
+        if base == "mhla":
+            clamp_mixing_(models[base])  # the paper's [0, 1] projection, part of every MHLA training step
         opt.zero_grad(set_to_none=True)
 
     def infer(name):
@@ -220,41 +199,36 @@ def bench_size(models, optimizers, tokens, args, dtype):
         for model in models.values():
             model.train(kind == "train")
         breakdown = kind == "infer" and args.attention_breakdown
-        timers = {name: AttentionTimer(m, args.device) for name, m in models.items()} if breakdown else {}
+        timers = {name: AttentionTimer(models[name], args.device) for name in MODES} if breakdown else {}
         steps = {}
-        for name in models:  # warm-up; its duration sizes the samples
+        for name in models:  # warm-up (compiles the twins); its duration sizes the samples
             step(name)
             warm_s = timed(lambda n=name, f=step: f(n), args.device)
             steps[name] = max(1, math.ceil(args.min_sample_s / warm_s))
         times = {name: [] for name in models}
-        attention_s = {name: [] for name in models}
-        faults = {name: [] for name in models}
+        attention_s = {name: [] for name in timers}
         for _ in range(args.reps):
             for name in models:
                 step(name)  # untimed: warms this model's allocations (see the module docstring)
-                if breakdown:
+                if name in timers:
                     timers[name].total_s = 0.0
-                faults_before = minor_faults()
                 times[name].append(timed(lambda n=name, f=step: f(n), args.device, steps[name]))
-                if faults_before is not None:
-                    faults[name].append((minor_faults() - faults_before) / steps[name])
-                if breakdown:
+                if name in timers:
                     attention_s[name].append(timers[name].total_s / steps[name])
         for timer in timers.values():
             timer.remove()
+        pairs = RATIOS + (COMPILE_RATIOS if args.compile else ())
         result[kind] = {
             "items_s": {name: args.batch / statistics.median(ts) for name, ts in times.items()},
             "ratio": {
-                (a, b): statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
-                for a, b in (("mhla", "linear"), ("mhla", "softmax"))
+                (a, b): statistics.median(tb / ta for ta, tb in zip(times[a], times[b])) for a, b in pairs
             },
-            "faults": {name: statistics.median(f) for name, f in faults.items() if f},
         }
         if breakdown:
             result[kind]["attention_ms"] = {n: 1e3 * statistics.median(s) for n, s in attention_s.items()}
             result[kind]["rest_ms"] = {
                 name: 1e3 * statistics.median(t - a for t, a in zip(times[name], attention_s[name]))
-                for name in models
+                for name in timers
             }
     return result
 
@@ -267,17 +241,25 @@ def markdown(results, kind: str) -> str:
     ]
     for tokens, r in results.items():
         s, lin, m = (r[kind]["items_s"][name] for name in MODES)
-        vs_linear, vs_softmax = r[kind]["ratio"][("mhla", "linear")], r[kind]["ratio"][("mhla", "softmax")]
+        vs_linear, vs_softmax = (r[kind]["ratio"][pair] for pair in RATIOS)
         lines.append(f"| {tokens} | {s:.2f} | {lin:.2f} | {m:.2f} | {vs_linear:.2f}x | {vs_softmax:.2f}x |")
     return "\n".join(lines)
 
 
-def faults_markdown(results) -> str:
-    header = " | ".join(f"{LABELS[name]} {kind}" for kind in ("train", "infer") for name in MODES)
-    lines = [f"| tokens | {header} |", "|---:|" + "---:|" * 2 * len(MODES)]
+def compile_markdown(results) -> str:
+    """Eager and compiled items/s per model, and MHLA compiled against MHLA eager and linear compiled."""
+    models = " | ".join(f"{LABELS[name]} {mode}" for name in MODES for mode in ("eager", "compiled"))
+    lines = [
+        f"| tokens | step | {models} | MHLA compiled / eager | MHLA compiled / linear compiled |",
+        "|---:|---|" + "---:|" * (2 * len(MODES) + 2),
+    ]
     for tokens, r in results.items():
-        cells = " | ".join(f"{r[kind]['faults'][name]:.0f}" for kind in ("train", "infer") for name in MODES)
-        lines.append(f"| {tokens} | {cells} |")
+        for kind in ("train", "infer"):
+            cells = " | ".join(
+                f"{r[kind]['items_s'][name + suffix]:.2f}" for name in MODES for suffix in ("", COMPILED)
+            )
+            ratios = " | ".join(f"{r[kind]['ratio'][pair]:.2f}x" for pair in COMPILE_RATIOS)
+            lines.append(f"| {tokens} | {kind} | {cells} | {ratios} |")
     return "\n".join(lines)
 
 
@@ -297,14 +279,13 @@ def breakdown_markdown(results) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    malloc = args.malloc
-    if malloc == "retain" and not retain_freed_memory():
-        malloc = "stock (retain needs glibc)"
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     models = build_models(args.depth, args.blocks, args.device, dtype, args.heads, args.head_dim)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    if args.compile:
+        models.update({name + COMPILED: torch.compile(models[name], dynamic=False) for name in MODES})
     results = {}
     for tokens in args.tokens:
         results[tokens] = bench_size(models, optimizers, tokens, args, dtype)
@@ -315,15 +296,16 @@ def main(argv=None):
         f"depth {args.depth}, batch {args.batch}, {args.dtype}, "
         f"{args.device}, {torch.get_num_threads()} threads, medians of {args.reps} interleaved repetitions "
         f"(samples >= {args.min_sample_s} s); "
-        f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0; malloc {malloc}\n"
+        f"MHLA blocks {tuple(args.blocks)}; linear = diffusers SanaLinearAttnProcessor2_0; "
+        f"torch {torch.__version__}\n"
     )
     print("Training step (forward + backward + AdamW):\n")
     print(markdown(results, "train"))
     print("\nInference (forward):\n")
     print(markdown(results, "infer"))
-    if all(r[kind]["faults"] for r in results.values() for kind in ("train", "infer")):
-        print("\nMinor page faults per step (median):\n")
-        print(faults_markdown(results))
+    if args.compile:
+        print("\nEager vs torch.compile (inductor), items/s; ratios: medians of paired time ratios:\n")
+        print(compile_markdown(results))
     if args.attention_breakdown:
         print("\nInference step split into self-attention (attn1: projections + kernel) and the rest:\n")
         print(breakdown_markdown(results))

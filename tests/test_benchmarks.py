@@ -32,49 +32,51 @@ def _table_rows(text: str, first_cell: str) -> list[list[str]]:
 def test_bench_models_prints_both_tables(capsys):
     bench = load("bench_models")
     bench.main(["--depth", "1", "--tokens", "16", "64", "--batch", "1", "--reps", "2", "--min-sample-s", "0",
-                "--blocks", "2", "2", "--malloc", "stock"])  # stock: leave this process's allocator alone
+                "--blocks", "2", "2"])
     out = capsys.readouterr().out
     assert "hidden 384 = 6 heads x 64" in out  # DiT-S/2's split by default
-    assert "malloc stock" in out
     for tokens in ("16", "64"):
         rows = _table_rows(out, tokens)
-        assert len(rows) == 3  # training, inference, page faults
-        for row in rows[:2]:
+        assert len(rows) == 2  # training, inference
+        for row in rows:
             throughputs = [float(cell) for cell in row[1:4]]
             ratios = [float(cell.rstrip("x")) for cell in row[4:6]]
             assert all(value > 0 for value in throughputs + ratios)
-        assert len(rows[2]) == 7 and all(float(cell) >= 0 for cell in rows[2][1:])
 
 
-def test_bench_models_retain_malloc_in_a_subprocess():
-    """The default allocator setting (glibc keeps freed memory) in a process of its own: a steady state
-    with (almost) no page faults per step once the warm-up has grown the heap. With ``--malloc stock`` this
-    config faults about 4000 pages per training step (the gradients that ``zero_grad`` frees)."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_models.py"), "--depth", "1", "--tokens", "64",
-         "--batch", "1", "--reps", "3", "--min-sample-s", "0", "--blocks", "2", "2", "--threads", "1"],
-        check=True, timeout=300, capture_output=True, text=True,
-    )
-    assert "malloc retain" in result.stdout
-    faults = [float(cell) for cell in _table_rows(result.stdout, "64")[2][1:]]
-    assert max(faults) <= 8, faults  # training and inference: a few pages at most
-
-
-def test_bench_models_attention_breakdown(capsys):
-    """The split table: attention and rest are positive and add up to about the measured step time."""
+def test_bench_models_compile_table():
+    """The eager-vs-compiled table: one row per size and step kind, cells from the right models."""
     bench = load("bench_models")
-    bench.main(["--depth", "1", "--tokens", "16", "--batch", "1", "--reps", "2", "--min-sample-s", "0",
-                "--blocks", "2", "2", "--attention-breakdown", "--malloc", "stock"])
-    out = capsys.readouterr().out
-    _, infer_row, _, breakdown_row = _table_rows(out, "16")
-    step_ms = [1e3 / float(cell) for cell in infer_row[1:4]]  # batch 1: ms per step = 1000 / items/s
-    attn_ms = [float(cell) for cell in breakdown_row[1:4]]
-    rest_ms = [float(cell) for cell in breakdown_row[5:8]]
-    # each printed cell is rounded to 0.01 (±0.005): the printed difference may be off by up to 0.015
-    assert float(breakdown_row[4]) == pytest.approx(attn_ms[2] - attn_ms[1], abs=0.016)
-    for step, attn, rest in zip(step_ms, attn_ms, rest_ms):
-        assert attn > 0 and rest > 0
-        assert attn + rest == pytest.approx(step, rel=0.5)  # medians of different samples: loose
+    items = {name + suffix: float(i + 1) for i, (name, suffix) in
+             enumerate((n, s) for n in bench.MODES for s in ("", bench.COMPILED))}
+    ratios = {pair: 1.25 for pair in bench.RATIOS + bench.COMPILE_RATIOS}
+    results = {256: {kind: {"items_s": items, "ratio": ratios} for kind in ("train", "infer")}}
+    rows = _table_rows(bench.compile_markdown(results), "256")
+    assert [row[1] for row in rows] == ["train", "infer"]
+    assert rows[0][2:] == ["1.00", "2.00", "3.00", "4.00", "5.00", "6.00", "1.25x", "1.25x"]
+
+
+def test_attention_timer_measures_the_attention_modules():
+    """The breakdown's timer counts the time inside every block's attn1 and nothing else: a processor
+    that sleeps 20 ms per call shows up as at least 20 ms per layer, and a model step takes longer."""
+    import time
+
+    bench = load("bench_models")
+    model = bench.build_models(2, (2, 2), "cpu", bench.torch.float32)["softmax"]
+    stock = model.transformer_blocks[0].attn1.processor
+
+    def sleeping(attn, hidden_states, *args, **kwargs):
+        time.sleep(0.02)
+        return stock(attn, hidden_states, *args, **kwargs)
+
+    for block in model.transformer_blocks:
+        block.attn1.set_processor(sleeping)
+    timer = bench.AttentionTimer(model, "cpu")
+    x, _, t, y = bench.make_batch(16, 1, "cpu", bench.torch.float32)
+    start = time.perf_counter()
+    model(x, timestep=t, class_labels=y)
+    step_s = time.perf_counter() - start
+    assert 2 * 0.02 <= timer.total_s < step_s
 
 
 def test_bench_models_hooks_are_removed():
@@ -93,7 +95,7 @@ def test_bench_models_hooks_are_removed():
 @pytest.mark.parametrize(
     "argv",
     [["--tokens", "200"], ["--min-sample-s", "-1"], ["--reps", "0"], ["--heads", "0"], ["--head-dim", "0"],
-     ["--malloc", "jemalloc"]],
+     ["--blocks", "0", "2"]],
 )
 def test_bench_models_rejects_bad_arguments(argv, capsys):
     bench = load("bench_models")
@@ -114,5 +116,24 @@ def test_bench_attention_writes_rows(tmp_path):
     )
     rows = json.loads(out.read_text())["rows"]
     assert [(row["N"], row["M"]) for row in rows] == [(64, 1), (64, 4)]
-    for row in rows:
-        assert row["peak_mib_mhla"] >= 0 and row["peak_mib_la"] >= 0
+
+
+def test_bench_attention_grid_table():
+    """``--grids``: per-token ratios against the first case, MHLA / LA pairs and the flop ratio."""
+    bench = load("bench_attention")
+    args = bench.argparse.Namespace(grids=[bench.parse_grid_case(c) for c in ("4x5:2x2", "4x6:2x2")])
+    times = {}
+    for case, scale in (("4x5:2x2", 1.0), ("4x6:2x2", 1.5)):  # 20, 24 tokens: 1.5 * 20 / 24 = 1.25x
+        for mode in ("fwd", "fwd_bwd"):
+            times[case, "la", mode] = [0.010 * scale] * 3
+            times[case, "mhla", mode] = [0.012 * scale] * 3
+    memory = {(c, m): 10.0 if m == "la" else 11.0 for c in ("4x5:2x2", "4x6:2x2") for m in ("la", "mhla")}
+    rows = _table_rows(bench.grids_markdown(args, times, memory), "4x6:2x2")
+    assert rows[0][7:] == ["1.20×", "1.20×", "1.33", "10", "11", "1.10×", "1.25×", "1.25×"]
+
+
+@pytest.mark.parametrize("text", ["21x30", "21x30:3x5x10", "4x4:5x1", "axb:1x1"])
+def test_bench_attention_rejects_bad_grids(text):
+    bench = load("bench_attention")
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="--grids"):
+        bench.parse_grid_case(text)

@@ -300,21 +300,8 @@ def test_opcheck_backward(needs, make_qkv):
     q, k, v = (_heads_interleaved(t.float()) for t in make_qkv(90, dim=8))
     mixing = torch.rand(12, 12)
     out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, list(grid), list(blocks), "relu", True, 1e-6)
-    args = (
-        torch.randn_like(out),
-        q,
-        k,
-        v,
-        mixing,
-        out,
-        *saved,
-        list(grid),
-        list(blocks),
-        "relu",
-        True,
-        1e-6,
-        needs,
-    )
+    grad_out, layout_args = torch.randn_like(out), (list(grid), list(blocks), "relu", True, 1e-6)
+    args = (grad_out, q, k, v, mixing, out, *saved, *layout_args, needs, False)  # False: not Triton's
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla_backward.default, args, test_utils=("test_schema", "test_faketensor")
     )

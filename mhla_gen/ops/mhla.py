@@ -101,10 +101,11 @@ def _mhla_op_fake(q, k, v, mixing, grid, blocks, feature_map, normalize, eps):
 def _mhla_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mixing: Tensor, out: Tensor, saved0: Tensor,
     saved1: Tensor, saved2: Tensor, grid: list[int], blocks: list[int], feature_map: str, normalize: bool,
-    eps: float, needs: list[bool],
+    eps: float, needs: list[bool], triton: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmixing)``; an entry whose ``needs`` is False is an empty tensor."""
-    if _use_triton(q, k, v):
+    """``(dq, dk, dv, dmixing)``; an entry whose ``needs`` is False is an empty tensor. ``triton``: the
+    forward ran the Triton kernels (decided once, in the forward: the saved tensors are theirs)."""
+    if triton:
         from . import triton_dispatch
 
         grads = triton_dispatch.backward(
@@ -120,8 +121,8 @@ def _mhla_backward_op(
 
 @_mhla_backward_op.register_fake
 def _mhla_backward_op_fake(grad_out, q, k, v, mixing, out, saved0, saved1, saved2, grid, blocks,
-                           feature_map, normalize, eps, needs):
-    if _use_triton(q, k, v):
+                           feature_map, normalize, eps, needs, triton):
+    if triton:
         from . import triton_dispatch
 
         grads = triton_dispatch.backward_outputs_like(q, k, v, mixing, needs)
@@ -135,12 +136,15 @@ def _setup_context(ctx, inputs, output):
     out, *saved = output
     ctx.save_for_backward(q, k, v, mixing, out, *saved)
     ctx.args = (grid, blocks, feature_map, normalize, eps)
+    ctx.triton = _use_triton(q, k, v)  # what the forward ran (MHLA_TRITON may change before backward)
 
 
 def _backward(ctx, grad_out, *unused_grads):
     q, k, v, mixing, out, *saved = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = torch.ops.mhla_gen.mhla_backward(grad_out, q, k, v, mixing, out, *saved, *ctx.args, needs)
+    grads = torch.ops.mhla_gen.mhla_backward(
+        grad_out, q, k, v, mixing, out, *saved, *ctx.args, needs, ctx.triton
+    )
     return *(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None
 
 
