@@ -1,4 +1,4 @@
-"""Optional MHLA extras, each off by default: CPE and output gating (DESIGN §1)."""
+"""Optional MHLA extras, each off by default: CPE and output gating."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Install MHLA into a diffusers transformer in place, and take it out again (DESIGN §3).
+"""Install MHLA into a diffusers transformer in place, and take it out again.
 
 ``install_mhla(transformer, cfg)`` swaps the processor of the selected self-attention layers for the
 base model's MHLA processor (an ``nn.Module``, so its parameters live in ``transformer.state_dict()``
@@ -83,6 +83,16 @@ def _check_latent(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
     check_grid(spec.token_grid(transformer, latent_from_call(args, kwargs)), transformer.mhla_config.blocks)
 
 
+def _share_parallel_config(transformer: nn.Module, processor) -> None:
+    """A processor swapped in after ``enable_parallelism`` gets the context-parallel config that call gave
+    the processors it found (diffusers sets ``processor._parallel_config`` only there)."""
+    parallel = getattr(transformer, "_parallel_config", None)
+    if getattr(parallel, "context_parallel_config", None) is not None and hasattr(
+        processor, "_parallel_config"
+    ):
+        processor._parallel_config = parallel
+
+
 def _selected_layers(cfg: MHLAConfig, num_layers: int) -> list[int]:
     if cfg.layers is None:
         return list(range(num_layers))
@@ -123,6 +133,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         attn = attention_layers[index]
         weight = attn.to_q.weight
         processor = spec.make_processor(attn, cfg).to(device=weight.device, dtype=weight.dtype)
+        _share_parallel_config(transformer, processor)
         attn.set_processor(processor)
 
     transformer.mhla_config = cfg
@@ -144,7 +155,9 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     spec = spec_for(transformer)
     for attn in spec.self_attention(transformer):
         if isinstance(attn.processor, MHLAProcessor):
-            attn.set_processor(spec.stock_processor())
+            processor = spec.stock_processor()
+            _share_parallel_config(transformer, processor)
+            attn.set_processor(processor)
     for hook in transformer._mhla_hooks:
         hook.remove()
     for name in ("_mhla_hooks", "mhla_config"):

@@ -1,4 +1,4 @@
-"""Block partition of a 1D / 2D / 3D token grid (DESIGN §1, "Partition").
+"""Block partition of a 1D / 2D / 3D token grid.
 
 Tokens are numbered row-major over the grid, the order diffusers produces after patchify:
 ``(n)``, ``(h w)`` or ``(f h w)``. Each grid axis of length ``L`` cut into ``b`` blocks is split into
@@ -6,7 +6,7 @@ Tokens are numbered row-major over the grid, the order diffusers produces after 
 ``L // b + 1`` tokens, the rest ``L // b`` (as ``torch.tensor_split``). Block ids are row-major over
 the block grid.
 
-The fast paths work on **sub-grids** (DESIGN §6): per axis the blocks form at most two runs of equal
+The fast paths work on **sub-grids**: per axis the blocks form at most two runs of equal
 blocks (the long ones, then the short ones), so a 2D / 3D grid is the union of at most 4 / 8 evenly
 tiled boxes. Inside one box every block has the same shape, so reordering its tokens block-major is a
 view, a permute and (at most) one copy — no padding, no index scatter. An evenly divisible grid is a

@@ -1,4 +1,4 @@
-"""Save and load MHLA transformers (DESIGN §3).
+"""Save and load MHLA transformers.
 
 Saving a whole transformer is diffusers' own ``transformer.save_pretrained(d)``: the MHLA processors are
 ``nn.Module`` children of the attention layers, so their parameters are in the safetensors file, and

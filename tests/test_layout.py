@@ -1,4 +1,4 @@
-"""BlockLayout: the partition of DESIGN §1 and the block-major reorderings."""
+"""BlockLayout: the near-equal partition and the block-major reorderings."""
 
 import itertools
 import math

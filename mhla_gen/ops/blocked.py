@@ -1,5 +1,5 @@
 """Non-causal MHLA in PyTorch, sub-grid by sub-grid: what the custom op runs on CPU (and on GPUs where
-the Triton kernels do not apply). Read it beside ``naive.py``; the math is DESIGN §1.
+the Triton kernels do not apply). Read it beside ``naive.py`` (the same math as loops and dense matrices).
 
 Shapes: ``B`` batch, ``H`` heads, ``N`` tokens, ``M`` blocks, ``d`` key dim, ``e`` value dim,
 ``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.subgrids``) holds ``Mg`` blocks

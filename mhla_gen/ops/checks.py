@@ -1,4 +1,4 @@
-"""Argument validation shared by the fast path and the references (clear ValueErrors, DESIGN §3)."""
+"""Argument validation shared by the fast path and the references (clear ValueErrors)."""
 
 from __future__ import annotations
 

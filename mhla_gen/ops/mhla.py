@@ -1,4 +1,4 @@
-"""``mhla_attention``: the MHLA operator (DESIGN §1, §6).
+"""``mhla_attention``: the MHLA operator.
 
 Non-causal MHLA with a named feature map runs as one registered op, ``torch.ops.mhla_gen.mhla``
 (``torch.library.custom_op`` with fake shapes and a registered autograd formula whose backward is the

@@ -1,4 +1,4 @@
-"""Triton kernels for non-causal MHLA on CUDA (DESIGN §1, §6): forward and backward.
+"""Triton kernels for non-causal MHLA on CUDA: forward and backward.
 
 Import this module only where ``triton`` is importable (the registered op imports it lazily for CUDA
 tensors); ``import mhla_gen`` does not import it. With ``TRITON_INTERPRET=1`` set before ``triton`` is

@@ -1,4 +1,4 @@
-"""How each MHLA layer learns its token grid: from its own call, never from "the last forward" (DESIGN §6).
+"""How each MHLA layer learns its token grid: from its own call, never from "the last forward".
 
 A layer's block layout is fixed by the call that runs it, so a gradient-checkpointed recompute (which
 re-runs the same calls with the same arguments) uses the grid of its own forward, even when the model
