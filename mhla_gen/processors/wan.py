@@ -20,9 +20,18 @@ Order after the attention core: head norm -> merge heads -> CPE / gate (base cla
 
 The token grid comes with the rotary embedding: ``install_mhla`` hooks ``transformer.rope`` so that it
 returns a :class:`~mhla_gen.processors.grid.GridRotaryEmb` (see ``grid.py``).
+
+Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``): diffusers sets
+:attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
+latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
+tokens only. The layer then all-reduces block summaries instead of running the registered op on the
+whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +42,7 @@ from torch import nn
 from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
+from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from .base import BaseSpec, MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
 
@@ -77,7 +87,11 @@ class WanMHLAProcessor(MHLAProcessor):
     Attributes:
         head_norm: :class:`HeadRMSNorm` shared by all heads when ``cfg.wan_head_norm`` (the release's
             ``g_norm``), else None. Initialised to weight 1.
+        _parallel_config: diffusers' ``ParallelConfig``, set by ``enable_parallelism`` (and by
+            ``install_mhla`` on a model already parallelised); None without context parallelism.
     """
+
+    _parallel_config = None
 
     def __init__(self, cfg, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
         super().__init__(cfg, inner_dim, in_dim)
@@ -113,6 +127,33 @@ class WanMHLAProcessor(MHLAProcessor):
         denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map="identity", normalize=False)
         return cast_output(numerator / (denominator + self.cfg.eps), q.dtype)
 
+    def attend_rope_shard(self, q, k, v, rotary_emb, shard: TokenShard) -> torch.Tensor:
+        """:meth:`attend_rope` for this rank's tokens under context parallelism (one all-reduce of block
+        summaries, ``mhla_gen/parallel.py``). q, k, v ``(B, heads, n, d)`` -> same, n = ``shard.length``."""
+        cfg = self.cfg
+        acc = accumulation_dtype(q.dtype)
+        phi = get_feature_map(cfg.feature_map)
+        args = (rotary_emb.grid, cfg.blocks, self.mixing(), shard, cfg.normalize, cfg.eps)
+        if cfg.wan_rope == "before_phi":
+            fq = phi(apply_wan_rotary(q, *rotary_emb).to(acc))  # as the op: rotate, cast, φ
+            fk = phi(apply_wan_rotary(k, *rotary_emb).to(acc))
+            out = mhla_shard(fq, fk, v.to(acc), *args)
+        else:  # after_phi_numerator: RoPE on φ(q), φ(k) in the numerator, plain φ in the normaliser
+            fq, fk = phi(q.to(acc)), phi(k.to(acc))
+            rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
+            out = mhla_shard(rq, rk, v.to(acc), *args, q_norm_features=fq, k_norm_features=fk)
+        return cast_output(out, q.dtype)
+
+    def token_shard(self, rotary_emb, num_tokens: int) -> TokenShard | None:
+        """This rank's tokens under context parallelism, None when the layer sees the whole sequence."""
+        shard = context_parallel_shard(self._parallel_config, math.prod(rotary_emb.grid), num_tokens)
+        if shard is not None and rotary_emb[0].shape[1] != num_tokens:
+            raise ValueError(
+                f"context parallelism: the rotary embedding covers {rotary_emb[0].shape[1]} tokens but the "
+                f"rank's sequence has {num_tokens}"
+            )
+        return shard
+
     def forward(
         self,
         attn: WanAttention,
@@ -130,6 +171,7 @@ class WanMHLAProcessor(MHLAProcessor):
                 f"carries the token grid); got {type(rotary_emb).__name__}"
             )
         layer_input = hidden_states  # (B, N, C): what the gate reads
+        shard = self.token_shard(rotary_emb, hidden_states.shape[1])  # None: the whole sequence is here
         query, key, value = _get_qkv_projections(attn, hidden_states, None)  # (B, N, heads * d) each
         query = attn.norm_q(query)  # RMSNorm across all heads, before the head split (as Wan does)
         key = attn.norm_k(key)
@@ -138,15 +180,22 @@ class WanMHLAProcessor(MHLAProcessor):
         query, key, heads_value = (
             t.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value)
         )
+        attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
         if self.head_norm is None:
-            out = self.attend_rope(query, key, heads_value, rotary_emb)  # (B, heads, N, d)
+            out = attend(query, key, heads_value, rotary_emb)  # (B, heads, N, d)
         else:
             # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
             acc = accumulation_dtype(query.dtype)
-            out = self.attend_rope(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
+            out = attend(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
             out = self.head_norm(out)
         out = out.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, N, heads * d)
-        out = self.apply_extras(out, value, layer_input, rotary_emb.grid)
+        if shard is None:
+            out = self.apply_extras(out, value, layer_input, rotary_emb.grid)
+        else:  # CPE reads neighbours on other ranks; the gate is per token
+            if self.cpe is not None:
+                out = out + shard_cpe(self.cpe, value, rotary_emb.grid, shard).to(out.dtype)
+            if self.gate is not None:
+                out = self.gate(out, layer_input)
 
         out = attn.to_out[0](out)
         out = attn.to_out[1](out)
