@@ -52,6 +52,39 @@ def test_subgrids_tile_the_grid_with_equal_blocks(grid, blocks):
             assert torch.equal(members, (index == block).nonzero().squeeze(-1))  # row-major inside the block
 
 
+@pytest.mark.parametrize("max_tokens", [1, 7, 40, 10**6])
+@pytest.mark.parametrize("grid, blocks", LAYOUTS)
+def test_slabs_are_sub_grids_in_the_same_block_order(grid, blocks, max_tokens):
+    """Cutting sub-grids into slabs of block rows keeps every block's tokens and the block order: the
+    slabs' token views hold the tokens of the sub-grid's consecutive blocks."""
+    layout = BlockLayout(grid, blocks)
+    token_ids = torch.arange(layout.num_tokens, dtype=torch.float64).view(1, 1, -1, 1)
+    for sub, part in zip(layout.subgrids, layout.to_blocks(token_ids)):
+        slabs = sub.slabs(max_tokens)
+        assert sum(s.num_blocks for s in slabs) == sub.num_blocks
+        for slab in slabs:
+            assert slab.num_blocks * slab.block_len <= max(
+                max_tokens, sub.num_blocks // sub.counts[0] * sub.block_len
+            )
+            own = part[slab.offset - sub.offset : slab.offset - sub.offset + slab.num_blocks]
+            view = slab.token_view(token_ids, layout.grid).reshape(own.shape)
+            assert torch.equal(view, own)
+
+
+def test_large_grids_are_cut_into_slabs():
+    """A quarter of the tokens at most (never below CHUNK_MIN_TOKENS): the real Wan grid's large
+    sub-grid in three frame slabs; small grids keep their sub-grids."""
+    wan = BlockLayout((21, 30, 52), (3, 5, 10))
+    assert [(c.counts, c.offset) for c in wan.chunks] == [
+        ((3, 5, 2), 0),
+        ((1, 5, 8), 30),
+        ((1, 5, 8), 70),
+        ((1, 5, 8), 110),
+    ]
+    assert len(BlockLayout((128, 128), (4, 4)).chunks) == 4  # SANA 4096 px: 4 x 4096 tokens
+    assert BlockLayout((32, 32), (4, 4)).chunks == BlockLayout((32, 32), (4, 4)).subgrids
+
+
 @pytest.mark.parametrize(
     "grid, blocks", [((7, 5), (3, 2)), ((3, 5, 6), (2, 2, 3)), ((21, 30, 52), (3, 5, 10))]
 )

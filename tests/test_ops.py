@@ -271,6 +271,20 @@ def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixi
     assert merged._base is got[0] or merged._base is got[0]._base  # a view
 
 
+def test_large_uneven_grid_in_slabs_matches_block_loop():
+    """9360 tokens: the op cuts its sub-grids into slabs (``BlockLayout.chunks``); forward and all
+    gradients equal the float64 block loop."""
+    layout = BlockLayout((130, 72), (4, 2))
+    assert len(layout.chunks) > len(layout.subgrids)
+    q, k, v = (
+        t.requires_grad_()
+        for t in (torch.randn(1, 2, layout.num_tokens, 4, dtype=torch.float64) for _ in range(3))
+    )
+    mixing = (0.1 + torch.rand(8, 8, dtype=torch.float64)).requires_grad_()
+    got = _outputs_and_grads(mhla_attention, q, k, v, mixing, layout=layout)
+    _assert_all_close(got, _outputs_and_grads(mhla_block_loop, q, k, v, mixing, layout=layout), atol=1e-10)
+
+
 # the registered op, as torch.compile / torch.export see it
 
 OPCHECK_LAYOUTS = [((7, 5), (3, 2)), ((3, 5, 6), (2, 2, 3)), ((4, 6), (1, 1)), ((4, 3), (4, 3))]

@@ -2,8 +2,9 @@
 the Triton kernels do not apply). Read it beside ``naive.py`` (the same math as loops and dense matrices).
 
 Shapes: ``B`` batch, ``H`` heads, ``N`` tokens, ``M`` blocks, ``d`` key dim, ``e`` value dim,
-``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.subgrids``) holds ``Mg`` blocks
-of ``Lg`` tokens each; its block-major tensors are ``(Mg, B, H, Lg, ·)``, blocks outermost, so the
+``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.chunks``: the sub-grids, large
+ones cut into slabs of at most N / 4 tokens to bound the temporaries) holds ``Mg`` blocks of ``Lg`` tokens
+each; its block-major tensors are ``(Mg, B, H, Lg, ·)``, blocks outermost, so the
 summaries of all sub-grids stack into one ``(M, B, H, c, d)`` tensor and mixing is a single GEMM.
 
 The values carry a column of ones, so ``[V_j 1]ᵀ φ(K_j) = [S_j z_j]ᵀ`` gives summary and normaliser in
@@ -99,7 +100,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
     (b, h, n, e), d = v.shape, q.shape[-1]
     with autocast_off(q.device.type):
         summaries = q.new_empty(layout.num_blocks, b, h, e + normalize, d, dtype=acc)  # Ŝᵀ
-        for sub in layout.subgrids:
+        for sub in layout.chunks:
             fk = _features(k, sub, grid, feature_map, acc)  # (Mg, B, H, Lg, d)
             vb = _values(v, sub, grid, acc, normalize)  # (Mg, B, H, Lg, c)
             _bmm(vb.mT, fk, out=summaries[sub.offset : sub.offset + sub.num_blocks])
@@ -109,7 +110,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
 
         out = empty_output(q, v)
         den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
-        for sub in layout.subgrids:
+        for sub in layout.chunks:
             fq = _features(q, sub, grid, feature_map, acc)
             own = mixed[sub.offset : sub.offset + sub.num_blocks]
             num = _bmm(own, fq.mT).mT  # [num den]: (Mg, B, H, Lg, c)
@@ -153,7 +154,7 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
         w = layout.mixing_in_block_order(mixing.to(acc))
         grad_q = torch.empty_like(q) if need_q else None
         grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M, B, H, c, d)
-        for sub in layout.subgrids:  # queries: ∂q and ∂(W Ŝ)ᵀ
+        for sub in layout.chunks:  # queries: ∂q and ∂(W Ŝ)ᵀ
             g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg, B, H, Lg, c)
             xq = _blocks(q, sub, grid, acc)
             fq = FEATURE_MAPS_INPLACE[feature_map](xq.clone())
@@ -168,7 +169,7 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
         grad_v = torch.empty_like(v) if need_v else None
         grad_w = torch.zeros_like(w) if need_w else None
         grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ
-        for sub in layout.subgrids:  # keys and values: ∂k, ∂v and ∂W
+        for sub in layout.chunks:  # keys and values: ∂k, ∂v and ∂W
             blocks_of_sub = slice(sub.offset, sub.offset + sub.num_blocks)
             xk = _blocks(k, sub, grid, acc)
             fk = FEATURE_MAPS_INPLACE[feature_map](xk.clone())
