@@ -255,7 +255,7 @@ def _heads_interleaved(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("normalize", [True, False])
 def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixing):
     """(B, N, H, d).transpose(1, 2) views: exact values and gradients; the gradients keep the inputs'
-    memory layout and the output has SANA's channels-first memory, so merging heads is a view."""
+    memory layout and the output is heads-interleaved too, so merging heads is a view."""
     layout = BlockLayout(grid, blocks)
     q, k, v = (_heads_interleaved(t) for t in make_qkv(layout.num_tokens, value_dim=5, grad=True))
     assert not q.is_contiguous()
@@ -266,7 +266,7 @@ def test_heads_interleaved_inputs(grid, blocks, normalize, make_qkv, random_mixi
     for result, like in zip(got[1:], (q, k, v)):
         assert result.stride() == like.stride()
     batch, heads, tokens, width = got[0].shape
-    assert got[0].mT.is_contiguous()  # (B, H, e, N) memory
+    assert got[0].transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
     merged = got[0].transpose(1, 2).reshape(batch, tokens, heads * width)
     assert merged._base is got[0] or merged._base is got[0]._base  # a view
 

@@ -32,8 +32,11 @@ def sana_inputs(batch=2, size=8):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sana_single_block_equals_stock_linear_attention(dtype):
-    """One block, no extras, eps 1e-15: bit for bit diffusers' SanaLinearAttnProcessor2_0, with SANA's
-    q/k RMSNorm across heads, in fp32 and fp16 (the same GEMMs in the same orientation)."""
+    """One block, no extras, eps 1e-15: diffusers' SanaLinearAttnProcessor2_0 with SANA's q/k RMSNorm across
+    heads. fp32: bit for bit. fp16: the attention itself runs in fp32 in both, but SANA hands ``to_out`` a
+    transposed (channels-first) operand and MHLA a contiguous (heads-interleaved) one, so the fp16 GEMMs
+    round differently: measured at most two fp16 ulps at the scale of the largest outputs (0.00195 near
+    1.0), which is the tolerance."""
     model = tiny_sana(qk_norm="rms_norm_across_heads").eval().to(dtype)
     assert model.transformer_blocks[0].attn1.norm_q is not None
     x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sana_inputs().items()}
@@ -44,7 +47,9 @@ def test_sana_single_block_equals_stock_linear_attention(dtype):
         assert all(isinstance(b.attn1.processor, SanaMHLAProcessor) for b in model.transformer_blocks)
         ours = model(**x).sample
     assert ours.dtype == dtype
-    torch.testing.assert_close(ours, stock, rtol=0, atol=0)
+    scale = 2 ** stock.abs().max().log2().floor()  # the power of two below the largest output
+    two_ulps = 0.0 if dtype == torch.float32 else float(2 * torch.finfo(dtype).eps * scale)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=two_ulps)
 
 
 def test_sana_cross_attention_stays_stock():

@@ -380,12 +380,32 @@ def dispatch_to_kernels(monkeypatch):
     monkeypatch.setattr(triton_dispatch, "supports", supports)
 
 
+@pytest.fixture
+def implementation_calls(monkeypatch):
+    """Names of the implementation entry points the op calls, in order (``blocked.forward``,
+    ``triton.backward``, ...)."""
+    from mhla_gen.ops import blocked, triton_dispatch
+
+    calls = []
+    for name, module in (("blocked", blocked), ("triton", triton_dispatch)):
+        for function in ("forward", "backward"):
+            original = getattr(module, function)
+
+            def spy(*args, _original=original, _name=f"{name}.{function}", **kwargs):
+                calls.append(_name)
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(module, function, spy)
+    return calls
+
+
 @interpreter_only
 @pytest.mark.parametrize("normalize", [True, False])
-def test_op_runs_the_kernels(dispatch_to_kernels, normalize, monkeypatch):
-    """Through ``mhla_attention`` (the custom op and its autograd formula): forward and all gradients
-    match the oracle, the output has the kernels' heads-interleaved memory, and ``opcheck`` confirms the
-    op's fake outputs (what compiled graphs allocate) match the kernels' shapes, dtypes and strides."""
+def test_op_runs_the_kernels(dispatch_to_kernels, implementation_calls, normalize, monkeypatch):
+    """Through ``mhla_attention`` (the custom op and its autograd formula): the kernels run, forward and
+    all gradients match the oracle, the backward runs what the forward ran even if ``MHLA_TRITON=0`` is
+    set in between, ``opcheck`` confirms the op's fake outputs (what compiled graphs allocate) match the
+    kernels' shapes, dtypes and strides, and ``MHLA_TRITON=0`` sends later calls to PyTorch."""
     from mhla_gen.ops import mhla_attention
 
     layout = BlockLayout((3, 5, 6), (2, 2, 3))
@@ -393,17 +413,18 @@ def test_op_runs_the_kernels(dispatch_to_kernels, normalize, monkeypatch):
     mixing = _mixing(layout)
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
     out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
-    assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory: the kernels wrote it
-    monkeypatch.setenv("MHLA_TRITON", "0")  # switched off between forward and backward: the backward
-    got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))  # still runs the forward's kernels
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
+    monkeypatch.setenv("MHLA_TRITON", "0")
+    got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
+    assert implementation_calls == ["triton.forward", "triton.backward"]
     _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
+    mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+    assert implementation_calls[-1] == "blocked.forward"
     monkeypatch.delenv("MHLA_TRITON")
     args = (*leaves, list(layout.grid), list(layout.blocks), "relu", normalize, EPS)
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla.default, args, test_utils=("test_schema", "test_faketensor")
     )
-    monkeypatch.setenv("MHLA_TRITON", "0")  # the switch back to the PyTorch implementation
-    assert mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS).mT.is_contiguous()
 
 
 @pytest.mark.gpu
@@ -424,8 +445,7 @@ def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
     compiled = torch.compile(lambda *xs: mhla_attention(*xs, layout, mixing), fullgraph=True)
     torch.testing.assert_close(compiled(*leaves), out, rtol=GPU_TOL[dtype], atol=GPU_TOL[dtype])
     monkeypatch.setenv("MHLA_TRITON", "0")
-    reference = mhla_attention(*leaves, layout, mixing)
-    assert reference.mT.is_contiguous()  # the PyTorch implementation's channels-first output
+    reference = mhla_attention(*leaves, layout, mixing)  # the PyTorch implementation
     error = (out.double() - reference.double()).abs().max() / reference.double().abs().max()
     assert error <= GPU_TOL[dtype]
 

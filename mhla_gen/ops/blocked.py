@@ -80,18 +80,19 @@ def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
 
 
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``(B, H, N, e)`` in q's dtype with channels-first memory ``(B, H, e, N)``, as diffusers' SANA
-    processor produces it: each block's ``[num den]ᵀ`` rows copy in contiguous runs, and merging heads,
-    ``out.transpose(1, 2).flatten(2)``, is a view that the output projection reads as a transposed GEMM
-    operand (with one block, the same GEMM as SANA's, bit for bit)."""
+    """``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)``, as the Triton kernels
+    write it: merging heads, ``out.transpose(1, 2).flatten(2)``, is a contiguous view for the output
+    projection, and each token's ``e`` values are written in one run. (Channels-first memory, as SANA's
+    processor has, wrote runs as short as a block's last axis: 5-6 tokens at the Wan 480p grid, where
+    the forward's division into it took 3x as long.)"""
     b, h, n, e = v.shape
-    return q.new_empty(b, h, e, n).mT
+    return q.new_empty(b, n, h, e).transpose(1, 2)
 
 
 def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, eps: float):
     """MHLA forward. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` (any strides), mixing ``(M, M)``.
 
-    Returns ``out`` ``(B, H, N, e)`` in q's dtype (:func:`empty_output`), the mixed
+    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), the mixed
     summaries ``(W Ŝ)ᵀ`` ``(M, B, H, c, d)`` (sub-grid block order) and ``den`` ``(B, H, N)`` (with eps;
     empty without the normaliser) in the accumulation dtype: what backward needs.
     """
@@ -113,7 +114,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
         for sub in layout.chunks:
             fq = _features(q, sub, grid, feature_map, acc)
             own = mixed[sub.offset : sub.offset + sub.num_blocks]
-            num = _bmm(own, fq.mT).mT  # [num den]: (Mg, B, H, Lg, c)
+            num = _bmm(fq, own.mT)  # [num den]: (Mg, B, H, Lg, c)
             del fq
             if normalize:
                 den_blocks = num[..., e:].add_(eps)  # (Mg, B, H, Lg, 1)
