@@ -141,11 +141,13 @@ CASE_IDS = [
 ]
 FP16_CASES = [2, 3, 5]  # and test_fp16_large_states_and_clipping (2D, relu, normaliser on and off)
 
-# Max relative errors of the correct kernels over these cases, measured in the interpreter: fp32 5.0e-7
-# (every tensor 5.6e-8..5.0e-7); fp16 9.3e-4 (dq, one token per block; every tensor 6.5e-5..9.3e-4, about
-# 2x fp16's unit roundoff: the output and gradients are rounded to fp16). With fp32 instead of fp16 state
-# operands (TileConfig.fp32_state_dots) the fp16 maximum is 7.5e-4: the fp16 state costs little.
-TOL = {torch.float32: 1e-6, torch.float16: 1.5e-3}
+# Max relative errors of the correct kernels over these cases, measured in the interpreter (torch 2.15,
+# triton 3.9): fp32 1.05e-6 (dmixing of the 1D d=72 case, a sum of B*H*(d+1)*d = 21,024 fp32 products;
+# every other tensor 5.6e-8..8.3e-7; 5.0e-7 with an earlier torch / triton); fp16 9.3e-4 (dq, one token
+# per block; every tensor 6.5e-5..9.3e-4, about 2x fp16's unit roundoff: the output and gradients are
+# rounded to fp16). With fp32 instead of fp16 state operands (TileConfig.fp32_state_dots) the fp16
+# maximum is 7.5e-4: the fp16 state costs little.
+TOL = {torch.float32: 2e-6, torch.float16: 1.5e-3}
 
 
 def _check_case(tm, case, dtype):

@@ -233,7 +233,8 @@ def _output_kernel(
             b_den = tl.sum(b_fq * b_z[None, :], axis=1) + eps  # fp32 [BT]
             b_o = b_o / b_den[:, None]
             p_den = den + i_b * stride_db + i_h * stride_dh + tok * stride_dn
-            tl.store(p_den, b_den, mask=m_t & (i_e == 0))
+            if i_e == 0:  # one e-tile writes den
+                tl.store(p_den, b_den, mask=m_t)
         if CLIP_FP16:
             b_o = tl.minimum(tl.maximum(b_o, -65504.0), 65504.0)
         p_o = o_base + tok[:, None] * stride_on + o_e[None, :] * stride_oe
