@@ -285,6 +285,11 @@ def main(argv=None):
     models = build_models(args.depth, args.blocks, args.device, dtype, args.heads, args.head_dim)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     if args.compile:
+        # The three twins share DiT's forward code object, and each (model, grad mode, token count) is a
+        # graph of its own: dynamo's default limit of 8 per code object would silently run the rest
+        # eagerly (it did, for 1024 tokens after 256). Room for all of them, and an error beyond.
+        torch._dynamo.config.recompile_limit = 2 * len(MODES) * len(args.tokens) + 2
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
         models.update({name + COMPILED: torch.compile(models[name], dynamic=False) for name in MODES})
     results = {}
     for tokens in args.tokens:
