@@ -41,8 +41,20 @@ def _blocks(x, sub: SubGrid, grid, dtype, width=None) -> torch.Tensor:
 
 
 def _features(x, sub: SubGrid, grid, feature_map: str, dtype) -> torch.Tensor:
-    """``φ(x)`` block-major ``(Mg, B, H, Lg, d)``: the copy, then φ in place."""
+    """``φ(x)`` block-major ``(Mg, B, H, Lg, d)``. ReLU maps fuse into the copy (``clamp_min`` writing
+    block-major: one pass over ``x`` instead of two); the others copy, then apply φ in place."""
+    if feature_map in ("relu", "relu+1e-6") and x.dtype == dtype:
+        out = x.new_empty(sub.num_blocks, *x.shape[:2], sub.block_len, x.shape[-1])
+        torch.clamp_min(sub.token_view(x, grid), 0.0, out=sub.block_split(out))
+        return out if feature_map == "relu" else out.add_(1e-6)
     return FEATURE_MAPS_INPLACE[feature_map](_blocks(x, sub, grid, dtype))
+
+
+def _features_and_inputs(x, sub: SubGrid, grid, feature_map: str, dtype):
+    """``(φ(x), what φ's vjp reads)`` block-major. ReLU's derivative is read off its output (``φ(x) > 0``
+    exactly when ``x > 0``), so it needs no second copy of ``x``."""
+    fx = _features(x, sub, grid, feature_map, dtype)
+    return fx, fx if feature_map == "relu" else _blocks(x, sub, grid, dtype)
 
 
 def _values(v, sub: SubGrid, grid, dtype, normalize: bool) -> torch.Tensor:
@@ -157,8 +169,7 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
         grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M, B, H, c, d)
         for sub in layout.chunks:  # queries: ∂q and ∂(W Ŝ)ᵀ
             g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg, B, H, Lg, c)
-            xq = _blocks(q, sub, grid, acc)
-            fq = FEATURE_MAPS_INPLACE[feature_map](xq.clone())
+            fq, xq = _features_and_inputs(q, sub, grid, feature_map, acc)
             blocks_of_sub = slice(sub.offset, sub.offset + sub.num_blocks)
             if need_q:
                 grad_fq = _bmm(g, mixed[blocks_of_sub])  # (Mg, B, H, Lg, d)
@@ -168,12 +179,11 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
 
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
-        grad_w = torch.zeros_like(w) if need_w else None
+        grad_w = torch.empty_like(w) if need_w else None  # the sub-grids' columns cover it
         grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ
         for sub in layout.chunks:  # keys and values: ∂k, ∂v and ∂W
             blocks_of_sub = slice(sub.offset, sub.offset + sub.num_blocks)
-            xk = _blocks(k, sub, grid, acc)
-            fk = FEATURE_MAPS_INPLACE[feature_map](xk.clone())
+            fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)
             vb = _values(v, sub, grid, acc, normalize)
             if need_w:  # ∂W[:, j] = <∂(W Ŝ)ᵀ, Ŝᵀ_j> over (B, H, c, d)
                 summaries = _bmm(vb.mT, fk)  # Ŝᵀ of this sub-grid's blocks

@@ -42,7 +42,8 @@ FEATURE_MAPS_INPLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def feature_map_vjp_(name: str, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad * φ'(x)`` for a named φ (x is the input of φ); may reuse ``grad``'s memory.
+    """``grad * φ'(x)`` for a named φ; may reuse ``grad``'s memory. ``x`` is φ's input, or for ``relu``
+    either its input or its output (``relu(x) > 0`` exactly where ``x > 0``, as ATen's relu backward uses).
 
     ATen's own activation backward kernels: on CPU ``masked_fill_`` with a ``x <= 0`` mask took 630 µs
     where ``threshold_backward`` takes 21 µs (a DiT-S/2 block-major tensor, 98k elements, one thread).
