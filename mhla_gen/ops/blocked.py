@@ -31,22 +31,25 @@ from .checks import accumulation_dtype, autocast_off
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
 
-def _blocks(x, sub: SubGrid, grid, dtype, width=None) -> torch.Tensor:
+def _blocks(x, sub: SubGrid, grid, dtype, width=None, floor=None) -> torch.Tensor:
     """Fresh ``(Mg, B, H, Lg, width)`` buffer holding ``x``'s sub-grid tokens block-major in ``dtype``
-    (one copy); columns past ``x.shape[-1]`` are left for the caller."""
+    (one copy); columns past ``x.shape[-1]`` are left for the caller. ``floor``: the copy is
+    ``max(x, floor)`` (``clamp_min`` writing block-major, for ``x`` already in ``dtype``)."""
     b, h, _, c = x.shape
     out = x.new_empty(sub.num_blocks, b, h, sub.block_len, width or c, dtype=dtype)
-    sub.block_split(out[..., :c]).copy_(sub.token_view(x, grid))
+    if floor is None:
+        sub.block_split(out[..., :c]).copy_(sub.token_view(x, grid))
+    else:
+        torch.clamp_min(sub.token_view(x, grid), floor, out=sub.block_split(out[..., :c]))
     return out
 
 
 def _features(x, sub: SubGrid, grid, feature_map: str, dtype) -> torch.Tensor:
-    """``φ(x)`` block-major ``(Mg, B, H, Lg, d)``. ReLU maps fuse into the copy (``clamp_min`` writing
-    block-major: one pass over ``x`` instead of two); the others copy, then apply φ in place."""
+    """``φ(x)`` block-major ``(Mg, B, H, Lg, d)``. ReLU maps fuse into the copy (one pass over ``x``
+    instead of two; ``clamp_min`` writes only its input's dtype); the others copy, then apply φ in place."""
     if feature_map in ("relu", "relu+1e-6") and x.dtype == dtype:
-        out = x.new_empty(sub.num_blocks, *x.shape[:2], sub.block_len, x.shape[-1])
-        torch.clamp_min(sub.token_view(x, grid), 0.0, out=sub.block_split(out))
-        return out if feature_map == "relu" else out.add_(1e-6)
+        fx = _blocks(x, sub, grid, dtype, floor=0.0)
+        return fx if feature_map == "relu" else fx.add_(1e-6)
     return FEATURE_MAPS_INPLACE[feature_map](_blocks(x, sub, grid, dtype))
 
 
