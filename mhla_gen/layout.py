@@ -83,15 +83,16 @@ class SubGrid:
         """``(B, H, N, c)`` token-order ``x`` -> the box's tokens as a view
         ``(n0, [n1, n2,] B, H, s0, [s1, s2,] c)`` (block coords first, then coords inside the block)."""
         nd = len(grid)
-        x = x.unflatten(2, grid)  # (B, H, *grid, c)
-        for axis in range(nd):
-            x = x.narrow(2 + axis, self.start[axis], self.counts[axis] * self.sizes[axis])
-        split = [v for pair in zip(self.counts, self.sizes) for v in pair]
-        x = x.reshape(*x.shape[:2], *split, x.shape[-1])  # a view: each axis is split, not merged
+        split = [v for pair in zip(self.counts, self.sizes) for v in pair]  # n0, s0, n1, s1, ..
+        if all(n * s == g for n, s, g in zip(self.counts, self.sizes, grid)):  # the whole grid: one view
+            x = x.view(*x.shape[:2], *split, x.shape[-1])
+        else:
+            x = x.unflatten(2, grid)  # (B, H, *grid, c)
+            for axis in range(nd):
+                x = x.narrow(2 + axis, self.start[axis], self.counts[axis] * self.sizes[axis])
+            x = x.reshape(*x.shape[:2], *split, x.shape[-1])  # a view: each axis is split, not merged
         # (B, H, n0, s0, n1, s1, .., c) -> (n0, n1, .., B, H, s0, s1, .., c)
-        blocks_first = [2 + 2 * a for a in range(nd)]
-        inside = [3 + 2 * a for a in range(nd)]
-        return x.permute(*blocks_first, 0, 1, *inside, x.dim() - 1)
+        return x.permute(*range(2, 2 + 2 * nd, 2), 0, 1, *range(3, 3 + 2 * nd, 2), 2 + 2 * nd)
 
     def block_split(self, xb: torch.Tensor) -> torch.Tensor:
         """Block-major ``(Mg, B, H, Lg, c)`` seen with the shape of :meth:`token_view`."""

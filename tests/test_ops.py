@@ -321,6 +321,33 @@ def test_opcheck_backward(needs, make_qkv):
     )
 
 
+def test_backward_allocates_no_gradients_for_the_saved_outputs(make_qkv):
+    """The op's extra outputs only carry what backward reads: they are non-differentiable, and autograd
+    passes no zero gradients for them (each would be an (M, B, H, c, d) allocation and fill per call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    layout = BlockLayout((6, 8), (2, 4))
+    q, k, v = make_qkv(layout.num_tokens, dim=8, grad=True)
+    mixing = torch.rand(8, 8, requires_grad=True)
+    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, [6, 8], [2, 4], "relu", True, 1e-6)
+    assert out.requires_grad and not any(t.requires_grad for t in saved)
+    with RecordOps() as record:
+        out.sum().backward()
+    assert torch.ops.mhla_gen.mhla_backward.default in record.ops
+    fills = ("zeros", "zeros_like", "new_zeros", "fill_")
+    created = [op for op in record.ops if op.__name__.split(".")[0] in fills]
+    assert created == [], f"backward materialised gradients: {created}"
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_meta_device_gives_shapes_only(normalize):
     """Shape-only forward and backward on ``meta`` (diffusers' low-memory init and shape checks)."""

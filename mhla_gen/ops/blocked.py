@@ -37,10 +37,11 @@ def _blocks(x, sub: SubGrid, grid, dtype, width=None, floor=None) -> torch.Tenso
     ``max(x, floor)`` (``clamp_min`` writing block-major, for ``x`` already in ``dtype``)."""
     b, h, _, c = x.shape
     out = x.new_empty(sub.num_blocks, b, h, sub.block_len, width or c, dtype=dtype)
+    dst = sub.block_split(out if width is None else out[..., :c])
     if floor is None:
-        sub.block_split(out[..., :c]).copy_(sub.token_view(x, grid))
+        dst.copy_(sub.token_view(x, grid))
     else:
-        torch.clamp_min(sub.token_view(x, grid), floor, out=sub.block_split(out[..., :c]))
+        torch.clamp_min(sub.token_view(x, grid), floor, out=dst)
     return out
 
 

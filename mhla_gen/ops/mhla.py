@@ -135,11 +135,17 @@ def _setup_context(ctx, inputs, output):
     q, k, v, mixing, grid, blocks, feature_map, normalize, eps = inputs
     out, *saved = output
     ctx.save_for_backward(q, k, v, mixing, out, *saved)
+    # The saved tensors are outputs only so that backward can read them: no gradient flows into them,
+    # and autograd must not materialise zero gradients for them (an (M, B, H, c, d) fill per call).
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
     ctx.args = (grid, blocks, feature_map, normalize, eps)
     ctx.triton = _use_triton(q, k, v)  # what the forward ran (MHLA_TRITON may change before backward)
 
 
 def _backward(ctx, grad_out, *unused_grads):
+    if grad_out is None:  # the output took no part in the loss (grads are not materialised)
+        return (None,) * 9
     q, k, v, mixing, out, *saved = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     grads = torch.ops.mhla_gen.mhla_backward(
