@@ -4,8 +4,9 @@ the Triton kernels do not apply). Read it beside ``naive.py`` (the same math as 
 Shapes: ``B`` batch, ``H`` heads, ``N`` tokens, ``M`` blocks, ``d`` key dim, ``e`` value dim,
 ``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.chunks``: the sub-grids, large
 ones cut into slabs of at most N / 4 tokens to bound the temporaries) holds ``Mg`` blocks of ``Lg`` tokens
-each; its block-major tensors are ``(Mg, B, H, Lg, ·)``, blocks outermost, so the
-summaries of all sub-grids stack into one ``(M, B, H, c, d)`` tensor and mixing is a single GEMM.
+each; its block-major tensors are ``(Mg·B·H, Lg, ·)`` (blocks outermost, then batch and heads: what
+``torch.bmm`` takes), so the summaries of all sub-grids stack into one ``(M·B·H, c, d)`` tensor and mixing
+is a single GEMM on its ``(M, B·H·c·d)`` view.
 
 The values carry a column of ones, so ``[V_j 1]ᵀ φ(K_j) = [S_j z_j]ᵀ`` gives summary and normaliser in
 one GEMM, and ``(W Ŝ)ᵀ φ(Q)ᵀ`` gives numerator and denominator rows together: the orientation of
@@ -31,13 +32,24 @@ from .checks import accumulation_dtype, autocast_off
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
 
+def _split(sub: SubGrid, xb: torch.Tensor, b: int, h: int) -> torch.Tensor:
+    """Block-major ``(Mg·B·H, Lg, c)`` seen with the shape of ``sub.token_view``:
+    ``(n0, [n1, n2,] B, H, s0, [s1, s2,] c)``."""
+    return xb.view(*sub.counts, b, h, *sub.sizes, xb.shape[-1])
+
+
+def _rows(sub: SubGrid, bh: int) -> slice:
+    """The sub-grid's rows of a stacked ``(M·B·H, ·, ·)`` tensor (``bh = B·H`` rows per block)."""
+    return slice(sub.offset * bh, (sub.offset + sub.num_blocks) * bh)
+
+
 def _blocks(x, sub: SubGrid, grid, dtype, width=None, floor=None) -> torch.Tensor:
-    """Fresh ``(Mg, B, H, Lg, width)`` buffer holding ``x``'s sub-grid tokens block-major in ``dtype``
+    """Fresh ``(Mg·B·H, Lg, width)`` buffer holding ``x``'s sub-grid tokens block-major in ``dtype``
     (one copy); columns past ``x.shape[-1]`` are left for the caller. ``floor``: the copy is
     ``max(x, floor)`` (``clamp_min`` writing block-major, for ``x`` already in ``dtype``)."""
     b, h, _, c = x.shape
-    out = x.new_empty(sub.num_blocks, b, h, sub.block_len, width or c, dtype=dtype)
-    dst = sub.block_split(out if width is None else out[..., :c])
+    out = x.new_empty(sub.num_blocks * b * h, sub.block_len, width or c, dtype=dtype)
+    dst = _split(sub, out if width is None else out[..., :c], b, h)
     if floor is None:
         dst.copy_(sub.token_view(x, grid))
     else:
@@ -46,7 +58,7 @@ def _blocks(x, sub: SubGrid, grid, dtype, width=None, floor=None) -> torch.Tenso
 
 
 def _features(x, sub: SubGrid, grid, feature_map: str, dtype) -> torch.Tensor:
-    """``φ(x)`` block-major ``(Mg, B, H, Lg, d)``. ReLU maps fuse into the copy (one pass over ``x``
+    """``φ(x)`` block-major ``(Mg·B·H, Lg, d)``. ReLU maps fuse into the copy (one pass over ``x``
     instead of two; ``clamp_min`` writes only its input's dtype); the others copy, then apply φ in place."""
     if feature_map in ("relu", "relu+1e-6") and x.dtype == dtype:
         fx = _blocks(x, sub, grid, dtype, floor=0.0)
@@ -62,7 +74,7 @@ def _features_and_inputs(x, sub: SubGrid, grid, feature_map: str, dtype):
 
 
 def _values(v, sub: SubGrid, grid, dtype, normalize: bool) -> torch.Tensor:
-    """Block-major ``[V 1]`` ``(Mg, B, H, Lg, c)`` (the ones column only with the normaliser)."""
+    """Block-major ``[V 1]`` ``(Mg·B·H, Lg, c)`` (the ones column only with the normaliser)."""
     e = v.shape[-1]
     vb = _blocks(v, sub, grid, dtype, width=e + normalize)
     if normalize:
@@ -70,29 +82,23 @@ def _values(v, sub: SubGrid, grid, dtype, normalize: bool) -> torch.Tensor:
     return vb
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, out=None) -> torch.Tensor:
-    """``a @ b`` for ``(Mg, B, H, r, s) @ (Mg, B, H, s, t)`` as one bmm over ``Mg·B·H`` (either operand
-    may be transposed in its last two dims)."""
-    result = torch.bmm(a.flatten(0, 2), b.flatten(0, 2), out=None if out is None else out.flatten(0, 2))
-    return result.view(*a.shape[:3], *result.shape[1:])
-
-
 def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``Σ_j w[i, j] x[j]`` for ``x`` ``(M, ...)``: one GEMM."""
-    return (w @ x.flatten(1)).view_as(x)
+    """``Σ_j w[i, j] x[j]`` for stacked ``x`` ``(M·B·H, c, d)`` (block ``j``'s rows together): one GEMM."""
+    return (w @ x.view(w.shape[1], -1)).view_as(x)
 
 
 def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
-    """``dst``'s sub-grid tokens ``= num / den`` (or ``num``) from block-major ``(Mg, B, H, Lg, ·)``;
+    """``dst``'s sub-grid tokens ``= num / den`` (or ``num``) from block-major ``(Mg·B·H, Lg, ·)``;
     fp16 is clipped to its range first, as diffusers' SANA processor does."""
+    b, h = dst.shape[:2]
     dst = sub.token_view(dst, grid)
     if dst.dtype == torch.float16:
         num = (num / den if den is not None else num).clamp(-65504, 65504)
         den = None
     if den is None:
-        dst.copy_(sub.block_split(num))
+        dst.copy_(_split(sub, num, b, h))
     else:
-        torch.div(sub.block_split(num), sub.block_split(den), out=dst)
+        torch.div(_split(sub, num, b, h), _split(sub, den, b, h), out=dst)
 
 
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -116,42 +122,40 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
     acc = accumulation_dtype(q.dtype)
     (b, h, n, e), d = v.shape, q.shape[-1]
     with autocast_off(q.device.type):
-        summaries = q.new_empty(layout.num_blocks, b, h, e + normalize, d, dtype=acc)  # Ŝᵀ
+        summaries = q.new_empty(layout.num_blocks * b * h, e + normalize, d, dtype=acc)  # Ŝᵀ: (M·B·H, c, d)
         for sub in layout.chunks:
-            fk = _features(k, sub, grid, feature_map, acc)  # (Mg, B, H, Lg, d)
-            vb = _values(v, sub, grid, acc, normalize)  # (Mg, B, H, Lg, c)
-            _bmm(vb.mT, fk, out=summaries[sub.offset : sub.offset + sub.num_blocks])
+            fk = _features(k, sub, grid, feature_map, acc)  # (Mg·B·H, Lg, d)
+            vb = _values(v, sub, grid, acc, normalize)  # (Mg·B·H, Lg, c)
+            torch.bmm(vb.mT, fk, out=summaries[_rows(sub, b * h)])
             del fk, vb
-        mixed = _mix(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M, B, H, c, d)
+        mixed = _mix(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
         del summaries
 
         out = empty_output(q, v)
         den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
         for sub in layout.chunks:
             fq = _features(q, sub, grid, feature_map, acc)
-            own = mixed[sub.offset : sub.offset + sub.num_blocks]
-            num = _bmm(fq, own.mT)  # [num den]: (Mg, B, H, Lg, c)
+            num = torch.bmm(fq, mixed[_rows(sub, b * h)].mT)  # [num den]: (Mg·B·H, Lg, c)
             del fq
             if normalize:
-                den_blocks = num[..., e:].add_(eps)  # (Mg, B, H, Lg, 1)
+                den_blocks = num[..., e:].add_(eps)  # (Mg·B·H, Lg, 1)
                 _write_tokens(den.unsqueeze(-1), sub, grid, den_blocks)
                 _write_tokens(out, sub, grid, num[..., :e], den_blocks)
             else:
                 _write_tokens(out, sub, grid, num)
-    return out, mixed, den
+    return out, mixed.view(layout.num_blocks, b, h, e + normalize, d), den
 
 
 def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
-    """``G = [g / den, -(g · out) / den]`` block-major ``(Mg, B, H, Lg, c)``: the gradient of
+    """``G = [g / den, -(g · out) / den]`` block-major ``(Mg·B·H, Lg, c)``: the gradient of
     ``[num den]`` from ``out = num / den`` (just ``g`` without the normaliser)."""
-    e = grad_out.shape[-1]
     if den.numel() == 0:
         return _blocks(grad_out, sub, grid, dtype)
-    g = grad_out.new_empty(sub.num_blocks, *grad_out.shape[:2], sub.block_len, e + 1, dtype=dtype)
-    den_view = sub.token_view(den.unsqueeze(-1), grid)
-    torch.div(sub.token_view(grad_out, grid), den_view, out=sub.block_split(g[..., :e]))
-    g_num = sub.block_split(g[..., :e])  # g / den
-    sub.block_split(g[..., e:]).copy_((g_num * sub.token_view(out, grid)).sum(-1, keepdim=True).neg_())
+    b, h, _, e = grad_out.shape
+    g = grad_out.new_empty(sub.num_blocks * b * h, sub.block_len, e + 1, dtype=dtype)
+    g_num = _split(sub, g[..., :e], b, h)
+    torch.div(sub.token_view(grad_out, grid), sub.token_view(den.unsqueeze(-1), grid), out=g_num)  # g / den
+    _split(sub, g[..., e:], b, h).copy_((g_num * sub.token_view(out, grid)).sum(-1, keepdim=True).neg_())
     return g
 
 
@@ -164,40 +168,41 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
              needs: tuple[bool, bool, bool, bool]):
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc = mixed.dtype
-    e = v.shape[-1]
+    acc, bh, e = mixed.dtype, q.shape[0] * q.shape[1], v.shape[-1]
+    mixed = mixed.flatten(0, 2)  # (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
         grad_q = torch.empty_like(q) if need_q else None
-        grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M, B, H, c, d)
+        grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M·B·H, c, d)
         for sub in layout.chunks:  # queries: ∂q and ∂(W Ŝ)ᵀ
-            g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg, B, H, Lg, c)
+            g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg·B·H, Lg, c)
             fq, xq = _features_and_inputs(q, sub, grid, feature_map, acc)
-            blocks_of_sub = slice(sub.offset, sub.offset + sub.num_blocks)
             if need_q:
-                grad_fq = _bmm(g, mixed[blocks_of_sub])  # (Mg, B, H, Lg, d)
+                grad_fq = torch.bmm(g, mixed[_rows(sub, bh)])  # (Mg·B·H, Lg, d)
                 _write_input_grad(grad_q, sub, grid, xq, grad_fq, feature_map)
-            _bmm(g.mT, fq, out=grad_mixed[blocks_of_sub])
+            torch.bmm(g.mT, fq, out=grad_mixed[_rows(sub, bh)])
             del g, xq, fq
 
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
         grad_w = torch.empty_like(w) if need_w else None  # the sub-grids' columns cover it
-        grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ
+        grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
         for sub in layout.chunks:  # keys and values: ∂k, ∂v and ∂W
-            blocks_of_sub = slice(sub.offset, sub.offset + sub.num_blocks)
+            rows = _rows(sub, bh)
             fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)
             vb = _values(v, sub, grid, acc, normalize)
             if need_w:  # ∂W[:, j] = <∂(W Ŝ)ᵀ, Ŝᵀ_j> over (B, H, c, d)
-                summaries = _bmm(vb.mT, fk)  # Ŝᵀ of this sub-grid's blocks
-                grad_w[:, blocks_of_sub] = grad_mixed.flatten(1) @ summaries.flatten(1).T
+                summaries = torch.bmm(vb.mT, fk)  # Ŝᵀ of this sub-grid's blocks
+                grad_w[:, sub.offset : sub.offset + sub.num_blocks] = (
+                    grad_mixed.view(layout.num_blocks, -1) @ summaries.view(sub.num_blocks, -1).T
+                )
                 del summaries
             if need_k:
-                grad_fk = _bmm(vb, grad_summaries[blocks_of_sub])  # (Mg, B, H, Lg, d), ∂z via the ones
+                grad_fk = torch.bmm(vb, grad_summaries[rows])  # (Mg·B·H, Lg, d), ∂z via the ones
                 _write_input_grad(grad_k, sub, grid, xk, grad_fk, feature_map)
             if need_v:
-                grad_vb = _bmm(fk, grad_summaries[blocks_of_sub, ..., :e, :].mT)  # (Mg, B, H, Lg, e)
+                grad_vb = torch.bmm(fk, grad_summaries[rows, :e, :].mT)  # (Mg·B·H, Lg, e)
                 _write_tokens(grad_v, sub, grid, grad_vb)
             del xk, fk, vb
         if need_w:
