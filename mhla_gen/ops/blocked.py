@@ -13,14 +13,17 @@ one GEMM, and ``(W Ŝ)ᵀ φ(Q)ᵀ`` gives numerator and denominator rows togeth
 diffusers' ``SanaLinearAttnProcessor2_0`` (with one block this computes exactly what it computes).
 
     forward                                         backward (G = [∂num ∂den] per token)
-    Ŝᵀ_j = [V_j 1]ᵀ φ(K_j)       (c, d) per block   ∂φ(Q_i) = G_i (W Ŝ)ᵀ_i
-    (W Ŝ)ᵀ = W @ Ŝᵀ               one GEMM           ∂(W Ŝ)ᵀ_i = G_iᵀ φ(Q_i)
-    [num den]ᵀ_i = (W Ŝ)ᵀ_i φ(Q_i)ᵀ                  ∂W = ∂(W Ŝ)ᵀ · Ŝᵀ (summed over B, H, c, d)
-    out = num / (den + eps)                          ∂Ŝᵀ = Wᵀ @ ∂(W Ŝ)ᵀ
+    Ŝᵀ_j = [V_j 1]ᵀ φ(K_j)       (c, d) per block   (W Ŝ)ᵀ = W @ Ŝᵀ again (Ŝᵀ is saved)
+    (W Ŝ)ᵀ = W @ Ŝᵀ               one GEMM           ∂φ(Q_i) = G_i (W Ŝ)ᵀ_i
+    [num den]ᵀ_i = (W Ŝ)ᵀ_i φ(Q_i)ᵀ                  ∂(W Ŝ)ᵀ_i = G_iᵀ φ(Q_i)
+    out = num / (den + eps)                          ∂W = ∂(W Ŝ)ᵀ · Ŝᵀ (summed over B, H, c, d)
+                                                     ∂Ŝᵀ = Wᵀ @ ∂(W Ŝ)ᵀ
                                                      ∂φ(K_j) = [V_j 1] ∂Ŝᵀ_j,  ∂V_j = φ(K_j) ∂S_jᵀ
 
 Block-major copies are made in the accumulation dtype (fp32 for bf16/fp16 inputs), so every GEMM
-accumulates in fp32; backward rebuilds them from the inputs instead of saving them.
+accumulates in fp32; backward rebuilds them from the inputs instead of saving them. It saves the
+summaries Ŝᵀ rather than the mixed ones: the mixing GEMM (``2 M² c d`` flops per head) is cheaper to
+redo than the summaries (``2 N c d``) whenever the blocks hold at least ``M`` tokens on average.
 """
 
 from __future__ import annotations
@@ -114,9 +117,9 @@ def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, eps: float):
     """MHLA forward. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` (any strides), mixing ``(M, M)``.
 
-    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), the mixed
-    summaries ``(W Ŝ)ᵀ`` ``(M, B, H, c, d)`` (sub-grid block order) and ``den`` ``(B, H, N)`` (with eps;
-    empty without the normaliser) in the accumulation dtype: what backward needs.
+    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), the
+    summaries ``Ŝᵀ`` ``(M, B, H, c, d)`` (sub-grid block order, before mixing) and ``den`` ``(B, H, N)``
+    (with eps; empty without the normaliser) in the accumulation dtype: what backward needs.
     """
     layout = layout_for(tuple(grid), tuple(blocks))
     acc = accumulation_dtype(q.dtype)
@@ -129,7 +132,6 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
             torch.bmm(vb.mT, fk, out=summaries[_rows(sub, b * h)])
             del fk, vb
         mixed = _mix(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
-        del summaries
 
         out = empty_output(q, v)
         den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
@@ -143,7 +145,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
                 _write_tokens(out, sub, grid, num[..., :e], den_blocks)
             else:
                 _write_tokens(out, sub, grid, num)
-    return out, mixed.view(layout.num_blocks, b, h, e + normalize, d), den
+    return out, summaries.view(layout.num_blocks, b, h, e + normalize, d), den
 
 
 def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
@@ -164,15 +166,16 @@ def _write_input_grad(dst, sub: SubGrid, grid, x_blocks, grad_blocks, feature_ma
     _write_tokens(dst, sub, grid, feature_map_vjp_(feature_map, x_blocks, grad_blocks))
 
 
-def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_map: str, normalize: bool,
+def backward(grad_out, q, k, v, mixing, out, summaries, den, grid, blocks, feature_map: str, normalize: bool,
              needs: tuple[bool, bool, bool, bool]):
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc, bh, e = mixed.dtype, q.shape[0] * q.shape[1], v.shape[-1]
-    mixed = mixed.flatten(0, 2)  # (M·B·H, c, d)
+    acc, bh, e = summaries.dtype, q.shape[0] * q.shape[1], v.shape[-1]
+    summaries = summaries.flatten(0, 2)  # Ŝᵀ: (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
+        mixed = _mix(w, summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
         grad_q = torch.empty_like(q) if need_q else None
         grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M·B·H, c, d)
         for sub in layout.chunks:  # queries: ∂q and ∂(W Ŝ)ᵀ
@@ -183,21 +186,18 @@ def backward(grad_out, q, k, v, mixing, out, mixed, den, grid, blocks, feature_m
                 _write_input_grad(grad_q, sub, grid, xq, grad_fq, feature_map)
             torch.bmm(g.mT, fq, out=grad_mixed[_rows(sub, bh)])
             del g, xq, fq
+        del mixed
 
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
-        grad_w = torch.empty_like(w) if need_w else None  # the sub-grids' columns cover it
+        m = layout.num_blocks  # ∂W[i, j] = <∂(W Ŝ)ᵀ_i, Ŝᵀ_j> over (B, H, c, d): one GEMM
+        grad_w = grad_mixed.view(m, -1) @ summaries.view(m, -1).T if need_w else None
         grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
-        for sub in layout.chunks:  # keys and values: ∂k, ∂v and ∂W
+        del grad_mixed
+        for sub in layout.chunks if need_k or need_v else ():  # keys and values: ∂k and ∂v
             rows = _rows(sub, bh)
             fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)
             vb = _values(v, sub, grid, acc, normalize)
-            if need_w:  # ∂W[:, j] = <∂(W Ŝ)ᵀ, Ŝᵀ_j> over (B, H, c, d)
-                summaries = torch.bmm(vb.mT, fk)  # Ŝᵀ of this sub-grid's blocks
-                grad_w[:, sub.offset : sub.offset + sub.num_blocks] = (
-                    grad_mixed.view(layout.num_blocks, -1) @ summaries.view(sub.num_blocks, -1).T
-                )
-                del summaries
             if need_k:
                 grad_fk = torch.bmm(vb, grad_summaries[rows])  # (Mg·B·H, Lg, d), ∂z via the ones
                 _write_input_grad(grad_k, sub, grid, xk, grad_fk, feature_map)
