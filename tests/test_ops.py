@@ -1,5 +1,7 @@
 """The fast path against the references (flash-linear-attention style): forward, gradients, dtypes."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,8 @@ LAYOUTS = [
     ((3, 5, 6), (2, 2, 3)),
     ((4, 6), (1, 1)),  # one block
     ((4, 3), (4, 3)),  # one token per block
+    ((9, 10), (2, 3)),  # uneven, M² <= N: the op saves the summaries (the others above save them mixed)
+    ((5, 6, 7), (2, 2, 2)),
 ]
 CAUSAL_LAYOUTS = [((16,), (4,)), ((13,), (5,)), ((23,), (9,)), ((6,), (6,)), ((7,), (1,))]
 
@@ -319,6 +323,18 @@ def test_opcheck_backward(needs, make_qkv):
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla_backward.default, args, test_utils=("test_schema", "test_faketensor")
     )
+
+
+def test_backward_redoes_the_cheaper_of_summaries_and_mixing():
+    """The forward saves the summaries where redoing the mixing (2 M² c d flops per head) is cheaper than
+    rebuilding them (2 N c d), else the mixed summaries; both paths are in LAYOUTS above."""
+    from mhla_gen.ops.blocked import saves_summaries
+
+    assert saves_summaries(BlockLayout((16, 16), (4, 4)))  # DiT at 256 tokens: M² = N
+    assert saves_summaries(BlockLayout((21, 30, 52), (3, 5, 10)))  # Wan 480p: 22,500 <= 32,760
+    assert not saves_summaries(BlockLayout((32, 32), (16, 16)))  # 256 blocks of 4 tokens
+    kinds = {saves_summaries(BlockLayout(grid, blocks)) for grid, blocks in LAYOUTS if math.prod(blocks) > 1}
+    assert kinds == {True, False}
 
 
 def test_backward_allocates_no_gradients_for_the_saved_outputs(make_qkv):

@@ -21,9 +21,9 @@ diffusers' ``SanaLinearAttnProcessor2_0`` (with one block this computes exactly 
                                                      ∂φ(K_j) = [V_j 1] ∂Ŝᵀ_j,  ∂V_j = φ(K_j) ∂S_jᵀ
 
 Block-major copies are made in the accumulation dtype (fp32 for bf16/fp16 inputs), so every GEMM
-accumulates in fp32; backward rebuilds them from the inputs instead of saving them. It saves the
-summaries Ŝᵀ rather than the mixed ones: the mixing GEMM (``2 M² c d`` flops per head) is cheaper to
-redo than the summaries (``2 N c d``) whenever the blocks hold at least ``M`` tokens on average.
+accumulates in fp32; backward rebuilds them from the inputs instead of saving them. Backward needs both
+Ŝᵀ (for ∂W) and (W Ŝ)ᵀ; the forward saves one and backward redoes the other, whichever is cheaper
+(:func:`saves_summaries`): the mixing GEMM costs ``2 M² c d`` flops per head, the summaries ``2 N c d``.
 """
 
 from __future__ import annotations
@@ -114,12 +114,19 @@ def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return q.new_empty(b, n, h, e).transpose(1, 2)
 
 
+def saves_summaries(layout) -> bool:
+    """Whether the forward saves the summaries ``Ŝᵀ`` (backward redoes the mixing: ``M² <= N``, e.g. 16
+    blocks from 256 tokens, Wan's 150 blocks of 32,760 tokens) or the mixed ``(W Ŝ)ᵀ`` (backward
+    rebuilds the summaries from k and v: many small blocks, e.g. 256 blocks of 1024 tokens)."""
+    return layout.num_blocks**2 <= layout.num_tokens
+
+
 def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, eps: float):
     """MHLA forward. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` (any strides), mixing ``(M, M)``.
 
-    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), the
-    summaries ``Ŝᵀ`` ``(M, B, H, c, d)`` (sub-grid block order, before mixing) and ``den`` ``(B, H, N)``
-    (with eps; empty without the normaliser) in the accumulation dtype: what backward needs.
+    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), ``Ŝᵀ`` or
+    ``(W Ŝ)ᵀ`` (:func:`saves_summaries`) ``(M, B, H, c, d)`` in sub-grid block order, and ``den``
+    ``(B, H, N)`` (with eps; empty without the normaliser) in the accumulation dtype: what backward needs.
     """
     layout = layout_for(tuple(grid), tuple(blocks))
     acc = accumulation_dtype(q.dtype)
@@ -132,6 +139,8 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
             torch.bmm(vb.mT, fk, out=summaries[_rows(sub, b * h)])
             del fk, vb
         mixed = _mix(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
+        saved = summaries if saves_summaries(layout) else mixed
+        del summaries
 
         out = empty_output(q, v)
         den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
@@ -145,7 +154,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
                 _write_tokens(out, sub, grid, num[..., :e], den_blocks)
             else:
                 _write_tokens(out, sub, grid, num)
-    return out, summaries.view(layout.num_blocks, b, h, e + normalize, d), den
+    return out, saved.view(layout.num_blocks, b, h, e + normalize, d), den
 
 
 def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
@@ -166,38 +175,37 @@ def _write_input_grad(dst, sub: SubGrid, grid, x_blocks, grad_blocks, feature_ma
     _write_tokens(dst, sub, grid, feature_map_vjp_(feature_map, x_blocks, grad_blocks))
 
 
-def backward(grad_out, q, k, v, mixing, out, summaries, den, grid, blocks, feature_map: str, normalize: bool,
+def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_map: str, normalize: bool,
              needs: tuple[bool, bool, bool, bool]):
-    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False)."""
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False); ``saved``
+    is what the forward returned, ``Ŝᵀ`` or ``(W Ŝ)ᵀ`` (:func:`saves_summaries`)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc, bh, e = summaries.dtype, q.shape[0] * q.shape[1], v.shape[-1]
-    summaries = summaries.flatten(0, 2)  # Ŝᵀ: (M·B·H, c, d)
+    acc, e, m = saved.dtype, v.shape[-1], layout.num_blocks
+    saved = saved.flatten(0, 2)  # (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
-        mixed = _mix(w, summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
-        grad_q = torch.empty_like(q) if need_q else None
-        grad_mixed = torch.empty_like(mixed)  # ∂(W Ŝ)ᵀ: (M·B·H, c, d)
-        for sub in layout.chunks:  # queries: ∂q and ∂(W Ŝ)ᵀ
-            g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg·B·H, Lg, c)
-            fq, xq = _features_and_inputs(q, sub, grid, feature_map, acc)
-            if need_q:
-                grad_fq = torch.bmm(g, mixed[_rows(sub, bh)])  # (Mg·B·H, Lg, d)
-                _write_input_grad(grad_q, sub, grid, xq, grad_fq, feature_map)
-            torch.bmm(g.mT, fq, out=grad_mixed[_rows(sub, bh)])
-            del g, xq, fq
+        summaries = saved if saves_summaries(layout) else None  # else rebuilt below for ∂W
+        mixed = _mix(w, saved) if summaries is not None else saved  # (W Ŝ)ᵀ: (M·B·H, c, d)
+        grad_q, grad_mixed = _query_grads(grad_out, q, out, den, mixed, grid, layout, feature_map, need_q)
         del mixed
 
+        rebuild = need_w and summaries is None  # ∂W from Ŝᵀ rebuilt sub-grid by sub-grid below
+        grad_w = None  # ∂W[i, j] = <∂(W Ŝ)ᵀ_i, Ŝᵀ_j> over (B, H, c, d)
+        if need_w:
+            grad_w = torch.empty_like(w) if rebuild else grad_mixed.view(m, -1) @ summaries.view(m, -1).T
+        grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
+        grad_mixed = grad_mixed if rebuild else None
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
-        m = layout.num_blocks  # ∂W[i, j] = <∂(W Ŝ)ᵀ_i, Ŝᵀ_j> over (B, H, c, d): one GEMM
-        grad_w = grad_mixed.view(m, -1) @ summaries.view(m, -1).T if need_w else None
-        grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
-        del grad_mixed
-        for sub in layout.chunks if need_k or need_v else ():  # keys and values: ∂k and ∂v
-            rows = _rows(sub, bh)
-            fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)
-            vb = _values(v, sub, grid, acc, normalize)
+        for sub in layout.chunks if need_k or need_v or rebuild else ():  # keys and values
+            rows = _rows(sub, q.shape[0] * q.shape[1])
+            fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)  # (Mg·B·H, Lg, d)
+            vb = _values(v, sub, grid, acc, normalize)  # (Mg·B·H, Lg, c)
+            if rebuild:  # ∂W[:, j] for this sub-grid's blocks j, from their Ŝᵀ
+                sub_summaries = torch.bmm(vb.mT, fk).view(sub.num_blocks, -1)
+                columns = slice(sub.offset, sub.offset + sub.num_blocks)
+                grad_w[:, columns] = grad_mixed.view(m, -1) @ sub_summaries.T
             if need_k:
                 grad_fk = torch.bmm(vb, grad_summaries[rows])  # (Mg·B·H, Lg, d), ∂z via the ones
                 _write_input_grad(grad_k, sub, grid, xk, grad_fk, feature_map)
@@ -208,3 +216,19 @@ def backward(grad_out, q, k, v, mixing, out, summaries, den, grid, blocks, featu
         if need_w:
             grad_w = layout.mixing_from_block_order(grad_w).to(mixing.dtype)
     return grad_q, grad_k, grad_v, grad_w
+
+
+def _query_grads(grad_out, q, out, den, mixed, grid, layout, feature_map: str, need_q: bool):
+    """``(∂q or None, ∂(W Ŝ)ᵀ (M·B·H, c, d))``, sub-grid by sub-grid over the queries."""
+    acc, bh = mixed.dtype, q.shape[0] * q.shape[1]
+    grad_q = torch.empty_like(q) if need_q else None
+    grad_mixed = torch.empty_like(mixed)
+    for sub in layout.chunks:
+        g = _output_grad(grad_out, out, den, sub, grid, acc)  # (Mg·B·H, Lg, c)
+        fq, xq = _features_and_inputs(q, sub, grid, feature_map, acc)
+        if need_q:
+            grad_fq = torch.bmm(g, mixed[_rows(sub, bh)])  # (Mg·B·H, Lg, d)
+            _write_input_grad(grad_q, sub, grid, xq, grad_fq, feature_map)
+        torch.bmm(g.mT, fq, out=grad_mixed[_rows(sub, bh)])
+        del g, xq, fq
+    return grad_q, grad_mixed
