@@ -94,9 +94,10 @@ class SubGrid:
         # (B, H, n0, s0, n1, s1, .., c) -> (n0, n1, .., B, H, s0, s1, .., c)
         return x.permute(*range(2, 2 + 2 * nd, 2), 0, 1, *range(3, 3 + 2 * nd, 2), 2 + 2 * nd)
 
-    def block_split(self, xb: torch.Tensor) -> torch.Tensor:
-        """Block-major ``(Mg, B, H, Lg, c)`` seen with the shape of :meth:`token_view`."""
-        return xb.view(*self.counts, *xb.shape[1:3], *self.sizes, xb.shape[-1])
+    def block_split(self, xb: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+        """Block-major ``(Mg, B, H, Lg, c)`` or ``(Mg·B·H, Lg, c)`` seen with the shape of
+        :meth:`token_view`."""
+        return xb.view(*self.counts, batch, heads, *self.sizes, xb.shape[-1])
 
     def slabs(self, max_tokens: int) -> list[SubGrid]:
         """The box cut along axis 0 into pieces of whole block rows, each at most ``max_tokens`` tokens
@@ -245,7 +246,7 @@ class BlockLayout:
     def _box(self, sub: SubGrid, xb: torch.Tensor) -> torch.Tensor:
         """``(Mg, B, H, Lg, c)`` -> the box in grid order ``(B, H, n0 s0, n1 s1, .., c)``."""
         nd = self.ndim
-        x = sub.block_split(xb)  # (n0, n1, .., B, H, s0, s1, .., c)
+        x = sub.block_split(xb, *xb.shape[1:3])  # (n0, n1, .., B, H, s0, s1, .., c)
         order = [nd, nd + 1] + [v for a in range(nd) for v in (a, nd + 2 + a)]
         x = x.permute(*order, x.dim() - 1)  # (B, H, n0, s0, n1, s1, .., c)
         box = [n * s for n, s in zip(sub.counts, sub.sizes)]

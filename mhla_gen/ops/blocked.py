@@ -13,7 +13,7 @@ one GEMM, and ``(W Ŝ)ᵀ φ(Q)ᵀ`` gives numerator and denominator rows togeth
 diffusers' ``SanaLinearAttnProcessor2_0`` (with one block this computes exactly what it computes).
 
     forward                                         backward (G = [∂num ∂den] per token)
-    Ŝᵀ_j = [V_j 1]ᵀ φ(K_j)       (c, d) per block   (W Ŝ)ᵀ = W @ Ŝᵀ again (Ŝᵀ is saved)
+    Ŝᵀ_j = [V_j 1]ᵀ φ(K_j)       (c, d) per block   Ŝᵀ or (W Ŝ)ᵀ again (the one not saved)
     (W Ŝ)ᵀ = W @ Ŝᵀ               one GEMM           ∂φ(Q_i) = G_i (W Ŝ)ᵀ_i
     [num den]ᵀ_i = (W Ŝ)ᵀ_i φ(Q_i)ᵀ                  ∂(W Ŝ)ᵀ_i = G_iᵀ φ(Q_i)
     out = num / (den + eps)                          ∂W = ∂(W Ŝ)ᵀ · Ŝᵀ (summed over B, H, c, d)
@@ -35,12 +35,6 @@ from .checks import accumulation_dtype, autocast_off
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
 
-def _split(sub: SubGrid, xb: torch.Tensor, b: int, h: int) -> torch.Tensor:
-    """Block-major ``(Mg·B·H, Lg, c)`` seen with the shape of ``sub.token_view``:
-    ``(n0, [n1, n2,] B, H, s0, [s1, s2,] c)``."""
-    return xb.view(*sub.counts, b, h, *sub.sizes, xb.shape[-1])
-
-
 def _rows(sub: SubGrid, bh: int) -> slice:
     """The sub-grid's rows of a stacked ``(M·B·H, ·, ·)`` tensor (``bh = B·H`` rows per block)."""
     return slice(sub.offset * bh, (sub.offset + sub.num_blocks) * bh)
@@ -52,7 +46,7 @@ def _blocks(x, sub: SubGrid, grid, dtype, width=None, floor=None) -> torch.Tenso
     ``max(x, floor)`` (``clamp_min`` writing block-major, for ``x`` already in ``dtype``)."""
     b, h, _, c = x.shape
     out = x.new_empty(sub.num_blocks * b * h, sub.block_len, width or c, dtype=dtype)
-    dst = _split(sub, out if width is None else out[..., :c], b, h)
+    dst = sub.block_split(out if width is None else out[..., :c], b, h)
     if floor is None:
         dst.copy_(sub.token_view(x, grid))
     else:
@@ -99,9 +93,9 @@ def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
         num = (num / den if den is not None else num).clamp(-65504, 65504)
         den = None
     if den is None:
-        dst.copy_(_split(sub, num, b, h))
+        dst.copy_(sub.block_split(num, b, h))
     else:
-        torch.div(_split(sub, num, b, h), _split(sub, den, b, h), out=dst)
+        torch.div(sub.block_split(num, b, h), sub.block_split(den, b, h), out=dst)
 
 
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -164,9 +158,9 @@ def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
         return _blocks(grad_out, sub, grid, dtype)
     b, h, _, e = grad_out.shape
     g = grad_out.new_empty(sub.num_blocks * b * h, sub.block_len, e + 1, dtype=dtype)
-    g_num = _split(sub, g[..., :e], b, h)
+    g_num = sub.block_split(g[..., :e], b, h)
     torch.div(sub.token_view(grad_out, grid), sub.token_view(den.unsqueeze(-1), grid), out=g_num)  # g / den
-    _split(sub, g[..., e:], b, h).copy_((g_num * sub.token_view(out, grid)).sum(-1, keepdim=True).neg_())
+    sub.block_split(g[..., e:], b, h).copy_((g_num * sub.token_view(out, grid)).sum(-1, keepdim=True).neg_())
     return g
 
 
