@@ -26,6 +26,16 @@ Peak memory (forward+backward; per method one warm-up call, then one measured ca
   on CPU the memory is measured in a separate, freshly spawned process; timings run under the
   default allocator.
 
+Page faults on CPU: glibc maps every buffer above 32 MiB afresh and unmaps it when it is freed, so at
+the Wan grid a forward+backward faults in gigabytes of zeroed pages (a whole ``--grids`` run spent
+more system time than user time) and single timings swing by up to 2×. Run with
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295
+
+to keep freed memory in the heap (nothing is faulted twice): the timings then measure the code rather
+than the kernel's page zeroing. The peak-memory process resets ``mmap_max`` to glibc's default, so its
+numbers are the same under that setting.
+
 Example (the README table; CPU fp32, B=1, 4 heads, d=64):
 
     python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
@@ -130,8 +140,11 @@ class PeakMemory:
         self.libc = None
         if device.type == "cpu" and sys.platform.startswith("linux"):
             self.libc = ctypes.CDLL("libc.so.6")
-            m_mmap_threshold = -3
+            m_mmap_threshold, m_mmap_max = -3, -4
             self.libc.mallopt(m_mmap_threshold, 128 * 1024)
+            # glibc's default; GLIBC_TUNABLES=glibc.malloc.mmap_max=0 (the README's kept-memory timings)
+            # would otherwise put every buffer on the heap, and its holes would count as peak
+            self.libc.mallopt(m_mmap_max, 65536)
 
     @staticmethod
     def _status_kib(field: str) -> int:

@@ -3,6 +3,7 @@ timings belong to the scripts' own runs, not to unit tests)."""
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -130,6 +131,38 @@ def test_bench_attention_grid_table():
     memory = {(c, m): 10.0 if m == "la" else 11.0 for c in ("4x5:2x2", "4x6:2x2") for m in ("la", "mhla")}
     rows = _table_rows(bench.grids_markdown(args, times, memory), "4x6:2x2")
     assert rows[0][7:] == ["1.20×", "1.20×", "1.33", "10", "11", "1.10×", "1.25×", "1.25×"]
+
+
+_PEAK_SNIPPET = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+bench = sys.modules["bench"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+peak = bench.PeakMemory(torch.device("cpu"))
+
+def call():
+    a = torch.ones(64 * 2**18)  # 64 MiB
+    b = torch.ones(2**18)  # 1 MiB after it
+    del a
+    c = torch.ones(96 * 2**18)  # 96 MiB: on a heap it cannot reuse a's hole
+    del b, c
+
+print(peak.measure(call))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables")
+def test_bench_attention_peak_memory_ignores_kept_memory_tunables():
+    """Under the README's kept-memory setting (no mmap) freed buffers would stay in the heap and count
+    towards the peak (161 MiB here); the peak process restores mmap, so the live peak (97 MiB) is what
+    it reports."""
+    env = {**os.environ,
+           "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"}
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_SNIPPET, str(ROOT / "scripts" / "bench_attention.py")],
+        env=env, check=True, timeout=120, capture_output=True, text=True,
+    )
+    assert 95 < float(result.stdout.split()[-1]) < 110
 
 
 @pytest.mark.parametrize("text", ["21x30", "21x30:3x5x10", "4x4:5x1", "axb:1x1"])
