@@ -79,8 +79,8 @@ def _mhla_op(
         from . import triton_dispatch
 
         return triton_dispatch.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
-    out, summaries, den = blocked.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
-    return out, summaries, den, q.new_empty(0)
+    out, saved, den = blocked.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
+    return out, saved, den, q.new_empty(0)
 
 
 @_mhla_op.register_fake
@@ -92,9 +92,9 @@ def _mhla_op_fake(q, k, v, mixing, grid, blocks, feature_map, normalize, eps):
         return triton_dispatch.outputs_like(q, v, blocks, normalize)
     out = blocked.empty_output(q, v)
     acc = accumulation_dtype(q.dtype)
-    summaries = q.new_empty(math.prod(blocks), b, h, e + normalize, d, dtype=acc)
+    saved = q.new_empty(math.prod(blocks), b, h, e + normalize, d, dtype=acc)  # Ŝᵀ or (W Ŝ)ᵀ
     den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
-    return out, summaries, den, q.new_empty(0)
+    return out, saved, den, q.new_empty(0)
 
 
 @torch.library.custom_op("mhla_gen::mhla_backward", mutates_args=())
