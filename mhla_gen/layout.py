@@ -11,6 +11,11 @@ blocks (the long ones, then the short ones), so a 2D / 3D grid is the union of a
 tiled boxes. Inside one box every block has the same shape, so reordering its tokens block-major is a
 view, a permute and (at most) one copy — no padding, no index scatter. An evenly divisible grid is a
 single sub-grid. Everything here is plain integer arithmetic, so ``torch.compile`` traces it.
+
+A :class:`BlockLayout` checks its grid when built and works out its sub-grids on first use. The
+processors only check the grid and hand it to the op (which tiles with concrete sizes when it runs), so
+a model compiled with ``dynamic=True`` serves every resolution from one graph: nothing traced asks
+whether an axis divides.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ def _axis_runs(length: int, parts: int) -> list[tuple[int, int, int, int]]:
 
 
 def _as_tuple(value, name: str) -> tuple[int, ...]:
-    if isinstance(value, int):
+    """``value`` as a tuple of ints. Sizes traced symbolically (``torch.SymInt``) stay symbolic: ``int()``
+    would pin a ``torch.export`` with dynamic shapes to the example's resolution."""
+    if isinstance(value, (int, torch.SymInt)):
         value = (value,)
     try:
-        out = tuple(int(v) for v in value)
+        out = tuple(v if isinstance(v, torch.SymInt) else int(v) for v in value)
     except TypeError as err:
         raise ValueError(f"{name} must be an int or a sequence of ints, got {value!r}") from err
-    if any(int(v) != v for v in value):
+    if any(o != v for o, v in zip(out, value) if not isinstance(v, torch.SymInt)):
         raise ValueError(f"{name} must contain integers, got {value!r}")
     return out
 
@@ -117,6 +124,61 @@ class SubGrid:
         ]
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How a layout's blocks tile its grid.
+
+    Attributes:
+        axis_sizes: per axis, the length of each block range.
+        is_even: every axis divides exactly (a single sub-grid).
+        subgrids: the evenly tiled boxes (one when every axis divides), in row-major order of their runs.
+        block_order: ``(M,)`` list: the layout's block id of each block in sub-grid order (the order
+            the fast paths produce summaries in).
+        natural_order: ``block_order`` is the identity (even grids, and every 1D layout).
+        chunks: the sub-grids cut along axis 0 into slabs of at most ``max(N // 4, CHUNK_MIN_TOKENS)``
+            tokens (whole block rows; a small grid is its sub-grids), in the same block order: what the
+            PyTorch op loops over, so its block-major temporaries stay a fraction of one ``(B, H, N, d)``
+            tensor.
+    """
+
+    axis_sizes: list[list[int]]
+    is_even: bool
+    subgrids: list[SubGrid]
+    block_order: list[int]
+    natural_order: bool
+    chunks: list[SubGrid]
+
+    @staticmethod
+    def of(grid: tuple[int, ...], blocks: tuple[int, ...]) -> Tiling:
+        subgrids, offset = [], 0
+        for runs in itertools.product(*[_axis_runs(g, b) for g, b in zip(grid, blocks)]):
+            start, first, counts, sizes = (tuple(run[i] for run in runs) for i in range(4))
+            subgrids.append(SubGrid(start, first, counts, sizes, offset))
+            offset += math.prod(counts)
+        block_order = [
+            _block_id([f + c for f, c in zip(sub.first_block, coords)], blocks)
+            for sub in subgrids
+            for coords in itertools.product(*[range(n) for n in sub.counts])
+        ]
+        max_tokens = max(math.prod(grid) // 4, CHUNK_MIN_TOKENS)
+        return Tiling(
+            axis_sizes=[split_sizes(g, b) for g, b in zip(grid, blocks)],
+            is_even=all(g % b == 0 for g, b in zip(grid, blocks)),
+            subgrids=subgrids,
+            block_order=block_order,
+            natural_order=block_order == list(range(len(block_order))),  # even grids, 1D, ..
+            chunks=[piece for sub in subgrids for piece in sub.slabs(max_tokens)],
+        )
+
+
+def _block_id(coords, blocks) -> int:
+    """Row-major id of the block at ``coords`` in the block grid ``blocks``."""
+    block = 0
+    for c, b in zip(coords, blocks):
+        block = block * b + c
+    return block
+
+
 class BlockLayout:
     """Tiles of a token grid.
 
@@ -127,14 +189,9 @@ class BlockLayout:
     Attributes:
         num_tokens: ``N = prod(grid)``.
         num_blocks: ``M = prod(blocks)``.
-        axis_sizes: per axis, the length of each block range.
-        subgrids: the evenly tiled boxes (one when every axis divides), in row-major order of their runs.
-        chunks: the sub-grids cut along axis 0 into slabs of at most ``max(N // 4, CHUNK_MIN_TOKENS)``
-            tokens (whole block rows; a small grid is its sub-grids), in the same block order.
-        block_order: ``(M,)`` list: the layout's block id of each block in sub-grid order (the order
-            the fast paths produce summaries in).
-        natural_order: ``block_order`` is the identity (even grids, and every 1D layout).
-        is_even: every axis divides exactly (a single sub-grid).
+
+    The tiling (:class:`Tiling`: ``axis_sizes``, ``is_even``, ``subgrids``, ``block_order``,
+    ``natural_order``, ``chunks``, read as attributes of the layout) is built on first use.
     """
 
     def __init__(self, grid, blocks):
@@ -157,33 +214,20 @@ class BlockLayout:
         self.ndim = len(grid)
         self.num_tokens = math.prod(grid)
         self.num_blocks = math.prod(blocks)
-        self.axis_sizes = [split_sizes(g, b) for g, b in zip(grid, blocks)]
-        self.is_even = all(g % b == 0 for g, b in zip(grid, blocks))
-        self.subgrids = self._subgrids()
-        self.block_order = [
-            self._block_id([f + c for f, c in zip(sub.first_block, coords)])
-            for sub in self.subgrids
-            for coords in itertools.product(*[range(n) for n in sub.counts])
-        ]
-        self.natural_order = self.block_order == list(range(self.num_blocks))  # even grids, 1D, ..
-        # what the PyTorch op loops over: sub-grids cut into slabs of at most a quarter of the tokens
-        # (never below 4096), so its block-major temporaries stay a fraction of one (B, H, N, d) tensor
-        max_tokens = max(self.num_tokens // 4, CHUNK_MIN_TOKENS)
-        self.chunks = [piece for sub in self.subgrids for piece in sub.slabs(max_tokens)]
+        self._tiling = None  # built on first use: see the module docstring
 
-    def _subgrids(self) -> list[SubGrid]:
-        subgrids, offset = [], 0
-        for runs in itertools.product(*[_axis_runs(g, b) for g, b in zip(self.grid, self.blocks)]):
-            start, first, counts, sizes = (tuple(run[i] for run in runs) for i in range(4))
-            subgrids.append(SubGrid(start, first, counts, sizes, offset))
-            offset += math.prod(counts)
-        return subgrids
+    @property
+    def tiling(self) -> Tiling:
+        if self._tiling is None:
+            self._tiling = Tiling.of(self.grid, self.blocks)
+        return self._tiling
 
-    def _block_id(self, coords) -> int:
-        block = 0
-        for c, b in zip(coords, self.blocks):
-            block = block * b + c
-        return block
+    axis_sizes = property(lambda self: self.tiling.axis_sizes)
+    is_even = property(lambda self: self.tiling.is_even)
+    subgrids = property(lambda self: self.tiling.subgrids)
+    block_order = property(lambda self: self.tiling.block_order)
+    natural_order = property(lambda self: self.tiling.natural_order)
+    chunks = property(lambda self: self.tiling.chunks)
 
     def __repr__(self) -> str:
         return f"BlockLayout(grid={self.grid}, blocks={self.blocks})"

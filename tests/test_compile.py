@@ -145,6 +145,38 @@ def test_compile_repeated_blocks():
     assert_same_results(forward_backward(model, inputs), expected)
 
 
+# latent sizes whose token grids are even on some axes and uneven on others for the cases' blocks
+# (DiT patch 2, blocks (2, 2); SANA patch 1, blocks (2, 3); Wan patch (1, 2, 2), blocks (2, 2, 3))
+RESOLUTIONS = {
+    "dit": [(8, 8), (12, 12), (10, 10)],
+    "sana": [(6, 10), (8, 12), (7, 11)],
+    "wan-hybrid": [(3, 6, 10), (4, 8, 12), (5, 6, 14)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESOLUTIONS))
+def test_dynamic_shapes_compile_like_the_stock_model(case):
+    """``torch.compile(dynamic=True)``: a new resolution, whether its grid divides by the blocks or not,
+    compiles a new graph only where the stock model does (DiT's position embedding specialises once;
+    SANA and Wan never do), and every resolution matches eager, forward and backward."""
+    counts = {}
+    for mhla in (False, True):
+        model, inputs = build(case, mhla)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="aot_eager")
+        counts[mhla] = []
+        for size in RESOLUTIONS[case]:
+            batch, channels = inputs["hidden_states"].shape[:2]
+            inputs["hidden_states"] = torch.randn(batch, channels, *size)
+            actual = forward_backward(compiled, inputs)
+            counts[mhla].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            if mhla:
+                assert_same_results(actual, forward_backward(model, inputs))
+    new_graphs = {mhla: [b - a for a, b in zip(c, c[1:])] for mhla, c in counts.items()}
+    assert new_graphs[True] == new_graphs[False], counts
+
+
 @pytest.mark.parametrize("case", ["dit", "sana", "wan-release"])
 def test_export_and_decompositions(case):
     """``torch.export`` of an MHLA model matches eager, forward and backward; ``run_decompositions``
@@ -166,6 +198,26 @@ def test_export_and_decompositions(case):
     assert len(mhla_nodes) == len(CASES[case][2].layers or range(model.config.num_layers))
     with torch.no_grad():
         torch.testing.assert_close(decomposed.module()(**inputs)[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["sana", "wan-release"])
+def test_export_with_dynamic_shapes_serves_every_resolution(case):
+    """One ``torch.export`` program with dynamic latent sizes (what AOTInductor packages) runs even and
+    uneven grids and matches eager at each (DiT's own position embedding pins its size, MHLA or not)."""
+    model, inputs = build(case)
+    sizes = RESOLUTIONS[case.replace("-release", "-hybrid")]
+    # token grid axes of at least as many tokens as blocks (the layout checks it), up to 32
+    blocks = CASES[case][2].blocks
+    spatial = {2 + a: torch.export.Dim(f"tokens{a}", min=b, max=32) for a, b in enumerate(blocks)}
+    if case.startswith("wan"):  # patch (1, 2, 2): the latent's height and width are twice the tokens
+        spatial = {axis: dim if axis == 2 else 2 * dim for axis, dim in spatial.items()}
+    dynamic = {name: spatial if name == "hidden_states" else None for name in inputs}
+    program = torch.export.export(model, (), inputs, dynamic_shapes=dynamic)
+    for size in sizes:
+        inputs["hidden_states"] = torch.randn(*inputs["hidden_states"].shape[:2], *size)
+        with torch.no_grad():
+            expected = model(**inputs)[0]
+            torch.testing.assert_close(program.module()(**inputs)[0], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
