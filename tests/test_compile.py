@@ -200,24 +200,42 @@ def test_export_and_decompositions(case):
         torch.testing.assert_close(decomposed.module()(**inputs)[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["sana", "wan-release"])
-def test_export_with_dynamic_shapes_serves_every_resolution(case):
-    """One ``torch.export`` program with dynamic latent sizes (what AOTInductor packages) runs even and
-    uneven grids and matches eager at each (DiT's own position embedding pins its size, MHLA or not)."""
-    model, inputs = build(case)
-    sizes = RESOLUTIONS[case.replace("-release", "-hybrid")]
-    # token grid axes of at least as many tokens as blocks (the layout checks it), up to 32
+def export_with_dynamic_latent(case: str, model, inputs) -> torch.export.ExportedProgram:
+    """``torch.export`` of the case's model with the latent's spatial sizes dynamic: each token grid
+    axis from as many tokens as blocks (the layout checks it) to 32."""
     blocks = CASES[case][2].blocks
     spatial = {2 + a: torch.export.Dim(f"tokens{a}", min=b, max=32) for a, b in enumerate(blocks)}
     if case.startswith("wan"):  # patch (1, 2, 2): the latent's height and width are twice the tokens
         spatial = {axis: dim if axis == 2 else 2 * dim for axis, dim in spatial.items()}
     dynamic = {name: spatial if name == "hidden_states" else None for name in inputs}
-    program = torch.export.export(model, (), inputs, dynamic_shapes=dynamic)
-    for size in sizes:
+    return torch.export.export(model, (), inputs, dynamic_shapes=dynamic)
+
+
+def assert_matches_eager_at_every_resolution(case: str, run, model, inputs) -> None:
+    for size in RESOLUTIONS[case.replace("-release", "-hybrid")]:
         inputs["hidden_states"] = torch.randn(*inputs["hidden_states"].shape[:2], *size)
         with torch.no_grad():
-            expected = model(**inputs)[0]
-            torch.testing.assert_close(program.module()(**inputs)[0], expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(run(**inputs)[0], model(**inputs)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["sana", "wan-release"])
+def test_export_with_dynamic_shapes_serves_every_resolution(case):
+    """One ``torch.export`` program with dynamic latent sizes runs even and uneven grids and matches
+    eager at each (DiT's own position embedding pins its size, MHLA or not)."""
+    model, inputs = build(case)
+    program = export_with_dynamic_latent(case, model, inputs)
+    assert_matches_eager_at_every_resolution(case, program.module(), model, inputs)
+
+
+def test_aot_inductor_package_serves_every_resolution(tmp_path):
+    """AOTInductor (diffusers' ``test_compile_works_with_aot``, here with dynamic sizes): the packaged
+    model runs even and uneven grids; the op runs through Python, so ``mhla_gen`` must be imported."""
+    from torch._inductor.package import load_package
+
+    model, inputs = build("sana")
+    program = export_with_dynamic_latent("sana", model, inputs)
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sana.pt2"))
+    assert_matches_eager_at_every_resolution("sana", load_package(package), model, inputs)
 
 
 @pytest.mark.gpu
