@@ -218,6 +218,8 @@ class BlockLayout:
 
     @property
     def tiling(self) -> Tiling:
+        # not functools.cached_property: on Python 3.11 it takes an RLock, which torch.compile cannot
+        # trace (fullgraph fails, "Unsupported context manager"), and the causal path tiles under tracing
         if self._tiling is None:
             self._tiling = Tiling.of(self.grid, self.blocks)
         return self._tiling
