@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import SubGrid, layout_for
-from .checks import accumulation_dtype, autocast_off
+from .checks import accumulation_dtype, autocast_off, mix_blocks
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
 
@@ -77,11 +77,6 @@ def _values(v, sub: SubGrid, grid, dtype, normalize: bool) -> torch.Tensor:
     if normalize:
         vb[..., e].fill_(1.0)
     return vb
-
-
-def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``Σ_j w[i, j] x[j]`` for stacked ``x`` ``(M·B·H, c, d)`` (block ``j``'s rows together): one GEMM."""
-    return (w @ x.view(w.shape[1], -1)).view_as(x)
 
 
 def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
@@ -132,7 +127,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
             vb = _values(v, sub, grid, acc, normalize)  # (Mg·B·H, Lg, c)
             torch.bmm(vb.mT, fk, out=summaries[_rows(sub, b * h)])
             del fk, vb
-        mixed = _mix(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
+        mixed = mix_blocks(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
         saved = summaries if saves_summaries(layout) else mixed
         del summaries
 
@@ -180,7 +175,7 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
         summaries = saved if saves_summaries(layout) else None  # else rebuilt below for ∂W
-        mixed = _mix(w, saved) if summaries is not None else saved  # (W Ŝ)ᵀ: (M·B·H, c, d)
+        mixed = mix_blocks(w, saved) if summaries is not None else saved  # (W Ŝ)ᵀ: (M·B·H, c, d)
         grad_q, grad_mixed = _query_grads(grad_out, q, out, den, mixed, grid, layout, feature_map, need_q)
         del mixed
 
@@ -188,7 +183,7 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
         grad_w = None  # ∂W[i, j] = <∂(W Ŝ)ᵀ_i, Ŝᵀ_j> over (B, H, c, d)
         if need_w:
             grad_w = torch.empty_like(w) if rebuild else grad_mixed.view(m, -1) @ summaries.view(m, -1).T
-        grad_summaries = _mix(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
+        grad_summaries = mix_blocks(w.T, grad_mixed) if need_k or need_v else None  # ∂Ŝᵀ: (M·B·H, c, d)
         grad_mixed = grad_mixed if rebuild else None
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None

@@ -1,4 +1,5 @@
-"""Argument validation shared by the fast path and the references (clear ValueErrors)."""
+"""What the op's implementations share: argument validation (clear ValueErrors), the accumulation
+dtype, autocast handling and the mixing GEMM."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ def autocast_off(device_type: str):
     if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def mix_blocks(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``Σ_j w[i, j] x[j]``: one GEMM ``(M, M) @ (M, rest)`` on ``x``'s ``(M, -1)`` view, for ``x``
+    ``(M, ...)`` or block-major stacked ``(M·B·H, ...)`` (block ``j``'s rows together); ``x`` contiguous."""
+    return (w @ x.view(w.shape[1], -1)).view_as(x)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..layout import BlockLayout
 from . import blocked
-from .checks import accumulation_dtype, autocast_off, cast_output, check_inputs
+from .checks import accumulation_dtype, autocast_off, cast_output, check_inputs, mix_blocks
 from .feature_maps import FEATURE_MAPS, get_feature_map
 
 
@@ -185,9 +185,9 @@ def _autograd_path(q, k, v, layout: BlockLayout, mixing, phi, normalize, causal,
     norms = torch.cat([kx.sum(dim=-2) for kx in kb])  # z_j: (M, B, H, d)
     if causal:  # 1D: sub-grid order is chunk order
         lower = torch.tril(w, diagonal=-1)
-        summaries, norms = _mix(lower, summaries), _mix(lower, norms)
+        summaries, norms = mix_blocks(lower, summaries), mix_blocks(lower, norms)
     else:
-        summaries, norms = _mix(w, summaries), _mix(w, norms)
+        summaries, norms = mix_blocks(w, summaries), mix_blocks(w, norms)
     parts = []
     for sub, qx, kx, vx in zip(layout.subgrids, qb, kb, vb):
         own = slice(sub.offset, sub.offset + sub.num_blocks)
@@ -198,11 +198,6 @@ def _autograd_path(q, k, v, layout: BlockLayout, mixing, phi, normalize, causal,
             num, den = num + scores @ vx, den + scores.sum(dim=-1, keepdim=True)
         parts.append(num / (den + eps) if normalize else num)
     return cast_output(layout.from_blocks(parts), q.dtype)
-
-
-def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``Σ_j w[i, j] x[j]`` for ``x`` ``(M, ...)``: one GEMM."""
-    return (w @ x.flatten(1)).view_as(x)
 
 
 __all__ = ["FEATURE_MAPS", "mhla_attention", "mhla_attention_autograd"]

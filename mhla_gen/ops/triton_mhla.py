@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import mix_blocks
+
 # feature map name -> the FEATURE constexpr of the kernels (names as in feature_maps.FEATURE_MAPS)
 FEATURE_IDS = {"relu": 0, "elu+1": 1, "elu": 1, "relu+1e-6": 2, "identity": 3}
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -549,11 +551,6 @@ def _summaries(k, v, geometry: _Geometry, feature_map: str, with_z: bool, cfg: T
     return s, z
 
 
-def _mix(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``Σ_j w[i, j] x[j]`` for ``x`` (M, ...): one fp32 GEMM ``(M, M) @ (M, rest)``."""
-    return torch.matmul(w, x.reshape(x.shape[0], -1)).view(x.shape)
-
-
 def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[int], feature_map: str,
                         normalize: bool, eps: float, *, config: TileConfig | None = None):
     """Non-causal MHLA forward.
@@ -580,13 +577,13 @@ def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[i
 
     s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
     w = mixing.to(torch.float32)
-    mixed_kv = _mix(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
+    mixed_kv = mix_blocks(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
     del s
     out = heads_interleaved_empty(b, h, n, e, q)
     # two tensors: outputs of a custom op may not alias each other
     mixed_k, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     if normalize:
-        mixed_k = _mix(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
+        mixed_k = mix_blocks(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
         den = q.new_empty(b, h, n, dtype=torch.float32)
     z_mix, den_out = (mixed_k, den) if normalize else (None, None)
     launch = (m * cfg.split, b * h, triton.cdiv(e, cfg.block_e))
@@ -653,8 +650,8 @@ def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den,
     if not (need_k or need_v):
         return dq, None, None, dmixing
 
-    ds = _mix(w.T, ds_mix)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
-    dz = _mix(w.T, dz_mix) if normalize else None
+    ds = mix_blocks(w.T, ds_mix)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
+    dz = mix_blocks(w.T, dz_mix) if normalize else None
     del ds_mix, dz_mix
     dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
     dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
