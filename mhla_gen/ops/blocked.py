@@ -169,7 +169,7 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False); ``saved``
     is what the forward returned, ``Ŝᵀ`` or ``(W Ŝ)ᵀ`` (:func:`saves_summaries`)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc, e, m = saved.dtype, v.shape[-1], layout.num_blocks
+    acc, e, m, bh = saved.dtype, v.shape[-1], layout.num_blocks, q.shape[0] * q.shape[1]
     saved = saved.flatten(0, 2)  # (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
@@ -188,7 +188,7 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
         for sub in layout.chunks if need_k or need_v or rebuild else ():  # keys and values
-            rows = _rows(sub, q.shape[0] * q.shape[1])
+            rows = _rows(sub, bh)
             fk, xk = _features_and_inputs(k, sub, grid, feature_map, acc)  # (Mg·B·H, Lg, d)
             vb = _values(v, sub, grid, acc, normalize)  # (Mg·B·H, Lg, c)
             if rebuild:  # ∂W[:, j] for this sub-grid's blocks j, from their Ŝᵀ
