@@ -25,7 +25,9 @@ LAYOUTS = [
     ((3, 5, 6), (2, 2, 3)),
     ((4, 6), (1, 1)),  # one block
     ((4, 3), (4, 3)),  # one token per block
-    ((9, 10), (2, 3)),  # uneven, M² <= N: the op saves the summaries (the others above save them mixed)
+    # uneven with M² <= N: the op saves the summaries (above, only (16,) / (4,) and the one-block layout
+    # do; the rest save them mixed)
+    ((9, 10), (2, 3)),
     ((5, 6, 7), (2, 2, 2)),
 ]
 CAUSAL_LAYOUTS = [((16,), (4,)), ((13,), (5,)), ((23,), (9,)), ((6,), (6,)), ((7,), (1,))]
