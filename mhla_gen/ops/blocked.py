@@ -120,12 +120,13 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
     layout = layout_for(tuple(grid), tuple(blocks))
     acc = accumulation_dtype(q.dtype)
     (b, h, n, e), d = v.shape, q.shape[-1]
+    bh = b * h
     with autocast_off(q.device.type):
-        summaries = q.new_empty(layout.num_blocks * b * h, e + normalize, d, dtype=acc)  # Ŝᵀ: (M·B·H, c, d)
+        summaries = q.new_empty(layout.num_blocks * bh, e + normalize, d, dtype=acc)  # Ŝᵀ: (M·B·H, c, d)
         for sub in layout.chunks:
             fk = _features(k, sub, grid, feature_map, acc)  # (Mg·B·H, Lg, d)
             vb = _values(v, sub, grid, acc, normalize)  # (Mg·B·H, Lg, c)
-            torch.bmm(vb.mT, fk, out=summaries[_rows(sub, b * h)])
+            torch.bmm(vb.mT, fk, out=summaries[_rows(sub, bh)])
             del fk, vb
         mixed = mix_blocks(layout.mixing_in_block_order(mixing.to(acc)), summaries)  # (W Ŝ)ᵀ: (M·B·H, c, d)
         saved = summaries if saves_summaries(layout) else mixed
@@ -135,7 +136,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
         den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
         for sub in layout.chunks:
             fq = _features(q, sub, grid, feature_map, acc)
-            num = torch.bmm(fq, mixed[_rows(sub, b * h)].mT)  # [num den]: (Mg·B·H, Lg, c)
+            num = torch.bmm(fq, mixed[_rows(sub, bh)].mT)  # [num den]: (Mg·B·H, Lg, c)
             del fq
             if normalize:
                 den_blocks = num[..., e:].add_(eps)  # (Mg·B·H, Lg, 1)
