@@ -6,6 +6,9 @@
 The model folder is anything ``load_transformer`` reads (saved with or without MHLA). Inputs are noised
 latents at --timestep (DDPM linear schedule): the embedded digits with --digits (pixel-space 1-channel
 models), pure noise otherwise. Maps are N × N per head, so N (tokens per layer) must stay small.
+Output: ``attention_stats.json`` and ``.png`` in ``--out-dir`` (default: ``attention_stats/`` beside the
+model folder, e.g. inside its training run, whose folder rule knows it); the folder must be new, empty or
+one this script wrote (mhla_gen.folders).
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ from pathlib import Path
 
 import torch
 
+from mhla_gen.cli import expand_path, run
+from mhla_gen.errors import ConfigError
+from mhla_gen.folders import claim, owned
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
     save_attention_statistics,
 )
 from mhla_gen.serialization import load_transformer
+
+STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.folders.KINDS)
 
 
 def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +44,9 @@ def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="transformer folder (save_pretrained / final/)")
-    parser.add_argument("--out-dir", default=None, help="default: MODEL/../attention_stats")
+    parser.add_argument("--model", required=True, type=expand_path,
+                        help="transformer folder (save_pretrained / final/)")
+    parser.add_argument("--out-dir", default=None, type=expand_path, help="default: MODEL/../attention_stats")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--size", type=int, default=None, help="latent size (default: model sample_size)")
     parser.add_argument("--frames", type=int, default=3, help="latent frames (Wan)")
@@ -46,6 +55,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("batch", "frames", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.size is not None and args.size < 1:
+        raise ConfigError(f"--size must be >= 1, got {args.size}")
+    if not 0 <= args.timestep < 1000:
+        raise ConfigError(f"--timestep must be in 0..999, got {args.timestep}")
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.model).resolve().parent / "attention_stats"
+    owned(out_dir, STATS_FOLDER, "--out-dir")  # before any work
 
     model = load_transformer(args.model)
     images = labels = None
@@ -58,8 +76,7 @@ def main(argv=None) -> list[dict]:
                             args.seed)
     stats = attention_statistics(model, lambda: model(**kwargs), max_tokens=args.max_tokens)
 
-    out_dir = Path(args.out_dir) if args.out_dir else Path(args.model).resolve().parent / "attention_stats"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim(out_dir, STATS_FOLDER, "--out-dir")
     save_attention_statistics(stats, out_dir / "attention_stats.json", out_dir / "attention_stats.png",
                               title=f"{Path(args.model).name} (t={args.timestep})")
     print(json.dumps(stats, indent=2))
@@ -67,4 +84,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

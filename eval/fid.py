@@ -1,6 +1,6 @@
 """Score a folder / .npz of generated images against a reference: FID, sFID, KID, IS, precision, recall.
 
-    python eval/fid.py --samples runs/x/samples --ref digits --out runs/x/metrics_fid.json
+    python eval/fid.py --samples samples/x --ref digits                    # writes samples/x.fid.json
     python eval/fid.py --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
         --extractor inception --inception-weights ~/weights/inception-2015-12-05.pt
 
@@ -9,6 +9,11 @@ is uint8 NHWC (ADM / DiT sample_ddp format), or for --ref a statistics ``.npz`` 
 --save-ref-stats (``mu``/``sigma``, plus features for KID and precision/recall) or ``digits``
 (scikit-learn's embedded digits). Offline, ``--extractor digits`` (a small CNN trained in seconds and
 cached) replaces Inception; its numbers are only comparable with themselves.
+
+Outputs: the metrics JSON (default ``<samples>.fid.json`` beside the samples: ``samples/x.fid.json`` for
+a folder, ``x/samples.fid.json`` for ``x/samples.npz``) and, with ``--save-ref-stats``, a statistics
+``.npz``. Both are checked before any work and replace an existing file only if this script wrote it
+(a record inside the file says so) or ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mhla_gen.cli import run
+from mhla_gen.cli import expand_path, run
+from mhla_gen.errors import ConfigError
+from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
@@ -34,8 +41,11 @@ from mhla_gen.metrics import (
     precision_recall,
     save_reference_stats,
 )
+from mhla_gen.metrics.fid import REFERENCE_STATS
+from mhla_gen.train.io import atomic_write_text
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+METRICS_KIND = "fid_metrics"  # the record in the metrics JSON (mhla_gen.folders.file_record)
 
 
 def load_images(source: str | Path, limit: int | None = None) -> torch.Tensor:
@@ -111,10 +121,12 @@ def score(fake: dict[str, np.ndarray], ref: dict[str, np.ndarray], k: int = 3,
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", required=True, help="folder of images or .npz (arr_0 uint8 NHWC)")
-    parser.add_argument("--ref", required=True, help="folder, .npz images, .npz statistics, or 'digits'")
+    parser.add_argument("--samples", required=True, type=expand_path,
+                        help="folder of images or .npz (arr_0 uint8 NHWC)")
+    parser.add_argument("--ref", required=True, type=expand_path,
+                        help="folder, .npz images, .npz statistics, or 'digits'")
     parser.add_argument("--extractor", default="digits", choices=["digits", "inception"])
-    parser.add_argument("--inception-weights", default=None,
+    parser.add_argument("--inception-weights", default=None, type=expand_path,
                         help="local inception-2015-12-05.pt (default: clean-fid downloads it to its cache)")
     parser.add_argument("--extractor-seed", type=int, default=0, help="digits extractor seed")
     parser.add_argument("--num", type=positive_int, default=None,
@@ -123,10 +135,15 @@ def main(argv=None) -> dict:
                         help="k of the k-NN manifolds (precision/recall)")
     parser.add_argument("--kid-subsets", type=positive_int, default=100)
     parser.add_argument("--batch-size", type=positive_int, default=128)
-    parser.add_argument("--save-ref-stats", default=None, help="write the reference statistics .npz here")
-    parser.add_argument("--out", default=None, help="metrics JSON (default: next to --samples)")
+    parser.add_argument("--save-ref-stats", default=None, type=expand_path,
+                        help="write the reference statistics .npz here")
+    parser.add_argument("--out", default=None, type=expand_path,
+                        help="metrics JSON (default: <samples>.fid.json beside the samples)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out / --save-ref-stats even if this script did not write them")
     args = parser.parse_args(argv)
 
+    out, stats_out = check_outputs(args)  # before any work
     extractor = build_extractor(args.extractor, args.inception_weights, args.extractor_seed)
     fake_images = load_images(args.samples, args.num)
     fake = extract_features(extractor, fake_images, args.batch_size)
@@ -141,20 +158,41 @@ def main(argv=None) -> dict:
         ref_images = load_images(args.ref, args.num)
         ref = extract_features(extractor, ref_images, args.batch_size)
         num_ref = len(ref_images)
-        if args.save_ref_stats:
-            save_reference_stats(args.save_ref_stats, ref, extractor.name)
+        if stats_out is not None:
+            save_reference_stats(stats_out, ref, extractor.name)
 
     metrics = score(fake, ref, k=args.k, kid_subsets=args.kid_subsets)
     metrics.update({"extractor": extractor.name, "num_samples": len(fake_images), "num_ref": num_ref,
                     "samples": str(args.samples), "ref": str(args.ref)})
     if hasattr(extractor, "test_accuracy"):
         metrics["extractor_test_accuracy"] = extractor.test_accuracy
-    samples = Path(args.samples)
-    default_out = (samples if samples.is_dir() else samples.parent) / "metrics_fid.json"
-    out = Path(args.out) if args.out else default_out
-    out.write_text(json.dumps(metrics, indent=2) + "\n")
-    print(json.dumps(metrics, indent=2))
+    print(json.dumps(metrics, indent=2))  # printed first: a failing write cannot lose the numbers
+    atomic_write_text(out, json.dumps({**metrics, **file_record(METRICS_KIND)}, indent=2) + "\n")
+    print(f"wrote {out}")
     return metrics
+
+
+def default_out(samples: str) -> Path:
+    """``<samples>.fid.json`` beside the samples (never inside a folder that may not be ours)."""
+    path = Path(samples)
+    return path.with_name(f"{path.stem if path.suffix == '.npz' else path.name}.fid.json")
+
+
+def check_outputs(args) -> tuple[Path, Path | None]:
+    """The metrics JSON and reference-statistics paths, checked before any work (mhla_gen.folders): an
+    existing file is replaced only if this script wrote it or ``--overwrite`` is given."""
+    out = check_file_target(args.out or default_out(args.samples), "--out", METRICS_KIND, args.overwrite)
+    stats = None
+    if args.save_ref_stats:
+        if is_stats_file(args.ref):
+            raise ConfigError("--save-ref-stats needs --ref images (a folder, an arr_0 .npz or digits), "
+                              "not statistics")
+        stats = Path(args.save_ref_stats)
+        stats = stats if stats.suffix == ".npz" else stats.with_name(stats.name + ".npz")  # as np.savez
+        stats = check_file_target(stats, "--save-ref-stats", REFERENCE_STATS, args.overwrite)
+        if stats.resolve() in {Path(args.ref).resolve(), Path(args.samples).resolve()}:
+            raise ConfigError(f"--save-ref-stats {str(stats)!r} is an input of this command")
+    return out, stats
 
 
 if __name__ == "__main__":

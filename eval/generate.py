@@ -81,6 +81,8 @@ class GenerateConfig:
             raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
         if self.labels and min(self.labels) < 0:
             raise ValueError(f"labels must be class ids >= 0, got {self.labels}")
+        if self.guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be >= 0, got {self.guidance_scale}")
 
 
 def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConfig:
@@ -90,10 +92,7 @@ def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConf
     return load_config(GenerateConfig, path, overrides)
 
 
-SAMPLES_FOLDER = "samples"  # the kind of folder output_dir is (mhla_gen.folders)
-SAMPLES_ENTRIES = frozenset({"config.yaml", "manifest.jsonl", "manifest.*.jsonl", "samples.npz",
-                             "[0-9][0-9][0-9][0-9][0-9][0-9].png", "[0-9][0-9][0-9][0-9][0-9][0-9].mp4",
-                             ".[0-9]*.tmp.png", ".[0-9]*.tmp.mp4", "metrics_*.json"})
+SAMPLES_FOLDER = "samples"  # the kind of folder output_dir is (mhla_gen.folders.KINDS)
 
 
 def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
@@ -102,6 +101,18 @@ def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
     bad = sorted({int(c) for c in labels if not 0 <= int(c) < num_classes})
     if bad:
         raise ConfigError(f"labels {bad} are outside the model's classes 0..{num_classes - 1}")
+
+
+def trained_classes(cfg: GenerateConfig) -> int | None:
+    """The classes the DiT to sample was trained on, where a record says (the training run's config, or
+    the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
+    from pipelines.dit import trained_num_classes
+
+    if cfg.run_config:
+        from mhla_gen.train.config import DiTRunConfig, load_config
+
+        return load_config(DiTRunConfig, cfg.run_config).model.num_classes
+    return trained_num_classes(cfg.transformer or Path(cfg.model) / "transformer")
 
 
 def config_hash(cfg: GenerateConfig) -> str:
@@ -141,7 +152,7 @@ class Sampler:
 
             self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
             check_class_labels(self.pipe.transformer, [i["label"] for i in sample_items(cfg)],
-                               cfg.guidance_scale)
+                               cfg.guidance_scale, trained_classes(cfg))
         elif cfg.base == "sana":
             from pipelines.sana import load_sana_pipeline
 
@@ -254,19 +265,17 @@ def generate(cfg: GenerateConfig) -> Path:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from mhla_gen.folders import check_owned, claim
+    from mhla_gen.folders import claim, owned
 
     state = PartialState()
     out = Path(cfg.output_dir)
     chash = config_hash(cfg)
     items = sample_items(cfg)
-    check_owned(out, SAMPLES_FOLDER, "output_dir", SAMPLES_ENTRIES)  # every process: all raise
-    if cfg.base == "dit" and cfg.run_config:  # before loading anything
-        from mhla_gen.train.config import DiTRunConfig, load_config
-
-        check_labels(cfg, load_config(DiTRunConfig, cfg.run_config).model.num_classes)
+    owned(out, SAMPLES_FOLDER, "output_dir")  # every process: all raise
+    if cfg.base == "dit" and (num_classes := trained_classes(cfg)) is not None:  # before loading anything
+        check_labels(cfg, num_classes)
     if state.is_main_process:
-        claim(out, SAMPLES_FOLDER, "output_dir", SAMPLES_ENTRIES)
+        claim(out, SAMPLES_FOLDER, "output_dir")
         check_previous_run(out, chash)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     state.wait_for_everyone()

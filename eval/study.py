@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mhla_gen.cli import run
 from mhla_gen.data.digits import digits_tensors
+from mhla_gen.folders import claim
 from mhla_gen.metrics import digits_extractor, extract_features, fid_from_features
 from mhla_gen.metrics.attention import attention_statistics, example_inputs
 from mhla_gen.serialization import load_transformer
@@ -166,8 +168,7 @@ def run_study(args) -> list[dict]:
     s = dict(QUICK if args.quick else FULL)
     s["steps"] = args.steps or s["steps"]
     s["fid_samples"] = args.fid_samples or s["fid_samples"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim(args.out, "study", "--out")  # new, empty or a study folder of ours (mhla_gen.folders)
     torch.manual_seed(args.seed)
 
     results = []
@@ -190,4 +191,4 @@ def run_study(args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

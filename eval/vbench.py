@@ -1,6 +1,6 @@
 """VBench-style scores for a folder of MP4s: per-video and aggregated JSON.
 
-    python eval/vbench.py --videos runs/wan/samples --out runs/wan/metrics_vbench.json
+    python eval/vbench.py --videos samples/wan                 # writes samples/wan.vbench.json
     python eval/vbench.py --videos DIR --subject-model ~/w/dino-vitb16 --background-model ~/w/clip-vit-b32 \
         --raft-weights ~/w/raft_large_C_T_V2-1bb1363a.pth --aesthetic-clip ~/w/clip-vit-l14 \
         --aesthetic-head ~/w/sa_0_4_vit_l_14_linear.pth
@@ -8,7 +8,9 @@
 
 Dimensions and which ones are proxies: see ``mhla_gen/metrics/video.py``. Offline defaults: pixel-
 correlation features for the consistency dimensions, phase-correlation flow for dynamic degree, linear
-interpolation for motion smoothness; each JSON records the extractor / estimator used.
+interpolation for motion smoothness; each JSON records the extractor / estimator used. The JSON
+(default ``<videos>.vbench.json`` beside the folder) replaces an existing file only if this script wrote
+it or ``--overwrite`` is given; that is checked before any work.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mhla_gen.cli import run
+from mhla_gen.cli import expand_path, run
+from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
 from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
+from mhla_gen.train.io import atomic_write_text
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".avi", ".mov", ".gif"}
+METRICS_KIND = "vbench_metrics"  # the record in the JSON (mhla_gen.folders.file_record)
 
 
 def build_feature_extractor(model_path: str | None, fallback: str):
@@ -64,12 +69,13 @@ def import_vbench_package():
     return vbench
 
 
-def run_official_vbench(args) -> dict:
-    """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply)."""
+def run_official_vbench(args, out: Path) -> dict:
+    """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply); it writes
+    its result files beside ``out``."""
     VBench = import_vbench_package().VBench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out_dir = Path(args.out).parent if args.out else Path(args.videos)
+    out_dir = out.parent
     bench = VBench(device, args.vbench_info, str(out_dir))
     bench.evaluate(videos_path=args.videos, name="mhla_vbench", dimension_list=args.dimensions,
                    mode="custom_input")
@@ -80,8 +86,12 @@ def run_official_vbench(args) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--videos", required=True, help="folder of videos (searched recursively)")
-    parser.add_argument("--out", default=None, help="JSON path (default: VIDEOS/metrics_vbench.json)")
+    parser.add_argument("--videos", required=True, type=expand_path,
+                        help="folder of videos (searched recursively)")
+    parser.add_argument("--out", default=None, type=expand_path,
+                        help="JSON path (default: <videos>.vbench.json beside the folder)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
+                        "not write it")
     parser.add_argument("--extractor", default="pixels", choices=["pixels", "digits"],
                         help="offline consistency features when no --subject/--background-model is given")
     parser.add_argument("--subject-model", default=None, help="local transformers DINO folder")
@@ -98,10 +108,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     folder = Path(args.videos)
-    out = Path(args.out) if args.out else folder / "metrics_vbench.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--videos {str(folder)!r} is not a folder")
+    out = Path(args.out) if args.out else folder.with_name(f"{folder.name}.vbench.json")
+    check_file_target(out, "--out", METRICS_KIND, args.overwrite)  # before any work
     if args.use_vbench:
-        result = run_official_vbench(args)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        result = run_official_vbench(args, out)
+        print(json.dumps(result, indent=2))
+        atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
         return result
 
     videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
@@ -131,8 +145,9 @@ def main(argv=None) -> dict:
         "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
         "per_video": per_video,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["aggregate"], indent=2))
+    print(json.dumps(result["aggregate"], indent=2))  # printed first: a failing write cannot lose them
+    atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
+    print(f"wrote {out}")
     return result
 
 

@@ -228,7 +228,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     manifest = read_manifest(folder)
     spec = spec_for_class_name(manifest["class_name"])
     if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
-        logger.info("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
+        logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
     base = base or manifest["base"]
     files = [manifest["adapter_weights"]] + ([manifest["mhla_weights"]] if manifest["mhla_weights"] else [])
     for name in files:

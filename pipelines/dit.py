@@ -12,6 +12,8 @@ class count can only sample with ``guidance_scale <= 1`` (:func:`check_class_lab
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from diffusers import DiTPipeline, DiTTransformer2DModel
 
@@ -48,15 +50,49 @@ def load_dit_pipeline(
     return pipe.to(device) if device is not None else pipe
 
 
-def check_class_labels(transformer: DiTTransformer2DModel, labels: list[int], guidance_scale: float) -> None:
-    """Raise a ValueError for labels the model has no embedding for, or CFG the pipeline cannot run."""
-    num_classes = transformer.config.num_embeds_ada_norm
-    bad = [label for label in labels if not 0 <= label < num_classes]
+def trained_num_classes(folder) -> int | None:
+    """The number of classes a DiT saved in ``folder`` was trained on, as its training run recorded it
+    (``final/``'s marker, or the run's ``config.yaml`` next to a ``final/`` written before that record
+    existed); None when nothing records it (e.g. a hub checkpoint: its label table is the rule)."""
+    from mhla_gen.folders import read_marker
+
+    if folder is None or not Path(folder).is_dir():
+        return None
+    folder = Path(folder)
+    record = read_marker(folder) or {}
+    if isinstance(record.get("num_classes"), int):
+        return record["num_classes"]
+    run = folder.resolve().parent
+    if folder.name == "final" and (read_marker(run) or {}).get("kind") == "run":
+        from mhla_gen.train.config import DiTRunConfig, load_config
+
+        try:
+            return load_config(DiTRunConfig, run / "config.yaml").model.num_classes
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_class_labels(
+    transformer: DiTTransformer2DModel,
+    labels: list[int],
+    guidance_scale: float,
+    num_classes: int | None = None,
+) -> None:
+    """Raise a ValueError for labels the model was not trained on (``num_classes``, from
+    :func:`trained_num_classes`; else its label table), a negative guidance scale, or CFG the pipeline
+    cannot run."""
+    table = transformer.config.num_embeds_ada_norm
+    classes = num_classes if num_classes is not None else table
+    bad = [label for label in labels if not 0 <= label < classes]
     if bad:
-        raise ValueError(f"class labels {bad} out of range: the model has classes 0..{num_classes - 1}")
-    if guidance_scale > 1 and num_classes != DIT_NULL_CLASS:
+        how = "was trained on" if num_classes is not None else "has"
+        raise ValueError(f"class labels {bad} out of range: the model {how} classes 0..{classes - 1}")
+    if guidance_scale < 0:
+        raise ValueError(f"guidance scale must be >= 0, got {guidance_scale}")
+    if guidance_scale > 1 and table != DIT_NULL_CLASS:
         raise ValueError(
             f"DiTPipeline uses label {DIT_NULL_CLASS} as the null class for guidance_scale > 1, but this "
-            f"model has num_embeds_ada_norm={num_classes}; sample with guidance_scale <= 1 or train with "
+            f"model has num_embeds_ada_norm={table}; sample with guidance_scale <= 1 or train with "
             f"{DIT_NULL_CLASS} classes"
         )

@@ -84,6 +84,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention  # noqa: E402
+from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen.folders import check_file_target, file_record  # noqa: E402
+from mhla_gen.train.io import atomic_write_text  # noqa: E402
+
+BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -594,7 +599,11 @@ def main(argv=None) -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="leave SDPA out entirely")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
+                        "not write it")
     args = parser.parse_args(argv)
+    if args.out is not None:  # before hours of timing (mhla_gen.folders)
+        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.sizes is None:
@@ -640,9 +649,9 @@ def main(argv=None) -> None:
         text, model_rows = run_model_shapes(args, device, dtype)
         print(f"\n{text}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"setup": setup, "rows": rows, "model_rows": model_rows}, indent=2))
+        report = {"setup": setup, "rows": rows, "model_rows": model_rows, **file_record(BENCH_KIND)}
+        atomic_write_text(args.out, json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -61,6 +61,7 @@ from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
+from mhla_gen.cli import run as run_cli  # noqa: E402
 
 MODES = ("softmax", "linear", "mhla")
 LABELS = {"softmax": "softmax", "linear": "linear", "mhla": "MHLA"}
@@ -317,4 +318,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

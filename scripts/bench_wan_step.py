@@ -64,7 +64,12 @@ from diffusers import WanTransformer3DModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
+from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen.folders import check_file_target, file_record  # noqa: E402
 from mhla_gen.install import is_mhla_installed, mhla_processors  # noqa: E402
+from mhla_gen.train.io import atomic_write_text  # noqa: E402
+
+BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
 
 # diffusers scripts/convert_wan_to_diffusers.py, get_transformer_config("Wan-T2V-1.3B"), plus diffusers'
 # default rope_max_seq_len (image_dim / added_kv_proj_dim None: text-to-video)
@@ -110,7 +115,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
+                        "not write it")
     args = parser.parse_args(argv)
+    if args.out is not None:  # before any timing (mhla_gen.folders)
+        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
 
     if args.frames < 1 or (args.frames - 1) % VAE_TIME:
         parser.error(f"--frames must be 4k+1 (Wan's VAE keeps the first frame, then 4 per latent frame), "
@@ -334,10 +343,9 @@ def main(argv=None) -> dict:
     report["command"] = command
     print(markdown(report, command))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps({**report, **file_record(BENCH_KIND)}, indent=2) + "\n")
     return report
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

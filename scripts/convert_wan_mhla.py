@@ -15,7 +15,9 @@ import argparse
 
 import torch
 
+from mhla_gen.cli import expand_path, run
 from mhla_gen.convert_wan import convert_wan_checkpoint
+from mhla_gen.folders import check_apart, check_replaceable, check_temp, fresh_temp, replace_with
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,9 +26,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--checkpoint", required=True, help=".safetensors / .pth file or a folder of shards")
-    parser.add_argument("--config-from", required=True, help="diffusers Wan folder, hub id or config.json")
-    parser.add_argument("--out", required=True, help="output folder (save_pretrained layout)")
+    parser.add_argument("--checkpoint", required=True, type=expand_path,
+                        help=".safetensors / .pth file or a folder of shards")
+    parser.add_argument("--config-from", required=True, type=expand_path,
+                        help="diffusers Wan folder, hub id or config.json")
+    parser.add_argument("--out", required=True, type=expand_path,
+                        help="output folder (save_pretrained layout): new, empty, or one this script wrote "
+                             "(replaced when the new one is complete)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--state-dict-key", default=None, help="entry of a wrapped .pth, e.g. state_dict_ema")
     return parser.parse_args(argv)
@@ -34,10 +40,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # before any work: --out must be apart from the inputs and new, empty or a model folder of ours
+    check_apart(args.out, "--out", {"--checkpoint": args.checkpoint, "--config-from": args.config_from})
+    check_replaceable(args.out, "model", "--out")
+    check_temp(args.out, "model", "--out")
     transformer = convert_wan_checkpoint(
         args.checkpoint, args.config_from, torch_dtype=DTYPES[args.dtype], state_dict_key=args.state_dict_key
     )
-    transformer.save_pretrained(args.out)
+    tmp = fresh_temp(args.out, "model", "--out")  # save_pretrained only ever sees a folder of its own
+    transformer.save_pretrained(tmp)
+    replace_with(tmp, args.out, "model", "--out")
     cfg = transformer.mhla_config
     layers = "all" if cfg.layers is None else cfg.layers
     print(f"wrote {args.out}: {len(transformer.blocks)} blocks, MHLA layers {layers}, blocks {cfg.blocks}")
@@ -45,4 +57,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

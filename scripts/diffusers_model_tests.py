@@ -21,6 +21,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from mhla_gen.cli import run as run_cli
+from mhla_gen.folders import claim
+
 SUITES = {
     "dit": "tests/models/transformers/test_models_dit_transformer2d.py",
     "sana": "tests/models/transformers/test_models_transformer_sana.py",
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/difftests"))
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     args = parser.parse_args()
+    claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
     export(args.diffusers, args.rev, args.out)
     env = {**os.environ, "PYTHONPATH": str(args.out), "HF_HUB_OFFLINE": "1"}
     for suite in args.suites:
@@ -148,4 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

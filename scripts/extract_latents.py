@@ -8,12 +8,14 @@
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 
-from mhla_gen.cli import run
+from mhla_gen.cli import expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
+from mhla_gen.errors import ConfigError
 
 
 def positive_int(text: str) -> int:
@@ -25,13 +27,19 @@ def positive_int(text: str) -> int:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="class folder root: DATA/<class>/<image>")
+    parser.add_argument(
+        "--data", required=True, type=expand_path, help="class folder root: DATA/<class>/<image>"
+    )
     parser.add_argument(
         "--out",
         required=True,
-        help="cache folder to write: new, empty or an earlier latent cache (replaced when complete)",
+        type=expand_path,
+        help="cache folder to write: new, empty or an earlier latent cache of mhla_gen (replaced when "
+        "complete)",
     )
-    parser.add_argument("--vae", default="stabilityai/sd-vae-ft-ema", help="AutoencoderKL folder or hub id")
+    parser.add_argument(
+        "--vae", default="stabilityai/sd-vae-ft-ema", type=expand_path, help="AutoencoderKL folder or hub id"
+    )
     parser.add_argument("--vae-subfolder", default=None)
     parser.add_argument("--resolution", type=positive_int, default=256)
     parser.add_argument("--batch-size", type=positive_int, default=64)
@@ -44,8 +52,12 @@ def main(argv=None):
 
     # before any work: --out must not overlap --data nor hold files of its own
     check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data})
-    dataset = ClassFolderDataset(args.data, args.resolution)
-    vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder).to(args.device).eval()
+    dataset = ClassFolderDataset(args.data, args.resolution, "--data")
+    try:
+        vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder)
+    except OSError as err:
+        raise ConfigError(f"--vae {args.vae!r} cannot be loaded: {err}") from None
+    vae = vae.to(args.device).eval()
     generator = torch.Generator(args.device).manual_seed(args.seed)
 
     def encode(pixels: torch.Tensor) -> torch.Tensor:  # (B, 3, R, R) in [-1, 1] -> scaled latents
@@ -53,7 +65,8 @@ def main(argv=None):
         return dist.sample(generator) * vae.config.scaling_factor  # as DiT's feature extraction
 
     meta = {
-        "vae": args.vae,
+        "vae": str(Path(args.vae).resolve()) if Path(args.vae).exists() else args.vae,  # checked by train_dit
+        "vae_subfolder": args.vae_subfolder,
         "resolution": args.resolution,
         "scaling_factor": vae.config.scaling_factor,
         "classes": dataset.classes,

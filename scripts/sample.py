@@ -10,19 +10,26 @@
 ``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;
 ``--transformer`` an MHLA transformer saved with ``save_pretrained`` (default: ``--model``'s own).
 Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 per prompt for Wan.
+``--out`` must be new, empty or a folder this script wrote; files of an earlier call with the same names
+are replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 from PIL import Image
 
+from mhla_gen.cli import expand_path, run
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
+from mhla_gen.folders import claim, owned
+
+OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
+WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,9 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True, help="diffusers pipeline folder or hub id")
+    parser.add_argument("--model", required=True, type=expand_path,
+                        help="diffusers pipeline folder or hub id")
     parser.add_argument("--base", required=True, choices=["dit", "sana", "wan"])
-    parser.add_argument("--transformer", default=None, help="saved MHLA transformer folder (e.g. run/final)")
+    parser.add_argument("--transformer", default=None, type=expand_path,
+                        help="saved MHLA transformer folder (e.g. run/final)")
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="install fresh MHLA with these blocks into a stock transformer (untrained)")
     parser.add_argument("--labels", type=int, nargs="+", default=None, help="DiT class labels")
@@ -42,13 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=4.0)
-    parser.add_argument("--height", type=int, default=None, help="pixels (default: the model's size)")
+    parser.add_argument("--height", type=int, default=None,
+                        help="pixels (default: the model's size for DiT and SANA, 480 x 832 for Wan)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--frames", type=int, default=81, help="Wan video length")
     parser.add_argument("--fps", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="samples")
+    parser.add_argument("--out", default="samples", type=expand_path,
+                        help="folder: new, empty or one this script wrote")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files of an earlier call with the same names in --out")
     args = parser.parse_args(argv)
 
     if args.base == "dit" and not args.labels:
@@ -61,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.guidance < 0:
+        parser.error(f"--guidance must be >= 0, got {args.guidance}")
     for name in ("height", "width", "frames"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -94,7 +109,7 @@ def sample_dit(args, mhla, dtype) -> list[Image.Image]:
     from pipelines.dit import check_class_labels, load_dit_pipeline
 
     pipe = load_dit_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
-    check_class_labels(pipe.transformer, args.labels, args.guidance)
+    check_class_labels(pipe.transformer, args.labels, args.guidance, trained_classes(args))
     if args.height is not None or args.width is not None:
         # DiTPipeline draws latents of transformer.config.sample_size; DiT's unpatchify needs squares
         height, width = args.height or args.width, args.width or args.height
@@ -139,22 +154,85 @@ def sample_wan(args, mhla, dtype, out: Path) -> list[Path]:
     from pipelines.wan import load_wan_pipeline
 
     pipe = load_wan_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
+    height, width = check_wan_size(args, pipe)
     paths = []
     for i, prompt in enumerate(args.prompt):
         generator = torch.Generator(args.device).manual_seed(args.seed + i)
         frames = pipe(
             prompt=prompt,
             negative_prompt=args.negative_prompt,
-            height=args.height or 480,
-            width=args.width or 832,
+            height=height,
+            width=width,
             num_frames=args.frames,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
             generator=generator,
         ).frames[0]
-        path = out / f"wan_seed{args.seed + i}_{i:02d}.mp4"
+        path = out / output_names(args)[i]
         paths.append(Path(export_to_video(frames, str(path), fps=args.fps)))
     return paths
+
+
+def check_wan_size(args, pipe) -> tuple[int, int]:
+    """``(height, width)`` for Wan (default 480 x 832), refused when the VAE and patch cannot tile it or
+    its token grid exceeds the model's rotary table (``rope_max_seq_len``)."""
+    height, width = args.height or WAN_DEFAULT_SIZE[0], args.width or WAN_DEFAULT_SIZE[1]
+    config = pipe.transformer.config
+    _, ph, pw = config.patch_size
+    spatial = pipe.vae_scale_factor_spatial
+    for name, value, patch in (("height", height, ph), ("width", width, pw)):
+        if value % (spatial * patch):
+            raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} (VAE {spatial}x, "
+                              f"patch {patch})")
+        if value // (spatial * patch) > config.rope_max_seq_len:
+            raise ConfigError(
+                f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
+                f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len={config.rope_max_seq_len}; "
+                f"pass a smaller --height/--width"
+            )
+    if (args.frames - 1) % pipe.vae_scale_factor_temporal:
+        raise ConfigError(f"--frames {args.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+    return height, width
+
+
+def trained_classes(args) -> int | None:
+    """The classes the DiT was trained on, where its folder records them (training runs do)."""
+    from pipelines.dit import trained_num_classes
+
+    return trained_num_classes(args.transformer or Path(args.model) / "transformer")
+
+
+def check_labels(args) -> None:
+    """DiT labels against the classes the model was trained on, before anything is loaded."""
+    num_classes = trained_classes(args) if args.base == "dit" else None
+    bad = [label for label in args.labels or [] if num_classes is not None and not 0 <= label < num_classes]
+    if bad:
+        raise ConfigError(f"--labels {bad}: the model was trained on classes 0..{num_classes - 1}")
+
+
+def output_names(args) -> list[str]:
+    """The files this call writes into ``--out``: one MP4 per prompt (Wan), or one PNG per image and
+    the grid."""
+    if args.base == "wan":
+        return [f"wan_seed{args.seed + i}_{i:02d}.mp4" for i in range(len(args.prompt))]
+    names = args.labels if args.base == "dit" else range(len(args.prompt))
+    images = [f"{args.base}_seed{args.seed}_{i:02d}_{name}.png" for i, name in enumerate(names)]
+    return [*images, f"{args.base}_seed{args.seed}_grid.png"]
+
+
+def prepare_out(args) -> Path:
+    """Claim ``--out`` (new, empty or written by this script) and refuse to replace earlier samples with
+    the same names unless ``--overwrite``: before any model is loaded."""
+    out = Path(args.out)
+    owned(out, OUTPUT_KIND, "--out")
+    existing = [name for name in output_names(args) if (out / name).exists()]
+    if existing and not args.overwrite:
+        raise ConfigError(
+            f"--out {str(out)!r} already holds {', '.join(existing[:3])}"
+            f"{', ...' if len(existing) > 3 else ''} from an earlier call; pass --overwrite to replace "
+            f"them, or choose another --seed or --out"
+        )
+    return claim(out, OUTPUT_KIND, "--out")
 
 
 def main(argv=None) -> None:
@@ -163,24 +241,20 @@ def main(argv=None) -> None:
     mhla = None
     if args.blocks is not None:
         mhla = MHLAConfig(blocks=tuple(args.blocks))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_labels(args)
+    out = prepare_out(args)
 
     if args.base == "wan":
         for path in sample_wan(args, mhla, dtype, out):
             print(f"wrote {path}")
         return
     images = sample_dit(args, mhla, dtype) if args.base == "dit" else sample_sana(args, mhla, dtype)
-    names = args.labels if args.base == "dit" else range(len(images))
-    for i, (image, name) in enumerate(zip(images, names)):
-        image.save(out / f"{args.base}_seed{args.seed}_{i:02d}_{name}.png")
-    grid_path = out / f"{args.base}_seed{args.seed}_grid.png"
-    image_grid(images).save(grid_path)
-    print(f"wrote {len(images)} images and {grid_path}")
+    *names, grid_name = output_names(args)
+    for image, name in zip(images, names):
+        image.save(out / name)
+    image_grid(images).save(out / grid_name)
+    print(f"wrote {len(images)} images and {out / grid_name}")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as err:  # bad input found while loading or sampling
-        sys.exit(f"sample.py: error: {err}")
+    run(main)

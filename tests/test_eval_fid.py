@@ -47,7 +47,7 @@ def test_fid_cli_folders_npz_and_ref_stats(eval_fid, tmp_path):
 
     m_good = eval_fid.main(["--samples", str(good), "--ref", str(real), "--kid-subsets", "10",
                             "--save-ref-stats", str(tmp_path / "ref.npz")])
-    written = json.loads((good / "metrics_fid.json").read_text())
+    written = json.loads((tmp_path / "good.fid.json").read_text())  # beside the samples, named after them
     assert written["fid"] == pytest.approx(m_good["fid"])
     for key in ("fid", "sfid", "kid", "inception_score", "precision", "recall"):
         assert np.isfinite(m_good[key]), key

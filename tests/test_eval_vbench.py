@@ -98,10 +98,12 @@ def test_vbench_cli_on_a_folder(tmp_path):
     spec = importlib.util.spec_from_file_location("eval_vbench", ROOT / "eval" / "vbench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    write_video(tmp_path / "static.mp4", static_video(), fps=8, lossless=True)
-    write_video(tmp_path / "square.mp4", moving_square(), fps=8, lossless=True)
-    result = module.main(["--videos", str(tmp_path)])
-    assert (tmp_path / "metrics_vbench.json").exists() and result["num_videos"] == 2
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    write_video(videos / "static.mp4", static_video(), fps=8, lossless=True)
+    write_video(videos / "square.mp4", moving_square(), fps=8, lossless=True)
+    result = module.main(["--videos", str(videos)])
+    assert (tmp_path / "videos.vbench.json").exists() and result["num_videos"] == 2
     assert result["aggregate"]["dynamic_degree_phasecorr_proxy"] == 0.5
     assert result["subject_extractor"].startswith("pixels")
     with pytest.raises(FileNotFoundError, match="empty"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -96,7 +97,7 @@ def test_plain_add_adapter_after_install_freezes_mhla_until_selected():
 
 
 @pytest.mark.parametrize("base", BASES)
-def test_lora_mhla_folder_round_trip(tmp_path, base):
+def test_lora_mhla_folder_round_trip(tmp_path, base, caplog):
     """save_lora_mhla -> load_transformer (recorded base, or another copy of it) and the pipelines:
     outputs equal the trained model's exactly; the folder holds adapter + MHLA + manifest only."""
     factory, cfg, forward, make_pipeline = BASES[base]
@@ -130,10 +131,11 @@ def test_lora_mhla_folder_round_trip(tmp_path, base):
     shutil.move(tmp_path / "pretrained", tmp_path / "moved")  # the recorded base is gone: name the new place
     with pytest.raises(OSError):
         load_transformer(tmp_path / "final")
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="mhla_gen.lora"):
         assert torch.equal(
             forward(load_transformer(tmp_path / "final", base=str(tmp_path / "moved"))), expected
         )
+    assert [r.levelno for r in caplog.records if "was trained on" in r.getMessage()] == [logging.WARNING]
 
     if base == "sana":
         from pipelines.sana import load_sana_pipeline as load_pipeline

@@ -9,6 +9,7 @@ import signal
 
 import pytest
 import torch
+from PIL import Image
 from train_helpers import (
     REPO,
     final_weights,
@@ -18,6 +19,8 @@ from train_helpers import (
     run_subprocess,
     run_torchrun,
 )
+
+from mhla_gen.errors import ConfigError
 
 TINY = str(REPO / "configs" / "tiny" / "dit.yaml")
 
@@ -119,7 +122,7 @@ def test_two_processes_match_one(tmp_path):
 def test_launcher_processes_that_accelerate_does_not_join_fail_fast(tmp_path, monkeypatch):
     """E.g. an FSDP/DDP launch config on a CPU machine: WORLD_SIZE=2, but each process is alone."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but Accelerate sees a single process"):
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 but Accelerate sees a single process"):
         train(tmp_path, "train.max_steps=1")
     assert not (tmp_path / "config.yaml").exists()  # nothing written
 
@@ -382,6 +385,7 @@ def test_class_count_and_pretrained_family_are_checked(tmp_path):
 
     for i in range(3):
         (tmp_path / "data" / f"class{i}").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "data" / f"class{i}" / "a.png")
     folder = ("data.source=folder", f"data.path={tmp_path / 'data'}", "data.vae=null")
     with pytest.raises(ConfigError, match=r"model\.num_classes=10 but data\.path=.* has 3 class folders"):
         train(tmp_path / "run", *folder)

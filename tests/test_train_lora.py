@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import REPO, read_metrics, run_inprocess
 
+from mhla_gen.folders import MARKER
 from mhla_gen.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
 
 # EMA on: it averages the trained parameters (LoRA + MHLA) and final/ holds the averages
@@ -91,7 +92,8 @@ def test_lora_finetune_final_folder_and_exact_resume(script, sana_setup, wan_set
     assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3]
 
     final = tmp_path / "split" / "final"
-    assert sorted(p.name for p in final.iterdir()) == sorted([ADAPTER_WEIGHTS, MHLA_WEIGHTS, MANIFEST])
+    expected = [ADAPTER_WEIGHTS, MHLA_WEIGHTS, MANIFEST, MARKER]
+    assert sorted(p.name for p in final.iterdir()) == sorted(expected)
     assert json.loads((final / MANIFEST).read_text())["base"] == str((setup / "ckpt").resolve())
     whole, split = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "split")
     assert whole.keys() == split.keys()

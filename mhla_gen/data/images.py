@@ -22,7 +22,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".JPEG", ".JPG", "
 
 
 def require_dir(path: str | Path, what: str = "data folder") -> Path:
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a folder")
     return path
@@ -93,27 +93,54 @@ class _SkippingDataset(Dataset):
         raise RuntimeError(f"no readable file among the {len(self.paths)} in the dataset")
 
 
+def _is_image(path: Path) -> bool:
+    """An image file by suffix; hidden files (``.DS_Store``, macOS ``._x.jpg``) are not."""
+    return path.suffix in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
+def class_folders(root: str | Path, setting: str = "data path") -> list[str]:
+    """Class folder names of ``root`` sorted (ids 0..K-1, torchvision ImageFolder's rule), leaving out
+    hidden folders (``.ipynb_checkpoints``, ``.git``) and folders with no images, which would otherwise
+    each become a class and shift every label after them; a warning names what was left out."""
+    root = require_dir(root, setting)
+    classes, hidden, empty = [], [], []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        if d.name.startswith("."):
+            hidden.append(d.name)
+        elif not any(_is_image(p) for p in d.rglob("*")):
+            empty.append(d.name)
+        else:
+            classes.append(d.name)
+    if hidden or empty:
+        logger.warning(
+            "%s=%s: %d class folders; left out %s", setting, root, len(classes),
+            "; ".join(f"{kind}: {', '.join(names)}" for kind, names in
+                      (("hidden", hidden), ("without images", empty)) if names),
+        )
+    if not classes:
+        raise FileNotFoundError(f"no class folders with images ({', '.join(IMAGE_EXTENSIONS)}) inside "
+                                f"{setting}={str(root)!r}")
+    return classes
+
+
 class ClassFolderDataset(_SkippingDataset):
-    """``root/<class name>/<image>``: classes sorted by name -> ids 0..K-1 (torchvision ImageFolder rule).
+    """``root/<class name>/<image>``: classes sorted by name -> ids 0..K-1 (torchvision ImageFolder rule),
+    hidden and image-less folders left out (:func:`class_folders`).
 
     Items: ``{"pixels": (3, R, R) float in [-1, 1], "class_labels": long}``.
     """
 
-    def __init__(self, root: str | Path, resolution: int):
+    def __init__(self, root: str | Path, resolution: int, setting: str = "data path"):
         super().__init__()
         check_size("resolution", resolution)
-        self.root = root = require_dir(root)
-        self.classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-        if not self.classes:
-            raise FileNotFoundError(f"no class folders inside {str(root)!r}")
+        self.root = root = require_dir(root, setting)
+        self.classes = class_folders(root, setting)
         self.paths, self.labels = [], []
         for label, name in enumerate(self.classes):
             for p in sorted((root / name).rglob("*")):
-                if p.suffix in IMAGE_EXTENSIONS:
+                if _is_image(p):
                     self.paths.append(p)
                     self.labels.append(label)
-        if not self.paths:
-            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
         self.resolution = resolution
 
     def load(self, index: int) -> dict:

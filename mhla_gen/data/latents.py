@@ -8,9 +8,10 @@
   latents and the text encoder's embeddings, plus ``meta.json`` with a fingerprint of what made them
   (checkpoint, resolution, frames, text length); a different fingerprint rebuilds the cache.
 
-Both caches are folders this project owns (:mod:`mhla_gen.folders`): they carry a marker file, and a
-folder that is not empty and not a cache of the same kind is refused before anything is written, as is
-a cache folder that is, contains or lies inside the data folder.
+Both caches are folders this project marks (:mod:`mhla_gen.folders`): a folder that is not empty and
+not marked as a cache of the same kind is refused before anything is written, as is a cache folder that
+is, contains or lies inside the data folder. Both are built in a marked temporary sibling (``.tmp-<name>``,
+cleaned up if an interrupted run left one) and put in place when complete.
 """
 
 from __future__ import annotations
@@ -24,16 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
-from ..folders import check_apart, check_owned, fresh_temp, replace_with
+from ..folders import check_apart, check_replaceable, check_temp, fresh_temp, replace_with
 from .images import require_dir
 
 logger = logging.getLogger(__name__)
 
-LATENT_CACHE = "latent_cache"
-LATENT_CACHE_ENTRIES = frozenset({"latents.npy", "labels.npy", "meta.json", "latents_trim.npy"})
+LATENT_CACHE = "latent_cache"  # folder kinds (mhla_gen.folders.KINDS)
 FEATURE_CACHE = "feature_cache"
-FEATURE_CACHE_ENTRIES = frozenset({"items", "meta.json"})
 
 
 def check_cache_target(
@@ -43,12 +43,13 @@ def check_cache_target(
     inputs: dict[str, str | Path | None],
     inside_ok: tuple[str, ...] = (),
 ) -> None:
-    """Refuse (``ValueError`` naming ``setting``) a cache folder that is, contains or lies inside an input
-    folder (inside is allowed for ``inside_ok``, e.g. the run's output_dir) or that holds files this project
-    did not write. Call it before any work; the writers call it again."""
-    known = LATENT_CACHE_ENTRIES if kind == LATENT_CACHE else FEATURE_CACHE_ENTRIES
+    """Refuse (``ConfigError`` naming ``setting``) a cache folder that is, contains or lies inside an input
+    folder (inside is allowed for ``inside_ok``, e.g. the run's output_dir), that is not empty and not a
+    ``kind`` cache of ours, or whose temporary sibling is a folder of the user's. Call it before any
+    work; the writers call it again."""
     check_apart(cache_dir, setting, inputs, inside_ok)
-    check_owned(cache_dir, kind, setting, known)
+    check_replaceable(cache_dir, kind, setting)
+    check_temp(cache_dir, kind, setting)  # a leftover of ours is removed later, a user's folder refused
 
 
 # ------------------------------------------------------------------------------------------- DiT
@@ -71,7 +72,7 @@ def write_class_latents(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_cache_target(LATENT_CACHE, out_dir, settings[0], {settings[1]: dataset.root})
-    tmp = fresh_temp(out_dir, LATENT_CACHE, settings[0], LATENT_CACHE_ENTRIES)
+    tmp = fresh_temp(out_dir, LATENT_CACHE, settings[0])
     good, pixels, labels, skipped = [], [], [], 0
     latents = None
 
@@ -88,7 +89,7 @@ def write_class_latents(
         pixels.clear()
         labels.clear()
 
-    for i in range(len(dataset)):
+    for i in tqdm(range(len(dataset)), desc="encoding images", unit="img"):
         try:
             item = dataset.load(i)
         except Exception as err:  # noqa: BLE001 - a bad file is a logged skip
@@ -113,7 +114,7 @@ def write_class_latents(
         os.replace(tmp / "latents_trim.npy", tmp / "latents.npy")
     np.save(tmp / "labels.npy", np.asarray(good, dtype=np.int64))
     (tmp / "meta.json").write_text(json.dumps({**meta, "count": count, "skipped": skipped}, indent=1))
-    replace_with(tmp, out_dir, LATENT_CACHE, settings[0], LATENT_CACHE_ENTRIES)
+    replace_with(tmp, out_dir, LATENT_CACHE, settings[0])
     logger.info("wrote %d latents to %s (%d files skipped)", count, out_dir, skipped)
     return out_dir
 
@@ -166,10 +167,10 @@ def build_feature_cache(
     meta_path = cache_dir / "meta.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("fingerprint") == fingerprint:
         return cache_dir
-    tmp = fresh_temp(cache_dir, FEATURE_CACHE, setting, FEATURE_CACHE_ENTRIES)
+    tmp = fresh_temp(cache_dir, FEATURE_CACHE, setting)
     (tmp / "items").mkdir()
     count, skipped = 0, 0
-    for i in range(len(dataset)):
+    for i in tqdm(range(len(dataset)), desc="caching latents + text embeddings", unit="item"):
         try:
             item = dataset.load(i)
         except Exception as err:  # noqa: BLE001 - a bad file is a logged skip
@@ -188,7 +189,7 @@ def build_feature_cache(
     (tmp / "meta.json").write_text(
         json.dumps({"fingerprint": fingerprint, "count": count, "skipped": skipped}, indent=1)
     )
-    replace_with(tmp, cache_dir, FEATURE_CACHE, setting, FEATURE_CACHE_ENTRIES)
+    replace_with(tmp, cache_dir, FEATURE_CACHE, setting)
     logger.info("cached %d items in %s (%d skipped)", count, cache_dir, skipped)
     return cache_dir
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -149,6 +150,10 @@ def precision_recall(real, fake, k: int = 3) -> tuple[float, float]:
     return precision, recall
 
 
+REFERENCE_STATS = "reference_stats"  # the file kind (mhla_gen.folders.file_is_ours)
+REFERENCE_STATS_RECORD = "mhla_gen_kind"
+
+
 def save_reference_stats(path: str | os.PathLike, feats: dict[str, np.ndarray], extractor_name: str) -> None:
     """Write ``mu``, ``sigma`` (ADM keys), ``mu_s``/``sigma_s`` when spatial features exist, the pool
     features themselves (``features``, needed by KID and precision/recall) and the extractor name."""
@@ -157,7 +162,11 @@ def save_reference_stats(path: str | os.PathLike, feats: dict[str, np.ndarray], 
               "extractor": np.asarray(extractor_name)}
     if "spatial" in feats:
         arrays["mu_s"], arrays["sigma_s"] = feature_statistics(feats["spatial"])
-    np.savez(path, **arrays)
+    arrays[REFERENCE_STATS_RECORD] = np.asarray(REFERENCE_STATS)  # marks the file as ours (mhla_gen.folders)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.npz")  # written whole, then renamed: never half a file
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def load_reference_stats(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -165,4 +174,4 @@ def load_reference_stats(path: str | os.PathLike) -> dict[str, np.ndarray]:
     with np.load(path) as data:
         if "mu" not in data or "sigma" not in data:
             raise ValueError(f"{str(path)!r} has no 'mu'/'sigma' arrays (keys: {sorted(data.keys())})")
-        return {key: data[key] for key in data.files}
+        return {key: data[key] for key in data.files if key != REFERENCE_STATS_RECORD}

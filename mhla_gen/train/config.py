@@ -9,6 +9,8 @@ in ``configs/`` list what a run changes.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -125,6 +127,12 @@ class RunConfig:
     mhla: MHLAConfig = field(default_factory=MHLAConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
+    def __post_init__(self):
+        if not 0 <= self.seed < 2**32:  # numpy's seed range (accelerate's set_seed seeds numpy too)
+            raise ValueError(f"seed must be in 0..2**32-1, got {self.seed}")
+        if not self.output_dir:
+            raise ValueError("output_dir must be a folder path, got ''")
+
 
 # --------------------------------------------------------------------------------------------- DiT
 @dataclass
@@ -216,6 +224,7 @@ class DiTRunConfig(RunConfig):
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.train.trainable == "lora":  # diffusers' DiT has no PEFT (add_adapter) support
             raise ValueError(
                 "train.trainable=lora is for the fine-tuning scripts (finetune_sana.py, finetune_wan.py); "
@@ -295,6 +304,7 @@ class WanRunConfig(RunConfig):
     flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         if (self.data.num_frames - 1) % 4:
             raise ValueError(f"data.num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.data.num_frames}")
 
@@ -322,11 +332,23 @@ def load_config(
             raise ConfigError(f"command-line overrides must look like key=value, got {bad}")
         merged = _merge(merged, lambda: OmegaConf.from_dotlist(list(overrides)), "on the command line")
     try:
-        return OmegaConf.to_object(merged)  # runs every __post_init__ check
+        return _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _expand_home(cfg: T) -> T:
+    """``~`` expanded in every string setting that starts with it (paths: ``output_dir=~/runs/x``, a
+    quoted ``data.path=~/imnet``), as the shell would have done for an unquoted path."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _expand_home(value)
+        elif isinstance(value, str) and value.startswith("~"):
+            setattr(cfg, f.name, os.path.expanduser(value))
+    return cfg
 
 
 def _merge(base, load, where: str):

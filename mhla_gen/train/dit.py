@@ -29,6 +29,26 @@ logger = logging.getLogger(__name__)
 DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16)}
 _PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__ hard-codes this id for the unconditional branch
+DIGITS_CLASSES, DIGITS_ITEMS = 10, 1797  # scikit-learn's load_digits
+
+
+def check_mhla_layers(mhla: MHLAConfig | None, num_layers: int) -> None:
+    """``mhla.layers`` must name existing self-attention layers, once each (``install_mhla``'s rule)."""
+    if mhla is None or mhla.layers is None:
+        return
+    bad = sorted({i for i in mhla.layers if not 0 <= i < num_layers})
+    repeated = sorted({i for i in mhla.layers if mhla.layers.count(i) > 1})
+    if bad or repeated:
+        what = f"{bad} out of range 0..{num_layers - 1}" if bad else f"{repeated} listed twice"
+        raise ConfigError(f"mhla.layers={mhla.layers}: layers {what} (the model has {num_layers} layers)")
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model references name the same thing: equal hub ids, or local paths to the same folder."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def dit_architecture(model_cfg) -> dict:
@@ -183,6 +203,7 @@ class DiTTask(TrainTask):
         self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma)
         self.vae = None
         self.latent_scale = 1.0
+        self._dataset = None
 
     # ---------------------------------------------------------------------------------- model
     def _load_vae(self):
@@ -203,7 +224,10 @@ class DiTTask(TrainTask):
             return None
         from diffusers import AutoencoderKL
 
-        return dict(AutoencoderKL.load_config(data.vae, subfolder=data.vae_subfolder))
+        try:
+            return dict(AutoencoderKL.load_config(data.vae, subfolder=data.vae_subfolder))
+        except OSError as err:
+            raise ConfigError(f"data.vae={data.vae!r} cannot be loaded: {err}") from None
 
     def _channels_and_size(self) -> tuple[int, int]:
         """``(in_channels, sample_size)`` of the transformer input."""
@@ -227,13 +251,20 @@ class DiTTask(TrainTask):
 
     # ------------------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Data folder, class count, resolution vs VAE and patch, MHLA blocks vs token grid, init_from."""
+        """Data folder, class count, the latent cache's VAE, resolution vs VAE and patch, MHLA blocks and
+        layers vs the model, init_from."""
         m, data = self.cfg.model, self.cfg.data
         arch = dit_architecture(m)
+        if data.source == "digits" and m.num_classes != DIGITS_CLASSES:
+            raise ConfigError(
+                f"model.num_classes={m.num_classes} but data.source=digits has {DIGITS_CLASSES} classes"
+            )
         if data.source != "digits":
             if data.path is None:
                 raise ConfigError(f"data.path is required for data.source={data.source}")
             self._check_classes()
+        if data.source == "latents":
+            self._check_cache_vae()
         channels, size = self._channels_and_size()
         if size % arch["patch_size"]:
             raise ConfigError(
@@ -247,6 +278,7 @@ class DiTTask(TrainTask):
                 f"mhla.blocks={list(mhla.blocks)} does not fit DiT's {grid}x{grid} token grid "
                 f"(data.resolution={data.resolution}, patch size {arch['patch_size']})"
             )
+        check_mhla_layers(mhla, arch["depth"])
         if m.init_from:
             self._check_init_from(channels, size)
         if self.cfg.eval.fid_num_samples and data.source != "digits":
@@ -257,13 +289,13 @@ class DiTTask(TrainTask):
 
     def _check_classes(self) -> None:
         """``model.num_classes`` must equal the data's class count (folders, or the latent cache's labels)."""
-        from ..data.images import require_dir
+        from ..data.images import class_folders, require_dir
 
         data, want = self.cfg.data, self.cfg.model.num_classes
         root = require_dir(data.path, "data.path")
         if data.source == "folder":
-            found = len([d for d in root.iterdir() if d.is_dir()])
-            what = f"{found} class folders"
+            found = len(class_folders(root, "data.path"))
+            what = f"{found} class folders with images"
         else:
             from ..data import LatentCacheDataset
 
@@ -277,6 +309,48 @@ class DiTTask(TrainTask):
             what = f"{found} classes (its meta.json)"
         if found != want:
             raise ConfigError(f"model.num_classes={want} but data.path={data.path!r} has {what}")
+
+    def _check_cache_vae(self) -> None:
+        """A latent cache records the VAE and scaling factor it was encoded with; ``data.vae`` (which
+        decodes the samples) must be that VAE, with that scaling factor."""
+        from ..data import LatentCacheDataset
+
+        data = self.cfg.data
+        meta = LatentCacheDataset(data.path).meta
+        if data.vae is None:
+            return  # no decoder: sample grids are skipped (logged)
+        scale = self._vae_config().get("scaling_factor")  # the VAE must load, before any work
+        recorded, subfolder = meta.get("vae"), meta.get("vae_subfolder", data.vae_subfolder)
+        if recorded is None or (_same_model(data.vae, recorded) and data.vae_subfolder == subfolder):
+            if meta.get("scaling_factor") in (None, scale):
+                return
+            raise ConfigError(
+                f"the latent cache data.path={data.path!r} was scaled by {meta['scaling_factor']}, but "
+                f"data.vae={data.vae!r} has scaling_factor {scale}"
+            )
+        raise ConfigError(
+            f"the latent cache data.path={data.path!r} was encoded with vae={recorded!r}"
+            + (f" (subfolder {meta['vae_subfolder']!r})" if meta.get("vae_subfolder") else "")
+            + f", but data.vae={data.vae!r}: set data.vae={recorded!r} (samples are decoded with data.vae)"
+        )
+
+    def count_items(self) -> int:
+        data = self.cfg.data
+        if data.source == "digits":
+            return DIGITS_ITEMS
+        if data.source == "latents":
+            from ..data import LatentCacheDataset
+
+            return len(LatentCacheDataset(data.path))
+        return len(self._folder_dataset())
+
+    def _folder_dataset(self):
+        """The class-folder dataset (listed once: validation counts it, training reads it)."""
+        if self._dataset is None:
+            from ..data import ClassFolderDataset
+
+            self._dataset = ClassFolderDataset(self.cfg.data.path, self.cfg.data.resolution, "data.path")
+        return self._dataset
 
     def _check_init_from(self, channels: int, size: int) -> None:
         """``model.init_from`` must be a DiT whose input and label table fit the data."""
@@ -311,6 +385,10 @@ class DiTTask(TrainTask):
             if self.cfg.model.attention != "softmax"
             else None,
         }
+
+    def model_record(self) -> dict:
+        """``num_classes``: the labels this model was trained on (sample.py and generate.py check them)."""
+        return {"num_classes": self.cfg.model.num_classes}
 
     def build_transformer(self) -> nn.Module:
         from diffusers import DiTTransformer2DModel
@@ -351,9 +429,7 @@ class DiTTask(TrainTask):
             from ..data import LatentCacheDataset
 
             return LatentCacheDataset(data.path)
-        from ..data import ClassFolderDataset
-
-        return ClassFolderDataset(data.path, data.resolution)
+        return self._folder_dataset()
 
     def _clean_input(self, batch: dict, rnd) -> torch.Tensor:
         """x0 ``(B, C, h, w)``: flipped per sample (seeded), VAE-encoded when training in latent space."""

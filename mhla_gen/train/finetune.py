@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import ConfigError
-from .dit import attention_mhla_config, install_attention
+from .dit import attention_mhla_config, check_mhla_layers, install_attention
 from .loop import TrainTask
 from .objectives import flow_matching_loss, flow_matching_sigmas
 
@@ -38,6 +38,7 @@ class FlowFinetuneTask(TrainTask):
         if not cfg.model.pretrained:
             raise ValueError("model.pretrained is required: a diffusers checkpoint folder or hub id")
         self.frozen = None  # the pipeline without its transformer: tokenizer, text encoder, VAE, scheduler
+        self._raw = None  # the captioned dataset, listed once (validation counts it, the cache reads it)
 
     # ---------------------------------------------------------------------------------- model
     def signature(self) -> dict:
@@ -151,6 +152,7 @@ class FlowFinetuneTask(TrainTask):
                 f"{self.cfg.data.height}, data.width={self.cfg.data.width}"
                 + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
             )
+        check_mhla_layers(mhla, transformer["num_layers"])
         data = self.cfg.data
         require_dir(data.path, "data.path")
         check_cache_target(
@@ -175,6 +177,15 @@ class FlowFinetuneTask(TrainTask):
     def raw_dataset(self) -> Dataset:
         raise NotImplementedError
 
+    def listed_dataset(self) -> Dataset:
+        """:meth:`raw_dataset`, listed once."""
+        if self._raw is None:
+            self._raw = self.raw_dataset()
+        return self._raw
+
+    def count_items(self) -> int:
+        return len(self.listed_dataset())
+
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         """One raw item -> ``{"latents": (C, ...), "prompt_embeds": (L, D), ...}`` for the cache."""
         raise NotImplementedError
@@ -185,7 +196,7 @@ class FlowFinetuneTask(TrainTask):
         data = self.cfg.data
         self.frozen_pipeline(accelerator.device)
         cache_dir = self.cache_dir
-        raw = self.raw_dataset()
+        raw = self.listed_dataset()
         fingerprint = {
             "task": self.name,
             "pretrained": self.cfg.model.pretrained,

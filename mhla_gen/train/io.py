@@ -8,11 +8,19 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file + ``os.replace``: readers never see half a file."""
+    """Write ``text`` to ``path`` through a temp file + ``os.replace``: readers never see half a file.
+    The file gets the permissions of any file the user creates (``mkstemp``'s 0600 widened by the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, 0o666 & ~_umask())
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)

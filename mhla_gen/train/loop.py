@@ -15,7 +15,8 @@ Where a run starts (:func:`plan_start`): ``resume=latest`` continues from the ne
 this run is about to redo) are dropped from ``metrics.jsonl``; a folder holding a *finished* run
 (``final/``) is refused instead. In every case ``metrics.jsonl`` keeps only the rows up to the start step,
 and TensorBoard hides the events past it (``SummaryWriter(purge_step=start + 1)``). The output folder is
-a folder this project owns (:mod:`mhla_gen.folders`): a non-empty folder with other files is refused.
+a folder this project marked as a run (:mod:`mhla_gen.folders`): any other non-empty folder is refused,
+and ``final/`` is written in a temporary sibling and put in place when complete.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..folders import check_owned, claim
+from ..folders import check_replaceable, check_temp, claim, fresh_temp, owned, replace_with, write_marker
 from ..mixing import clamp_mixing_
 from . import checkpoint as ckpt
 from .config import ConfigError, RunConfig, config_to_dict, config_to_yaml
@@ -41,20 +42,7 @@ from .randomness import StepRandom
 
 logger = logging.getLogger(__name__)
 
-RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.folders)
-RUN_ENTRIES = frozenset(
-    {
-        "config.yaml",
-        "metrics.jsonl",
-        "checkpoints",
-        "logs",
-        "samples",
-        "final",
-        "cache",
-        ".config.yaml.*",
-        ".metrics.jsonl.*",
-    }
-)
+RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.folders.KINDS)
 
 
 class TrainTask:
@@ -82,6 +70,11 @@ class TrainTask:
         """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
         before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files."""
 
+    def count_items(self) -> int | None:
+        """How many training items the data holds, from a listing (before any cache is built); None
+        when unknown until the dataset is built."""
+        return None
+
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """Scalar training loss of one micro-batch; every random draw goes through ``rnd``."""
         raise NotImplementedError
@@ -97,6 +90,10 @@ class TrainTask:
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
         """Write the final weights into ``folder`` (main process): ``save_pretrained`` by default."""
         transformer.save_pretrained(str(folder))
+
+    def model_record(self) -> dict:
+        """Facts recorded in ``final/``'s marker that later commands check against (e.g. DiT's classes)."""
+        return {}
 
 
 def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
@@ -152,7 +149,7 @@ def check_world_size(accelerator) -> None:
     (they would each train alone, as rank 0, into the same output_dir)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes == 1:
-        raise RuntimeError(
+        raise ConfigError(
             f"WORLD_SIZE={world} but Accelerate sees a single process ({accelerator.distributed_type}): "
             f"each process would train alone into the same output_dir. On CPU, launch with "
             f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {world} scripts/<script>.py ...` (gloo); "
@@ -186,10 +183,37 @@ def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
     return resume_from, start
 
 
+def check_batch_fits(items: int | None, per_micro_step: int, global_batch: int) -> None:
+    """``ConfigError`` when the data cannot fill one optimizer step (``per_micro_step`` items over all
+    processes; the loader drops incomplete batches)."""
+    if items is not None and items < per_micro_step:
+        raise ConfigError(
+            f"dataset has {items} items, fewer than one global batch ({global_batch}); lower "
+            f"train.global_batch_size"
+        )
+
+
+def check_run_folder(out: Path) -> None:
+    """``output_dir`` must be new, empty or a run folder of ours, and its ``final/`` (replaced at the end)
+    must hold nothing but a saved model; ``ConfigError`` otherwise, before any work."""
+    if owned(out, RUN_FOLDER, "output_dir"):
+        check_replaceable(out / "final", "model", "output_dir (its final/)", vouched=True)
+        check_temp(out / "final", "model", "output_dir (its final/)")
+
+
+def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
+    """``task.save_final`` into a marked temporary sibling, then put it in place of ``final``: a failure
+    while saving leaves the previous ``final/`` (if any) whole."""
+    tmp = fresh_temp(final, "model", "output_dir (its final/)")
+    task.save_final(model, tmp)
+    write_marker(tmp, "model", **task.model_record())
+    replace_with(tmp, final, "model", "output_dir (its final/)", vouched=True)
+
+
 def prepare_output_dir(out: Path, start: int) -> None:
     """Main process: claim ``out`` as a run folder and keep only the ``metrics.jsonl`` rows up to
     ``start`` (the rows after it are written again by this run)."""
-    claim(out, RUN_FOLDER, "output_dir", RUN_ENTRIES)
+    claim(out, RUN_FOLDER, "output_dir")
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         records = read_jsonl(metrics)
@@ -239,10 +263,11 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
         )
     local_batch = tc.global_batch_size // per_step
     task.validate()  # everything the run uses, before any work
+    check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, tc.global_batch_size)
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
         ckpt.check_signature(resume_from, task.signature())
-    check_owned(out, RUN_FOLDER, "output_dir", RUN_ENTRIES)  # every process: all raise, none waits
+    check_run_folder(out)  # every process: all raise, none waits
     if tc.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     set_seed(cfg.seed)  # same on every process: identical initial weights
@@ -286,11 +311,7 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
         collate_fn=task.collate_fn,
         pin_memory=accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
     )
-    if len(loader) == 0:
-        raise ValueError(
-            f"dataset has {len(dataset)} items, fewer than one global batch "
-            f"({tc.global_batch_size}); lower train.global_batch_size"
-        )
+    check_batch_fits(len(dataset), local_batch, tc.global_batch_size)  # the loader drops partial batches
     transformer, optimizer, loader, lr_scheduler = accelerator.prepare(
         transformer, optimizer, loader, lr_scheduler
     )
@@ -402,7 +423,7 @@ def train(cfg: RunConfig, task: TrainTask) -> Path:
             model.load_state_dict(state_dict)
         with _ema_weights(ema, ema_params):
             model.eval()
-            task.save_final(model, final)
+            save_final_folder(task, model, final)
     accelerator.wait_for_everyone()
     sample(step)  # after final/ is written: a failure while sampling cannot lose the trained weights
     if accelerator.is_main_process:
