@@ -8,6 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..extras import ConvPositionEncoding, OutputGate
+from ..layout import BlockLayout, layout_for
+from ..mixing import MixingMatrix
+from ..ops import mhla_attention
+
 
 @dataclass(frozen=True)
 class BaseSpec:
@@ -54,10 +59,6 @@ class MHLAProcessor(nn.Module):
 
     def __init__(self, cfg, inner_dim: int, in_dim: int):
         super().__init__()
-        from ..extras import ConvPositionEncoding, OutputGate
-        from ..layout import BlockLayout
-        from ..mixing import MixingMatrix
-
         self.cfg = cfg
         # block centres depend only on the block grid, so init W on the (blocks -> blocks) layout
         block_grid = BlockLayout(cfg.blocks, cfg.blocks)
@@ -76,18 +77,14 @@ class MHLAProcessor(nn.Module):
                 f"MHLA (linear attention) cannot apply an attention_mask; {base} never passes one"
             )
 
-    def layout(self, grid: tuple[int, ...], num_tokens: int):
+    def layout(self, grid: tuple[int, ...], num_tokens: int) -> BlockLayout:
         """The :class:`BlockLayout` of this call's token grid, checked against the sequence length."""
-        from ..layout import layout_for
-
         layout = layout_for(tuple(grid), self.cfg.blocks)
         layout.check_tokens(num_tokens, "self-attention sequence length")
         return layout
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid) -> torch.Tensor:
         """MHLA of ``(B, heads, N, d)`` q, k, v on the token ``grid`` -> ``(B, heads, N, d)``."""
-        from ..ops import mhla_attention
-
         cfg = self.cfg
         layout = self.layout(grid, q.shape[2])
         return mhla_attention(q, k, v, layout, self.mixing(), cfg.feature_map, cfg.normalize, eps=cfg.eps)
