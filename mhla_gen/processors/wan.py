@@ -43,7 +43,7 @@ from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
 from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
-from .base import BaseSpec, MHLAProcessor
+from .base import MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
 
 
@@ -91,7 +91,39 @@ class WanMHLAProcessor(MHLAProcessor):
             ``install_mhla`` on a model already parallelised); None without context parallelism.
     """
 
+    base_name = "wan"
+    model_cls = WanTransformer3DModel
+    grid_ndim = 3
     _parallel_config = None
+
+    @classmethod
+    def self_attention(cls, transformer: WanTransformer3DModel) -> list[WanAttention]:
+        """``attn1`` of every ``WanTransformerBlock`` (``attn2`` is the cross-attention)."""
+        return [block.attn1 for block in transformer.blocks]
+
+    @classmethod
+    def latent_grid(cls, transformer: WanTransformer3DModel, latent: torch.Tensor) -> tuple[int, int, int]:
+        return wan_token_grid(transformer, latent)
+
+    @classmethod
+    def for_layer(cls, attn: WanAttention, cfg) -> WanMHLAProcessor:
+        """A fresh processor sized from ``attn``; the head norm takes the epsilon of Wan's q norm."""
+        return cls(
+            cfg,
+            inner_dim=attn.inner_dim,
+            in_dim=attn.to_q.in_features,
+            heads=attn.heads,
+            head_norm_eps=attn.norm_q.eps,
+        )
+
+    @classmethod
+    def stock_processor(cls) -> WanAttnProcessor:
+        return WanAttnProcessor()
+
+    @classmethod
+    def grid_hooks(cls, transformer: WanTransformer3DModel) -> list:
+        """A hook on ``transformer.rope`` that tags the rotary embedding with the token grid."""
+        return [transformer.rope.register_forward_hook(wan_rotary_with_grid)]
 
     def __init__(self, cfg, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
         super().__init__(cfg, inner_dim, in_dim)
@@ -212,24 +244,3 @@ def wan_token_grid(transformer: WanTransformer3DModel, latent: torch.Tensor) -> 
     frames, height, width = latent.shape[-3:]
     return frames // pt, height // ph, width // pw
 
-
-def _make_processor(attn: WanAttention, cfg) -> WanMHLAProcessor:
-    return WanMHLAProcessor(
-        cfg,
-        inner_dim=attn.inner_dim,
-        in_dim=attn.to_q.in_features,
-        heads=attn.heads,
-        head_norm_eps=attn.norm_q.eps,
-    )
-
-
-SPEC = BaseSpec(
-    name="wan",
-    model_cls=WanTransformer3DModel,
-    grid_ndim=3,
-    self_attention=lambda transformer: [block.attn1 for block in transformer.blocks],
-    token_grid=wan_token_grid,
-    make_processor=_make_processor,
-    stock_processor=WanAttnProcessor,
-    grid_hooks=lambda transformer: [transformer.rope.register_forward_hook(wan_rotary_with_grid)],
-)
