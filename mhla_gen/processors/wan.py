@@ -25,7 +25,8 @@ Context parallelism (``transformer.enable_parallelism(config=ContextParallelConf
 :attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
 latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
 tokens only. The layer then all-reduces block summaries instead of running the registered op on the
-whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``).
+whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``). ``forward`` hands this rank's
+``TokenShard`` to :meth:`WanMHLAProcessor.attention_core` and ``apply_extras``, the two steps that differ.
 """
 
 from __future__ import annotations
@@ -186,6 +187,29 @@ class WanMHLAProcessor(MHLAProcessor):
             )
         return shard
 
+    def attention_core(self, query, key, value, rotary_emb, shard: TokenShard | None) -> torch.Tensor:
+        """RoPE, MHLA and the head norm: what ``dispatch_attention_fn`` (with RoPE applied before it) is
+        in ``WanAttnProcessor``. q, k, v ``(B, heads, N, d)`` -> same. ``shard`` is this rank's slice of
+        the tokens under context parallelism (None: the whole sequence is here), as diffusers hands its
+        attention the ``parallel_config``; the sharded layer all-reduces block summaries instead."""
+        attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
+        if self.head_norm is None:
+            return attend(query, key, value, rotary_emb)
+        # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
+        acc = accumulation_dtype(query.dtype)
+        return self.head_norm(attend(query.to(acc), key.to(acc), value.to(acc), rotary_emb))
+
+    def apply_extras(self, out, value, layer_input, grid, shard: TokenShard | None = None) -> torch.Tensor:
+        """:meth:`MHLAProcessor.apply_extras`, also for this rank's tokens under context parallelism:
+        CPE then reads neighbours held by other ranks (``shard_cpe`` gathers V); the gate is per token."""
+        if shard is None:
+            return super().apply_extras(out, value, layer_input, grid)
+        if self.cpe is not None:
+            out = out + shard_cpe(self.cpe, value, grid, shard).to(out.dtype)
+        if self.gate is not None:
+            out = self.gate(out, layer_input)
+        return out
+
     def forward(
         self,
         attn: WanAttention,
@@ -212,22 +236,9 @@ class WanMHLAProcessor(MHLAProcessor):
         query, key, heads_value = (
             t.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value)
         )
-        attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
-        if self.head_norm is None:
-            out = attend(query, key, heads_value, rotary_emb)  # (B, heads, N, d)
-        else:
-            # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
-            acc = accumulation_dtype(query.dtype)
-            out = attend(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
-            out = self.head_norm(out)
+        out = self.attention_core(query, key, heads_value, rotary_emb, shard)  # RoPE, MHLA, head norm
         out = out.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, N, heads * d)
-        if shard is None:
-            out = self.apply_extras(out, value, layer_input, rotary_emb.grid)
-        else:  # CPE reads neighbours on other ranks; the gate is per token
-            if self.cpe is not None:
-                out = out + shard_cpe(self.cpe, value, rotary_emb.grid, shard).to(out.dtype)
-            if self.gate is not None:
-                out = self.gate(out, layer_input)
+        out = self.apply_extras(out, value, layer_input, rotary_emb.grid, shard)
 
         out = attn.to_out[0](out)
         out = attn.to_out[1](out)
