@@ -2,9 +2,10 @@
 
 ``install_mhla(transformer, cfg)`` swaps the processor of the selected self-attention layers for the
 base model's MHLA processor (an ``nn.Module``, so its parameters live in ``transformer.state_dict()``
-and ``save_pretrained`` writes them), adds the hooks that hand each layer the token grid of its own call
-(``processors/grid.py``) plus a forward pre-hook that checks the latent against the blocks before any
-work, and records the config in two places:
+and ``save_pretrained`` writes them; its class, found by ``processors.processor_class_for``, says which
+layers those are and how each call's grid reaches it), adds the hooks that hand each layer the token
+grid of its own call (``processors/grid.py``) plus a forward pre-hook that checks the latent against the
+blocks before any work, and records the config in two places:
 
 - ``transformer.mhla_config``: the :class:`MHLAConfig` object;
 - ``transformer.config["mhla"]``: its dict, registered with diffusers' ``register_to_config`` so that
@@ -21,35 +22,10 @@ from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
 from .config import MHLAConfig
-from .processors.base import BaseSpec, MHLAProcessor
+from .processors import MHLAProcessor, processor_class_for
 from .processors.grid import check_grid, latent_from_call
 
 CONFIG_KEY = "mhla"
-
-
-def registered_specs() -> list[BaseSpec]:
-    """The supported base models: DiT, SANA and Wan."""
-    from .processors import dit, sana, wan
-
-    return [dit.SPEC, sana.SPEC, wan.SPEC]
-
-
-def spec_for(transformer: nn.Module) -> BaseSpec:
-    """The :class:`BaseSpec` whose model class ``transformer`` is an instance of."""
-    for spec in registered_specs():
-        if isinstance(transformer, spec.model_cls):
-            return spec
-    supported = [spec.model_cls.__name__ for spec in registered_specs()]
-    raise ValueError(f"MHLA does not support {type(transformer).__name__}; supported models: {supported}")
-
-
-def spec_for_class_name(class_name: str) -> BaseSpec:
-    """The :class:`BaseSpec` for a diffusers class name, as written in ``config.json["_class_name"]``."""
-    for spec in registered_specs():
-        if spec.model_cls.__name__ == class_name:
-            return spec
-    supported = [spec.model_cls.__name__ for spec in registered_specs()]
-    raise ValueError(f"MHLA does not support model class {class_name!r}; supported models: {supported}")
 
 
 def is_mhla_installed(transformer: nn.Module) -> bool:
@@ -79,8 +55,8 @@ def _check_latent(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
     A module-level function that looks everything up on ``transformer`` (no closure), so a
     ``copy.deepcopy`` of the model (e.g. an EMA copy) keeps working hooks.
     """
-    spec = spec_for(transformer)
-    check_grid(spec.token_grid(transformer, latent_from_call(args, kwargs)), transformer.mhla_config.blocks)
+    grid = processor_class_for(transformer).latent_grid(transformer, latent_from_call(args, kwargs))
+    check_grid(grid, transformer.mhla_config.blocks)
 
 
 def _share_parallel_config(transformer: nn.Module, processor) -> None:
@@ -118,13 +94,13 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
     """
     if not isinstance(cfg, MHLAConfig):
         raise ValueError(f"cfg must be an MHLAConfig, got {type(cfg).__name__}")
-    spec = spec_for(transformer)
-    if len(cfg.blocks) != spec.grid_ndim:
+    processor_cls = processor_class_for(transformer)
+    if len(cfg.blocks) != processor_cls.grid_ndim:
         raise ValueError(
-            f"{type(transformer).__name__} has a {spec.grid_ndim}D token grid but MHLA blocks {cfg.blocks} "
-            f"have {len(cfg.blocks)} entries"
+            f"{type(transformer).__name__} has a {processor_cls.grid_ndim}D token grid but MHLA blocks "
+            f"{cfg.blocks} have {len(cfg.blocks)} entries"
         )
-    attention_layers = spec.self_attention(transformer)
+    attention_layers = processor_cls.self_attention(transformer)
     selected = _selected_layers(cfg, len(attention_layers))
     if is_mhla_installed(transformer):
         uninstall_mhla(transformer)
@@ -132,14 +108,14 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
     for index in selected:
         attn = attention_layers[index]
         weight = attn.to_q.weight
-        processor = spec.make_processor(attn, cfg).to(device=weight.device, dtype=weight.dtype)
+        processor = processor_cls.for_layer(attn, cfg).to(device=weight.device, dtype=weight.dtype)
         _share_parallel_config(transformer, processor)
         attn.set_processor(processor)
 
     transformer.mhla_config = cfg
     transformer._mhla_hooks = [
         transformer.register_forward_pre_hook(_check_latent, with_kwargs=True),
-        *spec.grid_hooks(transformer),
+        *processor_cls.grid_hooks(transformer),
     ]
     transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
     return transformer
@@ -152,10 +128,10 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     """
     if not is_mhla_installed(transformer):
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}")
-    spec = spec_for(transformer)
-    for attn in spec.self_attention(transformer):
+    processor_cls = processor_class_for(transformer)
+    for attn in processor_cls.self_attention(transformer):
         if isinstance(attn.processor, MHLAProcessor):
-            processor = spec.stock_processor()
+            processor = processor_cls.stock_processor()
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
     for hook in transformer._mhla_hooks:

@@ -221,12 +221,12 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from .install import spec_for_class_name
+    from .processors import processor_class_for_name
     from .serialization import load_mhla_parameters
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    spec = spec_for_class_name(manifest["class_name"])
+    processor_cls = processor_class_for_name(manifest["class_name"])
     if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
         logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
     base = base or manifest["base"]
@@ -235,7 +235,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} (listed in {folder / MANIFEST}) does not exist")
 
-    model = spec.model_cls.from_pretrained(
+    model = processor_cls.model_cls.from_pretrained(
         base, subfolder=manifest["subfolder"], revision=manifest["revision"]
     )
     recorded, found = (

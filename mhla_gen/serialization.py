@@ -32,14 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import MHLAConfig
-from .install import (
-    CONFIG_KEY,
-    install_mhla,
-    is_mhla_installed,
-    mhla_parameters,
-    spec_for,
-    spec_for_class_name,
-)
+from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters
+from .processors import processor_class_for, processor_class_for_name
 
 METADATA_CONFIG_KEY = "mhla_config"
 METADATA_BASE_KEY = "mhla_base"
@@ -111,11 +105,11 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, 
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
     mhla = config.pop(CONFIG_KEY, None)
-    spec = spec_for_class_name(config.get("_class_name"))
+    processor_cls = processor_class_for_name(config.get("_class_name"))
 
     # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
     with init_empty_weights(include_buffers=False):
-        model = spec.model_cls.from_config(config)
+        model = processor_cls.model_cls.from_config(config)
         if mhla is not None:
             install_mhla(model, MHLAConfig.from_dict(mhla))
     _load_strict(model, _read_weights(folder), folder)
@@ -163,7 +157,7 @@ def save_mhla_parameters(transformer: nn.Module, file) -> None:
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}; nothing to save")
     metadata = {
         METADATA_CONFIG_KEY: json.dumps(transformer.mhla_config.to_dict()),
-        METADATA_BASE_KEY: spec_for(transformer).name,
+        METADATA_BASE_KEY: processor_class_for(transformer).base_name,
     }
     state, sharded = _gathered_mhla_state(transformer)
     writer = not sharded or torch.distributed.get_rank() == 0
@@ -197,7 +191,7 @@ def load_mhla_parameters(transformer: nn.Module, file) -> nn.Module:
     the same config. The pretrained (non-MHLA) weights are untouched. Returns ``transformer``.
     """
     cfg = read_mhla_config(file)
-    base = spec_for(transformer).name
+    base = processor_class_for(transformer).base_name
     with safe_open(Path(file), framework="pt") as f:
         saved_base = (f.metadata() or {}).get(METADATA_BASE_KEY, base)
     if saved_base != base:

@@ -7,10 +7,19 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters, uninstall_mhla
+from mhla_gen.processors import (
+    PROCESSOR_CLASSES,
+    DiTMHLAProcessor,
+    SanaMHLAProcessor,
+    WanMHLAProcessor,
+    processor_class_for,
+    processor_class_for_name,
+)
 from mhla_gen.processors.base import MHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import sana_forward as sana_call
 from mhla_gen.testing import tiny_dit, tiny_sana
+from mhla_gen.testing_wan import tiny_wan_transformer
 
 BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
 
@@ -114,6 +123,26 @@ def test_bad_layer_indices_raise():
 def test_unsupported_model_raises():
     with pytest.raises(ValueError, match="MHLA does not support Linear"):
         install_mhla(torch.nn.Linear(2, 2), MHLAConfig())
+
+
+@pytest.mark.parametrize(
+    "factory, processor_cls",
+    [(tiny_dit, DiTMHLAProcessor), (tiny_sana, SanaMHLAProcessor), (tiny_wan_transformer, WanMHLAProcessor)],
+)
+def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
+    model = factory()
+    assert processor_cls in PROCESSOR_CLASSES
+    assert processor_class_for(model) is processor_cls
+    assert processor_class_for_name(type(model).__name__) is processor_cls
+    stock = type(processor_cls.stock_processor())  # what a fresh model's self-attention layers run
+    layers = processor_cls.self_attention(model)
+    assert [type(attn.processor) for attn in layers] == [stock] * model.config.num_layers
+
+
+def test_unsupported_class_name_raises():
+    supported = r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'WanTransformer3DModel'\]"
+    with pytest.raises(ValueError, match=rf"model class 'UNet2DModel'; supported models: {supported}"):
+        processor_class_for_name("UNet2DModel")
 
 
 @pytest.mark.parametrize("factory, call", BASES)

@@ -21,14 +21,13 @@ import torch
 from torch import nn
 
 from ..analysis import attention_matrix, attention_rank, row_entropy
-from ..processors.base import MHLAProcessor
+from ..processors import MHLAProcessor, processor_class_for
+from ..processors.grid import latent_from_call
 
 
 def self_attention_layers(transformer: nn.Module) -> list[nn.Module]:
-    """The self-attention modules in depth order (via the base model's ``BaseSpec``)."""
-    from ..install import spec_for
-
-    return spec_for(transformer).self_attention(transformer)
+    """The self-attention modules in depth order (via the base model's MHLA processor class)."""
+    return processor_class_for(transformer).self_attention(transformer)
 
 
 def layer_kind(attn: nn.Module) -> str:
@@ -54,14 +53,11 @@ def _apply_norm(norm: nn.Module | None, x: torch.Tensor, heads: int) -> torch.Te
 def capture_qk(transformer: nn.Module):
     """Context manager yielding ``{layer index: {"q": (B,H,N,d), "k": ..., "kind", "attn", "grid"}}``
     filled by the first forward run inside it (later forwards are ignored)."""
-    from ..install import spec_for
-    from ..processors.grid import latent_from_call
-
     records: dict[int, dict] = {}
     grid: dict = {}  # the token grid of the first forward (the grid every MHLA layer of that call uses)
 
     def save_grid(model, args, kwargs):
-        grid.setdefault("grid", spec_for(model).token_grid(model, latent_from_call(args, kwargs)))
+        grid.setdefault("grid", processor_class_for(model).latent_grid(model, latent_from_call(args, kwargs)))
 
     handles = [transformer.register_forward_pre_hook(save_grid, with_kwargs=True)]
     for index, attn in enumerate(self_attention_layers(transformer)):
@@ -161,11 +157,9 @@ def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = No
     ``sample_size``; ``frames`` is the latent frame count for Wan."""
     from diffusers import DDPMScheduler
 
-    from ..install import spec_for
-
     gen = torch.Generator().manual_seed(seed)
     cfg = transformer.config
-    base = spec_for(transformer).name
+    base = processor_class_for(transformer).base_name
     size = size or cfg.get("sample_size") or 8
     spatial = (frames, size, size) if base == "wan" else (size, size)
     shape = (batch, cfg.in_channels, *spatial)

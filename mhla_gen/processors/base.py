@@ -1,39 +1,18 @@
-"""What ``install_mhla`` needs to know about one base model (one :class:`BaseSpec` per processor module)."""
+"""The base class of the per-model MHLA processors: the MHLA parameters every base shares, and what
+``install_mhla`` needs to know about each base model, declared as class attributes and class methods
+that every processor class (``dit.py``, ``sana.py``, ``wan.py``) fills in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class BaseSpec:
-    """A base transformer family.
-
-    Attributes:
-        name: ``dit``, ``sana`` or ``wan``.
-        model_cls: the diffusers transformer class.
-        grid_ndim: 2 (images) or 3 (video).
-        self_attention: ``transformer -> [attention module]`` of every self-attention layer, in depth order.
-        token_grid: ``(transformer, latent) -> grid`` from the latent shape and the patch size (checked
-            against the blocks before every forward).
-        make_processor: ``(attn, cfg) -> nn.Module`` the MHLA processor for one layer.
-        grid_hooks: ``transformer -> [hook handles]`` that route each call's grid to the processors
-            (see ``processors/grid.py``).
-        stock_processor: ``() -> processor`` the stock diffusers processor (for uninstall).
-    """
-
-    name: str
-    model_cls: type
-    grid_ndim: int
-    self_attention: Callable[[nn.Module], list[nn.Module]]
-    token_grid: Callable[[nn.Module, torch.Tensor], tuple[int, ...]]
-    make_processor: Callable[..., nn.Module]
-    stock_processor: Callable[[], object]
-    grid_hooks: Callable[[nn.Module], list] = lambda transformer: []
+from ..extras import ConvPositionEncoding, OutputGate
+from ..layout import BlockLayout, layout_for
+from ..mixing import MixingMatrix
+from ..ops import mhla_attention
 
 
 class MHLAProcessor(nn.Module):
@@ -46,18 +25,54 @@ class MHLAProcessor(nn.Module):
     ``.weight`` attributes: offloading hooks (accelerate's ``cpu_offload``, diffusers' group offloading,
     layerwise casting) put a module's weights in place only around its own forward.
 
+    A subclass also describes its base model to ``install_mhla`` (``processors/__init__.py`` lists the
+    subclasses), through these class attributes and class methods:
+
+    Attributes:
+        base_name: ``dit``, ``sana`` or ``wan`` (recorded in :func:`save_mhla_parameters` files).
+        model_cls: the diffusers transformer class whose self-attention this processor replaces.
+        grid_ndim: rank of the token grid, 2 (images) or 3 (video); ``MHLAConfig.blocks`` must match.
+
     Args:
         cfg: the :class:`MHLAConfig`.
         inner_dim: ``heads * head_dim`` of q/k/v (CPE channels, gate width).
         in_dim: width of the layer input (the gate reads it).
     """
 
+    base_name: ClassVar[str]
+    model_cls: ClassVar[type]
+    grid_ndim: ClassVar[int]
+
+    @classmethod
+    def self_attention(cls, transformer: nn.Module) -> list[nn.Module]:
+        """The attention module of every self-attention layer of ``transformer``, in depth order (the
+        layers ``MHLAConfig.layers`` indexes and ``install_mhla`` may replace)."""
+        raise NotImplementedError(f"{cls.__name__} does not say which attentions it replaces")
+
+    @classmethod
+    def latent_grid(cls, transformer: nn.Module, latent: torch.Tensor) -> tuple[int, ...]:
+        """The token grid of one forward, from its latent's shape and the patch size (checked against
+        the blocks before every forward, and recorded by the attention statistics)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how a latent maps to its token grid")
+
+    @classmethod
+    def for_layer(cls, attn: nn.Module, cfg) -> MHLAProcessor:
+        """A fresh processor for the attention module ``attn`` (sizes read from its projections)."""
+        return cls(cfg, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
+
+    @classmethod
+    def stock_processor(cls):
+        """A new stock diffusers processor for these layers (what ``uninstall_mhla`` puts back)."""
+        raise NotImplementedError(f"{cls.__name__} does not name the stock processor it replaces")
+
+    @classmethod
+    def grid_hooks(cls, transformer: nn.Module) -> list:
+        """Hooks that hand each installed processor the token grid of its own call (``grid.py``); their
+        handles, removed by ``uninstall_mhla``. None by default (DiT reads the grid from its input)."""
+        return []
+
     def __init__(self, cfg, inner_dim: int, in_dim: int):
         super().__init__()
-        from ..extras import ConvPositionEncoding, OutputGate
-        from ..layout import BlockLayout
-        from ..mixing import MixingMatrix
-
         self.cfg = cfg
         # block centres depend only on the block grid, so init W on the (blocks -> blocks) layout
         block_grid = BlockLayout(cfg.blocks, cfg.blocks)
@@ -76,18 +91,14 @@ class MHLAProcessor(nn.Module):
                 f"MHLA (linear attention) cannot apply an attention_mask; {base} never passes one"
             )
 
-    def layout(self, grid: tuple[int, ...], num_tokens: int):
+    def layout(self, grid: tuple[int, ...], num_tokens: int) -> BlockLayout:
         """The :class:`BlockLayout` of this call's token grid, checked against the sequence length."""
-        from ..layout import layout_for
-
         layout = layout_for(tuple(grid), self.cfg.blocks)
         layout.check_tokens(num_tokens, "self-attention sequence length")
         return layout
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid) -> torch.Tensor:
         """MHLA of ``(B, heads, N, d)`` q, k, v on the token ``grid`` -> ``(B, heads, N, d)``."""
-        from ..ops import mhla_attention
-
         cfg = self.cfg
         layout = self.layout(grid, q.shape[2])
         return mhla_attention(q, k, v, layout, self.mixing(), cfg.feature_map, cfg.normalize, eps=cfg.eps)

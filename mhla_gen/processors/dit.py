@@ -13,12 +13,29 @@ import torch
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
-from .base import BaseSpec, MHLAProcessor
+from .base import MHLAProcessor
 from .grid import image_token_grid, square_token_grid
 
 
 class DiTMHLAProcessor(MHLAProcessor):
     """``AttnProcessor2_0`` with the softmax kernel replaced by MHLA on the 2D token grid."""
+
+    base_name = "dit"
+    model_cls = DiTTransformer2DModel
+    grid_ndim = 2
+
+    @classmethod
+    def self_attention(cls, transformer: DiTTransformer2DModel) -> list[Attention]:
+        """``attn1`` of every ``BasicTransformerBlock``."""
+        return [block.attn1 for block in transformer.transformer_blocks]
+
+    @classmethod
+    def latent_grid(cls, transformer: DiTTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
+        return image_token_grid(transformer, latent)
+
+    @classmethod
+    def stock_processor(cls) -> AttnProcessor2_0:
+        return AttnProcessor2_0()
 
     def forward(
         self,
@@ -76,17 +93,3 @@ class DiTMHLAProcessor(MHLAProcessor):
             hidden_states = hidden_states / attn.rescale_output_factor
         return hidden_states
 
-
-def _make_processor(attn: Attention, cfg) -> DiTMHLAProcessor:
-    return DiTMHLAProcessor(cfg, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
-
-
-SPEC = BaseSpec(
-    name="dit",
-    model_cls=DiTTransformer2DModel,
-    grid_ndim=2,
-    self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
-    token_grid=image_token_grid,
-    make_processor=_make_processor,
-    stock_processor=AttnProcessor2_0,
-)

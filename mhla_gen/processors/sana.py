@@ -15,14 +15,38 @@ import torch
 from diffusers import SanaTransformer2DModel
 from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 
-from .base import BaseSpec, MHLAProcessor
+from .base import MHLAProcessor
 from .grid import clear_block_grid, image_token_grid, sana_block_grid
 
 
 class SanaMHLAProcessor(MHLAProcessor):
     """``SanaLinearAttnProcessor2_0`` with the global linear attention replaced by block-mixed MHLA."""
 
+    base_name = "sana"
+    model_cls = SanaTransformer2DModel
+    grid_ndim = 2
     token_grid: tuple[int, int] | None = None  # set per call by the block's pre-hook
+
+    @classmethod
+    def self_attention(cls, transformer: SanaTransformer2DModel) -> list[Attention]:
+        """``attn1`` of every ``SanaTransformerBlock`` (``attn2`` is the cross-attention)."""
+        return [block.attn1 for block in transformer.transformer_blocks]
+
+    @classmethod
+    def latent_grid(cls, transformer: SanaTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
+        return image_token_grid(transformer, latent)
+
+    @classmethod
+    def stock_processor(cls) -> SanaLinearAttnProcessor2_0:
+        return SanaLinearAttnProcessor2_0()
+
+    @classmethod
+    def grid_hooks(cls, transformer: SanaTransformer2DModel) -> list:
+        """A pre-hook that hands each MHLA block its ``height`` / ``width``, and a hook that clears them."""
+        blocks = [b for b in transformer.transformer_blocks if isinstance(b.attn1.processor, cls)]
+        return [b.register_forward_pre_hook(sana_block_grid, with_kwargs=True) for b in blocks] + [
+            b.register_forward_hook(clear_block_grid, always_call=True) for b in blocks
+        ]
 
     def forward(
         self,
@@ -63,25 +87,3 @@ class SanaMHLAProcessor(MHLAProcessor):
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states
 
-
-def _make_processor(attn: Attention, cfg) -> SanaMHLAProcessor:
-    return SanaMHLAProcessor(cfg, inner_dim=attn.inner_dim, in_dim=attn.to_q.in_features)
-
-
-def _grid_hooks(transformer: SanaTransformer2DModel) -> list:
-    blocks = [b for b in transformer.transformer_blocks if isinstance(b.attn1.processor, SanaMHLAProcessor)]
-    return [b.register_forward_pre_hook(sana_block_grid, with_kwargs=True) for b in blocks] + [
-        b.register_forward_hook(clear_block_grid, always_call=True) for b in blocks
-    ]
-
-
-SPEC = BaseSpec(
-    name="sana",
-    model_cls=SanaTransformer2DModel,
-    grid_ndim=2,
-    self_attention=lambda transformer: [block.attn1 for block in transformer.transformer_blocks],
-    token_grid=image_token_grid,
-    make_processor=_make_processor,
-    stock_processor=SanaLinearAttnProcessor2_0,
-    grid_hooks=_grid_hooks,
-)

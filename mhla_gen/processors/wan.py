@@ -25,7 +25,8 @@ Context parallelism (``transformer.enable_parallelism(config=ContextParallelConf
 :attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
 latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
 tokens only. The layer then all-reduces block summaries instead of running the registered op on the
-whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``).
+whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``). ``forward`` hands this rank's
+``TokenShard`` to :meth:`WanMHLAProcessor.attention_core` and ``apply_extras``, the two steps that differ.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
 from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
-from .base import BaseSpec, MHLAProcessor
+from .base import MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
 
 
@@ -91,7 +92,39 @@ class WanMHLAProcessor(MHLAProcessor):
             ``install_mhla`` on a model already parallelised); None without context parallelism.
     """
 
+    base_name = "wan"
+    model_cls = WanTransformer3DModel
+    grid_ndim = 3
     _parallel_config = None
+
+    @classmethod
+    def self_attention(cls, transformer: WanTransformer3DModel) -> list[WanAttention]:
+        """``attn1`` of every ``WanTransformerBlock`` (``attn2`` is the cross-attention)."""
+        return [block.attn1 for block in transformer.blocks]
+
+    @classmethod
+    def latent_grid(cls, transformer: WanTransformer3DModel, latent: torch.Tensor) -> tuple[int, int, int]:
+        return wan_token_grid(transformer, latent)
+
+    @classmethod
+    def for_layer(cls, attn: WanAttention, cfg) -> WanMHLAProcessor:
+        """A fresh processor sized from ``attn``; the head norm takes the epsilon of Wan's q norm."""
+        return cls(
+            cfg,
+            inner_dim=attn.inner_dim,
+            in_dim=attn.to_q.in_features,
+            heads=attn.heads,
+            head_norm_eps=attn.norm_q.eps,
+        )
+
+    @classmethod
+    def stock_processor(cls) -> WanAttnProcessor:
+        return WanAttnProcessor()
+
+    @classmethod
+    def grid_hooks(cls, transformer: WanTransformer3DModel) -> list:
+        """A hook on ``transformer.rope`` that tags the rotary embedding with the token grid."""
+        return [transformer.rope.register_forward_hook(wan_rotary_with_grid)]
 
     def __init__(self, cfg, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
         super().__init__(cfg, inner_dim, in_dim)
@@ -154,6 +187,29 @@ class WanMHLAProcessor(MHLAProcessor):
             )
         return shard
 
+    def attention_core(self, query, key, value, rotary_emb, shard: TokenShard | None) -> torch.Tensor:
+        """RoPE, MHLA and the head norm: what ``dispatch_attention_fn`` (with RoPE applied before it) is
+        in ``WanAttnProcessor``. q, k, v ``(B, heads, N, d)`` -> same. ``shard`` is this rank's slice of
+        the tokens under context parallelism (None: the whole sequence is here), as diffusers hands its
+        attention the ``parallel_config``; the sharded layer all-reduces block summaries instead."""
+        attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
+        if self.head_norm is None:
+            return attend(query, key, value, rotary_emb)
+        # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
+        acc = accumulation_dtype(query.dtype)
+        return self.head_norm(attend(query.to(acc), key.to(acc), value.to(acc), rotary_emb))
+
+    def apply_extras(self, out, value, layer_input, grid, shard: TokenShard | None = None) -> torch.Tensor:
+        """:meth:`MHLAProcessor.apply_extras`, also for this rank's tokens under context parallelism:
+        CPE then reads neighbours held by other ranks (``shard_cpe`` gathers V); the gate is per token."""
+        if shard is None:
+            return super().apply_extras(out, value, layer_input, grid)
+        if self.cpe is not None:
+            out = out + shard_cpe(self.cpe, value, grid, shard).to(out.dtype)
+        if self.gate is not None:
+            out = self.gate(out, layer_input)
+        return out
+
     def forward(
         self,
         attn: WanAttention,
@@ -180,22 +236,9 @@ class WanMHLAProcessor(MHLAProcessor):
         query, key, heads_value = (
             t.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value)
         )
-        attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
-        if self.head_norm is None:
-            out = attend(query, key, heads_value, rotary_emb)  # (B, heads, N, d)
-        else:
-            # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)
-            acc = accumulation_dtype(query.dtype)
-            out = attend(query.to(acc), key.to(acc), heads_value.to(acc), rotary_emb)
-            out = self.head_norm(out)
+        out = self.attention_core(query, key, heads_value, rotary_emb, shard)  # RoPE, MHLA, head norm
         out = out.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, N, heads * d)
-        if shard is None:
-            out = self.apply_extras(out, value, layer_input, rotary_emb.grid)
-        else:  # CPE reads neighbours on other ranks; the gate is per token
-            if self.cpe is not None:
-                out = out + shard_cpe(self.cpe, value, rotary_emb.grid, shard).to(out.dtype)
-            if self.gate is not None:
-                out = self.gate(out, layer_input)
+        out = self.apply_extras(out, value, layer_input, rotary_emb.grid, shard)
 
         out = attn.to_out[0](out)
         out = attn.to_out[1](out)
@@ -212,24 +255,3 @@ def wan_token_grid(transformer: WanTransformer3DModel, latent: torch.Tensor) -> 
     frames, height, width = latent.shape[-3:]
     return frames // pt, height // ph, width // pw
 
-
-def _make_processor(attn: WanAttention, cfg) -> WanMHLAProcessor:
-    return WanMHLAProcessor(
-        cfg,
-        inner_dim=attn.inner_dim,
-        in_dim=attn.to_q.in_features,
-        heads=attn.heads,
-        head_norm_eps=attn.norm_q.eps,
-    )
-
-
-SPEC = BaseSpec(
-    name="wan",
-    model_cls=WanTransformer3DModel,
-    grid_ndim=3,
-    self_attention=lambda transformer: [block.attn1 for block in transformer.blocks],
-    token_grid=wan_token_grid,
-    make_processor=_make_processor,
-    stock_processor=WanAttnProcessor,
-    grid_hooks=lambda transformer: [transformer.rope.register_forward_hook(wan_rotary_with_grid)],
-)
