@@ -27,6 +27,7 @@ class MHLAConfig:
         mixing_normalize: ``row`` (paper) or ``column`` (the original release's init rules, exactly; see
             ``mhla_gen.mixing``).
         mixing_temperature: scale for the ``exp``/``gaussian``/``local`` rules.
+        mixing_learnable: train the mixing matrix (the paper); False keeps it at its init (Tab. 7a).
         cpe_kernel: depthwise-conv positional encoding kernel on V (0 = off).
         gate: output gate from the layer input; ``gate_activation`` is ``sigmoid`` or ``silu``.
         wan_rope: Wan only. ``before_phi``: RoPE on q, k, then φ (numerator and normaliser see the same
@@ -43,6 +44,7 @@ class MHLAConfig:
     mixing_init: str = "linear"
     mixing_normalize: str = "row"
     mixing_temperature: float = 1.0
+    mixing_learnable: bool = True
     cpe_kernel: int = 0
     gate: bool = False
     gate_activation: str = "sigmoid"

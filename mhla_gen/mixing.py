@@ -87,18 +87,23 @@ def _release_init(dist: torch.Tensor, rule: str, temperature: float) -> torch.Te
 
 
 class MixingMatrix(nn.Module):
-    """Learnable ``(M, M)`` mixing weights, initialised by :func:`locality_init`."""
+    """Learnable ``(M, M)`` mixing weights, initialised by :func:`locality_init`.
+
+    ``learnable=False`` keeps the weights at their init (the paper's fixed-mixing ablation, Tab. 7a): the
+    weight stays a parameter, so checkpoints and MHLA-only files are the same, but no gradient reaches it
+    (``forward`` returns a detached copy), whatever an optimizer is given."""
 
     def __init__(self, layout: BlockLayout | None = None, rule="linear", normalize="row", temperature=1.0,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, learnable: bool = True):
         super().__init__()
+        self.learnable = learnable
         if layout is not None:
             init = locality_init(layout, rule, normalize, temperature)
         elif num_blocks is not None:  # shape only; weights come from a checkpoint
             init = torch.eye(num_blocks)
         else:
             raise ValueError("MixingMatrix needs a layout or num_blocks")
-        self.weight = nn.Parameter(init)
+        self.weight = nn.Parameter(init, requires_grad=learnable)
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +113,8 @@ class MixingMatrix(nn.Module):
         # A copy, not the Parameter: offloading hooks swap ``weight.data`` right after this call returns
         # (diffusers' leaf-level group offloading to disk leaves ``torch.empty_like`` behind), which would
         # change a returned Parameter under the caller's feet. M x M is tiny; the copy is differentiable.
-        return self.weight.clone()
+        weight = self.weight.clone()
+        return weight if self.learnable else weight.detach()
 
     @torch.no_grad()
     def clamp_(self) -> None:
@@ -116,7 +122,7 @@ class MixingMatrix(nn.Module):
         self.weight.clamp_(0.0, 1.0)
 
     def extra_repr(self) -> str:
-        return f"num_blocks={self.num_blocks}"
+        return f"num_blocks={self.num_blocks}" + ("" if self.learnable else ", learnable=False")
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""eval/study.py --quick: three tiny DiTs (softmax, linear, MHLA) trained, sampled, scored, tabulated."""
+"""eval/study.py --quick and the runner behind it (mhla_gen.experiments): arms x seeds trained, evaluated
+along training, summarised with intervals and paired differences; resumable."""
 
 import importlib.util
 import json
@@ -6,26 +7,71 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
+import mhla_gen.experiments as experiments
+from mhla_gen.experiments import interval, paired
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_study_quick(tmp_path):
+def load_study():
     spec = importlib.util.spec_from_file_location("eval_study", ROOT / "eval" / "study.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    results = module.main(["--quick", "--out", str(tmp_path)])
-    assert [r["attention"] for r in results] == ["softmax", "linear", "mhla"]
-    kinds = {r["attention"]: {s["kind"] for s in r["attention_stats"]["per_layer"]} for r in results}
-    assert kinds == {"softmax": {"softmax"}, "linear": {"mhla"}, "mhla": {"mhla"}}  # linear = 1-block MHLA
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    return out, load_study().main(["--quick", "--out", str(out)])
+
+
+def test_study_quick_arms_seeds_steps_and_files(quick):
+    out, records = quick
+    main = {(r["arm"], r["seed"], r["step"]) for r in records if r["group"] == "main"}
+    assert main == {(a, s, t) for a in ("softmax", "linear", "mhla") for s in (0, 1) for t in (1, 2, 4)}
+    ablations = {(r["arm"], r["step"]) for r in records if r["group"] == "ablation"}
+    assert {a for a, _ in ablations} == {"mhla-uniform-init", "mhla-fixed-mixing", "mhla+cpe", "mhla+gate"}
+    assert {t for _, t in ablations} == {4}  # ablations: the end of the budget only
+    size = {r["arm"]: r["parameters"] for r in records}
     # identical size: MHLA adds only its M×M mixing matrix per layer (M = 1 for linear, 2×2 = 4 blocks here)
-    sizes = [r["parameters"] for r in results]
-    assert sizes[1] - sizes[0] == 1 and sizes[2] - sizes[0] == 16
-    table = (tmp_path / "study.md").read_text()
-    assert table.count("\n| ") == 4 and "FID" in table  # header + 3 rows
-    assert (tmp_path / "study_samples.png").stat().st_size > 0
-    saved = json.loads((tmp_path / "study.json").read_text())
-    assert [r["fid_digits"] for r in saved["results"]] == [r["fid_digits"] for r in results]
-    for r in results:  # 3 training steps: far from the digits (real-vs-real digits FID is about 9)
-        assert math.isfinite(r["fid_digits"]) and r["fid_digits"] > 20, r["fid_digits"]
-        assert f"| {r['attention']} | {r['fid_digits']:.2f} |" in table  # the table shows what was measured
+    assert size["linear"] - size["softmax"] == 1 and size["mhla"] - size["softmax"] == 16
+    for r in records:  # a few training steps: far from the digits (real-vs-real digits FID is about 9)
+        assert math.isfinite(r["fid_digits"]) and r["fid_digits"] > 20, r
+    table = (out / "study.md").read_text()
+    for arm in ("softmax", "linear", "mhla", "mhla+gate"):
+        assert f"\n| {arm} | " in table
+    assert "| mhla − softmax |" in table and "| mhla-fixed-mixing − mhla |" in table
+    assert (out / "curves_quick.png").stat().st_size > 0 and (out / "samples_quick.png").stat().st_size > 0
+    assert json.loads((out / "study.json").read_text())["records"] == records
+
+
+def test_study_resumes_only_what_is_missing(quick, monkeypatch):
+    """A finished study is not re-run; a killed one redoes only its missing points (from checkpoints)."""
+    out, records = quick
+    calls = []
+    original = experiments.train
+    counting = lambda cfg, task: calls.append(cfg.output_dir) or original(cfg, task)
+    monkeypatch.setattr(experiments, "train", counting)
+    assert load_study().main(["--quick", "--out", str(out)]) == records and calls == []
+    (out / "quick" / "results" / "mhla" / "seed1" / "step0000004.json").unlink()  # as if killed there
+    again = load_study().main(["--quick", "--out", str(out)])
+    assert calls == [str(out / "quick" / "runs" / "mhla" / "seed1")]
+    before = next(r for r in records if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
+    after = next(r for r in again if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
+    assert after["fid_digits"] == before["fid_digits"]  # the same weights and samples as the first time
+
+
+def test_intervals_and_paired_differences():
+    s = interval([1.0, 2.0, 3.0])
+    assert (s["mean"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert s["ci"] == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)  # t(0.975, 2) * sd / sqrt(n)
+    values = {"x": [5.0, 7.0, 4.0], "y": [6.0, 6.0, 6.0]}
+    records = [{"arm": a, "seed": seed, "step": 10, "fid": v}
+               for a in values for seed, v in enumerate(values[a])]
+    p = paired(records, "x", "y", "fid", 10)
+    assert p["per_seed"] == {0: -1.0, 1: 1.0, 2: -2.0} and p["negative"] == 2
+    assert p["mean"] == pytest.approx(-2 / 3)

@@ -114,3 +114,29 @@ def test_clamp_after_optimizer_step_keeps_weights_in_unit_interval():
     weight = model["a"]()
     assert torch.equal(weight, model["a"].weight) and weight is not model["a"].weight
     assert model["a"].num_blocks == 4
+
+
+def test_fixed_mixing_stays_at_its_init_through_training_and_save(tmp_path):
+    """mixing_learnable=False (the paper's fixed-mixing ablation): no gradient reaches W, whatever the
+    optimizer holds; the weights still save and load as a parameter."""
+    from mhla_gen import MHLAConfig, install_mhla, load_transformer
+    from mhla_gen.install import mhla_processors
+    from mhla_gen.testing import tiny_dit
+
+    model = install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2), mixing_learnable=False))
+    init = {k: p.mixing.weight.detach().clone() for k, p in mhla_processors(model).items()}
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)  # what train.trainable=all does
+    opt = torch.optim.AdamW(params, lr=0.1)
+    x = torch.randn(2, model.config.in_channels, model.config.sample_size, model.config.sample_size)
+    out = model(x, timestep=torch.tensor([10, 20]), class_labels=torch.tensor([1, 2])).sample
+    out.square().mean().backward()
+    opt.step()
+    for name, proc in mhla_processors(model).items():
+        assert proc.mixing.weight.grad is None and torch.equal(proc.mixing.weight, init[name])
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    model.save_pretrained(tmp_path)
+    loaded = load_transformer(tmp_path)
+    assert not loaded.mhla_config.mixing_learnable
+    assert all(not p.mixing.learnable for p in mhla_processors(loaded).values())

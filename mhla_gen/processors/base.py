@@ -76,7 +76,10 @@ class MHLAProcessor(nn.Module):
         self.cfg = cfg
         # block centres depend only on the block grid, so init W on the (blocks -> blocks) layout
         block_grid = BlockLayout(cfg.blocks, cfg.blocks)
-        self.mixing = MixingMatrix(block_grid, cfg.mixing_init, cfg.mixing_normalize, cfg.mixing_temperature)
+        self.mixing = MixingMatrix(
+            block_grid, cfg.mixing_init, cfg.mixing_normalize, cfg.mixing_temperature,
+            learnable=cfg.mixing_learnable,
+        )
         ndim = len(cfg.blocks)
         self.cpe = ConvPositionEncoding(inner_dim, cfg.cpe_kernel, ndim) if cfg.cpe_kernel else None
         self.gate = OutputGate(in_dim, inner_dim, cfg.gate_activation) if cfg.gate else None

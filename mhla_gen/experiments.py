@@ -1,0 +1,228 @@
+"""Run arms x seeds of a DiT-on-digits experiment, evaluate checkpoints along the way, summarise.
+
+One way to run the project's studies (``eval/study.py``: softmax / linear / MHLA and the ablations;
+``eval/adaptation.py``: converting a trained model): every *arm* is a list of config overrides on top of
+a base config; every (arm, seed) pair is one training run of ``mhla_gen.train.loop.train``, trained in
+segments up to each evaluation step (``resume=latest`` continues exactly, so segments give the weights
+of an uninterrupted run) and evaluated after each segment. Each evaluation is one JSON file:
+
+    OUT/runs/<arm>/seed<k>/        the training run (a run folder, mhla_gen.folders)
+    OUT/results/<arm>/seed<k>/step<n>.json
+
+Resumable at that grain: a point whose JSON exists is never recomputed, a killed study continues from
+the newest checkpoint of each run. Pairs run in parallel worker processes (``jobs``; one torch thread
+each: these models are small, one thread per process uses 2 cores better than 2 threads per run).
+
+Evaluation (:func:`evaluate_point`): digits-FID of ``fid_samples`` samples drawn with the run's seed
+(features of the digits CNN, :func:`mhla_gen.metrics.digits_extractor`), label accuracy of the samples
+under that CNN, the training loss logged at that step, and the mean attention rank / row entropy over
+layers. Summaries (:func:`summarize`, :func:`paired`) give mean, min-max and a 95 % t-interval over
+seeds, and per-seed paired differences between arms.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data.digits import digits_tensors
+from .folders import claim, file_record
+from .metrics import digits_extractor, extract_features, fid_from_features
+from .metrics.attention import attention_statistics, example_inputs
+from .serialization import load_transformer
+from .train.config import DiTRunConfig, load_config
+from .train.dit import DiTTask
+from .train.io import atomic_write_text, read_jsonl
+from .train.loop import train
+
+logger = logging.getLogger(__name__)
+
+RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.folders.file_record)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of an experiment: ``overrides`` on top of the base config."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    group: str = "main"
+
+
+@dataclass
+class Job:
+    """One (arm, seed) training run and its evaluation points; picklable (worker processes)."""
+
+    arm: str
+    seed: int
+    config: str  # the base YAML
+    overrides: list[str]  # base + arm overrides (without output_dir / seed / max_steps)
+    steps: list[int]  # evaluation steps, increasing; the last is the budget
+    run_dir: str
+    result_dir: str
+    fid_samples: int
+    extra: dict = field(default_factory=dict)  # copied into every result record
+
+
+def result_path(job: Job, step: int) -> Path:
+    return Path(job.result_dir) / f"step{step:07d}.json"
+
+
+def run_job(job: Job) -> list[dict]:
+    """Train ``job`` up to each evaluation step in turn and evaluate there; skip points already done."""
+    records = []
+    for step in job.steps:
+        path = result_path(job, step)
+        if path.is_file():
+            records.append(json.loads(path.read_text()))
+            continue
+        cfg = job_config(job, step)
+        start = time.perf_counter()
+        train(cfg, DiTTask(cfg))
+        _reset_accelerate()
+        record = evaluate_point(job, cfg, step)
+        record["segment_seconds"] = time.perf_counter() - start
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({**record, **file_record(RESULT_KIND)}, indent=1))
+        logger.info("%s seed %d step %d: FID %.2f", job.arm, job.seed, step, record["fid_digits"])
+        records.append(record)
+    return records
+
+
+def job_config(job: Job, step: int) -> DiTRunConfig:
+    """The run's config for the segment that ends at ``step`` (checkpoints at every evaluation step)."""
+    every = math.gcd(*job.steps)
+    return load_config(DiTRunConfig, job.config, [
+        *job.overrides, f"output_dir={job.run_dir}", f"seed={job.seed}", f"train.max_steps={step}",
+        f"train.checkpoint_every={every}", "train.checkpoints_total_limit=1", "resume=latest",
+        "eval.fid_num_samples=0",
+    ])
+
+
+def _reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; the next segment builds a fresh Accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@torch.no_grad()
+def evaluate_point(job: Job, cfg: DiTRunConfig, step: int) -> dict:
+    """FID, label accuracy, logged loss and attention statistics of the run's ``final/`` at ``step``; the
+    first 100 samples (ten of each class) are kept beside the result as ``step<n>_samples.npy``."""
+    transformer = load_transformer(Path(job.run_dir) / "final")
+    labels = [i % cfg.model.num_classes for i in range(job.fid_samples)]
+    start = time.perf_counter()
+    fake = DiTTask(cfg).generate(transformer, labels, seed=10_000 + job.seed, output_type="pt").cpu()
+    sample_seconds = time.perf_counter() - start
+    keep = (fake[:100, 0].numpy() * 255).round().astype(np.uint8)  # (<=100, R, R)
+    result_path(job, step).parent.mkdir(parents=True, exist_ok=True)
+    np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep)
+    extractor = digits_extractor()
+    real, _ = digits_tensors(cfg.data.resolution)
+    fake_f, real_f = extract_features(extractor, fake), extract_features(extractor, real)
+    accuracy = (torch.from_numpy(fake_f["logits"]).argmax(-1) == torch.tensor(labels)).double().mean().item()
+    logged = [r for r in read_jsonl(Path(job.run_dir) / "metrics.jsonl") if "loss" in r and r["step"] <= step]
+    window = [r["loss"] for r in logged[-5:]]  # the last few logged losses: one batch is noisy
+    stats = attention_summary(transformer, cfg.data.resolution, job.seed)
+    return {
+        "arm": job.arm, "seed": job.seed, "step": step, **job.extra,
+        "fid_digits": fid_from_features(real_f["pool"], fake_f["pool"]),
+        "label_accuracy": accuracy,
+        "loss": float(np.mean(window)) if window else math.nan,
+        "attention_rank": stats["rank"], "attention_tokens": stats["tokens"],
+        "attention_entropy": stats["entropy"], "max_entropy": stats["max_entropy"],
+        "train_images_per_s": float(np.median([r["steps_per_s"] for r in logged[1:]] or [math.nan]))
+        * cfg.train.global_batch_size,
+        "sample_images_per_s": len(labels) / sample_seconds,
+        "parameters": sum(p.numel() for p in transformer.parameters()),
+        "fid_samples": job.fid_samples,
+    }
+
+
+def attention_summary(transformer, resolution: int, seed: int) -> dict:
+    """Rank and row entropy of the self-attention maps, averaged over layers, on 4 real digits at t=500."""
+    images, labels = digits_tensors(resolution)
+    pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:4]
+    kwargs = example_inputs(transformer, 4, resolution, timestep=500, images=images[pick] * 2 - 1,
+                            labels=labels[pick], seed=seed)
+    stats = attention_statistics(transformer, lambda: transformer(**kwargs))
+    return {"rank": float(np.mean([s["rank"] for s in stats])), "tokens": stats[0]["tokens"],
+            "entropy": float(np.mean([s["entropy"] for s in stats])), "max_entropy": stats[0]["max_entropy"]}
+
+
+# ------------------------------------------------------------------------------------------- running
+def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: list[int], steps: list[int],
+              fid_samples: int, extra: dict | None = None) -> list[Job]:
+    """One job per (arm, seed), its folders under ``out`` (``out`` itself must be ours, see
+    :func:`run_jobs`)."""
+    return [
+        Job(arm.name, seed, config, [*base, *arm.overrides], sorted(steps),
+            str(out / "runs" / arm.name / f"seed{seed}"), str(out / "results" / arm.name / f"seed{seed}"),
+            fid_samples, {"group": arm.group, **(extra or {})})
+        for arm in arms for seed in seeds
+    ]
+
+
+def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1) -> list[dict]:
+    """Claim ``out`` (a ``kind`` folder of ours: mhla_gen.folders) and run ``jobs``, ``workers`` at a time
+    in fresh processes (one torch thread each); returns every result record."""
+    claim(out, kind, setting)
+    todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
+    logger.info("%d of %d runs to do (the others finished earlier)", len(todo), len(jobs))
+    if workers <= 1 or len(todo) <= 1:
+        for job in todo:
+            run_job(job)
+    else:
+        context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+        with context.Pool(workers, initializer=_worker_init, maxtasksperchild=1) as pool:
+            for _ in pool.imap_unordered(run_job, todo):
+                pass
+    return [json.loads(result_path(job, s).read_text()) for job in jobs for s in job.steps]
+
+
+def _worker_init() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"  # progress bars of parallel workers would interleave
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+
+
+# ------------------------------------------------------------------------------------------ summaries
+def interval(values: list[float], level: float = 0.95) -> dict:
+    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max()), "ci": half, "n": n}
+
+
+def summarize(records: list[dict], metric: str) -> dict[tuple[str, int], dict]:
+    """``{(arm, step): interval over seeds of metric}``."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        groups.setdefault((r["arm"], r["step"]), []).append(r[metric])
+    return {key: interval(values) for key, values in sorted(groups.items())}
+
+
+def paired(records: list[dict], arm: str, other: str, metric: str, step: int) -> dict:
+    """Per-seed differences ``arm - other`` of ``metric`` at ``step`` (the same seed draws the same data
+    order, noise and samples in both), their interval, and how many seeds favour each side."""
+    by_seed = {(r["arm"], r["seed"]): r[metric] for r in records if r["step"] == step}
+    seeds = sorted(s for a, s in by_seed if a == arm and (other, s) in by_seed)
+    diffs = [by_seed[(arm, s)] - by_seed[(other, s)] for s in seeds]
+    return {**interval(diffs), "per_seed": dict(zip(seeds, diffs)), "negative": sum(d < 0 for d in diffs)}
+
