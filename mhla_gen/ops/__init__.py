@@ -1,7 +1,9 @@
-"""MHLA operators: the fast path, the recurrent decoder and the plain references."""
+"""MHLA operators: the registered op (``mhla.py``), the plain-autograd path for causal MHLA and callable
+feature maps (``autograd_path.py``), the recurrent decoder and the plain references (``naive.py``)."""
 
+from .autograd_path import mhla_attention_autograd
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .mhla import mhla_attention, mhla_attention_autograd
+from .mhla import mhla_attention
 from .naive import linear_attention, mhla_block_loop, mhla_dense, mhla_dense_weights
 from .recurrent import MHLADecodeState, mhla_decode_step
 
