@@ -419,7 +419,7 @@ class _TritonMHLA(torch.autograd.Function):
     def forward(ctx, q, k, v, mixing, grid, blocks):
         from mhla_gen.ops import triton_mhla
 
-        out, *saved = triton_mhla.mhla_forward_triton(q, k, v, mixing, grid, blocks, "relu", True, 1e-6)
+        out, *saved = triton_mhla.forward(q, k, v, grid, blocks, mixing, "relu", True, 1e-6)
         ctx.save_for_backward(q, k, v, mixing, out, *saved)
         ctx.layout = (grid, blocks)
         return out
@@ -429,8 +429,8 @@ class _TritonMHLA(torch.autograd.Function):
         from mhla_gen.ops import triton_mhla
 
         q, k, v, mixing, out, *saved = ctx.saved_tensors
-        grads = triton_mhla.mhla_backward_triton(grad_out, q, k, v, mixing, out, *saved, *ctx.layout, "relu",
-                                                 True, 1e-6, ctx.needs_input_grad[:4])
+        grads = triton_mhla.backward(grad_out, q, k, v, *ctx.layout, mixing, "relu", True, 1e-6, out, *saved,
+                                     ctx.needs_input_grad[:4])
         return (*grads, None, None)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from mhla_gen import BlockLayout, locality_init
 from mhla_gen.ops import (
+    Saved,
     linear_attention,
     mhla_attention,
     mhla_attention_autograd,
@@ -306,7 +307,7 @@ def test_opcheck(grid, blocks, normalize, dtype, make_qkv):
     layout = BlockLayout(grid, blocks)
     q, k, v = (_heads_interleaved(t.to(dtype)) for t in make_qkv(layout.num_tokens, dim=8, grad=True))
     mixing = torch.rand(layout.num_blocks, layout.num_blocks, requires_grad=True)
-    args = (q, k, v, mixing, list(grid), list(blocks), "relu", normalize, 1e-6)
+    args = (q, k, v, list(grid), list(blocks), mixing, "relu", normalize, 1e-6, "pytorch")
     torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args)
 
 
@@ -319,9 +320,9 @@ def test_opcheck_backward(needs, make_qkv):
     grid, blocks = (3, 5, 6), (2, 2, 3)
     q, k, v = (_heads_interleaved(t.float()) for t in make_qkv(90, dim=8))
     mixing = torch.rand(12, 12)
-    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, list(grid), list(blocks), "relu", True, 1e-6)
-    grad_out, layout_args = torch.randn_like(out), (list(grid), list(blocks), "relu", True, 1e-6)
-    args = (grad_out, q, k, v, mixing, out, *saved, *layout_args, needs, False)  # False: not Triton's
+    forward_args = (q, k, v, list(grid), list(blocks), mixing, "relu", True, 1e-6, "pytorch")
+    out, *saved = torch.ops.mhla_gen.mhla(*forward_args)
+    args = (torch.randn_like(out), *forward_args, out, *saved, needs)
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla_backward.default, args, test_utils=("test_schema", "test_faketensor")
     )
@@ -356,7 +357,7 @@ def test_backward_allocates_no_gradients_for_the_saved_outputs(make_qkv):
     layout = BlockLayout((6, 8), (2, 4))
     q, k, v = make_qkv(layout.num_tokens, dim=8, grad=True)
     mixing = torch.rand(8, 8, requires_grad=True)
-    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, [6, 8], [2, 4], "relu", True, 1e-6)
+    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, [6, 8], [2, 4], mixing, "relu", True, 1e-6, "pytorch")
     assert out.requires_grad and not any(t.requires_grad for t in saved)
     with RecordOps() as record:
         out.sum().backward()
@@ -394,9 +395,10 @@ def test_half_precision_accumulates_in_fp32(dtype, measured, path):
     expected = mhla_block_loop(q.double(), k.double(), v.double(), layout, mixing.double())
     error = ((out.double() - expected).abs() / expected.abs().clamp_min(1e-3)).mean().item()
     assert error <= 2 * measured
-    # what the op keeps for backward is fp32: the mixed summaries and the normaliser
-    _, mixed, den, _ = torch.ops.mhla_gen.mhla(q, k, v, mixing, [64, 32], [2, 2], "relu", True, 1e-6)
-    assert (mixed.dtype, den.dtype) == (torch.float32, torch.float32)
+    # what the op keeps for backward is fp32: the (mixed) summaries and the normaliser
+    _, *saved = torch.ops.mhla_gen.mhla(q, k, v, [64, 32], [2, 2], mixing, "relu", True, 1e-6, "pytorch")
+    saved = Saved(*saved)
+    assert (saved.state.dtype, saved.den.dtype) == (torch.float32, torch.float32)
 
 
 def _bad_call(**override):

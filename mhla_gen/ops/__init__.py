@@ -3,13 +3,14 @@ feature maps (``autograd_path.py``), the recurrent decoder and the plain referen
 
 from .autograd_path import mhla_attention_autograd
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .mhla import mhla_attention
+from .mhla import Saved, mhla_attention
 from .naive import linear_attention, mhla_block_loop, mhla_dense, mhla_dense_weights
 from .recurrent import MHLADecodeState, mhla_decode_step
 
 __all__ = [
     "FEATURE_MAPS",
     "MHLADecodeState",
+    "Saved",
     "get_feature_map",
     "linear_attention",
     "mhla_attention",

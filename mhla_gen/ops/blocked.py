@@ -28,6 +28,8 @@ accumulates in fp32; backward rebuilds them from the inputs instead of saving th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..layout import SubGrid, layout_for
@@ -110,12 +112,24 @@ def saves_summaries(layout) -> bool:
     return layout.num_blocks**2 <= layout.num_tokens
 
 
-def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, eps: float):
+def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks, normalize: bool):
+    """Empty ``(out, state, norm, den)`` with the shapes, dtypes and strides :func:`forward` returns (the
+    op's fake implementation)."""
+    (b, h, n, e), d = v.shape, q.shape[-1]
+    acc = accumulation_dtype(q.dtype)
+    state = q.new_empty(math.prod(blocks), b, h, e + normalize, d, dtype=acc)
+    den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
+    return empty_output(q, v), state, q.new_empty(0, dtype=acc), den
+
+
+def forward(q, k, v, grid, blocks, mixing, feature_map: str, normalize: bool, eps: float):
     """MHLA forward. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` (any strides), mixing ``(M, M)``.
 
-    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), ``Ŝᵀ`` or
-    ``(W Ŝ)ᵀ`` (:func:`saves_summaries`) ``(M, B, H, c, d)`` in sub-grid block order, and ``den``
-    ``(B, H, N)`` (with eps; empty without the normaliser) in the accumulation dtype: what backward needs.
+    Returns ``(out, state, norm, den)`` (the op's contract, ``mhla.Saved``): ``out`` ``(B, H, N, e)`` in
+    q's dtype (heads-interleaved, :func:`empty_output`); ``state`` ``Ŝᵀ`` or ``(W Ŝ)ᵀ``
+    (:func:`saves_summaries`) ``(M, B, H, c, d)`` in sub-grid block order; ``norm`` empty (the normaliser
+    is row ``e`` of ``state``); ``den`` ``(B, H, N)`` (with eps; empty without the normaliser); all but
+    ``out`` in the accumulation dtype.
     """
     layout = layout_for(tuple(grid), tuple(blocks))
     acc = accumulation_dtype(q.dtype)
@@ -144,7 +158,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
                 _write_tokens(out, sub, grid, num[..., :e], den_blocks)
             else:
                 _write_tokens(out, sub, grid, num)
-    return out, saved.view(layout.num_blocks, b, h, e + normalize, d), den
+    return out, saved.view(layout.num_blocks, b, h, e + normalize, d), q.new_empty(0, dtype=acc), den
 
 
 def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
@@ -165,13 +179,14 @@ def _write_input_grad(dst, sub: SubGrid, grid, x_blocks, grad_blocks, feature_ma
     _write_tokens(dst, sub, grid, feature_map_vjp_(feature_map, x_blocks, grad_blocks))
 
 
-def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_map: str, normalize: bool,
-             needs: tuple[bool, bool, bool, bool]):
-    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False); ``saved``
-    is what the forward returned, ``Ŝᵀ`` or ``(W Ŝ)ᵀ`` (:func:`saves_summaries`)."""
+def backward(grad_out, q, k, v, grid, blocks, mixing, feature_map: str, normalize: bool, eps: float, out,
+             state, norm, den, needs):
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False), in the
+    inputs' strides. ``out, state, norm, den``: what the forward returned (``state`` is ``Ŝᵀ`` or
+    ``(W Ŝ)ᵀ``, :func:`saves_summaries`; ``norm`` is unused, eps is already in ``den``)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc, e, m, bh = saved.dtype, v.shape[-1], layout.num_blocks, q.shape[0] * q.shape[1]
-    saved = saved.flatten(0, 2)  # (M·B·H, c, d)
+    acc, e, m, bh = state.dtype, v.shape[-1], layout.num_blocks, q.shape[0] * q.shape[1]
+    saved = state.flatten(0, 2)  # (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
@@ -206,6 +221,12 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
         if need_w:
             grad_w = layout.mixing_from_block_order(grad_w).to(mixing.dtype)
     return grad_q, grad_k, grad_v, grad_w
+
+
+def backward_outputs_like(q, k, v, mixing, needs):
+    """Empty gradients (None where not needed) shaped, typed and strided as :func:`backward` returns them:
+    ``torch.empty_like`` of each input."""
+    return tuple(torch.empty_like(x) if need else None for x, need in zip((q, k, v, mixing), needs))
 
 
 def _query_grads(grad_out, q, out, den, mixed, grid, layout, feature_map: str, need_q: bool):
