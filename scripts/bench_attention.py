@@ -51,7 +51,7 @@ by side, with MHLA's time per token against the first case's. The README's uneve
 Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
 heads-interleaved inputs as the processors pass them, ReLU features with the normaliser, a learnable
 locality-initialised mixing matrix. Side by side: SDPA (FlashAttention backend for bf16/fp16), SANA's
-linear attention, the registered op with its PyTorch implementation (``MHLA_TRITON=0``), the
+linear attention, the registered op with its PyTorch implementation (``backend="pytorch"``), the
 registered op as it dispatches (:func:`mhla_gen.mhla_attention`: the Triton kernels on CUDA) and the
 Triton kernels called directly (``mhla_gen.ops.triton_mhla``, CUDA only). CUDA times come from CUDA
 events over enough back-to-back calls for >= 20 ms per sample. Achieved bandwidth counts the bytes
@@ -70,7 +70,6 @@ import gc
 import json
 import math
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -464,17 +463,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
 
 
 def pytorch_mhla(q, k, v, layout, mixing):
-    """The registered op with its PyTorch implementation (``blocked.py``) also on CUDA: ``MHLA_TRITON=0``
-    during the forward call (the backward follows what the forward ran)."""
-    previous = os.environ.get("MHLA_TRITON")
-    os.environ["MHLA_TRITON"] = "0"
-    try:
-        return mhla_attention(q, k, v, layout, mixing)
-    finally:
-        if previous is None:
-            del os.environ["MHLA_TRITON"]
-        else:
-            os.environ["MHLA_TRITON"] = previous
+    """The registered op with its PyTorch implementation (``blocked.py``) also on CUDA (the backward
+    follows what the forward ran)."""
+    return mhla_attention(q, k, v, layout, mixing, backend="pytorch")
 
 
 def build_model_methods(shape: ModelShape, device, dtype):

@@ -365,19 +365,7 @@ def test_cuda_real_wan_grid(tm):
 
 
 # --------------------------------------------------------------------------------------------------
-# the registered op dispatches to the kernels (CUDA; here: the interpreter, dispatch widened to CPU)
-
-
-@pytest.fixture
-def dispatch_to_kernels(monkeypatch):
-    """``torch.ops.mhla_gen.mhla`` runs the kernels for CPU tensors too (interpreter only)."""
-    from mhla_gen.ops import mhla
-
-    def kernels_apply(q, k, v):  # the CUDA rule without the device check
-        same = q.dtype in mhla.KERNEL_DTYPES and k.dtype == v.dtype == q.dtype
-        return same and v.shape[-1] == q.shape[-1] and os.environ.get("MHLA_TRITON", "1") != "0"
-
-    monkeypatch.setattr(mhla, "_kernels_apply", kernels_apply)
+# the registered op dispatches to the kernels (CUDA; here: the interpreter, backend "triton" on CPU)
 
 
 @pytest.fixture
@@ -401,26 +389,27 @@ def implementation_calls(monkeypatch):
 
 @interpreter_only
 @pytest.mark.parametrize("normalize", [True, False])
-def test_op_runs_the_kernels(dispatch_to_kernels, implementation_calls, normalize, monkeypatch):
+def test_op_runs_the_kernels(implementation_calls, normalize):
     """Through ``mhla_attention`` (the custom op and its autograd formula): the kernels run, forward and
-    all gradients match the oracle, the backward runs what the forward ran even if ``MHLA_TRITON=0`` is
-    set in between, ``opcheck`` confirms the op's fake outputs (what compiled graphs allocate) match the
-    kernels' shapes, dtypes and strides, and ``MHLA_TRITON=0`` sends later calls to PyTorch."""
-    from mhla_gen.ops import mhla_attention
+    all gradients match the oracle, the backward runs what the forward ran even if the backend is
+    switched to ``"pytorch"`` in between, ``opcheck`` confirms the op's fake outputs (what compiled graphs
+    allocate) match the kernels' shapes, dtypes and strides, and ``mhla_backend("pytorch")`` sends later
+    calls to PyTorch."""
+    from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((3, 5, 6), (2, 2, 3))
     q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
     mixing = _mixing(layout)
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
-    out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+    with mhla_backend("triton"):
+        out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
     assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
-    monkeypatch.setenv("MHLA_TRITON", "0")
-    got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
-    assert implementation_calls == ["triton.forward", "triton.backward"]
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
-    mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
-    assert implementation_calls[-1] == "blocked.forward"
-    monkeypatch.delenv("MHLA_TRITON")
+    with mhla_backend("pytorch"):
+        got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
+        assert implementation_calls == ["triton.forward", "triton.backward"]
+        _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
+        mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+        assert implementation_calls[-1] == "blocked.forward"
     args = (*leaves[:3], list(layout.grid), list(layout.blocks), leaves[3], "relu", normalize, EPS, "triton")
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla.default, args, test_utils=("test_schema", "test_faketensor")
@@ -429,10 +418,10 @@ def test_op_runs_the_kernels(dispatch_to_kernels, implementation_calls, normaliz
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
+def test_cuda_op_dispatch_and_compile(dtype):
     """On CUDA the op runs the kernels; opcheck (fake strides, autograd, AOT dispatch) passes; the
     compiled (inductor) call matches eager; the PyTorch implementation agrees within the dtype's tolerance."""
-    from mhla_gen.ops import mhla_attention
+    from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 6, 13), (3, 5, 10))
     q, k, v, _ = _strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
@@ -444,8 +433,8 @@ def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
     torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args)
     compiled = torch.compile(lambda *xs: mhla_attention(*xs, layout, mixing), fullgraph=True)
     torch.testing.assert_close(compiled(*leaves), out, rtol=GPU_TOL[dtype], atol=GPU_TOL[dtype])
-    monkeypatch.setenv("MHLA_TRITON", "0")
-    reference = mhla_attention(*leaves, layout, mixing)  # the PyTorch implementation
+    with mhla_backend("pytorch"):
+        reference = mhla_attention(*leaves, layout, mixing)  # the PyTorch implementation
     error = (out.double() - reference.double()).abs().max() / reference.double().abs().max()
     assert error <= GPU_TOL[dtype]
 

@@ -1,5 +1,6 @@
-"""Non-causal MHLA in PyTorch, sub-grid by sub-grid: what the custom op runs on CPU (and on GPUs where
-the Triton kernels do not apply). Read it beside ``naive.py`` (the same math as loops and dense matrices).
+"""Non-causal MHLA in PyTorch, sub-grid by sub-grid: the registered op's ``"pytorch"`` backend (``mhla.py``
+has the contract), what it runs on CPU and wherever the Triton kernels do not apply or are switched off.
+Read it beside ``naive.py`` (the same math as loops and dense matrices).
 
 Shapes: ``B`` batch, ``H`` heads, ``N`` tokens, ``M`` blocks, ``d`` key dim, ``e`` value dim,
 ``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.chunks``: the sub-grids, large

@@ -9,7 +9,8 @@ Two backends implement the op, behind one contract (:class:`Saved` and the four 
 
 * ``"pytorch"``: ``blocked.py``, sub-grid by sub-grid in PyTorch; any device and float dtype.
 * ``"triton"``: ``triton_mhla.py``, Triton kernels for CUDA tensors of one dtype of fp32/fp16/bf16 with
-  value dim = key dim. Imported on first use only: ``import mhla_gen`` and CPU runs never import Triton.
+  value dim = key dim. Imported on first use: ``import mhla_gen`` and CPU runs never import it (nor
+  Triton through it).
 
 Each backend module defines, with the same arguments in the same order::
 
@@ -23,7 +24,10 @@ The ``*_outputs_like`` functions return empty tensors with the shapes, dtypes an
 results: they are the op's fake implementations, what compiled graphs allocate. ``needs`` says which of
 (q, k, v, mixing) need a gradient; the others come back as None.
 
-The backend is chosen once, in :func:`mhla_attention`, and passed to the op as an argument; the autograd
+Which backend runs: ``mhla_attention(..., backend=)`` or, for calls without it, the innermost
+``with mhla_backend(name):`` block, else the process default: ``"auto"`` (the kernels where they apply,
+else PyTorch), or ``"pytorch"`` when ``MHLA_TRITON=0`` is set at import. The name is resolved once, in
+:func:`mhla_attention`, to ``"pytorch"`` or ``"triton"`` and passed to the op as an argument; the autograd
 formula hands the same name to the backward op, so backward always runs what the forward ran and reads
 the tensors that backend saved.
 
@@ -33,7 +37,7 @@ same math in plain differentiable torch ops, which torch.compile traces like any
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 from types import ModuleType
 from typing import NamedTuple
@@ -58,6 +62,8 @@ def mhla_attention(
     normalize: bool = True,
     causal: bool = False,
     eps: float = 1e-6,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over the blocks of ``layout``.
 
@@ -68,6 +74,8 @@ def mhla_attention(
         feature_map: ``"relu"``, ``"elu+1"``, ``"relu+1e-6"``, ``"identity"`` or a callable.
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (False: numerator only, as the Wan release does).
         causal: 1D only; blocks are chunks and token ``t`` sees keys ``s <= t``.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"`` (:func:`mhla_backend`); None: the current one.
+            Causal calls and callable feature maps ignore it (they run ``autograd_path.py``).
     Returns:
         ``(B, H, N, e)`` in q's dtype. Summaries accumulate in fp32 for bf16/fp16 inputs, also under
         ``torch.autocast``.
@@ -76,7 +84,7 @@ def mhla_attention(
     if causal or not isinstance(feature_map, str):
         return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
     get_feature_map(feature_map)  # unknown names raise here, naming the choices
-    backend = "triton" if _kernels_apply(q, k, v) else "pytorch"
+    backend = _resolve_backend(backend, q, k, v)
     out, *_ = torch.ops.mhla_gen.mhla(
         q, k, v, list(layout.grid), list(layout.blocks), mixing, feature_map, normalize, eps, backend
     )
@@ -114,32 +122,81 @@ class Saved(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------
-# the backends
+# the backends and the switch between them
 
-
+BACKENDS = ("auto", "pytorch", "triton")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# The process-wide backend; MHLA_TRITON=0 at import makes the default "pytorch" (read here, once).
+_backend = "pytorch" if os.environ.get("MHLA_TRITON", "1") == "0" else "auto"
+_triton_available: bool | None = None  # whether ``import triton`` works, found out on first need
 
-@functools.cache
-def _triton_importable() -> bool:
+
+def _check_backend(name) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MHLA backend {name!r}; choose one of {BACKENDS}")
+
+
+def get_mhla_backend() -> str:
+    """The backend :func:`mhla_attention` calls without ``backend=`` use now (:func:`mhla_backend`)."""
+    return _backend
+
+
+@contextlib.contextmanager
+def mhla_backend(name: str):
+    """Run :func:`mhla_attention` calls without a ``backend=`` argument on ``name`` inside the block.
+
+    ``"auto"``: the Triton kernels for CUDA tensors where they apply (one dtype of fp32/fp16/bf16, value
+    dim = key dim, Triton installed), else PyTorch. ``"pytorch"``: ``blocked.py`` everywhere (comparisons,
+    debugging the kernels). ``"triton"``: the kernels, or a ValueError for inputs outside their contract
+    (they take CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
+
+    Like diffusers' ``attention_backend``: process-wide, not per thread; blocks nest. The backend is read
+    when a call starts; a backward runs what its forward ran, whatever the backend is by then. Under
+    ``torch.compile`` it is read while tracing and the graph is guarded on it: enter the block around the
+    compiled call (a different backend retraces), not inside the compiled function.
+    """
+    global _backend
+    _check_backend(name)
+    previous, _backend = _backend, name
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        yield
+    finally:
+        _backend = previous
 
 
-def _kernels_apply(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """CUDA tensors of one dtype of fp32/fp16/bf16 with value dim = key dim (the kernels' contract),
-    Triton installed, and not switched off (``MHLA_TRITON=0``)."""
-    return (
-        q.device.type == "cuda"
-        and q.dtype in KERNEL_DTYPES
-        and k.dtype == v.dtype == q.dtype
-        and v.shape[-1] == q.shape[-1]
-        and os.environ.get("MHLA_TRITON", "1") != "0"
-        and _triton_importable()
-    )
+def _triton_importable() -> bool:
+    # a module global rather than functools.cache: torch.compile traces this without a warning
+    global _triton_available
+    if _triton_available is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _triton_available = False
+        else:
+            _triton_available = True
+    return _triton_available
+
+
+def _kernels_fit(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """The kernels' contract: q, k, v of one dtype of fp32/fp16/bf16, value dim = key dim."""
+    return q.dtype in KERNEL_DTYPES and k.dtype == v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
+
+
+def _resolve_backend(backend: str | None, q: Tensor, k: Tensor, v: Tensor) -> str:
+    """``"pytorch"`` or ``"triton"``: what the op runs for these inputs under ``backend`` (None: the
+    current one). ``"auto"`` checks the device first, so CPU calls never try to import Triton here."""
+    name = _backend if backend is None else backend
+    _check_backend(name)
+    if name == "auto":
+        use = q.device.type == "cuda" and _kernels_fit(q, k, v) and _triton_importable()
+        return "triton" if use else "pytorch"
+    if name == "triton" and not (_kernels_fit(q, k, v) and _triton_importable()):
+        raise ValueError(
+            "backend 'triton' needs Triton and q, k, v of one dtype of fp32/fp16/bf16 with value dim = key "
+            f"dim; got {q.dtype}, {k.dtype}, {v.dtype}, d={q.shape[-1]}, e={v.shape[-1]}"
+        )
+    return name
 
 
 def _backend_module(backend: str) -> ModuleType:
@@ -227,4 +284,12 @@ def _backward(ctx, grad_out, *unused_grads):
 _mhla_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-__all__ = ["FEATURE_MAPS", "Saved", "mhla_attention", "mhla_attention_autograd"]
+__all__ = [
+    "BACKENDS",
+    "FEATURE_MAPS",
+    "Saved",
+    "get_mhla_backend",
+    "mhla_attention",
+    "mhla_attention_autograd",
+    "mhla_backend",
+]

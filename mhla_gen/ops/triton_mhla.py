@@ -1,9 +1,10 @@
-"""Triton kernels for non-causal MHLA on CUDA: forward and backward.
+"""Triton kernels for non-causal MHLA on CUDA: forward and backward, the registered op's ``"triton"``
+backend (``mhla.py`` has the contract: :func:`forward`, :func:`backward` and their ``*_outputs_like``).
 
-Import this module only where ``triton`` is importable (the registered op imports it lazily for CUDA
-tensors); ``import mhla_gen`` does not import it. With ``TRITON_INTERPRET=1`` set before ``triton`` is
-first imported, the kernels run on CPU tensors in Triton's interpreter: that is how the tests check them
-without a GPU (``tests/test_triton_mhla.py``).
+Import this module only where ``triton`` is importable (the registered op imports it when the Triton
+backend first runs); ``import mhla_gen`` does not import it. With ``TRITON_INTERPRET=1`` set before
+``triton`` is first imported, the kernels run on CPU tensors in Triton's interpreter: that is how the
+tests check them without a GPU (``tests/test_triton_mhla.py``).
 
 Math (``b(t)`` = block of token t, ``W`` the ``M x M`` mixing matrix, φ the feature map)::
 
