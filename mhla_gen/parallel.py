@@ -158,13 +158,17 @@ def mhla_shard(
     grid: tuple[int, ...],
     blocks: tuple[int, ...],
     mixing: torch.Tensor,
-    shard: TokenShard,
     normalize: bool = True,
     eps: float = 1e-6,
+    *,
+    shard: TokenShard,
     q_norm_features: torch.Tensor | None = None,
     k_norm_features: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MHLA outputs of one rank's queries from features of one rank's tokens (context parallelism).
+
+    Arguments in :func:`mhla_gen.mhla_attention`'s order (the layout as ``grid, blocks``; no feature map:
+    the features come mapped), then this rank's tokens.
 
     Args:
         q_features, k_features: ``(B, H, n, d)`` φ(q), φ(k) of the rank's tokens ``[shard.start, shard.end)``
@@ -172,8 +176,8 @@ def mhla_shard(
         v: ``(B, H, n, e)`` their values.
         grid, blocks: the whole token grid and the MHLA blocks.
         mixing: ``(M, M)``, the same on every rank.
-        shard: this rank's :class:`TokenShard`.
         normalize, eps: as :func:`mhla_gen.mhla_attention`.
+        shard: this rank's :class:`TokenShard`.
         q_norm_features, k_norm_features: features of the normaliser when it differs from the numerator's
             (Wan's ``after_phi_numerator``: RoPE in the numerator only); default: the same features.
     Returns:
