@@ -99,9 +99,8 @@ def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)``, as the Triton kernels
     write it: merging heads, ``out.transpose(1, 2).flatten(2)``, is a contiguous view for the output
-    projection, and each token's ``e`` values are written in one run. (Channels-first memory, as SANA's
-    processor has, wrote runs as short as a block's last axis: 5-6 tokens at the Wan 480p grid, where
-    the forward's division into it took 3x as long.)"""
+    projection, and each token's ``e`` values are written in one run (channels-first memory, as SANA's
+    processor has, would split the writes of a block into runs as short as the block's last axis)."""
     b, h, n, e = v.shape
     return q.new_empty(b, n, h, e).transpose(1, 2)
 
