@@ -192,13 +192,7 @@ def mhla_shard(
     if mixing.shape != (m, m):
         raise ValueError(f"mixing must have shape ({m}, {m}) for {layout}, got {tuple(mixing.shape)}")
     sb = shard_blocks(tuple(grid), tuple(blocks), shard.start, shard.end, v.device)
-    kb = _to_slots(k_features, sb)  # (Mr, B, H, L, d)
-    partial = [kb.mT @ _to_slots(v, sb)]  # S_j^r: (Mr, B, H, d, e)
-    if normalize:
-        kz = kb if k_norm_features is None else _to_slots(k_norm_features, sb)
-        partial.append(kz.sum(dim=-2, keepdim=True).mT)  # z_j^r: (Mr, B, H, d, 1)
-    partial = torch.cat(partial, dim=-1)  # (Mr, B, H, d, c)
-
+    partial = _partial_summaries(k_features, v, sb, normalize, k_norm_features)  # (Mr, B, H, d, c)
     summaries = partial.new_zeros(m, *partial.shape[1:]).index_copy(0, sb.touched, partial)  # (M, B, H, d, c)
     summaries = all_reduce_sum(summaries, shard.group)  # S_j, z_j of the whole sequence
     rows = mixing.to(partial.dtype).index_select(0, sb.touched)  # W[i, :] for the rank's query blocks
@@ -214,6 +208,17 @@ def mhla_shard(
         den = _to_slots(q_norm_features, sb) @ mixed[..., e:]
         out = (qb @ mixed[..., :e]) / (den + eps)
     return _from_slots(out, sb)
+
+
+def _partial_summaries(k_features, v, sb: ShardBlocks, normalize: bool, k_norm_features=None) -> torch.Tensor:
+    """``[S_j^r z_j^r]`` ``(Mr, B, H, d, c)`` of the blocks the rank's tokens touch (``c = e + 1`` with the
+    normaliser, else ``e``), from ``(B, H, n, ·)`` features and values."""
+    kb = _to_slots(k_features, sb)  # (Mr, B, H, L, d)
+    partial = [kb.mT @ _to_slots(v, sb)]  # S_j^r: (Mr, B, H, d, e)
+    if normalize:
+        kz = kb if k_norm_features is None else _to_slots(k_norm_features, sb)
+        partial.append(kz.sum(dim=-2, keepdim=True).mT)  # z_j^r: (Mr, B, H, d, 1)
+    return torch.cat(partial, dim=-1)
 
 
 def gather_sequence(x: torch.Tensor, shard: TokenShard) -> torch.Tensor:

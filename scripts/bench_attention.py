@@ -568,7 +568,8 @@ def run_model_shapes(args, device, dtype) -> tuple[str, list[dict]]:
     return text, rows
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the device-dependent defaults of ``--sizes`` and ``--shapes`` filled in."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -593,14 +594,19 @@ def main(argv=None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    if args.sizes is None:
+        args.sizes = [] if cuda or args.grids else [1024, 4096, 16384]
+    if args.shapes is None:
+        args.shapes = sorted(MODEL_SHAPES) if cuda else []
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.out is not None:  # before hours of timing (mhla_gen.folders)
         check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
-
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.sizes is None:
-        args.sizes = [] if device.type == "cuda" or args.grids else [1024, 4096, 16384]
-    if args.shapes is None:
-        args.shapes = sorted(MODEL_SHAPES) if device.type == "cuda" else []
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
