@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Measured at the Wan 480p grid (21, 30, 52) / (3, 5, 10), 12 heads x 128, fp32 CPU: forward+backward peak
-# memory 2.1 GiB over whole sub-grids, against 1.5 GiB for plain linear attention (see README, Benchmarks).
+# The PyTorch backend loops over slabs of at most max(N // 4, CHUNK_MIN_TOKENS) tokens (Tiling.chunks):
+# its block-major temporaries then stay a fraction of one (B, H, N, d) tensor on large grids, while grids
+# of up to this many tokens run as whole sub-grids (fewer, larger GEMMs).
 CHUNK_MIN_TOKENS = 4096
 
 
@@ -91,9 +92,9 @@ class SubGrid:
         ``(n0, [n1, n2,] B, H, s0, [s1, s2,] c)`` (block coords first, then coords inside the block)."""
         nd = len(grid)
         split = [v for pair in zip(self.counts, self.sizes) for v in pair]  # n0, s0, n1, s1, ..
-        # A box that is the whole grid (an even grid of at most CHUNK_MIN_TOKENS tokens: not cut into slabs)
-        # is one view. The general branch gives the same view with ndim + 1 more aten calls, and the op
-        # takes 5 token views per sub-grid in forward and 9 in backward: it matters where calls are small.
+        # A box that is the whole grid (an even grid not cut into slabs) is a single view; the general
+        # branch builds the same view from ndim + 1 more calls, and the op takes several token views per
+        # sub-grid, so on small grids the calls add up.
         if all(n * s == g for n, s, g in zip(self.counts, self.sizes, grid)):
             x = x.view(*x.shape[:2], *split, x.shape[-1])
         else:

@@ -158,13 +158,17 @@ def mhla_shard(
     grid: tuple[int, ...],
     blocks: tuple[int, ...],
     mixing: torch.Tensor,
-    shard: TokenShard,
     normalize: bool = True,
     eps: float = 1e-6,
+    *,
+    shard: TokenShard,
     q_norm_features: torch.Tensor | None = None,
     k_norm_features: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MHLA outputs of one rank's queries from features of one rank's tokens (context parallelism).
+
+    Arguments in :func:`mhla_gen.mhla_attention`'s order (the layout as ``grid, blocks``; no feature map:
+    the features come mapped), then this rank's tokens.
 
     Args:
         q_features, k_features: ``(B, H, n, d)`` φ(q), φ(k) of the rank's tokens ``[shard.start, shard.end)``
@@ -172,8 +176,8 @@ def mhla_shard(
         v: ``(B, H, n, e)`` their values.
         grid, blocks: the whole token grid and the MHLA blocks.
         mixing: ``(M, M)``, the same on every rank.
-        shard: this rank's :class:`TokenShard`.
         normalize, eps: as :func:`mhla_gen.mhla_attention`.
+        shard: this rank's :class:`TokenShard`.
         q_norm_features, k_norm_features: features of the normaliser when it differs from the numerator's
             (Wan's ``after_phi_numerator``: RoPE in the numerator only); default: the same features.
     Returns:
@@ -188,13 +192,7 @@ def mhla_shard(
     if mixing.shape != (m, m):
         raise ValueError(f"mixing must have shape ({m}, {m}) for {layout}, got {tuple(mixing.shape)}")
     sb = shard_blocks(tuple(grid), tuple(blocks), shard.start, shard.end, v.device)
-    kb = _to_slots(k_features, sb)  # (Mr, B, H, L, d)
-    partial = [kb.mT @ _to_slots(v, sb)]  # S_j^r: (Mr, B, H, d, e)
-    if normalize:
-        kz = kb if k_norm_features is None else _to_slots(k_norm_features, sb)
-        partial.append(kz.sum(dim=-2, keepdim=True).mT)  # z_j^r: (Mr, B, H, d, 1)
-    partial = torch.cat(partial, dim=-1)  # (Mr, B, H, d, c)
-
+    partial = _partial_summaries(k_features, v, sb, normalize, k_norm_features)  # (Mr, B, H, d, c)
     summaries = partial.new_zeros(m, *partial.shape[1:]).index_copy(0, sb.touched, partial)  # (M, B, H, d, c)
     summaries = all_reduce_sum(summaries, shard.group)  # S_j, z_j of the whole sequence
     rows = mixing.to(partial.dtype).index_select(0, sb.touched)  # W[i, :] for the rank's query blocks
@@ -210,6 +208,17 @@ def mhla_shard(
         den = _to_slots(q_norm_features, sb) @ mixed[..., e:]
         out = (qb @ mixed[..., :e]) / (den + eps)
     return _from_slots(out, sb)
+
+
+def _partial_summaries(k_features, v, sb: ShardBlocks, normalize: bool, k_norm_features=None) -> torch.Tensor:
+    """``[S_j^r z_j^r]`` ``(Mr, B, H, d, c)`` of the blocks the rank's tokens touch (``c = e + 1`` with the
+    normaliser, else ``e``), from ``(B, H, n, ·)`` features and values."""
+    kb = _to_slots(k_features, sb)  # (Mr, B, H, L, d)
+    partial = [kb.mT @ _to_slots(v, sb)]  # S_j^r: (Mr, B, H, d, e)
+    if normalize:
+        kz = kb if k_norm_features is None else _to_slots(k_norm_features, sb)
+        partial.append(kz.sum(dim=-2, keepdim=True).mT)  # z_j^r: (Mr, B, H, d, 1)
+    return torch.cat(partial, dim=-1)
 
 
 def gather_sequence(x: torch.Tensor, shard: TokenShard) -> torch.Tensor:

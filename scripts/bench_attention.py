@@ -51,7 +51,7 @@ by side, with MHLA's time per token against the first case's. The README's uneve
 Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
 heads-interleaved inputs as the processors pass them, ReLU features with the normaliser, a learnable
 locality-initialised mixing matrix. Side by side: SDPA (FlashAttention backend for bf16/fp16), SANA's
-linear attention, the registered op with its PyTorch implementation (``MHLA_TRITON=0``), the
+linear attention, the registered op with its PyTorch implementation (``backend="pytorch"``), the
 registered op as it dispatches (:func:`mhla_gen.mhla_attention`: the Triton kernels on CUDA) and the
 Triton kernels called directly (``mhla_gen.ops.triton_mhla``, CUDA only). CUDA times come from CUDA
 events over enough back-to-back calls for >= 20 ms per sample. Achieved bandwidth counts the bytes
@@ -70,7 +70,6 @@ import gc
 import json
 import math
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -419,7 +418,7 @@ class _TritonMHLA(torch.autograd.Function):
     def forward(ctx, q, k, v, mixing, grid, blocks):
         from mhla_gen.ops import triton_mhla
 
-        out, *saved = triton_mhla.mhla_forward_triton(q, k, v, mixing, grid, blocks, "relu", True, 1e-6)
+        out, *saved = triton_mhla.forward(q, k, v, grid, blocks, mixing, "relu", True, 1e-6)
         ctx.save_for_backward(q, k, v, mixing, out, *saved)
         ctx.layout = (grid, blocks)
         return out
@@ -429,8 +428,8 @@ class _TritonMHLA(torch.autograd.Function):
         from mhla_gen.ops import triton_mhla
 
         q, k, v, mixing, out, *saved = ctx.saved_tensors
-        grads = triton_mhla.mhla_backward_triton(grad_out, q, k, v, mixing, out, *saved, *ctx.layout, "relu",
-                                                 True, 1e-6, ctx.needs_input_grad[:4])
+        grads = triton_mhla.backward(grad_out, q, k, v, *ctx.layout, mixing, "relu", True, 1e-6, out, *saved,
+                                     ctx.needs_input_grad[:4])
         return (*grads, None, None)
 
 
@@ -464,17 +463,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
 
 
 def pytorch_mhla(q, k, v, layout, mixing):
-    """The registered op with its PyTorch implementation (``blocked.py``) also on CUDA: ``MHLA_TRITON=0``
-    during the forward call (the backward follows what the forward ran)."""
-    previous = os.environ.get("MHLA_TRITON")
-    os.environ["MHLA_TRITON"] = "0"
-    try:
-        return mhla_attention(q, k, v, layout, mixing)
-    finally:
-        if previous is None:
-            del os.environ["MHLA_TRITON"]
-        else:
-            os.environ["MHLA_TRITON"] = previous
+    """The registered op with its PyTorch implementation (``blocked.py``) also on CUDA (the backward
+    follows what the forward ran)."""
+    return mhla_attention(q, k, v, layout, mixing, backend="pytorch")
 
 
 def build_model_methods(shape: ModelShape, device, dtype):
@@ -577,7 +568,8 @@ def run_model_shapes(args, device, dtype) -> tuple[str, list[dict]]:
     return text, rows
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the device-dependent defaults of ``--sizes`` and ``--shapes`` filled in."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -602,14 +594,19 @@ def main(argv=None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    if args.sizes is None:
+        args.sizes = [] if cuda or args.grids else [1024, 4096, 16384]
+    if args.shapes is None:
+        args.shapes = sorted(MODEL_SHAPES) if cuda else []
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.out is not None:  # before hours of timing (mhla_gen.folders)
         check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
-
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.sizes is None:
-        args.sizes = [] if device.type == "cuda" or args.grids else [1024, 4096, 16384]
-    if args.shapes is None:
-        args.shapes = sorted(MODEL_SHAPES) if device.type == "cuda" else []
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []

@@ -136,6 +136,30 @@ def test_inductor_compile_matches_eager():
     assert_same_results(forward_backward(torch.compile(model, fullgraph=True), inputs), expected)
 
 
+def test_backend_switch_is_read_when_tracing():
+    """``with mhla_backend(..)`` around a compiled call: the backend is read while tracing, passed to the
+    op as an argument, and the graph is guarded on it, so a switch retraces (never a stale backend)."""
+    from mhla_gen import BlockLayout
+    from mhla_gen.ops import mhla_attention, mhla_backend
+
+    layout, mixing = BlockLayout((6, 10), (2, 3)), torch.rand(6, 6)
+    q, k, v = (torch.randn(1, 2, 60, 4) for _ in range(3))
+    traced = []  # the backend argument of the op in each traced graph
+
+    def record(gm, example_inputs):
+        traced.extend(n.args[-1] for n in gm.graph.nodes if "mhla_gen.mhla" in str(n.target))
+        return gm
+
+    torch._dynamo.reset()
+    attend = lambda *qkv: mhla_attention(*qkv, layout, mixing)  # noqa: E731
+    compiled = torch.compile(attend, backend=record, fullgraph=True)
+    expected = mhla_attention(q, k, v, layout, mixing)
+    for name in ("auto", "pytorch", "auto"):
+        with mhla_backend(name):
+            torch.testing.assert_close(compiled(q, k, v), expected, rtol=0, atol=0)
+    assert traced == ["pytorch", "pytorch"]  # CPU: "auto" resolves to PyTorch; the third call reuses a graph
+
+
 def test_compile_repeated_blocks():
     """diffusers' regional compilation (Wan declares ``_repeated_blocks``), with inductor."""
     model, inputs = build("wan-hybrid")

@@ -87,7 +87,7 @@ def _op_case(rank: int, normalize: bool, split_normaliser: bool) -> dict[str, fl
     w = mixing.clone().requires_grad_()
     (fq, fq_norm), (fk, fk_norm) = features(local[0]), features(local[1])
     extra = dict(q_norm_features=fq_norm, k_norm_features=fk_norm) if split_normaliser else {}
-    out = mhla_shard(fq, fk, local[2], grid, blocks, w, shard, normalize, 1e-6, **extra)
+    out = mhla_shard(fq, fk, local[2], grid, blocks, w, normalize, 1e-6, shard=shard, **extra)
     (out * weight[:, :, own]).sum().backward()
 
     errors = {"out": (out - expected[:, :, own].detach()).abs().max().item()}

@@ -1,6 +1,10 @@
 """The fast path against the references (flash-linear-attention style): forward, gradients, dtypes."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,13 +12,17 @@ import torch.nn.functional as F
 
 from mhla_gen import BlockLayout, locality_init
 from mhla_gen.ops import (
+    Saved,
+    get_mhla_backend,
     linear_attention,
     mhla_attention,
     mhla_attention_autograd,
+    mhla_backend,
     mhla_block_loop,
     mhla_dense,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST_PATHS = {"fused": mhla_attention, "autograd": mhla_attention_autograd}
 
 LAYOUTS = [
@@ -306,7 +314,7 @@ def test_opcheck(grid, blocks, normalize, dtype, make_qkv):
     layout = BlockLayout(grid, blocks)
     q, k, v = (_heads_interleaved(t.to(dtype)) for t in make_qkv(layout.num_tokens, dim=8, grad=True))
     mixing = torch.rand(layout.num_blocks, layout.num_blocks, requires_grad=True)
-    args = (q, k, v, mixing, list(grid), list(blocks), "relu", normalize, 1e-6)
+    args = (q, k, v, list(grid), list(blocks), mixing, "relu", normalize, 1e-6, "pytorch")
     torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args)
 
 
@@ -319,9 +327,9 @@ def test_opcheck_backward(needs, make_qkv):
     grid, blocks = (3, 5, 6), (2, 2, 3)
     q, k, v = (_heads_interleaved(t.float()) for t in make_qkv(90, dim=8))
     mixing = torch.rand(12, 12)
-    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, list(grid), list(blocks), "relu", True, 1e-6)
-    grad_out, layout_args = torch.randn_like(out), (list(grid), list(blocks), "relu", True, 1e-6)
-    args = (grad_out, q, k, v, mixing, out, *saved, *layout_args, needs, False)  # False: not Triton's
+    forward_args = (q, k, v, list(grid), list(blocks), mixing, "relu", True, 1e-6, "pytorch")
+    out, *saved = torch.ops.mhla_gen.mhla(*forward_args)
+    args = (torch.randn_like(out), *forward_args, out, *saved, needs)
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla_backward.default, args, test_utils=("test_schema", "test_faketensor")
     )
@@ -356,7 +364,7 @@ def test_backward_allocates_no_gradients_for_the_saved_outputs(make_qkv):
     layout = BlockLayout((6, 8), (2, 4))
     q, k, v = make_qkv(layout.num_tokens, dim=8, grad=True)
     mixing = torch.rand(8, 8, requires_grad=True)
-    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, mixing, [6, 8], [2, 4], "relu", True, 1e-6)
+    out, *saved = torch.ops.mhla_gen.mhla(q, k, v, [6, 8], [2, 4], mixing, "relu", True, 1e-6, "pytorch")
     assert out.requires_grad and not any(t.requires_grad for t in saved)
     with RecordOps() as record:
         out.sum().backward()
@@ -394,9 +402,10 @@ def test_half_precision_accumulates_in_fp32(dtype, measured, path):
     expected = mhla_block_loop(q.double(), k.double(), v.double(), layout, mixing.double())
     error = ((out.double() - expected).abs() / expected.abs().clamp_min(1e-3)).mean().item()
     assert error <= 2 * measured
-    # what the op keeps for backward is fp32: the mixed summaries and the normaliser
-    _, mixed, den, _ = torch.ops.mhla_gen.mhla(q, k, v, mixing, [64, 32], [2, 2], "relu", True, 1e-6)
-    assert (mixed.dtype, den.dtype) == (torch.float32, torch.float32)
+    # what the op keeps for backward is fp32: the (mixed) summaries and the normaliser
+    _, *saved = torch.ops.mhla_gen.mhla(q, k, v, [64, 32], [2, 2], mixing, "relu", True, 1e-6, "pytorch")
+    saved = Saved(*saved)
+    assert (saved.state.dtype, saved.den.dtype) == (torch.float32, torch.float32)
 
 
 def _bad_call(**override):
@@ -428,6 +437,64 @@ def _bad_call(**override):
 def test_bad_input_raises_value_error(override, match):
     with pytest.raises(ValueError, match=match):
         _bad_call(**override)()
+
+
+# the backend switch (ops/mhla.py)
+
+
+def test_backend_argument_and_context_manager(make_qkv, random_mixing):
+    """``backend=`` and ``with mhla_backend(..)`` pick the implementation; on CPU "auto" and "pytorch" both
+    run blocked.py (the same numbers). Blocks nest and restore the previous backend, also on an error."""
+    layout = BlockLayout((7, 5), (3, 2))
+    q, k, v = make_qkv(layout.num_tokens)
+    mixing = random_mixing(layout, grad=False)
+    expected = mhla_attention(q, k, v, layout, mixing)
+    default = get_mhla_backend()
+    with mhla_backend("pytorch"):
+        with mhla_backend("auto"):
+            assert get_mhla_backend() == "auto"
+        assert get_mhla_backend() == "pytorch"
+        got = mhla_attention(q, k, v, layout, mixing)
+    assert get_mhla_backend() == default
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got = mhla_attention(q, k, v, layout, mixing, backend="pytorch")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(KeyError), mhla_backend("pytorch"):
+        raise KeyError
+    assert get_mhla_backend() == default
+
+
+def test_bad_backend_raises_value_error(make_qkv):
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = make_qkv(16)  # float64: outside the kernels' dtypes
+    with pytest.raises(ValueError, match="'cuda'"):
+        mhla_attention(q, k, v, layout, torch.eye(4), backend="cuda")
+    with pytest.raises(ValueError, match="'fast'"), mhla_backend("fast"):
+        pass
+    with pytest.raises(ValueError, match="float64"):
+        mhla_attention(q, k, v, layout, torch.eye(4), backend="triton")
+
+
+@pytest.mark.parametrize("env, default", [("0", "pytorch"), (None, "auto")])
+def test_mhla_triton_is_a_default_read_at_import(env, default):
+    """``MHLA_TRITON=0`` at import makes "pytorch" the default; setting it later changes nothing. A CPU
+    forward and backward never import the Triton backend (``ops/triton_mhla.py``)."""
+    code = (
+        "import os, sys, torch\n"
+        "from mhla_gen import BlockLayout\n"
+        "from mhla_gen.ops import get_mhla_backend, mhla_attention\n"
+        "os.environ['MHLA_TRITON'] = '0' if os.environ.get('MHLA_TRITON') is None else '1'\n"
+        "q, k, v = (torch.randn(1, 2, 12, 4, requires_grad=True) for _ in range(3))\n"
+        "mhla_attention(q, k, v, BlockLayout((3, 4), (2, 2)), torch.rand(4, 4)).sum().backward()\n"
+        "print(get_mhla_backend(), 'mhla_gen.ops.triton_mhla' in sys.modules)\n"
+    )
+    environ = {key: value for key, value in os.environ.items() if key != "MHLA_TRITON"}
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])  # this checkout
+    if env is not None:
+        environ["MHLA_TRITON"] = env
+    result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [default, "False"]
 
 
 @pytest.mark.gpu

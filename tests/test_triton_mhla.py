@@ -93,12 +93,12 @@ def _mixing(layout, seed=1):
 
 
 def _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config=None, needs=NEEDS_ALL):
-    args = (layout.grid, layout.blocks, feature_map, normalize, EPS)
+    """``((out, dq, dk, dv, dmixing), (state, norm, den))`` from the kernels' forward and backward."""
     qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
-    out, mixed_kv, mixed_k, den = tm.mhla_forward_triton(qx, kx, vx, mixing.float(), *args, config=config)
-    grads = tm.mhla_backward_triton(gx, qx, kx, vx, mixing.float(), out, mixed_kv, mixed_k, den, *args,
-                                    needs, config=config)
-    return (out, *grads), (mixed_kv, mixed_k, den)
+    args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), feature_map, normalize, EPS)
+    out, *saved = tm.forward(*args, config=config)
+    grads = tm.backward(gx, *args, out, *saved, needs, config=config)
+    return (out, *grads), tuple(saved)
 
 
 def _rel_errors(got, expected) -> dict[str, float]:
@@ -197,26 +197,26 @@ def test_forward_states_and_layouts(tm, normalize):
     b, h, n, d, m = 2, 2, layout.num_tokens, 8, layout.num_blocks
     q, k, v, _ = _strided_inputs(b, h, n, d, torch.float32)
     mixing = _mixing(layout)
-    got = tm.mhla_forward_triton(_cast(q, torch.float32), _cast(k, torch.float32), _cast(v, torch.float32),
-                                 mixing.float(), layout.grid, layout.blocks, "elu+1", normalize, EPS,
-                                 config=tm.TileConfig(block_t=4))
+    got = tm.forward(_cast(q, torch.float32), _cast(k, torch.float32), _cast(v, torch.float32),
+                     layout.grid, layout.blocks, mixing.float(), "elu+1", normalize, EPS,
+                     config=tm.TileConfig(block_t=4))
     for x, y in zip(got, tm.forward_outputs_like(q.float(), v.float(), layout.blocks, normalize)):
         assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
-    out, mixed_kv, mixed_k, den = got
+    out, state, norm, den = got  # the op's contract (mhla.Saved): state = S̃, norm = z̃
     assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
 
     fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
     onehot = torch.nn.functional.one_hot(layout.block_index, m).double()  # (N, M)
     s = torch.einsum("nm,bhnd,bhne->bhmde", onehot, fk, v)  # S_j
     s_mix = torch.einsum("ij,bhjde->bhide", mixing, s)
-    torch.testing.assert_close(mixed_kv.double(), s_mix, rtol=1e-6, atol=1e-6 * s_mix.abs().max().item())
+    torch.testing.assert_close(state.double(), s_mix, rtol=1e-6, atol=1e-6 * s_mix.abs().max().item())
     if normalize:
         z_mix = torch.einsum("ij,nj,bhnd->bhid", mixing, onehot, fk)
-        torch.testing.assert_close(mixed_k.double(), z_mix, rtol=1e-6, atol=0)
+        torch.testing.assert_close(norm.double(), z_mix, rtol=1e-6, atol=0)
         expected_den = torch.einsum("bhnd,bhnd->bhn", fq, z_mix[:, :, layout.block_index]) + EPS
         torch.testing.assert_close(den.double(), expected_den, rtol=1e-6, atol=0)
     else:
-        assert mixed_k.numel() == den.numel() == 0
+        assert norm.numel() == den.numel() == 0
 
 
 @interpreter_only
@@ -227,12 +227,10 @@ def test_gradient_subsets(tm):
     q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
     mixing = _mixing(layout)
     q, k, v, g = (_cast(x, torch.float32) for x in (q, k, v, g))
-    args = (layout.grid, layout.blocks, "relu", True, EPS)
+    args = (q, k, v, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
     cfg = tm.TileConfig(block_t=8)
-    out, *saved = tm.mhla_forward_triton(q, k, v, mixing.float(), *args, config=cfg)
-    backward = lambda needs: tm.mhla_backward_triton(  # noqa: E731
-        g, q, k, v, mixing.float(), out, *saved, *args, needs, config=cfg
-    )
+    out, *saved = tm.forward(*args, config=cfg)
+    backward = lambda needs: tm.backward(g, *args, out, *saved, needs, config=cfg)  # noqa: E731
     full = backward(NEEDS_ALL)
     for needs in [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 0, 0, 1), (0, 0, 0, 0)]:
         like = tm.backward_outputs_like(q, k, v, mixing.float(), needs)
@@ -255,13 +253,13 @@ def test_fp16_large_states_and_clipping(tm):
     common = torch.randn(16, generator=torch.Generator().manual_seed(5), dtype=torch.float64).sign()
 
     big_v = half((v + common) * 4000)  # |v| < 2e4, |S~| ~ 1.3e5
-    got, (mixed_kv, _, _) = _run(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
-    assert mixed_kv.abs().max() > 1e5
+    got, (state, _, _) = _run(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
+    assert state.abs().max() > 1e5
     # measured 1.7e-3 (dq, dmixing), the same with fp32 state dots: it comes from G·o with o rounded to fp16
     _assert_close(got, _oracle(q, k, big_v, g, layout, mixing, "relu", True), 3e-3)
 
-    out, *_ = tm.mhla_forward_triton(*(_cast(x, torch.float16) for x in (q, k, big_v)), mixing.float(),
-                                     layout.grid, layout.blocks, "relu", False, EPS, config=cfg)
+    out, *_ = tm.forward(*(_cast(x, torch.float16) for x in (q, k, big_v)), layout.grid, layout.blocks,
+                         mixing.float(), "relu", False, EPS, config=cfg)
     expected = _oracle(q, k, big_v, g, layout, mixing, "relu", False)[0]
     big = expected.abs() > 65504
     assert big.any() and (~big).any() and torch.isfinite(out).all()
@@ -295,16 +293,16 @@ def test_rejects_bad_inputs(tm):
     w = torch.ones(4, 4)
     args = ("relu", True, EPS)
     bad = {
-        "value dim": (q, q, torch.zeros(1, 2, 20, 4), w, layout.grid, layout.blocks, *args),
-        "dtype": (q, q, q.double(), w, layout.grid, layout.blocks, *args),
-        "tokens": (q, q, q, w, (4, 6), layout.blocks, *args),
-        "mixing": (q, q, q, torch.ones(3, 3), layout.grid, layout.blocks, *args),
-        "blocks": (q, q, q, w, layout.grid, (5, 1), *args),
-        "feature map": (q, q, q, w, layout.grid, layout.blocks, "softmax", True, EPS),
+        "value dim": (q, q, torch.zeros(1, 2, 20, 4), layout.grid, layout.blocks, w, *args),
+        "dtype": (q, q, q.double(), layout.grid, layout.blocks, w, *args),
+        "tokens": (q, q, q, (4, 6), layout.blocks, w, *args),
+        "mixing": (q, q, q, layout.grid, layout.blocks, torch.ones(3, 3), *args),
+        "blocks": (q, q, q, layout.grid, (5, 1), w, *args),
+        "feature map": (q, q, q, layout.grid, layout.blocks, w, "softmax", True, EPS),
     }
     for what, call_args in bad.items():
         with pytest.raises(ValueError):
-            tm.mhla_forward_triton(*call_args)
+            tm.forward(*call_args)
         assert what
 
 
@@ -367,29 +365,17 @@ def test_cuda_real_wan_grid(tm):
 
 
 # --------------------------------------------------------------------------------------------------
-# the registered op dispatches to the kernels (CUDA; here: the interpreter, dispatch widened to CPU)
-
-
-@pytest.fixture
-def dispatch_to_kernels(monkeypatch):
-    """``torch.ops.mhla_gen.mhla`` runs the kernels for CPU tensors too (interpreter only)."""
-    from mhla_gen.ops import triton_dispatch
-
-    def supports(q, k, v):  # the CUDA rule without the device check
-        same = q.dtype in triton_dispatch.KERNEL_DTYPES and k.dtype == v.dtype == q.dtype
-        return same and v.shape[-1] == q.shape[-1] and triton_dispatch.enabled()
-
-    monkeypatch.setattr(triton_dispatch, "supports", supports)
+# the registered op dispatches to the kernels (CUDA; here: the interpreter, backend "triton" on CPU)
 
 
 @pytest.fixture
 def implementation_calls(monkeypatch):
     """Names of the implementation entry points the op calls, in order (``blocked.forward``,
     ``triton.backward``, ...)."""
-    from mhla_gen.ops import blocked, triton_dispatch
+    from mhla_gen.ops import blocked, triton_mhla
 
     calls = []
-    for name, module in (("blocked", blocked), ("triton", triton_dispatch)):
+    for name, module in (("blocked", blocked), ("triton", triton_mhla)):
         for function in ("forward", "backward"):
             original = getattr(module, function)
 
@@ -403,27 +389,28 @@ def implementation_calls(monkeypatch):
 
 @interpreter_only
 @pytest.mark.parametrize("normalize", [True, False])
-def test_op_runs_the_kernels(dispatch_to_kernels, implementation_calls, normalize, monkeypatch):
+def test_op_runs_the_kernels(implementation_calls, normalize):
     """Through ``mhla_attention`` (the custom op and its autograd formula): the kernels run, forward and
-    all gradients match the oracle, the backward runs what the forward ran even if ``MHLA_TRITON=0`` is
-    set in between, ``opcheck`` confirms the op's fake outputs (what compiled graphs allocate) match the
-    kernels' shapes, dtypes and strides, and ``MHLA_TRITON=0`` sends later calls to PyTorch."""
-    from mhla_gen.ops import mhla_attention
+    all gradients match the oracle, the backward runs what the forward ran even if the backend is
+    switched to ``"pytorch"`` in between, ``opcheck`` confirms the op's fake outputs (what compiled graphs
+    allocate) match the kernels' shapes, dtypes and strides, and ``mhla_backend("pytorch")`` sends later
+    calls to PyTorch."""
+    from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((3, 5, 6), (2, 2, 3))
     q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
     mixing = _mixing(layout)
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
-    out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+    with mhla_backend("triton"):
+        out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
     assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
-    monkeypatch.setenv("MHLA_TRITON", "0")
-    got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
-    assert implementation_calls == ["triton.forward", "triton.backward"]
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
-    mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
-    assert implementation_calls[-1] == "blocked.forward"
-    monkeypatch.delenv("MHLA_TRITON")
-    args = (*leaves, list(layout.grid), list(layout.blocks), "relu", normalize, EPS)
+    with mhla_backend("pytorch"):
+        got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
+        assert implementation_calls == ["triton.forward", "triton.backward"]
+        _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize), TOL[torch.float32])
+        mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
+        assert implementation_calls[-1] == "blocked.forward"
+    args = (*leaves[:3], list(layout.grid), list(layout.blocks), leaves[3], "relu", normalize, EPS, "triton")
     torch.library.opcheck(
         torch.ops.mhla_gen.mhla.default, args, test_utils=("test_schema", "test_faketensor")
     )
@@ -431,10 +418,10 @@ def test_op_runs_the_kernels(dispatch_to_kernels, implementation_calls, normaliz
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
+def test_cuda_op_dispatch_and_compile(dtype):
     """On CUDA the op runs the kernels; opcheck (fake strides, autograd, AOT dispatch) passes; the
     compiled (inductor) call matches eager; the PyTorch implementation agrees within the dtype's tolerance."""
-    from mhla_gen.ops import mhla_attention
+    from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 6, 13), (3, 5, 10))
     q, k, v, _ = _strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
@@ -442,12 +429,12 @@ def test_cuda_op_dispatch_and_compile(dtype, monkeypatch):
     mixing = _mixing(layout).float().cuda().requires_grad_()
     out = mhla_attention(*leaves, layout, mixing)
     assert out.transpose(1, 2).is_contiguous()
-    args = (*leaves, mixing, list(layout.grid), list(layout.blocks), "relu", True, EPS)
+    args = (*leaves, list(layout.grid), list(layout.blocks), mixing, "relu", True, EPS, "triton")
     torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args)
     compiled = torch.compile(lambda *xs: mhla_attention(*xs, layout, mixing), fullgraph=True)
     torch.testing.assert_close(compiled(*leaves), out, rtol=GPU_TOL[dtype], atol=GPU_TOL[dtype])
-    monkeypatch.setenv("MHLA_TRITON", "0")
-    reference = mhla_attention(*leaves, layout, mixing)  # the PyTorch implementation
+    with mhla_backend("pytorch"):
+        reference = mhla_attention(*leaves, layout, mixing)  # the PyTorch implementation
     error = (out.double() - reference.double()).abs().max() / reference.double().abs().max()
     assert error <= GPU_TOL[dtype]
 

@@ -1,5 +1,6 @@
-"""Non-causal MHLA in PyTorch, sub-grid by sub-grid: what the custom op runs on CPU (and on GPUs where
-the Triton kernels do not apply). Read it beside ``naive.py`` (the same math as loops and dense matrices).
+"""Non-causal MHLA in PyTorch, sub-grid by sub-grid: the registered op's ``"pytorch"`` backend (``mhla.py``
+has the contract), what it runs on CPU and wherever the Triton kernels do not apply or are switched off.
+Read it beside ``naive.py`` (the same math as loops and dense matrices).
 
 Shapes: ``B`` batch, ``H`` heads, ``N`` tokens, ``M`` blocks, ``d`` key dim, ``e`` value dim,
 ``c = e + 1`` with the normaliser (else ``e``). A sub-grid (``BlockLayout.chunks``: the sub-grids, large
@@ -27,6 +28,8 @@ accumulates in fp32; backward rebuilds them from the inputs instead of saving th
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -96,9 +99,8 @@ def _write_tokens(dst, sub: SubGrid, grid, num, den=None) -> None:
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)``, as the Triton kernels
     write it: merging heads, ``out.transpose(1, 2).flatten(2)``, is a contiguous view for the output
-    projection, and each token's ``e`` values are written in one run. (Channels-first memory, as SANA's
-    processor has, wrote runs as short as a block's last axis: 5-6 tokens at the Wan 480p grid, where
-    the forward's division into it took 3x as long.)"""
+    projection, and each token's ``e`` values are written in one run (channels-first memory, as SANA's
+    processor has, would split the writes of a block into runs as short as the block's last axis)."""
     b, h, n, e = v.shape
     return q.new_empty(b, n, h, e).transpose(1, 2)
 
@@ -110,12 +112,24 @@ def saves_summaries(layout) -> bool:
     return layout.num_blocks**2 <= layout.num_tokens
 
 
-def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, eps: float):
+def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks, normalize: bool):
+    """Empty ``(out, state, norm, den)`` with the shapes, dtypes and strides :func:`forward` returns (the
+    op's fake implementation)."""
+    (b, h, n, e), d = v.shape, q.shape[-1]
+    acc = accumulation_dtype(q.dtype)
+    state = q.new_empty(math.prod(blocks), b, h, e + normalize, d, dtype=acc)
+    den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
+    return empty_output(q, v), state, q.new_empty(0, dtype=acc), den
+
+
+def forward(q, k, v, grid, blocks, mixing, feature_map: str, normalize: bool, eps: float):
     """MHLA forward. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` (any strides), mixing ``(M, M)``.
 
-    Returns ``out`` ``(B, H, N, e)`` in q's dtype (heads-interleaved, :func:`empty_output`), ``Ŝᵀ`` or
-    ``(W Ŝ)ᵀ`` (:func:`saves_summaries`) ``(M, B, H, c, d)`` in sub-grid block order, and ``den``
-    ``(B, H, N)`` (with eps; empty without the normaliser) in the accumulation dtype: what backward needs.
+    Returns ``(out, state, norm, den)`` (the op's contract, ``mhla.Saved``): ``out`` ``(B, H, N, e)`` in
+    q's dtype (heads-interleaved, :func:`empty_output`); ``state`` ``Ŝᵀ`` or ``(W Ŝ)ᵀ``
+    (:func:`saves_summaries`) ``(M, B, H, c, d)`` in sub-grid block order; ``norm`` empty (the normaliser
+    is row ``e`` of ``state``); ``den`` ``(B, H, N)`` (with eps; empty without the normaliser); all but
+    ``out`` in the accumulation dtype.
     """
     layout = layout_for(tuple(grid), tuple(blocks))
     acc = accumulation_dtype(q.dtype)
@@ -144,7 +158,7 @@ def forward(q, k, v, mixing, grid, blocks, feature_map: str, normalize: bool, ep
                 _write_tokens(out, sub, grid, num[..., :e], den_blocks)
             else:
                 _write_tokens(out, sub, grid, num)
-    return out, saved.view(layout.num_blocks, b, h, e + normalize, d), den
+    return out, saved.view(layout.num_blocks, b, h, e + normalize, d), q.new_empty(0, dtype=acc), den
 
 
 def _output_grad(grad_out, out, den, sub: SubGrid, grid, dtype) -> torch.Tensor:
@@ -165,13 +179,14 @@ def _write_input_grad(dst, sub: SubGrid, grid, x_blocks, grad_blocks, feature_ma
     _write_tokens(dst, sub, grid, feature_map_vjp_(feature_map, x_blocks, grad_blocks))
 
 
-def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_map: str, normalize: bool,
-             needs: tuple[bool, bool, bool, bool]):
-    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False); ``saved``
-    is what the forward returned, ``Ŝᵀ`` or ``(W Ŝ)ᵀ`` (:func:`saves_summaries`)."""
+def backward(grad_out, q, k, v, grid, blocks, mixing, feature_map: str, normalize: bool, eps: float, out,
+             state, norm, den, needs):
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False), in the
+    inputs' strides. ``out, state, norm, den``: what the forward returned (``state`` is ``Ŝᵀ`` or
+    ``(W Ŝ)ᵀ``, :func:`saves_summaries`; ``norm`` is unused, eps is already in ``den``)."""
     layout = layout_for(tuple(grid), tuple(blocks))
-    acc, e, m, bh = saved.dtype, v.shape[-1], layout.num_blocks, q.shape[0] * q.shape[1]
-    saved = saved.flatten(0, 2)  # (M·B·H, c, d)
+    acc, e, m, bh = state.dtype, v.shape[-1], layout.num_blocks, q.shape[0] * q.shape[1]
+    saved = state.flatten(0, 2)  # (M·B·H, c, d)
     need_q, need_k, need_v, need_w = needs
     with autocast_off(q.device.type):
         w = layout.mixing_in_block_order(mixing.to(acc))
@@ -206,6 +221,12 @@ def backward(grad_out, q, k, v, mixing, out, saved, den, grid, blocks, feature_m
         if need_w:
             grad_w = layout.mixing_from_block_order(grad_w).to(mixing.dtype)
     return grad_q, grad_k, grad_v, grad_w
+
+
+def backward_outputs_like(q, k, v, mixing, needs):
+    """Empty gradients (None where not needed) shaped, typed and strided as :func:`backward` returns them:
+    ``torch.empty_like`` of each input."""
+    return tuple(torch.empty_like(x) if need else None for x, need in zip((q, k, v, mixing), needs))
 
 
 def _query_grads(grad_out, q, out, den, mixed, grid, layout, feature_map: str, need_q: bool):

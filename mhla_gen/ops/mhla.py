@@ -1,26 +1,54 @@
-"""``mhla_attention``: the MHLA operator.
+"""``mhla_attention``: the MHLA operator, its registered op and the op's contract with its backends.
 
 Non-causal MHLA with a named feature map runs as one registered op, ``torch.ops.mhla_gen.mhla``
-(``torch.library.custom_op`` with fake shapes and a registered autograd formula whose backward is the
-op ``mhla_gen::mhla_backward``). ``torch.compile`` (``fullgraph=True``), ``torch.export`` and CUDA graphs
-see one opaque node per layer, so MHLA models compile like stock ones; the op runs its PyTorch
-implementation (``blocked.py``) on CPU and on GPUs without Triton, and the Triton kernels on CUDA.
+(``torch.library.custom_op`` with a fake implementation and a registered autograd formula whose
+backward is the op ``mhla_gen::mhla_backward``). ``torch.compile`` (``fullgraph=True``), ``torch.export``
+and CUDA graphs see one opaque node per layer, so MHLA models compile like stock ones.
 
-Causal MHLA and callable feature maps run :func:`mhla_attention_autograd`: the same math in plain
-differentiable torch ops (views, GEMMs and ``torch.cat`` over the layout's sub-grids), which torch.compile
-traces like any other model code.
+Two backends implement the op, behind one contract (:class:`Saved` and the four functions below):
+
+* ``"pytorch"``: ``blocked.py``, sub-grid by sub-grid in PyTorch; any device and float dtype.
+* ``"triton"``: ``triton_mhla.py``, Triton kernels for CUDA tensors of one dtype of fp32/fp16/bf16 with
+  value dim = key dim. Imported on first use: ``import mhla_gen`` and CPU runs never import it (nor
+  Triton through it).
+
+Each backend module defines, with the same arguments in the same order::
+
+    forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps) -> (out, state, norm, den)
+    forward_outputs_like(q, v, blocks, normalize)                       -> the same, empty
+    backward(grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps,
+             out, state, norm, den, needs)                              -> (dq, dk, dv, dmixing)
+    backward_outputs_like(q, k, v, mixing, needs)                       -> the same, empty
+
+The ``*_outputs_like`` functions return empty tensors with the shapes, dtypes and strides of the real
+results: they are the op's fake implementations, what compiled graphs allocate. ``needs`` says which of
+(q, k, v, mixing) need a gradient; the others come back as None.
+
+Which backend runs: ``mhla_attention(..., backend=)`` or, for calls without it, the innermost
+``with mhla_backend(name):`` block, else the process default: ``"auto"`` (the kernels where they apply,
+else PyTorch), or ``"pytorch"`` when ``MHLA_TRITON=0`` is set at import. The name is resolved once, in
+:func:`mhla_attention`, to ``"pytorch"`` or ``"triton"`` and passed to the op as an argument; the autograd
+formula hands the same name to the backward op, so backward always runs what the forward ran and reads
+the tensors that backend saved.
+
+Causal MHLA and callable feature maps run :func:`mhla_attention_autograd` (``autograd_path.py``): the
+same math in plain differentiable torch ops, which torch.compile traces like any other model code.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..layout import BlockLayout
 from . import blocked
-from .checks import accumulation_dtype, autocast_off, cast_output, check_inputs, mix_blocks
+from .autograd_path import mhla_attention_autograd
+from .checks import check_inputs
 from .feature_maps import FEATURE_MAPS, get_feature_map
 
 
@@ -34,6 +62,8 @@ def mhla_attention(
     normalize: bool = True,
     causal: bool = False,
     eps: float = 1e-6,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over the blocks of ``layout``.
 
@@ -44,6 +74,8 @@ def mhla_attention(
         feature_map: ``"relu"``, ``"elu+1"``, ``"relu+1e-6"``, ``"identity"`` or a callable.
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (False: numerator only, as the Wan release does).
         causal: 1D only; blocks are chunks and token ``t`` sees keys ``s <= t``.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"`` (:func:`mhla_backend`); None: the current one.
+            Causal calls and callable feature maps ignore it (they run ``autograd_path.py``).
     Returns:
         ``(B, H, N, e)`` in q's dtype. Summaries accumulate in fp32 for bf16/fp16 inputs, also under
         ``torch.autocast``.
@@ -52,152 +84,212 @@ def mhla_attention(
     if causal or not isinstance(feature_map, str):
         return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
     get_feature_map(feature_map)  # unknown names raise here, naming the choices
+    backend = _resolve_backend(backend, q, k, v)
     out, *_ = torch.ops.mhla_gen.mhla(
-        q, k, v, mixing, list(layout.grid), list(layout.blocks), feature_map, normalize, eps
+        q, k, v, list(layout.grid), list(layout.blocks), mixing, feature_map, normalize, eps, backend
     )
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the contract between the op and its backends
+
+
+class Saved(NamedTuple):
+    """What the op's forward returns after ``out`` for its backward: outputs 1-3 of
+    ``torch.ops.mhla_gen.mhla``, inputs of ``mhla_gen::mhla_backward`` and of each backend's ``backward``.
+
+    All three are in the accumulation dtype (fp32 for bf16/fp16 inputs), never need a gradient, and are
+    read only by the ``backward`` of the backend whose ``forward`` made them. ``M`` blocks, ``c = e + 1``
+    with the normaliser (else ``e``); an unused slot is an empty tensor (outputs of a custom op may not
+    be None, nor alias each other).
+
+    Attributes:
+        state: the block states backward starts from.
+            pytorch: ``(M, B, H, c, d)``, ``[S z]ᵀ`` per block in sub-grid block order (the normaliser
+            ``z`` is row ``e``), mixed ``(W [S z])ᵀ`` or not (``blocked.saves_summaries``).
+            triton: ``(B, H, M, d, e)``, the mixed ``S̃``, a view of ``(M, B, H, d, e)`` memory.
+        norm: the mixed normaliser ``z̃``.
+            pytorch: empty (``z`` is a row of ``state``).
+            triton: ``(B, H, M, d)``, a view of ``(M, B, H, d)`` memory; empty without the normaliser.
+        den: ``(B, H, N)``, ``φ(q_t)·z̃_{b(t)} + eps`` per token (both backends); empty without the
+            normaliser.
+    """
+
+    state: Tensor
+    norm: Tensor
+    den: Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# the backends and the switch between them
+
+BACKENDS = ("auto", "pytorch", "triton")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# The process-wide backend; MHLA_TRITON=0 at import makes the default "pytorch" (read here, once).
+_backend = "pytorch" if os.environ.get("MHLA_TRITON", "1") == "0" else "auto"
+_triton_available: bool | None = None  # whether ``import triton`` works, found out on first need
+
+
+def _check_backend(name) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MHLA backend {name!r}; choose one of {BACKENDS}")
+
+
+def get_mhla_backend() -> str:
+    """The backend :func:`mhla_attention` calls without ``backend=`` use now (:func:`mhla_backend`)."""
+    return _backend
+
+
+@contextlib.contextmanager
+def mhla_backend(name: str):
+    """Run :func:`mhla_attention` calls without a ``backend=`` argument on ``name`` inside the block.
+
+    ``"auto"``: the Triton kernels for CUDA tensors where they apply (one dtype of fp32/fp16/bf16, value
+    dim = key dim, Triton installed), else PyTorch. ``"pytorch"``: ``blocked.py`` everywhere (comparisons,
+    debugging the kernels). ``"triton"``: the kernels, or a ValueError for inputs outside their contract
+    (they take CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
+
+    Like diffusers' ``attention_backend``: process-wide, not per thread; blocks nest. The backend is read
+    when a call starts; a backward runs what its forward ran, whatever the backend is by then. Under
+    ``torch.compile`` it is read while tracing and the graph is guarded on it: enter the block around the
+    compiled call (a different backend retraces), not inside the compiled function.
+    """
+    global _backend
+    _check_backend(name)
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _triton_importable() -> bool:
+    # a module global rather than functools.cache: torch.compile traces this without a warning
+    global _triton_available
+    if _triton_available is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _triton_available = False
+        else:
+            _triton_available = True
+    return _triton_available
+
+
+def _kernels_fit(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """The kernels' contract: q, k, v of one dtype of fp32/fp16/bf16, value dim = key dim."""
+    return q.dtype in KERNEL_DTYPES and k.dtype == v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
+
+
+def _resolve_backend(backend: str | None, q: Tensor, k: Tensor, v: Tensor) -> str:
+    """``"pytorch"`` or ``"triton"``: what the op runs for these inputs under ``backend`` (None: the
+    current one). ``"auto"`` checks the device first, so CPU calls never try to import Triton here."""
+    name = _backend if backend is None else backend
+    _check_backend(name)
+    if name == "auto":
+        use = q.device.type == "cuda" and _kernels_fit(q, k, v) and _triton_importable()
+        return "triton" if use else "pytorch"
+    if name == "triton" and not (_kernels_fit(q, k, v) and _triton_importable()):
+        raise ValueError(
+            "backend 'triton' needs Triton and q, k, v of one dtype of fp32/fp16/bf16 with value dim = key "
+            f"dim; got {q.dtype}, {k.dtype}, {v.dtype}, d={q.shape[-1]}, e={v.shape[-1]}"
+        )
+    return name
+
+
+def _backend_module(backend: str) -> ModuleType:
+    """The module implementing ``backend`` (see the module docstring for what it defines)."""
+    if backend == "pytorch":
+        return blocked
+    if backend == "triton":
+        from . import triton_mhla  # here, not at the top: importing it imports triton
+
+        return triton_mhla
+    raise ValueError(f"unknown MHLA backend {backend!r}; choose 'pytorch' or 'triton'")
 
 
 # --------------------------------------------------------------------------------------------------
 # the registered op
 
 
-def _use_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the op runs the Triton kernels (CUDA, half/single precision, key dim = value dim)."""
-    from . import triton_dispatch
-
-    return triton_dispatch.supports(q, k, v)
-
-
 @torch.library.custom_op("mhla_gen::mhla", mutates_args=())
 def _mhla_op(
-    q: Tensor, k: Tensor, v: Tensor, mixing: Tensor, grid: list[int], blocks: list[int], feature_map: str,
-    normalize: bool, eps: float,
+    q: Tensor, k: Tensor, v: Tensor, grid: list[int], blocks: list[int], mixing: Tensor, feature_map: str,
+    normalize: bool, eps: float, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out, *saved)``: the output and three tensors for backward, in the implementation's format."""
-    if _use_triton(q, k, v):
-        from . import triton_dispatch
-
-        return triton_dispatch.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
-    out, saved, den = blocked.forward(q, k, v, mixing, grid, blocks, feature_map, normalize, eps)
-    return out, saved, den, q.new_empty(0)
+    """``(out, *Saved)``: the output ``(B, H, N, e)`` and what the backend's backward reads."""
+    return _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps)
 
 
 @_mhla_op.register_fake
-def _mhla_op_fake(q, k, v, mixing, grid, blocks, feature_map, normalize, eps):
-    (b, h, n, e), d = v.shape, q.shape[-1]
-    if _use_triton(q, k, v):
-        from . import triton_dispatch
-
-        return triton_dispatch.outputs_like(q, v, blocks, normalize)
-    out = blocked.empty_output(q, v)
-    acc = accumulation_dtype(q.dtype)
-    saved = q.new_empty(math.prod(blocks), b, h, e + normalize, d, dtype=acc)  # Ŝᵀ or (W Ŝ)ᵀ
-    den = q.new_empty(b, h, n, dtype=acc) if normalize else q.new_empty(0, dtype=acc)
-    return out, saved, den, q.new_empty(0)
+def _mhla_op_fake(q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend):
+    return _backend_module(backend).forward_outputs_like(q, v, blocks, normalize)
 
 
 @torch.library.custom_op("mhla_gen::mhla_backward", mutates_args=())
 def _mhla_backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mixing: Tensor, out: Tensor, saved0: Tensor,
-    saved1: Tensor, saved2: Tensor, grid: list[int], blocks: list[int], feature_map: str, normalize: bool,
-    eps: float, needs: list[bool], triton: bool,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, grid: list[int], blocks: list[int], mixing: Tensor,
+    feature_map: str, normalize: bool, eps: float, backend: str, out: Tensor, state: Tensor, norm: Tensor,
+    den: Tensor, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmixing)``; an entry whose ``needs`` is False is an empty tensor. ``triton``: the
-    forward ran the Triton kernels (decided once, in the forward: the saved tensors are theirs)."""
-    if triton:
-        from . import triton_dispatch
-
-        grads = triton_dispatch.backward(
-            grad_out, q, k, v, mixing, out, saved0, saved1, saved2, grid, blocks, feature_map, normalize,
-            eps, needs,
-        )
-    else:
-        grads = blocked.backward(
-            grad_out, q, k, v, mixing, out, saved0, saved1, grid, blocks, feature_map, normalize, tuple(needs)
-        )
-    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, (q, k, v, mixing)))
+    """``(dq, dk, dv, dmixing)``; an entry whose ``needs`` is False is an empty tensor."""
+    grads = _backend_module(backend).backward(
+        grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, out, state, norm, den, needs
+    )
+    return _fill_unneeded(grads, (q, k, v, mixing))
 
 
 @_mhla_backward_op.register_fake
-def _mhla_backward_op_fake(grad_out, q, k, v, mixing, out, saved0, saved1, saved2, grid, blocks,
-                           feature_map, normalize, eps, needs, triton):
-    if triton:
-        from . import triton_dispatch
+def _mhla_backward_op_fake(grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend,
+                           out, state, norm, den, needs):
+    grads = _backend_module(backend).backward_outputs_like(q, k, v, mixing, needs)
+    return _fill_unneeded(grads, (q, k, v, mixing))
 
-        grads = triton_dispatch.backward_outputs_like(q, k, v, mixing, needs)
-    else:  # blocked.backward: torch.empty_like of each input (its strides)
-        grads = tuple(torch.empty_like(x) if need else None for x, need in zip((q, k, v, mixing), needs))
-    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, (q, k, v, mixing)))
+
+def _fill_unneeded(grads, inputs) -> tuple[Tensor, ...]:
+    """None -> an empty tensor (the op's outputs are tensors)."""
+    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, inputs))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mixing, grid, blocks, feature_map, normalize, eps = inputs
+    q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend = inputs
     out, *saved = output
+    saved = Saved(*saved)
     ctx.save_for_backward(q, k, v, mixing, out, *saved)
     # The saved tensors are outputs only so that backward can read them: no gradient flows into them,
     # and autograd must not materialise zero gradients for them (an (M, B, H, c, d) fill per call).
     ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)
-    ctx.args = (grid, blocks, feature_map, normalize, eps)
-    ctx.triton = _use_triton(q, k, v)  # what the forward ran (MHLA_TRITON may change before backward)
+    ctx.args = (grid, blocks, feature_map, normalize, eps, backend)  # backend: what the forward ran
 
 
 def _backward(ctx, grad_out, *unused_grads):
     if grad_out is None:  # the output took no part in the loss (grads are not materialised)
-        return (None,) * 9
+        return (None,) * 10
     q, k, v, mixing, out, *saved = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:4])
-    grads = torch.ops.mhla_gen.mhla_backward(
-        grad_out, q, k, v, mixing, out, *saved, *ctx.args, needs, ctx.triton
+    grid, blocks, feature_map, normalize, eps, backend = ctx.args
+    saved = Saved(*saved)
+    needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5)]  # q, k, v, mixing
+    dq, dk, dv, dmixing = torch.ops.mhla_gen.mhla_backward(
+        grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend,
+        out, saved.state, saved.norm, saved.den, needs,
     )
-    return *(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None
+    need_q, need_k, need_v, need_w = needs
+    return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None,
+            dmixing if need_w else None, None, None, None, None)
 
 
 _mhla_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --------------------------------------------------------------------------------------------------
-# plain autograd path (causal, callable feature maps)
-
-
-def mhla_attention_autograd(
-    q, k, v, layout: BlockLayout, mixing, feature_map="relu", normalize=True, causal=False, eps=1e-6
-) -> torch.Tensor:
-    """:func:`mhla_attention` written with differentiable torch ops only (autograd backward).
-
-    Sub-grid by sub-grid (``BlockLayout.to_blocks``): block-major ``(Mg, B, H, Lg, ·)`` tensors, summaries
-    of all blocks stacked ``(M, B, H, d, e)`` in the layout's sub-grid block order, mixed with ``W`` in
-    that order.
-    """
-    check_inputs(q, k, v, layout, mixing, causal)
-    with autocast_off(q.device.type):
-        return _autograd_path(q, k, v, layout, mixing, get_feature_map(feature_map), normalize, causal, eps)
-
-
-def _autograd_path(q, k, v, layout: BlockLayout, mixing, phi, normalize, causal, eps) -> torch.Tensor:
-    acc = accumulation_dtype(q.dtype)
-    w = layout.mixing_in_block_order(mixing.to(acc))
-    qb = [phi(x) for x in layout.to_blocks(q.to(acc))]  # per sub-grid (Mg, B, H, Lg, d)
-    kb = [phi(x) for x in layout.to_blocks(k.to(acc))]
-    vb = layout.to_blocks(v.to(acc))  # (Mg, B, H, Lg, e)
-    summaries = torch.cat([kx.mT @ vx for kx, vx in zip(kb, vb)])  # S_j: (M, B, H, d, e)
-    norms = torch.cat([kx.sum(dim=-2) for kx in kb])  # z_j: (M, B, H, d)
-    if causal:  # 1D: sub-grid order is chunk order
-        lower = torch.tril(w, diagonal=-1)
-        summaries, norms = mix_blocks(lower, summaries), mix_blocks(lower, norms)
-    else:
-        summaries, norms = mix_blocks(w, summaries), mix_blocks(w, norms)
-    parts = []
-    for sub, qx, kx, vx in zip(layout.subgrids, qb, kb, vb):
-        own = slice(sub.offset, sub.offset + sub.num_blocks)
-        num = qx @ summaries[own]  # (Mg, B, H, Lg, e)
-        den = qx @ norms[own].unsqueeze(-1)  # (Mg, B, H, Lg, 1)
-        if causal:  # the chunk's own keys, exactly: intra-chunk scores up to the query, weighted W[i, i]
-            scores = (qx @ kx.mT).tril() * torch.diagonal(w)[own].view(-1, 1, 1, 1, 1)  # (Mg, B, H, Lg, Lg)
-            num, den = num + scores @ vx, den + scores.sum(dim=-1, keepdim=True)
-        parts.append(num / (den + eps) if normalize else num)
-    return cast_output(layout.from_blocks(parts), q.dtype)
-
-
-__all__ = ["FEATURE_MAPS", "mhla_attention", "mhla_attention_autograd"]
+__all__ = [
+    "BACKENDS",
+    "FEATURE_MAPS",
+    "Saved",
+    "get_mhla_backend",
+    "mhla_attention",
+    "mhla_attention_autograd",
+    "mhla_backend",
+]

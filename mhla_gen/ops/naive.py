@@ -38,7 +38,7 @@ def mhla_dense(q, k, v, layout, mixing, feature_map="relu", normalize=True, caus
 
 
 def mhla_block_loop(q, k, v, layout, mixing, feature_map="relu", normalize=True, causal=False, eps=1e-6):
-    """Block-by-block reference straight from the summary equations (README, "The MHLA operator")."""
+    """Block-by-block reference straight from the summary equations (``docs/operator.md``)."""
     check_inputs(q, k, v, layout, mixing, causal)
     phi = get_feature_map(feature_map)
     fq, fk = phi(q), phi(k)

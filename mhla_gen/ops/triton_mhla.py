@@ -1,9 +1,10 @@
-"""Triton kernels for non-causal MHLA on CUDA: forward and backward.
+"""Triton kernels for non-causal MHLA on CUDA: forward and backward, the registered op's ``"triton"``
+backend (``mhla.py`` has the contract: :func:`forward`, :func:`backward` and their ``*_outputs_like``).
 
-Import this module only where ``triton`` is importable (the registered op imports it lazily for CUDA
-tensors); ``import mhla_gen`` does not import it. With ``TRITON_INTERPRET=1`` set before ``triton`` is
-first imported, the kernels run on CPU tensors in Triton's interpreter: that is how the tests check them
-without a GPU (``tests/test_triton_mhla.py``).
+Import this module only where ``triton`` is importable (the registered op imports it when the Triton
+backend first runs); ``import mhla_gen`` does not import it. With ``TRITON_INTERPRET=1`` set before
+``triton`` is first imported, the kernels run on CPU tensors in Triton's interpreter: that is how the
+tests check them without a GPU (``tests/test_triton_mhla.py``).
 
 Math (``b(t)`` = block of token t, ``W`` the ``M x M`` mixing matrix, φ the feature map)::
 
@@ -30,11 +31,11 @@ Precision: summaries, normalisers and every accumulator are fp32. Dot operands a
 (tensor cores for bf16/fp16): φ(k), φ(q), φ(q)/den and the fp32 states S̃ (forward, dq) and dS (dk, dv)
 are cast to it; for fp16 a state is first scaled by a power of two so its largest entry is about 2^14
 (fp16's range is 6.5e4; summaries over thousands of tokens exceed it), and the dot's fp32 result is scaled
-back. Normalisers (φ(q)·z̃, G·o) are fp32 vector reductions, never half-precision dots. In the
-interpreter, fp16 state operands cost almost nothing against fp32 ones (``TileConfig.fp32_state_dots``):
-max relative error 9.3e-4 vs 7.5e-4 over the test cases, both set by fp16 rounding of the outputs and
-gradients. fp32 inputs use ``input_precision="tf32"`` iff ``torch.backends.cuda.matmul.allow_tf32``
-(else "ieee"). The mixing GEMMs are ``torch.matmul`` in fp32 (they follow the same flag).
+back. Normalisers (φ(q)·z̃, G·o) are fp32 vector reductions, never half-precision dots. The fp16 state
+operands add little to the error that fp16 rounding of the outputs and gradients sets anyway
+(``TileConfig.fp32_state_dots`` runs those dots in fp32 instead, for comparisons). fp32 inputs use
+``input_precision="tf32"`` iff ``torch.backends.cuda.matmul.allow_tf32`` (else "ieee"). The mixing GEMMs
+are ``torch.matmul`` in fp32 (they follow the same flag).
 
 HBM traffic of the forward: q, k, v read once and the output written once, plus the fp32 summaries
 (``M·B·H·d·e·4`` bytes) written by kernel 1, read and written by the mixing GEMM and read by kernel 2.
@@ -508,16 +509,17 @@ def heads_interleaved_empty(b: int, h: int, n: int, c: int, like: torch.Tensor, 
 
 
 def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], normalize: bool):
-    """Empty tensors with the shapes, dtypes and strides :func:`mhla_forward_triton` returns (fake impls)."""
+    """Empty ``(out, state, norm, den)`` with the shapes, dtypes and strides :func:`forward` returns (the
+    op's fake implementation)."""
     (b, h, n, e), d, m = v.shape, q.shape[-1], math.prod(blocks)
     out = heads_interleaved_empty(b, h, n, e, q)
-    mixed_kv = q.new_empty(m, b, h, d, e, dtype=torch.float32).permute(1, 2, 0, 3, 4)
+    state = q.new_empty(m, b, h, d, e, dtype=torch.float32).permute(1, 2, 0, 3, 4)
     if normalize:
-        mixed_k = q.new_empty(m, b, h, d, dtype=torch.float32).permute(1, 2, 0, 3)
+        norm = q.new_empty(m, b, h, d, dtype=torch.float32).permute(1, 2, 0, 3)
         den = q.new_empty(b, h, n, dtype=torch.float32)
     else:
-        mixed_k, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
-    return out, mixed_kv, mixed_k, den
+        norm, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    return out, state, norm, den
 
 
 def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
@@ -530,7 +532,7 @@ def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
 
 
 def backward_outputs_like(q, k, v, mixing, needs: Sequence[bool]):
-    """Empty tensors (or None) with the shapes, dtypes and strides :func:`mhla_backward_triton` returns."""
+    """Empty tensors (or None) with the shapes, dtypes and strides :func:`backward` returns."""
     b, h, n, d = q.shape
     grads = (heads_interleaved_empty(b, h, n, d, q), heads_interleaved_empty(b, h, n, d, k),
              heads_interleaved_empty(b, h, n, v.shape[-1], v), torch.empty_like(mixing))
@@ -551,21 +553,21 @@ def _summaries(k, v, geometry: _Geometry, feature_map: str, with_z: bool, cfg: T
     return s, z
 
 
-def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[int], feature_map: str,
-                        normalize: bool, eps: float, *, config: TileConfig | None = None):
-    """Non-causal MHLA forward.
+def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str, normalize: bool,
+            eps: float, *, config: TileConfig | None = None):
+    """Non-causal MHLA forward (the op's ``"triton"`` backend, ``mhla.py``).
 
     Args:
         q, k: ``(B, H, N, d)``; v: ``(B, H, N, e)`` with e == d; one dtype of fp32/fp16/bf16; any strides.
-        mixing: ``(M, M)``, any float dtype (used in fp32).
         grid, blocks: token grid and blocks per axis, 1D/2D/3D (uneven allowed).
+        mixing: ``(M, M)``, any float dtype (used in fp32).
         feature_map: ``relu``, ``elu+1`` (alias ``elu``), ``relu+1e-6`` or ``identity``.
         config: launch parameters overriding :func:`tile_config` (tests, tuning).
     Returns:
-        ``(out, mixed_kv, mixed_k, den)``:
+        ``(out, state, norm, den)`` (the op's contract, ``mhla.Saved``):
         out ``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)`` (fp16 clipped
-        to ±65504); mixed_kv ``(B, H, M, d, e)`` fp32 (S̃, a permuted view of ``(M, B, H, d, e)``);
-        mixed_k ``(B, H, M, d)`` fp32 (z̃, a view of ``(M, B, H, d)``) and den ``(B, H, N)`` fp32
+        to ±65504); state ``(B, H, M, d, e)`` fp32 (S̃, a permuted view of ``(M, B, H, d, e)``);
+        norm ``(B, H, M, d)`` fp32 (z̃, a view of ``(M, B, H, d)``) and den ``(B, H, N)`` fp32
         contiguous (φ(q)·z̃ + eps); the last two are ``torch.empty(0)`` without normalisation.
         Shapes, dtypes and strides as :func:`forward_outputs_like`.
     """
@@ -577,34 +579,35 @@ def mhla_forward_triton(q, k, v, mixing, grid: Sequence[int], blocks: Sequence[i
 
     s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
     w = mixing.to(torch.float32)
-    mixed_kv = mix_blocks(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
+    s_mix = mix_blocks(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
     del s
     out = heads_interleaved_empty(b, h, n, e, q)
     # two tensors: outputs of a custom op may not alias each other
-    mixed_k, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    z_mix, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     if normalize:
-        mixed_k = mix_blocks(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
+        z_mix = mix_blocks(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
         den = q.new_empty(b, h, n, dtype=torch.float32)
-    z_mix, den_out = (mixed_k, den) if normalize else (None, None)
+    z_in, den_out = (z_mix, den) if normalize else (None, None)
     launch = (m * cfg.split, b * h, triton.cdiv(e, cfg.block_e))
     _output_kernel[launch](
-        q, mixed_kv, _ptr(z_mix, q), out, _ptr(den_out, q),
-        *q.stride(), *mixed_kv.stride(), *_strides(z_mix, 4), *out.stride(), *_strides(den_out, 3),
+        q, s_mix, _ptr(z_in, q), out, _ptr(den_out, q),
+        *q.stride(), *s_mix.stride(), *_strides(z_in, 4), *out.stride(), *_strides(den_out, 3),
         h, d, e, float(eps), *geometry.args(),
         NORMALIZE=normalize, CLIP_FP16=q.dtype == torch.float16, **_state_dots(q.dtype, cfg),
         SPLIT=cfg.split, BD=_pow2(d), BE=cfg.block_e, **_common(q.dtype, feature_map, cfg),
     )
-    return out, mixed_kv, mixed_k, den
+    return out, s_mix, z_mix, den
 
 
-def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den, grid: Sequence[int],
-                         blocks: Sequence[int], feature_map: str, normalize: bool, eps: float,
-                         needs: Sequence[bool], *, config: TileConfig | None = None):
-    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`mhla_forward_triton`; None where ``needs[i]`` is False.
+def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str,
+             normalize: bool, eps: float, out, state, norm, den, needs: Sequence[bool], *,
+             config: TileConfig | None = None):
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward`; None where ``needs[i]`` is False.
 
     Args:
         grad_out: ``(B, H, N, e)``, any strides and float dtype (read as is, cast in the kernels).
-        out, mixed_kv, mixed_k, den: what the forward returned (any strides); ``eps`` is already in den.
+        q, k, v, grid, blocks, mixing, feature_map, normalize, eps: the forward's arguments.
+        out, state, norm, den: what the forward returned (any strides); ``eps`` is already in den.
         needs: which of (q, k, v, mixing) need a gradient.
     Returns:
         dq, dk, dv in the dtypes of q, k, v on heads-interleaved memory like ``out``; dmixing ``(M, M)``
@@ -613,32 +616,17 @@ def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den,
     geometry = _Geometry.of(grid, blocks)
     _check(q, k, v, mixing, geometry, feature_map)
     need_q, need_k, need_v, need_w = (bool(x) for x in needs)
-    b, h, n, d = q.shape
+    b, h, _, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
     cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
-    common = _common(q.dtype, feature_map, cfg)
-    state = _state_dots(q.dtype, cfg)
     need_state = need_k or need_v or need_w  # dS̃ feeds dW and, mixed back, dk and dv
-
     if not (need_q or need_state):
         return None, None, None, None
-    dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
-    ds_mix = q.new_empty(m, b * h, d, e, dtype=torch.float32) if need_state else None  # dS~
-    dz_mix = q.new_empty(m, b * h, d, dtype=torch.float32) if need_state and normalize else None  # dz~
-    z_mix, den_in = (mixed_k, den) if normalize else (None, None)
-    _dq_dstate_kernel[(m, b * h, triton.cdiv(d, cfg.block_d))](
-        q, grad_out, out, _ptr(den_in, q), mixed_kv, _ptr(z_mix, q), _ptr(dq, q), _ptr(ds_mix, q),
-        _ptr(dz_mix, q),
-        *q.stride(), *grad_out.stride(), *out.stride(), *_strides(den_in, 3), *mixed_kv.stride(),
-        *_strides(z_mix, 4), *_strides(dq, 4),
-        b * h, h, d, e, *geometry.args(),
-        NORMALIZE=normalize, **state, COMPUTE_DQ=need_q, COMPUTE_DSTATE=need_state,
-        BD=cfg.block_d, BE=_pow2(e), **common,
-    )
+    dq, ds_mix, dz_mix = _query_grads(grad_out, q, out, state, norm, den, geometry, feature_map,
+                                      normalize, need_q, need_state, cfg)
     if not need_state:
         return dq, None, None, None
 
-    w = mixing.to(torch.float32)
     dmixing = None
     if need_w:  # dW[i, j] = Σ_{b,h} <dS̃_i, S_j> + <dz̃_i, z_j>, with S and z rebuilt by kernel 1
         s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
@@ -649,28 +637,59 @@ def mhla_backward_triton(grad_out, q, k, v, mixing, out, mixed_kv, mixed_k, den,
         del s, z
     if not (need_k or need_v):
         return dq, None, None, dmixing
-
+    w = mixing.to(torch.float32)
     ds = mix_blocks(w.T, ds_mix)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
     dz = mix_blocks(w.T, dz_mix) if normalize else None
     del ds_mix, dz_mix
+    dk, dv = _key_value_grads(k, v, ds, dz, geometry, feature_map, normalize, need_k, need_v, cfg)
+    return dq, dk, dv, dmixing
+
+
+def _query_grads(grad_out, q, out, s_mix, z_mix, den, geometry: _Geometry, feature_map: str,
+                 normalize: bool, need_q: bool, need_state: bool, cfg: TileConfig):
+    """Kernel 3: ``(dq, dS̃, dz̃)``: dq like ``out`` (or None), dS̃ ``(M, B*H, d, e)`` and dz̃
+    ``(M, B*H, d)`` fp32 (None unless ``need_state``; dz̃ also None without the normaliser)."""
+    b, h, n, d = q.shape
+    e, m = out.shape[-1], geometry.num_blocks
+    dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
+    ds_mix = q.new_empty(m, b * h, d, e, dtype=torch.float32) if need_state else None  # dS~
+    dz_mix = q.new_empty(m, b * h, d, dtype=torch.float32) if need_state and normalize else None  # dz~
+    z_in, den_in = (z_mix, den) if normalize else (None, None)
+    _dq_dstate_kernel[(m, b * h, triton.cdiv(d, cfg.block_d))](
+        q, grad_out, out, _ptr(den_in, q), s_mix, _ptr(z_in, q), _ptr(dq, q), _ptr(ds_mix, q),
+        _ptr(dz_mix, q),
+        *q.stride(), *grad_out.stride(), *out.stride(), *_strides(den_in, 3), *s_mix.stride(),
+        *_strides(z_in, 4), *_strides(dq, 4),
+        b * h, h, d, e, *geometry.args(),
+        NORMALIZE=normalize, **_state_dots(q.dtype, cfg), COMPUTE_DQ=need_q, COMPUTE_DSTATE=need_state,
+        BD=cfg.block_d, BE=_pow2(e), **_common(q.dtype, feature_map, cfg),
+    )
+    return dq, ds_mix, dz_mix
+
+
+def _key_value_grads(k, v, ds, dz, geometry: _Geometry, feature_map: str, normalize: bool, need_k: bool,
+                     need_v: bool, cfg: TileConfig):
+    """Kernel 4: ``(dk, dv)`` (None where not needed) from dS ``(M, B*H, d, e)`` and dz ``(M, B*H, d)``."""
+    b, h, n, d = k.shape
+    e, m = v.shape[-1], geometry.num_blocks
     dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
     dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
     _dkv_kernel[(m * cfg.split, b * h)](
         k, v, ds, _ptr(dz, ds), _ptr(dk, ds), _ptr(dv, ds),
         *k.stride(), *v.stride(), *_strides(dk, 4), *_strides(dv, 4),
         b * h, h, d, e, *geometry.args(),
-        NORMALIZE=normalize, **state, COMPUTE_DK=need_k, COMPUTE_DV=need_v, SPLIT=cfg.split,
-        BD=_pow2(d), BE=_pow2(e), **common,
+        NORMALIZE=normalize, **_state_dots(k.dtype, cfg), COMPUTE_DK=need_k, COMPUTE_DV=need_v,
+        SPLIT=cfg.split, BD=_pow2(d), BE=_pow2(e), **_common(k.dtype, feature_map, cfg),
     )
-    return dq, dk, dv, dmixing
+    return dk, dv
 
 
 __all__ = [
     "FEATURE_IDS",
     "TileConfig",
+    "backward",
     "backward_outputs_like",
+    "forward",
     "forward_outputs_like",
-    "mhla_backward_triton",
-    "mhla_forward_triton",
     "tile_config",
 ]

@@ -166,15 +166,15 @@ class WanMHLAProcessor(MHLAProcessor):
         cfg = self.cfg
         acc = accumulation_dtype(q.dtype)
         phi = get_feature_map(cfg.feature_map)
-        args = (rotary_emb.grid, cfg.blocks, self.mixing(), shard, cfg.normalize, cfg.eps)
+        args = (rotary_emb.grid, cfg.blocks, self.mixing(), cfg.normalize, cfg.eps)
         if cfg.wan_rope == "before_phi":
             fq = phi(apply_wan_rotary(q, *rotary_emb).to(acc))  # as the op: rotate, cast, φ
             fk = phi(apply_wan_rotary(k, *rotary_emb).to(acc))
-            out = mhla_shard(fq, fk, v.to(acc), *args)
+            out = mhla_shard(fq, fk, v.to(acc), *args, shard=shard)
         else:  # after_phi_numerator: RoPE on φ(q), φ(k) in the numerator, plain φ in the normaliser
             fq, fk = phi(q.to(acc)), phi(k.to(acc))
             rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
-            out = mhla_shard(rq, rk, v.to(acc), *args, q_norm_features=fq, k_norm_features=fk)
+            out = mhla_shard(rq, rk, v.to(acc), *args, shard=shard, q_norm_features=fq, k_norm_features=fk)
         return cast_output(out, q.dtype)
 
     def token_shard(self, rotary_emb, num_tokens: int) -> TokenShard | None:
