@@ -184,7 +184,7 @@ def write(name: str, assets: Path, target: Path, *extra: str) -> None:
         load_script("eval/attention_stats.py").main(
             ["--model", str(assets / "run" / "final"), "--batch", "1", "--out-dir", str(target)])
     elif name == "study":
-        load_script("eval/study.py").main(["--quick", "--attentions", "linear", "--out", str(target)])
+        load_script("eval/study.py").main(["--quick", "--seeds", "1", "--no-ablations", "--out", str(target)])
     else:
         raise AssertionError(name)
 
