@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,3 +171,32 @@ def test_bench_attention_rejects_bad_grids(text):
     bench = load("bench_attention")
     with pytest.raises(bench.argparse.ArgumentTypeError, match="--grids"):
         bench.parse_grid_case(text)
+
+
+def test_conversion_budget_counts_mhla_and_depthwise_convolutions(monkeypatch):
+    """The budget's FLOP counts on tiny models: the registered MHLA op is counted (a model whose only
+    attention is MHLA still has attention FLOPs), and a depthwise convolution's backward costs what its
+    forward costs twice, not a dense convolution's."""
+    from mhla_gen import MHLAConfig
+    from mhla_gen.testing import TINY_SANA_CONFIG
+
+    budget = load("conversion_budget")
+    conv = torch.nn.Conv2d(8, 8, 3, groups=8, padding=1)
+    x = torch.randn(1, 8, 6, 6, requires_grad=True)
+    forward = budget.count(lambda: conv(x))
+    assert budget.count(lambda: conv(x).sum().backward()) == 3 * forward
+    from mhla_gen import BlockLayout, mhla_attention
+
+    q, k, v = (torch.randn(2, 3, 16, 4) for _ in range(3))
+    layout = BlockLayout((4, 4), (2, 2))
+    flops = budget.count(lambda: mhla_attention(q, k, v, layout, torch.eye(4)))
+    assert flops == 2 * 3 * (4 * 16 * 4 * 5 + 2 * 4 * 4 * 5 * 4)  # summaries + output + mixing GEMMs
+    config = {**TINY_SANA_CONFIG, "sample_size": 8}
+    tiny = (budget.SanaTransformer2DModel, config, MHLAConfig(blocks=(2, 2)))
+    monkeypatch.setitem(budget.MODELS, "tiny", tiny)
+    monkeypatch.setattr(budget, "inputs", lambda cls, cfg: (
+        (torch.empty(1, cfg["in_channels"], 8, 8),),
+        dict(encoder_hidden_states=torch.empty(1, 5, cfg["caption_channels"]), timestep=torch.zeros(1))))
+    row = budget.budget("tiny")
+    assert 2.5 < row["training step"] / row["teacher forward"] < 3.5
+    assert row["teacher forward"] < row["stage 1 (mhla)"] < row["stage 1 (all)"] < row["training step"]

@@ -1,0 +1,147 @@
+"""Stage 1 of converting a pretrained model to MHLA: attention transfer, layer by layer.
+
+The frozen teacher (the pretrained model with its own attention: softmax for DiT and Wan, SANA's global
+linear attention for SANA) runs on real training batches. Every converted layer receives **the
+teacher's own input to that layer** and learns to reproduce the teacher layer's output; all layers learn
+from one teacher forward per batch, and nothing backpropagates through the model (LoLCATs' "attention
+transfer", for diffusion transformers).
+
+How, in one forward: MHLA is installed on the layers to convert (so its grid hooks work as in any MHLA
+model), and a forward hook on each converted attention module (:class:`TransferHooks`)
+
+1. takes the MHLA output of that call (the *student*, computed from the module's input),
+2. computes the teacher's output from the same input (the stock processor on the same module, or on a
+   frozen copy of the module when the projections train too),
+3. records ``|student - teacher|² / |teacher|²`` (the relative error: layers weigh alike), and
+4. returns the teacher's output, detached, so every later layer sees the teacher's activations.
+
+What trains (``trainable``): ``mhla`` the MHLA parameters only (mixing, CPE, gate; the projections stay
+the teacher's, so no copy of anything is held), ``mhla+qk`` also ``to_q`` / ``to_k`` of the converted
+layers, ``all`` every parameter of the converted attention modules. With trainable projections the
+teacher is a frozen copy of each converted attention module (not of the model), made before training.
+
+After training, :func:`finalize` removes the hooks and, for a hybrid model, puts the stock attention
+back in the layers chosen to stay softmax (:func:`hardest_layers`: the ``K`` with the largest remaining
+error), keeping every trained MHLA layer's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from .config import MHLAConfig
+from .install import install_mhla
+from .processors import MHLAProcessor, processor_class_for
+
+TRAINABLE = ("mhla", "mhla+qk", "all")
+
+
+def relative_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """``mean((student - teacher)²) / mean(teacher²)`` in fp32 (a scalar; 0 = exact, 1 = as far as 0)."""
+    s, t = student.float(), teacher.float()
+    return (s - t).square().mean() / t.square().mean().clamp_min(1e-30)
+
+
+def converted_layers(transformer: nn.Module) -> dict[int, nn.Module]:
+    """``{layer index: attention module}`` of the self-attention layers that run MHLA."""
+    layers = processor_class_for(transformer).self_attention(transformer)
+    return {i: attn for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)}
+
+
+class TransferHooks:
+    """Forward hooks that make every MHLA layer of ``transformer`` a student of the stock attention it
+    replaced (see the module docstring). ``errors`` holds each layer's relative error of the last forward,
+    differentiable in the student's parameters.
+
+    Args:
+        transformer: a model with MHLA installed on the layers to convert.
+        trainable: ``mhla``, ``mhla+qk`` or ``all`` (the latter two keep a frozen copy of each converted
+            attention module as its teacher).
+    """
+
+    def __init__(self, transformer: nn.Module, trainable: str = "mhla"):
+        if trainable not in TRAINABLE:
+            raise ValueError(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
+        self.layers = converted_layers(transformer)
+        if not self.layers:
+            raise ValueError("no MHLA layers to train: install MHLA on the layers to convert first")
+        stock = processor_class_for(transformer).stock_processor
+        self.teachers: dict[int, nn.Module | object] = {}
+        for index, attn in self.layers.items():
+            if trainable == "mhla":  # same projections: the stock processor on the same module
+                self.teachers[index] = stock()
+            else:  # the projections train: a frozen copy of the module, with the stock processor
+                teacher = copy.deepcopy(attn).requires_grad_(False)
+                teacher.set_processor(stock())
+                self.teachers[index] = teacher
+        self.trainable = trainable
+        self.errors: dict[int, torch.Tensor] = {}
+        self.handles = [
+            attn.register_forward_hook(self._hook(i), with_kwargs=True) for i, attn in self.layers.items()
+        ]
+
+    def _hook(self, index: int):
+        def hook(attn, args, kwargs, student):
+            with torch.no_grad():
+                teacher_out = self.teacher_output(index, attn, args, kwargs)
+            self.errors[index] = relative_error(student, teacher_out)
+            return teacher_out.detach()
+
+        return hook
+
+    def teacher_output(self, index: int, attn: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        teacher = self.teachers[index]
+        if isinstance(teacher, nn.Module):
+            teacher.to(attn.to_q.weight.device)  # a no-op after the first call
+            return teacher.forward(*args, **kwargs)  # .forward: no hooks of its own
+        return teacher(attn, *args, **kwargs)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What trains: the MHLA parameters of the converted layers, plus their q/k projections
+        (``mhla+qk``) or every parameter of their attention modules (``all``)."""
+        params: dict[int, nn.Parameter] = {}
+        for attn in self.layers.values():
+            if self.trainable == "all":
+                modules = [attn]
+            elif self.trainable == "mhla+qk":
+                modules = [attn.processor, attn.to_q, attn.to_k]
+            else:
+                modules = [attn.processor]
+            for module in modules:
+                params.update({id(p): p for p in module.parameters()})
+        return list(params.values())
+
+    def pop_errors(self) -> dict[int, torch.Tensor]:
+        """The errors of the last forward (cleared: the next forward fills them again)."""
+        errors, self.errors = self.errors, {}
+        return errors
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.teachers = [], {}
+
+
+def hardest_layers(errors: dict[int, float], k: int) -> list[int]:
+    """The ``k`` layers whose error is largest (kept as softmax in a hybrid model), sorted."""
+    if not 0 <= k < len(errors):
+        raise ValueError(f"K={k} must leave at least one of the {len(errors)} converted layers as MHLA")
+    return sorted(sorted(errors, key=lambda i: (-errors[i], i))[:k])
+
+
+def finalize(transformer: nn.Module, softmax_layers: list[int]) -> nn.Module:
+    """The converted model: MHLA on every converted layer except ``softmax_layers`` (stock attention there),
+    each kept layer with its trained MHLA weights; the MHLA config records the layers."""
+    trained = {i: attn.processor.state_dict() for i, attn in converted_layers(transformer).items()}
+    kept = [i for i in trained if i not in softmax_layers]
+    cfg: MHLAConfig = transformer.mhla_config
+    install_mhla(transformer, dataclasses.replace(cfg, layers=cfg.layers if kept == list(trained) else kept))
+    layers = processor_class_for(transformer).self_attention(transformer)
+    for i in kept:
+        layers[i].processor.load_state_dict(trained[i])
+    return transformer
+

@@ -1,0 +1,156 @@
+"""What converting a pretrained model to MHLA costs, from the model shapes (no GPU, no weights).
+
+    python scripts/conversion_budget.py
+
+For DiT-XL/2 at 256 px, SANA-600M at 1024 px and Wan2.1-1.3B at 480x832x81, built on the ``meta``
+device (shapes only), torch's ``FlopCounterMode`` counts the floating-point operations of
+
+* one **training step** of the MHLA model per sample (forward + backward, every parameter trained), and
+* one **stage-1 step** per sample (``mhla_gen.transfer``): the teacher's forward plus, in every converted
+  layer, the MHLA student's forward and the backward its loss needs, for ``trainable=mhla`` and ``all``.
+
+MHLA runs as one registered op, which FlopCounterMode does not know; its formula is registered here
+(summaries, mixing and output GEMMs, from ``docs/operator.md``). Counts are FLOPs (2 per multiply-add)
+of the matmul-like ops (GEMMs, convolutions, attention); elementwise work is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    conv_flop_count,
+    flop_registry,
+    register_flop_formula,
+    shape_wrapper,
+)
+
+from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.cli import run
+from mhla_gen.transfer import TransferHooks
+
+# DiT paper Table 1; SANA-600M (Efficient-Large-Model/Sana_600M_1024px_diffusers); Wan2.1-T2V-1.3B
+# (diffusers scripts/convert_wan_to_diffusers.py)
+MODELS = {
+    "DiT-XL/2 256 px": (
+        DiTTransformer2DModel,
+        dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+             sample_size=32, patch_size=2, num_embeds_ada_norm=1000),
+        MHLAConfig.preset("dit-256"),
+    ),
+    "SANA-600M 1024 px": (
+        SanaTransformer2DModel,
+        dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
+             num_cross_attention_heads=16, cross_attention_head_dim=72, cross_attention_dim=1152,
+             caption_channels=2304, sample_size=32, patch_size=1),
+        MHLAConfig.preset("sana"),
+    ),
+    "Wan2.1-1.3B 480p 81 frames": (
+        WanTransformer3DModel,
+        dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+             out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        MHLAConfig.preset("wan2.1-1.3b-480p"),
+    ),
+}
+
+
+@register_flop_formula(torch.ops.mhla_gen.mhla)
+def _mhla_flops(q_shape, k_shape, v_shape, grid, blocks, *args, out_shape=None, **kwargs) -> int:
+    """Forward: summaries ``2·N·d·c``, mixing ``2·M²·c·d``, output ``2·N·d·c`` per (batch, head),
+    c = e + 1 with the normaliser."""
+    b, h, n, d = q_shape
+    c = v_shape[-1] + 1
+    m = math.prod(blocks)
+    return b * h * (4 * n * d * c + 2 * m * m * c * d)
+
+
+@register_flop_formula(torch.ops.mhla_gen.mhla_backward)
+def _mhla_backward_flops(grad_shape, q_shape, k_shape, v_shape, grid, blocks, *args, out_shape=None,
+                         **kwargs) -> int:
+    """Backward: about twice the forward (each GEMM has two gradient GEMMs) plus one redone GEMM."""
+    return 3 * _mhla_flops(q_shape, k_shape, v_shape, grid, blocks)
+
+
+def _grouped_conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                                 transposed, _output_padding, _groups, output_mask, out_shape=None, **kwargs):
+    """torch's own formula for ``convolution_backward`` ignores ``groups`` in the weight gradient, which
+    counts SANA's depthwise convolutions as dense ones (tens of TFLOP too many). Each gradient is a
+    convolution with as many multiply-adds as the forward."""
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+flop_registry[torch.ops.aten.convolution_backward] = shape_wrapper(_grouped_conv_backward_flops)
+
+
+def inputs(cls, config: dict, batch: int = 1) -> tuple[tuple, dict]:
+    """Meta-device inputs of one sample at the model's real size."""
+    if cls is DiTTransformer2DModel:
+        s = config["sample_size"]
+        return (torch.empty(batch, 4, s, s),), dict(timestep=torch.zeros(batch, dtype=torch.long),
+                                                    class_labels=torch.zeros(batch, dtype=torch.long))
+    if cls is SanaTransformer2DModel:
+        s = config["sample_size"]
+        return (torch.empty(batch, 32, s, s),), dict(encoder_hidden_states=torch.empty(batch, 300, 2304),
+                                                     timestep=torch.zeros(batch))
+    return (torch.empty(batch, 16, 21, 60, 104), torch.zeros(batch), torch.empty(batch, 512, 4096)), {}
+
+
+def count(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def budget(name: str) -> dict:
+    """FLOPs per sample: the teacher's forward, an MHLA training step, stage-1 steps."""
+    cls, config, mhla = MODELS[name]
+    with torch.device("meta"):
+        model = cls(**config)
+        args, kwargs = inputs(cls, config)
+    teacher = count(lambda: model(*args, **kwargs, return_dict=False))
+    install_mhla(model, mhla)
+    row = {"teacher forward": teacher, "training step": count(lambda: training_step(model, args, kwargs))}
+    for trainable in ("mhla", "all"):
+        hooks = TransferHooks(model, trainable)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in hooks.parameters():
+            p.requires_grad_(True)
+        row[f"stage 1 ({trainable})"] = count(lambda hooks=hooks: stage1_step(model, hooks, args, kwargs))
+        hooks.remove()
+    return row
+
+
+def training_step(model, args, kwargs) -> None:
+    model(*args, **kwargs, return_dict=False)[0].float().square().mean().backward()
+
+
+def stage1_step(model, hooks, args, kwargs) -> None:
+    model(*args, **kwargs, return_dict=False)
+    sum(hooks.pop_errors().values()).backward()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+    print("| model | teacher forward | MHLA training step | stage 1, trainable=mhla | stage 1, "
+          "trainable=all |")
+    print("|---|---|---|---|---|")
+    for name in MODELS:
+        r = budget(name)
+        step = r["training step"]
+        cells = [f"{r['teacher forward'] / 1e12:.2f} TFLOP", f"{step / 1e12:.2f} TFLOP"] + [
+            f"{r[k] / 1e12:.2f} TFLOP ({r[k] / step:.2f} step)" for k in ("stage 1 (mhla)", "stage 1 (all)")
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    run(main)

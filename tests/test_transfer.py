@@ -1,0 +1,144 @@
+"""Stage 1 of the converter (mhla_gen.transfer): each MHLA layer learns from the teacher's own input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhla_gen import MHLAConfig, install_mhla, load_transformer
+from mhla_gen.processors import MHLAProcessor
+from mhla_gen.testing import tiny_dit, tiny_sana
+from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.transfer import TransferHooks, converted_layers, finalize, hardest_layers
+
+
+def _randomized(model):
+    """Non-zero weights everywhere (DiT and SANA start with zeroed adaLN / output layers)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _dit():
+    model = _randomized(tiny_dit(num_layers=3))
+    x = torch.randn(2, model.config.in_channels, model.config.sample_size, model.config.sample_size)
+    return model, (x,), dict(timestep=torch.tensor([10, 20]), class_labels=torch.tensor([1, 2]))
+
+
+def _sana():
+    model = _randomized(tiny_sana(num_layers=3))
+    x = torch.randn(2, model.config.in_channels, 16, 12)
+    enc = torch.randn(2, 5, model.config.caption_channels)
+    return model, (x,), dict(encoder_hidden_states=enc, timestep=torch.tensor([10, 20]))
+
+
+def _wan():
+    model = _randomized(tiny_wan_transformer())
+    return model, (torch.randn(1, 16, 2, 8, 10), torch.tensor([400]), torch.randn(1, 7, TEXT_DIM)), {}
+
+
+CASES = {  # base -> (model and inputs, MHLA config)
+    "dit": (_dit, MHLAConfig(blocks=(2, 2), cpe_kernel=3)),
+    "sana": (_sana, MHLAConfig(blocks=(2, 2), gate=True)),
+    "wan": (_wan, MHLAConfig(blocks=(1, 2, 2), layers=[1, 2], cpe_kernel=3)),
+}
+
+
+def _forward(model, args, kwargs):
+    return model(*args, **kwargs, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("trainable", ["mhla", "mhla+qk", "all"])
+@pytest.mark.parametrize("base", CASES)
+def test_every_layer_sees_the_teachers_input(base, trainable):
+    """The model computes exactly the teacher's output (every hook hands on the teacher layer's output),
+    so a layer's error does not change when an earlier converted layer is broken."""
+    make, cfg = CASES[base]
+    model, args, kwargs = make()
+    with torch.no_grad():
+        teacher = _forward(model, args, kwargs)
+    install_mhla(model, cfg)
+    hooks = TransferHooks(model, trainable)
+    with torch.no_grad():
+        assert torch.equal(_forward(model, args, kwargs), teacher)
+        errors = hooks.pop_errors()
+        first, *later = sorted(errors)
+        converted_layers(model)[first].processor.mixing.weight.mul_(-7.0)  # break the first MHLA layer
+        _forward(model, args, kwargs)
+        broken = hooks.pop_errors()
+    assert broken[first] > errors[first] and all(broken[i] == errors[i] for i in later)
+    assert set(errors) == set(converted_layers(model)) and all(0 < e < 10 for e in errors.values())
+
+
+def test_what_trains_per_setting():
+    model, args, kwargs = _dit()
+    install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 2]))
+    layers = converted_layers(model)
+    expected = {
+        "mhla": [p for a in layers.values() for p in a.processor.parameters()],
+        "mhla+qk": [p for a in layers.values() for m in (a.processor, a.to_q, a.to_k)
+                    for p in m.parameters()],
+        "all": [p for a in layers.values() for p in a.parameters()],
+    }
+    for trainable, params in expected.items():
+        hooks = TransferHooks(model, trainable)
+        assert {id(p) for p in hooks.parameters()} == {id(p) for p in params}
+        hooks.remove()
+    assert not any(p is q for p in expected["all"] for q in model.transformer_blocks[1].attn1.parameters())
+
+
+@pytest.mark.parametrize("base, trainable", [("dit", "mhla+qk"), ("sana", "mhla"), ("wan", "all")])
+def test_a_few_steps_lower_every_layers_error(base, trainable):
+    make, cfg = CASES[base]
+    model, args, kwargs = make()
+    install_mhla(model, cfg)
+    hooks = TransferHooks(model, trainable)
+    opt = torch.optim.Adam(hooks.parameters(), lr=1e-3)
+    history = []
+    for _ in range(8):
+        _forward(model, args, kwargs)
+        errors = hooks.pop_errors()
+        history.append({i: e.item() for i, e in errors.items()})
+        sum(errors.values()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(history[-1][i] < 0.95 * history[0][i] for i in history[0]), history
+
+
+def test_sana_with_uniform_mixing_starts_exactly_where_it_was():
+    """SANA's attention is global ReLU linear attention; MHLA with uniform mixing (rows 1/M) and the
+    normaliser computes the same function (eps / M for SANA's 1e-15), so conversion starts at zero error."""
+    model, args, kwargs = _sana()
+    with torch.no_grad():
+        stock = _forward(model, args, kwargs)
+        install_mhla(model, MHLAConfig(blocks=(2, 2), mixing_init="uniform", eps=1e-15 / 4))
+        converted = _forward(model, args, kwargs)
+    torch.testing.assert_close(converted, stock, rtol=2e-6, atol=2e-6)
+    hooks = TransferHooks(model)
+    with torch.no_grad():
+        _forward(model, args, kwargs)
+    assert max(e.item() for e in hooks.pop_errors().values()) < 1e-12  # (rel. RMS < 1e-6)
+
+
+def test_hardest_layers_and_finalize_keep_trained_weights(tmp_path):
+    assert hardest_layers({0: 0.1, 1: 0.5, 2: 0.3, 3: 0.05}, 2) == [1, 2]
+    for k in (4, -1):
+        with pytest.raises(ValueError, match="must leave at least one"):
+            hardest_layers({0: 0.1, 1: 0.5, 2: 0.3, 3: 0.05}, k)
+    model, args, kwargs = _dit()
+    install_mhla(model, MHLAConfig(blocks=(2, 2)))
+    hooks = TransferHooks(model)
+    with torch.no_grad():
+        for attn in converted_layers(model).values():
+            attn.processor.mixing.weight.mul_(0.5)
+    trained = {i: a.processor.mixing.weight.clone() for i, a in converted_layers(model).items()}
+    hooks.remove()
+    finalize(model, softmax_layers=[1])
+    assert model.mhla_config.layers == [0, 2]
+    assert not isinstance(model.transformer_blocks[1].attn1.processor, MHLAProcessor)
+    model.save_pretrained(tmp_path)
+    loaded = load_transformer(tmp_path)
+    for i in (0, 2):
+        assert torch.equal(loaded.transformer_blocks[i].attn1.processor.mixing.weight, trained[i])
