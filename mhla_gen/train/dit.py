@@ -9,7 +9,6 @@ space. Samples come out of diffusers' ``DiTPipeline``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import MHLAConfig
+from .attention import attention_mhla_config, check_mhla_layers, install_attention
 from .config import ConfigError, DiTRunConfig
 from .loop import TrainTask
 from .objectives import DDPMLoss
@@ -30,17 +30,6 @@ DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (
 _PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__ hard-codes this id for the unconditional branch
 DIGITS_CLASSES, DIGITS_ITEMS = 10, 1797  # scikit-learn's load_digits
-
-
-def check_mhla_layers(mhla: MHLAConfig | None, num_layers: int) -> None:
-    """``mhla.layers`` must name existing self-attention layers, once each (``install_mhla``'s rule)."""
-    if mhla is None or mhla.layers is None:
-        return
-    bad = sorted({i for i in mhla.layers if not 0 <= i < num_layers})
-    repeated = sorted({i for i in mhla.layers if mhla.layers.count(i) > 1})
-    if bad or repeated:
-        what = f"{bad} out of range 0..{num_layers - 1}" if bad else f"{repeated} listed twice"
-        raise ConfigError(f"mhla.layers={mhla.layers}: layers {what} (the model has {num_layers} layers)")
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -70,25 +59,6 @@ def dit_architecture(model_cfg) -> dict:
             f"model.hidden_size={arch['hidden_size']} is not divisible by model.heads={arch['heads']}"
         )
     return arch
-
-
-def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:
-    """``softmax`` -> None; ``linear`` -> one block per axis (global ReLU linear attention, as SANA);
-    ``mhla`` -> ``mhla`` as configured. Everything else stays equal, so the three compare fairly."""
-    if attention == "softmax":
-        return None
-    if attention == "linear":
-        return dataclasses.replace(mhla, blocks=(1,) * len(mhla.blocks))
-    return mhla
-
-
-def install_attention(transformer: nn.Module, attention: str, mhla: MHLAConfig) -> nn.Module:
-    cfg = attention_mhla_config(attention, mhla)
-    if cfg is not None:
-        from ..install import install_mhla
-
-        install_mhla(transformer, cfg)
-    return transformer
 
 
 @torch.no_grad()

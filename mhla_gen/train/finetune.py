@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from .attention import attention_mhla_config, check_mhla_layers, install_attention
 from .config import ConfigError
-from .dit import attention_mhla_config, check_mhla_layers, install_attention
 from .loop import TrainTask
 from .objectives import flow_matching_loss, flow_matching_sigmas
 
