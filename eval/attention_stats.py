@@ -22,12 +22,12 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import claim, owned
+from mhla_gen.loading import load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
     save_attention_statistics,
 )
-from mhla_gen.serialization import load_transformer
 
 STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.folders.KINDS)
 

@@ -165,7 +165,7 @@ class Sampler:
 
     def _training_run_pipeline(self, mhla, dtype):
         """A DiT training run: its transformer (``transformer`` or the run's ``final/``) and its sampler."""
-        from mhla_gen.serialization import load_transformer
+        from mhla_gen.loading import load_transformer
         from mhla_gen.train.config import DiTRunConfig, load_config
         from mhla_gen.train.dit import DiTTask
 

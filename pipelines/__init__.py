@@ -11,7 +11,8 @@ from torch import nn
 
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla, is_mhla_installed
-from mhla_gen.serialization import load_transformer, saved_with_mhla
+from mhla_gen.loading import load_transformer
+from mhla_gen.serialization import saved_with_mhla
 
 
 def load_pipeline_transformer(
