@@ -11,14 +11,12 @@ passed to the training loop, so production code carries no test switch. Used by 
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import signal
 import sys
 from pathlib import Path
 
-from mhla_gen.cli import run
+from mhla_gen.cli import run, train_main
 from mhla_gen.train.loop import Run, TrainCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,12 +47,10 @@ def parse_kill(text: str) -> SigkillAt:
 
 
 def main(argv: list[str]) -> None:
+    """scripts/train_dit.py's ``main`` (the same entry and default config) with the kill callback."""
     kill, args = parse_kill(argv[0]), argv[1:]
-    spec = importlib.util.spec_from_file_location("train_dit", REPO / "scripts" / "train_dit.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.train = functools.partial(script.train, callbacks=[kill])
-    script.main(args)
+    default_config = str(REPO / "configs" / "dit_digits.yaml")
+    train_main("dit", "train_dit.py with fault injection", default_config, args, callbacks=[kill])
 
 
 if __name__ == "__main__":
