@@ -106,7 +106,7 @@ def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
 def trained_classes(cfg: GenerateConfig) -> int | None:
     """The classes the DiT to sample was trained on, where a record says (the training run's config, or
     the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
-    from pipelines.dit import trained_num_classes
+    from mhla_gen.pipelines.dit import trained_num_classes
 
     if cfg.run_config:
         from mhla_gen.train.config import DiTRunConfig, load_config
@@ -148,17 +148,17 @@ class Sampler:
         if cfg.base == "dit" and cfg.model is None:
             self.pipe = self._training_run_pipeline(mhla, dtype)
         elif cfg.base == "dit":
-            from pipelines.dit import check_class_labels, load_dit_pipeline
+            from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline
 
             self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
             check_class_labels(self.pipe.transformer, [i["label"] for i in sample_items(cfg)],
                                cfg.guidance_scale, trained_classes(cfg))
         elif cfg.base == "sana":
-            from pipelines.sana import load_sana_pipeline
+            from mhla_gen.pipelines.sana import load_sana_pipeline
 
             self.pipe = load_sana_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
         else:
-            from pipelines.wan import load_wan_pipeline
+            from mhla_gen.pipelines.wan import load_wan_pipeline
 
             self.pipe = load_wan_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
         self.pipe.set_progress_bar_config(disable=True)

@@ -106,7 +106,7 @@ def image_grid(images: list[Image.Image], max_cols: int = 8) -> Image.Image:
 
 
 def sample_dit(args, mhla, dtype) -> list[Image.Image]:
-    from pipelines.dit import check_class_labels, load_dit_pipeline
+    from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline
 
     pipe = load_dit_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     check_class_labels(pipe.transformer, args.labels, args.guidance, trained_classes(args))
@@ -131,7 +131,7 @@ def sample_dit(args, mhla, dtype) -> list[Image.Image]:
 
 
 def sample_sana(args, mhla, dtype) -> list[Image.Image]:
-    from pipelines.sana import load_sana_pipeline
+    from mhla_gen.pipelines.sana import load_sana_pipeline
 
     pipe = load_sana_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
@@ -151,7 +151,7 @@ def sample_sana(args, mhla, dtype) -> list[Image.Image]:
 def sample_wan(args, mhla, dtype, out: Path) -> list[Path]:
     from diffusers.utils import export_to_video
 
-    from pipelines.wan import load_wan_pipeline
+    from mhla_gen.pipelines.wan import load_wan_pipeline
 
     pipe = load_wan_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     height, width = check_wan_size(args, pipe)
@@ -197,7 +197,7 @@ def check_wan_size(args, pipe) -> tuple[int, int]:
 
 def trained_classes(args) -> int | None:
     """The classes the DiT was trained on, where its folder records them (training runs do)."""
-    from pipelines.dit import trained_num_classes
+    from mhla_gen.pipelines.dit import trained_num_classes
 
     return trained_num_classes(args.transformer or Path(args.model) / "transformer")
 

@@ -62,13 +62,13 @@ def _work_entry_points():
 
     import mhla_gen.convert_wan
     import mhla_gen.loading
-    import pipelines.dit
+    import mhla_gen.pipelines.dit
     from mhla_gen.data.images import CaptionedImageFolder
     from mhla_gen.train.dit import DiTTask
 
     return [(DiTTask, "build_transformer"), (diffusers.AutoencoderKL, "from_pretrained"),
             (mhla_gen.convert_wan, "convert_wan_checkpoint"), (mhla_gen.loading, "load_transformer"),
-            (pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load")]
+            (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load")]
 
 
 def _no_work(*args, **kwargs):

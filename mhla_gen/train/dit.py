@@ -115,7 +115,7 @@ def label_table_size(num_classes: int) -> int:
 
     ``DiTPipeline.__call__`` hard-codes class 1000 for the unconditional branch, so smaller datasets keep
     the 1000-entry label table (rows ``num_classes..999`` are never used) and the model samples with the
-    stock pipeline, ``pipelines.dit`` and ``eval/`` unchanged. The null id used for label dropout is
+    stock pipeline, ``mhla_gen.pipelines.dit`` and ``eval/`` unchanged. The null id used for label dropout is
     this value too.
     """
     if num_classes > PIPELINE_NULL_CLASS:
