@@ -234,7 +234,7 @@ def device_name(device) -> str:
 
 def run(args) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.tiny:
+    if args.tiny:  # testing_wan builds tiny text encoders: transformers' UMT5 is imported only here
         from mhla_gen.testing_wan import TINY_WAN_CONFIG
 
         config = dict(TINY_WAN_CONFIG)
