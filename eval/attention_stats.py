@@ -20,22 +20,21 @@ from pathlib import Path
 import torch
 
 from mhla_gen.cli import expand_path, run
+from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import claim, owned
+from mhla_gen.loading import load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
     save_attention_statistics,
 )
-from mhla_gen.serialization import load_transformer
 
 STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.folders.KINDS)
 
 
 def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` seeded digits ``(B, 1, size, size)`` in [-1, 1] and their labels."""
-    from mhla_gen.data.digits import digits_tensors
-
     images, labels = digits_tensors(size)
     pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:batch]
     return images[pick] * 2 - 1, labels[pick]

@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from mhla_gen.cli import expand_path, run
+from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.metrics import (
@@ -52,8 +53,6 @@ def load_images(source: str | Path, limit: int | None = None) -> torch.Tensor:
     """Images ``(N, C, H, W)`` uint8 from a folder, an ``arr_0`` .npz, or ``digits`` (kept as uint8 until
     extract_features converts each batch: 50k ImageNet samples are 10 GB as uint8, 39 GB as float)."""
     if str(source) == "digits":
-        from mhla_gen.data.digits import digits_tensors
-
         return (digits_tensors(16)[0][:limit] * 255).round().to(torch.uint8)
     path = Path(source)
     if path.is_dir():

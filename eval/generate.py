@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from mhla_gen.cli import run
+from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
+from mhla_gen.folders import claim, owned
+from mhla_gen.loading import load_transformer
+from mhla_gen.metrics.video import write_video
+from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline, trained_num_classes
+from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.dit import DiTTask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,8 +94,6 @@ class GenerateConfig:
 
 def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConfig:
     """Defaults -> YAML -> ``key=value`` overrides, strict (``mhla_gen.train.config.load_config``)."""
-    from mhla_gen.train.config import load_config
-
     return load_config(GenerateConfig, path, overrides)
 
 
@@ -106,11 +111,7 @@ def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
 def trained_classes(cfg: GenerateConfig) -> int | None:
     """The classes the DiT to sample was trained on, where a record says (the training run's config, or
     the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
-    from pipelines.dit import trained_num_classes
-
     if cfg.run_config:
-        from mhla_gen.train.config import DiTRunConfig, load_config
-
         return load_config(DiTRunConfig, cfg.run_config).model.num_classes
     return trained_num_classes(cfg.transformer or Path(cfg.model) / "transformer")
 
@@ -140,35 +141,27 @@ class Sampler:
     """``sampler(items) -> list of uint8 arrays``: (H, W, 3) images or (T, H, W, 3) videos."""
 
     def __init__(self, cfg: GenerateConfig, device: torch.device):
-        from mhla_gen.config import MHLAConfig
-
         self.cfg, self.device = cfg, device
         dtype = DTYPES[cfg.dtype]
         mhla = MHLAConfig.from_dict(dict(cfg.mhla)) if cfg.mhla else None
         if cfg.base == "dit" and cfg.model is None:
             self.pipe = self._training_run_pipeline(mhla, dtype)
         elif cfg.base == "dit":
-            from pipelines.dit import check_class_labels, load_dit_pipeline
-
             self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
             check_class_labels(self.pipe.transformer, [i["label"] for i in sample_items(cfg)],
                                cfg.guidance_scale, trained_classes(cfg))
-        elif cfg.base == "sana":
-            from pipelines.sana import load_sana_pipeline
+        elif cfg.base == "sana":  # SANA / Wan pipelines import their text encoders: only when used
+            from mhla_gen.pipelines.sana import load_sana_pipeline
 
             self.pipe = load_sana_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
         else:
-            from pipelines.wan import load_wan_pipeline
+            from mhla_gen.pipelines.wan import load_wan_pipeline
 
             self.pipe = load_wan_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
         self.pipe.set_progress_bar_config(disable=True)
 
     def _training_run_pipeline(self, mhla, dtype):
         """A DiT training run: its transformer (``transformer`` or the run's ``final/``) and its sampler."""
-        from mhla_gen.serialization import load_transformer
-        from mhla_gen.train.config import DiTRunConfig, load_config
-        from mhla_gen.train.dit import DiTTask
-
         run_cfg = load_config(DiTRunConfig, self.cfg.run_config)
         path = self.cfg.transformer or str(Path(self.cfg.run_config).parent / "final")
         transformer = load_transformer(path, torch_dtype=dtype, device=self.device)
@@ -212,8 +205,6 @@ def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
     the manifest line, so a finished-looking sample always has its record (a killed run redoes the rest)."""
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     if array.ndim == 4:
-        from mhla_gen.metrics.video import write_video
-
         write_video(tmp, array, fps=fps)
     else:
         from PIL import Image
@@ -264,8 +255,6 @@ def generate(cfg: GenerateConfig) -> Path:
     from accelerate import PartialState
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
-
-    from mhla_gen.folders import claim, owned
 
     state = PartialState()
     out = Path(cfg.output_dir)

@@ -5,9 +5,10 @@ from .config import MHLAConfig
 from .extras import ConvPositionEncoding, OutputGate
 from .install import install_mhla, mhla_parameters, uninstall_mhla
 from .layout import BlockLayout
+from .loading import load_transformer
 from .mixing import MixingMatrix, clamp_mixing_, locality_init
 from .ops import MHLADecodeState, mhla_attention, mhla_decode_step
-from .serialization import load_mhla_parameters, load_transformer, save_mhla_parameters
+from .serialization import load_mhla_parameters, save_mhla_parameters
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """What every entry point (scripts/, eval/, ``python -m mhla_gen.adopt``) does with a user's mistake:
-one line, exit status 2.
+one line, exit status 2; and the command line the training scripts share (:func:`train_main`).
 
 Settings and paths are checked at start-up, before anything is written, and raise
 :class:`~mhla_gen.errors.ConfigError` (a ``ValueError``), ``FileNotFoundError`` or another ``OSError``
@@ -11,10 +11,17 @@ instead. Called in-process (``main(argv)``, the tests), the exceptions propagate
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from .train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
+from .train.dit import DiTTask
+from .train.finetune import SanaTask, WanTask
+from .train.loop import TrainCallback, train
 
 # a user's mistake in settings, data or paths (ConfigError is a ValueError; FileNotFoundError,
 # PermissionError, IsADirectoryError and a read-only file system are OSErrors)
@@ -42,3 +49,47 @@ def run(main: Callable[[], object]) -> None:
 def expand_path(text: str) -> str:
     """argparse ``type`` for paths: ``~`` expanded, as the shell does for unquoted words."""
     return os.path.expanduser(text)
+
+
+# scripts/train_dit.py, finetune_sana.py, finetune_wan.py: config schema and task of each
+TRAIN_TASKS = {
+    "dit": (DiTRunConfig, DiTTask),
+    "sana": (SanaRunConfig, SanaTask),
+    "wan": (WanRunConfig, WanTask),
+}
+
+
+def parse_run_args(
+    schema, description: str, default_config: str | None = None, argv: list[str] | None = None
+):
+    """``schema`` instance from ``--config FILE`` (default ``default_config``) and ``key=value`` overrides
+    (OmegaConf dotlist, :func:`~mhla_gen.train.config.load_config`); sets up console logging."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--config",
+        default=default_config,
+        help=f"YAML listing deviations from the defaults (default: {default_config})",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="OmegaConf dotlist, e.g. train.max_steps=10 output_dir=runs/x"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
+    logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # "Saving current state to ..."
+    # (mhla_gen.train.checkpoint logs one line once a checkpoint is in place)
+    return load_config(schema, args.config, args.overrides)
+
+
+def train_main(
+    kind: str,
+    description: str,
+    default_config: str | None = None,
+    argv: list[str] | None = None,
+    callbacks: Sequence[TrainCallback] = (),
+) -> Path:
+    """The training scripts' ``main``: parse the command line into ``kind``'s config (``dit``, ``sana`` or
+    ``wan``), then :func:`~mhla_gen.train.loop.train` its task with ``callbacks``; returns ``final/``."""
+    schema, task_cls = TRAIN_TASKS[kind]
+    cfg = parse_run_args(schema, description, default_config, argv)
+    return train(cfg, task_cls(cfg), callbacks)

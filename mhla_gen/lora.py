@@ -31,7 +31,16 @@ import numbers
 from pathlib import Path
 
 import torch
+from diffusers.loaders.peft import PeftAdapterMixin
+from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import nn
+
+from .install import CONFIG_KEY, is_mhla_installed, mhla_parameters
+from .processors import processor_class_for_name
+from .serialization import load_mhla_parameters, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +60,6 @@ def check_lora_settings(rank, alpha, rank_name: str = "rank", alpha_name: str = 
 
 
 def _check_peft_support(transformer: nn.Module) -> None:
-    from diffusers.loaders.peft import PeftAdapterMixin
-
     if not isinstance(transformer, PeftAdapterMixin):
         raise ValueError(
             f"{type(transformer).__name__} has no diffusers LoRA support (PeftAdapterMixin); "
@@ -62,8 +69,6 @@ def _check_peft_support(transformer: nn.Module) -> None:
 
 def mark_mhla_trainable(transformer: nn.Module) -> nn.Module:
     """``requires_grad=True`` on every MHLA parameter (undoes peft's freeze); returns ``transformer``."""
-    from .install import mhla_parameters
-
     for param in mhla_parameters(transformer).values():
         param.requires_grad_(True)
     return transformer
@@ -92,8 +97,6 @@ def add_lora(
     Raises:
         ValueError: a model without diffusers' PEFT support (DiT), or a bad rank / alpha.
     """
-    from peft import LoraConfig
-
     _check_peft_support(transformer)
     check_lora_settings(rank, alpha)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), **lora_kwargs)
@@ -104,8 +107,6 @@ def add_lora(
 def lora_parameters(transformer: nn.Module) -> dict[str, nn.Parameter]:
     """``{name: parameter}`` of the LoRA adapter weights: every parameter of a peft tuner layer (the
     wrapped ``to_q`` etc.) except its ``base_layer`` (the pretrained weight). Empty without an adapter."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     found = {}
     for module_name, module in transformer.named_modules():
         if isinstance(module, BaseTunerLayer):
@@ -121,8 +122,6 @@ def lora_training_parameters(transformer: nn.Module) -> list[nn.Parameter]:
     Raises:
         ValueError: the transformer has no LoRA adapter.
     """
-    from .install import mhla_parameters
-
     lora = lora_parameters(transformer)
     if not lora:
         raise ValueError(
@@ -138,8 +137,6 @@ def lora_training_parameters(transformer: nn.Module) -> list[nn.Parameter]:
 
 def _base_config(transformer: nn.Module) -> dict:
     """The architecture part of the model config (no MHLA entry, no private ``_`` keys)."""
-    from .install import CONFIG_KEY
-
     return {k: v for k, v in transformer.config.items() if not k.startswith("_") and k != CONFIG_KEY}
 
 
@@ -166,9 +163,6 @@ def save_lora_mhla(
         subfolder, revision: where in ``base`` the transformer is (``from_pretrained`` arguments).
         adapter_name: the peft adapter to save.
     """
-    from .install import is_mhla_installed
-    from .serialization import save_mhla_parameters
-
     if adapter_name not in getattr(transformer, "peft_config", {}):
         raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter named {adapter_name!r}")
     if not base:
@@ -218,12 +212,6 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
         ValueError: the base has another class or architecture than the one the adapter was trained on,
             or the adapter file does not match the model (keys listed).
     """
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from .processors import processor_class_for_name
-    from .serialization import load_mhla_parameters
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     processor_cls = processor_class_for_name(manifest["class_name"])

@@ -3,7 +3,8 @@
 Saving a whole transformer is diffusers' own ``transformer.save_pretrained(d)``: the MHLA processors are
 ``nn.Module`` children of the attention layers, so their parameters are in the safetensors file, and
 ``install_mhla`` registered the MHLA config into ``config.json`` under the key ``"mhla"``.
-:func:`load_transformer` reads such a folder back (stock folders too: no ``"mhla"`` key, no install).
+:func:`load_saved_transformer` reads such a folder back (stock folders too: no ``"mhla"`` key, no install);
+:func:`mhla_gen.load_transformer` (:mod:`mhla_gen.loading`) reads it and LoRA + MHLA folders alike.
 
 The MHLA parameters alone (a few KB: mixing matrices, CPE, gates) can be exported and imported with
 :func:`save_mhla_parameters` / :func:`load_mhla_parameters`; the MHLA config travels in the file metadata.
@@ -11,11 +12,9 @@ The MHLA parameters alone (a few KB: mixing matrices, CPE, gates) can be exporte
 FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters of a sharded model are ``DTensor`` shards.
 :func:`save_mhla_parameters` then gathers each one (``DTensor.full_tensor()``, a collective: call it on
 every rank) and rank 0 writes the file; :func:`load_mhla_parameters` cuts the full tensors of the file into
-each parameter's own shard (every rank reads the file; no communication). :func:`load_transformer`
+each parameter's own shard (every rank reads the file; no communication). :func:`load_saved_transformer`
 returns a full model: shard it after loading, or load a ``save_pretrained`` folder into an already sharded
 model with ``torch.distributed.checkpoint.state_dict.set_model_state_dict`` (README, "FSDP2").
-A folder written by :func:`mhla_gen.lora.save_lora_mhla` (LoRA adapter + MHLA parameters, no full
-weights) is recognised by :func:`load_transformer` too.
 """
 
 from __future__ import annotations
@@ -74,22 +73,16 @@ def saved_with_mhla(path) -> bool:
     return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
 
 
-def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:
-    """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded.
-
-    A LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters and a manifest,
-    e.g. the ``final/`` of a ``train.trainable=lora`` run) loads too: the pretrained base weights, then
-    MHLA, then the adapter (:func:`mhla_gen.lora.load_lora_mhla`).
+def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=None) -> nn.Module:
+    """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded
+    (use :func:`mhla_gen.load_transformer`, which also reads LoRA + MHLA folders).
 
     Args:
-        path: the folder holding ``config.json`` and the safetensors weights (or a LoRA + MHLA folder).
+        path: the folder holding ``config.json`` and the safetensors weights.
         torch_dtype: cast after loading (None keeps the saved dtype).
         device: move after loading (None keeps CPU).
-        base: LoRA + MHLA folders only: the pretrained checkpoint (folder or hub id) to take the base
-            weights from instead of the one recorded in the folder. Ignored for full folders.
     Returns:
-        the diffusers model (``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or
-        ``WanTransformer3DModel``) in eval mode.
+        the diffusers model in eval mode.
     Raises:
         FileNotFoundError: missing folder, ``config.json`` or weights.
         ValueError: unsupported model class, or weights whose keys do not match (all listed).
@@ -97,10 +90,6 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, 
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"transformer folder {folder} does not exist")
-    from .lora import is_lora_folder, load_lora_mhla
-
-    if is_lora_folder(folder):
-        return load_lora_mhla(folder, base=base, torch_dtype=torch_dtype, device=device)
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
@@ -118,6 +107,16 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, 
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def __getattr__(name: str):
+    """``mhla_gen.serialization.load_transformer``, the name's home before :mod:`mhla_gen.loading`,
+    still works. Looked up on use: ``loading`` imports this module, so importing it here would be a cycle."""
+    if name == "load_transformer":
+        from .loading import load_transformer
+
+        return load_transformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

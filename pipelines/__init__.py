@@ -1,8 +1,29 @@
 """Inference assembly: one module per base model, each returning a stock diffusers pipeline whose
 transformer runs MHLA self-attention (``load_dit_pipeline``, ``load_sana_pipeline``, ``load_wan_pipeline``).
+
+This folder is installed as ``mhla_gen.pipelines`` (pyproject.toml, ``package-dir``): import it by that
+name. Its old top-level name still works where the repo root is on ``sys.path`` (running from a checkout,
+as the scripts and tests do), with a ``DeprecationWarning``, until the next release; ``pipelines`` is no
+longer an installed name, so it cannot clash with another project's package of that name.
 """
 
 from __future__ import annotations
+
+if __name__ == "pipelines":  # this folder imported by its old top-level name
+    import importlib
+    import sys
+    import warnings
+
+    warnings.warn(
+        "`import pipelines` is deprecated and will be removed in the next release; import "
+        "mhla_gen.pipelines instead (e.g. `from mhla_gen.pipelines.dit import load_dit_pipeline`)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    # the old names become the new modules themselves (not second copies of them); the rest of this file
+    # then runs in the discarded module object, and the import statement gets mhla_gen.pipelines
+    for _name in ("", ".dit", ".sana", ".wan"):
+        sys.modules[f"pipelines{_name}"] = importlib.import_module(f"mhla_gen.pipelines{_name}")
 
 from pathlib import Path
 
@@ -11,7 +32,8 @@ from torch import nn
 
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla, is_mhla_installed
-from mhla_gen.serialization import load_transformer, saved_with_mhla
+from mhla_gen.loading import load_transformer
+from mhla_gen.serialization import saved_with_mhla
 
 
 def load_pipeline_transformer(

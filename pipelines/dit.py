@@ -18,6 +18,8 @@ import torch
 from diffusers import DiTPipeline, DiTTransformer2DModel
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.folders import read_marker
+from mhla_gen.train.config import DiTRunConfig, load_config
 
 from . import load_pipeline_transformer
 
@@ -54,8 +56,6 @@ def trained_num_classes(folder) -> int | None:
     """The number of classes a DiT saved in ``folder`` was trained on, as its training run recorded it
     (``final/``'s marker, or the run's ``config.yaml`` next to a ``final/`` written before that record
     existed); None when nothing records it (e.g. a hub checkpoint: its label table is the rule)."""
-    from mhla_gen.folders import read_marker
-
     if folder is None or not Path(folder).is_dir():
         return None
     folder = Path(folder)
@@ -64,8 +64,6 @@ def trained_num_classes(folder) -> int | None:
         return record["num_classes"]
     run = folder.resolve().parent
     if folder.name == "final" and (read_marker(run) or {}).get("kind") == "run":
-        from mhla_gen.train.config import DiTRunConfig, load_config
-
         try:
             return load_config(DiTRunConfig, run / "config.yaml").model.num_classes
         except (ValueError, OSError):

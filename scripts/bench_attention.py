@@ -80,12 +80,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen import BlockLayout, locality_init, mhla_attention  # noqa: E402
-from mhla_gen.cli import run as run_cli  # noqa: E402
-from mhla_gen.folders import check_file_target, file_record  # noqa: E402
-from mhla_gen.train.io import atomic_write_text  # noqa: E402
+from mhla_gen import BlockLayout, locality_init, mhla_attention
+from mhla_gen.cli import run as run_cli
+from mhla_gen.folders import check_file_target, file_record
+from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
 

@@ -52,16 +52,13 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
-from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla
+from mhla_gen.cli import run as run_cli
 
 MODES = ("softmax", "linear", "mhla")
 LABELS = {"softmax": "softmax", "linear": "linear", "mhla": "MHLA"}

@@ -61,13 +61,11 @@ import diffusers
 import torch
 from diffusers import WanTransformer3DModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
-from mhla_gen.cli import run as run_cli  # noqa: E402
-from mhla_gen.folders import check_file_target, file_record  # noqa: E402
-from mhla_gen.install import is_mhla_installed, mhla_processors  # noqa: E402
-from mhla_gen.train.io import atomic_write_text  # noqa: E402
+from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.cli import run as run_cli
+from mhla_gen.folders import check_file_target, file_record
+from mhla_gen.install import is_mhla_installed, mhla_processors
+from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
 
@@ -236,7 +234,7 @@ def device_name(device) -> str:
 
 def run(args) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.tiny:
+    if args.tiny:  # testing_wan builds tiny text encoders: transformers' UMT5 is imported only here
         from mhla_gen.testing_wan import TINY_WAN_CONFIG
 
         config = dict(TINY_WAN_CONFIG)

@@ -4,9 +4,9 @@
         --config-from Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out converted/wan-mhla --dtype bf16
 
 ``--config-from`` is a diffusers Wan pipeline (local folder or hub id), its ``transformer`` folder, or
-a ``config.json``. The output loads with ``mhla_gen.serialization.load_transformer(OUT)`` and plugs into
-``pipelines.wan.load_wan_pipeline(BASE, transformer_path=OUT)``. See ``mhla_gen/convert_wan.py`` for how
-the release differs from this library's defaults.
+a ``config.json``. The output loads with ``mhla_gen.load_transformer(OUT)`` and plugs into
+``mhla_gen.pipelines.wan.load_wan_pipeline(BASE, transformer_path=OUT)``. See ``mhla_gen/convert_wan.py``
+for how the release differs from this library's defaults.
 """
 
 from __future__ import annotations

@@ -2,23 +2,15 @@
 
 python scripts/finetune_wan.py --config configs/wan_mhla_hybrid.yaml model.pretrained=PATH data.path=DIR
 accelerate launch --config_file configs/accelerate/ddp.yaml scripts/finetune_wan.py --config ... key=value
+
+Same program as finetune_sana.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.WanTask).
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for scripts._cli (mhla_gen is installed)
-
-from mhla_gen.cli import run  # noqa: E402
-from mhla_gen.train.config import WanRunConfig  # noqa: E402
-from mhla_gen.train.finetune import WanTask  # noqa: E402
-from mhla_gen.train.loop import train  # noqa: E402
-from scripts._cli import parse_run_args  # noqa: E402
+from mhla_gen.cli import run, train_main
 
 
 def main(argv=None):
-    cfg = parse_run_args(WanRunConfig, __doc__.splitlines()[0], None, argv)
-    train(cfg, WanTask(cfg))
+    return train_main("wan", __doc__.splitlines()[0], None, argv)
 
 
 if __name__ == "__main__":

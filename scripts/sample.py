@@ -27,6 +27,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import claim, owned
+from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline, trained_num_classes
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
 WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
@@ -106,8 +107,6 @@ def image_grid(images: list[Image.Image], max_cols: int = 8) -> Image.Image:
 
 
 def sample_dit(args, mhla, dtype) -> list[Image.Image]:
-    from pipelines.dit import check_class_labels, load_dit_pipeline
-
     pipe = load_dit_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     check_class_labels(pipe.transformer, args.labels, args.guidance, trained_classes(args))
     if args.height is not None or args.width is not None:
@@ -131,7 +130,7 @@ def sample_dit(args, mhla, dtype) -> list[Image.Image]:
 
 
 def sample_sana(args, mhla, dtype) -> list[Image.Image]:
-    from pipelines.sana import load_sana_pipeline
+    from mhla_gen.pipelines.sana import load_sana_pipeline  # imports the text encoder: only when used
 
     pipe = load_sana_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
@@ -151,7 +150,7 @@ def sample_sana(args, mhla, dtype) -> list[Image.Image]:
 def sample_wan(args, mhla, dtype, out: Path) -> list[Path]:
     from diffusers.utils import export_to_video
 
-    from pipelines.wan import load_wan_pipeline
+    from mhla_gen.pipelines.wan import load_wan_pipeline  # imports the text encoder: only when used
 
     pipe = load_wan_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
     height, width = check_wan_size(args, pipe)
@@ -197,8 +196,6 @@ def check_wan_size(args, pipe) -> tuple[int, int]:
 
 def trained_classes(args) -> int | None:
     """The classes the DiT was trained on, where its folder records them (training runs do)."""
-    from pipelines.dit import trained_num_classes
-
     return trained_num_classes(args.transformer or Path(args.model) / "transformer")
 
 

@@ -55,6 +55,16 @@ def test_unknown_yaml_key_is_named(tmp_path):
         load_config(DiTRunConfig, f)
 
 
+def test_a_run_config_from_before_the_debug_section_left_still_loads(tmp_path):
+    """Fault injection moved to tests/fault_injection.py: an older run's config.yaml (with its debug
+    section) loads, and the keys are unknown on the command line."""
+    f = tmp_path / "config.yaml"
+    f.write_text("seed: 3\ndebug:\n  kill_after_step: 0\n  kill_during_checkpoint: 0\n")
+    assert load_config(DiTRunConfig, f).seed == 3
+    with pytest.raises(ValueError, match="debug"):
+        load_config(DiTRunConfig, None, ["debug.kill_after_step=3"])
+
+
 @pytest.mark.parametrize(
     "override, named",
     [

@@ -138,9 +138,9 @@ def test_lora_mhla_folder_round_trip(tmp_path, base, caplog):
     assert [r.levelno for r in caplog.records if "was trained on" in r.getMessage()] == [logging.WARNING]
 
     if base == "sana":
-        from pipelines.sana import load_sana_pipeline as load_pipeline
+        from mhla_gen.pipelines.sana import load_sana_pipeline as load_pipeline
     else:
-        from pipelines.wan import load_wan_pipeline as load_pipeline
+        from mhla_gen.pipelines.wan import load_wan_pipeline as load_pipeline
     pipe = load_pipeline(tmp_path / "moved", transformer_path=tmp_path / "final", torch_dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(forward(pipe.transformer), expected)

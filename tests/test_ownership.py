@@ -61,14 +61,14 @@ def _work_entry_points():
     import diffusers
 
     import mhla_gen.convert_wan
-    import mhla_gen.serialization
-    import pipelines.dit
+    import mhla_gen.loading
+    import mhla_gen.pipelines.dit
     from mhla_gen.data.images import CaptionedImageFolder
     from mhla_gen.train.dit import DiTTask
 
     return [(DiTTask, "build_transformer"), (diffusers.AutoencoderKL, "from_pretrained"),
-            (mhla_gen.convert_wan, "convert_wan_checkpoint"), (mhla_gen.serialization, "load_transformer"),
-            (pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load")]
+            (mhla_gen.convert_wan, "convert_wan_checkpoint"), (mhla_gen.loading, "load_transformer"),
+            (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load")]
 
 
 def _no_work(*args, **kwargs):

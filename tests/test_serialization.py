@@ -53,6 +53,19 @@ def test_load_transformer_of_stock_folder_and_dtype(tmp_path):
     assert torch.equal(sana_call(load_transformer(tmp_path)), sana_call(model))
 
 
+def test_load_transformer_keeps_its_old_home():
+    """load_transformer lives in mhla_gen.loading (above serialization and lora, which it dispatches to);
+    ``from mhla_gen.serialization import load_transformer`` still gives the same function."""
+    import mhla_gen
+    import mhla_gen.loading
+    import mhla_gen.serialization
+    from mhla_gen.serialization import load_transformer as old
+
+    assert old is mhla_gen.load_transformer is mhla_gen.loading.load_transformer
+    with pytest.raises(AttributeError, match="no attribute 'load_nothing'"):
+        mhla_gen.serialization.load_nothing  # noqa: B018
+
+
 def test_load_transformer_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         load_transformer(tmp_path / "nope")

@@ -16,6 +16,7 @@ from train_helpers import (
     max_abs_diff,
     read_metrics,
     run_inprocess,
+    run_killed,
     run_subprocess,
     run_torchrun,
 )
@@ -68,18 +69,17 @@ def test_resume_continues_step_count_and_matches(reference_run, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill", ["debug.kill_after_step=3", "debug.kill_during_checkpoint=4"])
+@pytest.mark.parametrize("kill", ["kill_after_step=3", "kill_during_checkpoint=4"])
 def test_sigkill_then_resume_equals_uninterrupted(reference_run, tmp_path, kill):
     """A SIGKILLed run (after step 3, or halfway through saving checkpoint 4) resumed from its last
     complete checkpoint ends with exactly the uninterrupted weights."""
-    killed = run_subprocess(
-        "train_dit.py",
+    killed = run_killed(
+        kill,
         "--config",
         TINY,
         f"output_dir={tmp_path}",
         "train.max_steps=5",
         "log.trackers=[tensorboard]",
-        kill,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # console: the checkpoint line stands on its own line, not inside the progress bar's

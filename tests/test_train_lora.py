@@ -121,9 +121,9 @@ def test_lora_finetune_final_folder_and_exact_resume(script, sana_setup, wan_set
     assert all(torch.equal(base[k], pretrained[k]) for k in pretrained)
 
     if "sana" in script:
-        from pipelines.sana import load_sana_pipeline as load_pipeline
+        from mhla_gen.pipelines.sana import load_sana_pipeline as load_pipeline
     else:
-        from pipelines.wan import load_wan_pipeline as load_pipeline
+        from mhla_gen.pipelines.wan import load_wan_pipeline as load_pipeline
     pipe = load_pipeline(setup / "ckpt", transformer_path=final, torch_dtype=torch.float32)
     assert pipe.transformer.mhla_config == model.mhla_config and "default" in pipe.transformer.peft_config
 

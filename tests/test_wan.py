@@ -217,7 +217,7 @@ def test_grid_carrying_rotary_embedding_is_required():
 
 
 def test_pipeline_generates_video_end_to_end(tmp_path):
-    from pipelines.wan import load_wan_pipeline
+    from mhla_gen.pipelines.wan import load_wan_pipeline
 
     pipe = tiny_wan_pipeline()
     install_mhla(pipe.transformer, MHLAConfig(blocks=(2, 2, 2)))

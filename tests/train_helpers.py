@@ -48,6 +48,15 @@ def run_subprocess(script: str, *args: str, timeout: int = 240):
     )
 
 
+def run_killed(kill: str, *args: str, timeout: int = 240):
+    """scripts/train_dit.py with ``args`` in a fresh interpreter, SIGKILLed at ``kill``
+    (``kill_after_step=N`` or ``kill_during_checkpoint=N``, tests/fault_injection.py)."""
+    cmd = [PYTHON, str(REPO / "tests" / "fault_injection.py"), kill, *args]
+    return subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
     """``ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node <nproc> scripts/<script> args``: real
     gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one)."""

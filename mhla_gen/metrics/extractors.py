@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.digits import digits_tensors
+
 
 def default_cache_dir() -> Path:
     """``$MHLA_GEN_CACHE`` or ``~/.cache/mhla_gen``."""
@@ -88,8 +90,6 @@ class DigitsCNN(nn.Module):
 
 def train_digits_cnn(seed: int = 0, epochs: int = 12, test_fraction: float = 0.2) -> tuple[DigitsCNN, float]:
     """Train :class:`DigitsCNN` on a seeded train split of the 1797 digits; returns (model, test accuracy)."""
-    from ..data.digits import digits_tensors
-
     images, labels = digits_tensors(DigitsCNN.resolution)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(images), generator=gen)

@@ -88,7 +88,8 @@ def save_checkpoint(
 ) -> Path:
     """``accelerator.save_state`` into a temp folder, then rename it to ``checkpoint_<step>`` atomically.
 
-    ``before_commit`` (tests only) runs after the state is written and before the rename.
+    ``before_commit`` (main process) runs after the state is written and before the rename (:func:`train`
+    calls its callbacks' ``on_checkpoint_staged`` there).
     """
     root = checkpoint_root(output_dir)
     tmp = root / f".tmp-checkpoint_{step}"

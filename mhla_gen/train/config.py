@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..config import MHLAConfig
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
+from ..lora import check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
 
@@ -65,8 +66,6 @@ class TrainConfig:
             raise ValueError(f"train.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.trainable not in ("all", "mhla", "lora"):
             raise ValueError(f"train.trainable must be all, mhla or lora, got {self.trainable!r}")
-        from ..lora import check_lora_settings
-
         check_lora_settings(self.lora_rank, self.lora_alpha, "train.lora_rank", "train.lora_alpha")
         for name in (
             "max_steps",
@@ -108,14 +107,6 @@ class LogConfig:
 
 
 @dataclass
-class DebugConfig:
-    """Fault injection used by the tests (SIGKILL is what a preempted job gets: no cleanup at all)."""
-
-    kill_after_step: int = 0  # SIGKILL this process right after step N and its checkpoint (0 = off)
-    kill_during_checkpoint: int = 0  # SIGKILL halfway through writing the checkpoint of step N (0 = off)
-
-
-@dataclass
 class RunConfig:
     """Keys every training script has."""
 
@@ -125,7 +116,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     mhla: MHLAConfig = field(default_factory=MHLAConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
         if not 0 <= self.seed < 2**32:  # numpy's seed range (accelerate's set_seed seeds numpy too)
@@ -325,7 +315,7 @@ def load_config(
         path = Path(config_file)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        merged = _merge(merged, lambda: OmegaConf.load(path), f"in {path}")
+        merged = _merge(merged, lambda: _without_retired(OmegaConf.load(path), schema), f"in {path}")
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -337,6 +327,14 @@ def load_config(
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _without_retired(conf, schema: type):
+    """The ``config.yaml`` of a run from an earlier version still loads: its ``debug`` section (test-only
+    fault injection, now ``tests/fault_injection.py``) is dropped. On the command line it is unknown."""
+    if isinstance(schema, type) and issubclass(schema, RunConfig) and "debug" in conf:
+        conf.pop("debug")
+    return conf
 
 
 def _expand_home(cfg: T) -> T:

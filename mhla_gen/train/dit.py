@@ -9,16 +9,32 @@ space. Samples come out of diffusers' ``DiTPipeline``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from pathlib import Path
 
 import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DDPMScheduler,
+    DiTPipeline,
+    DiTTransformer2DModel,
+    DPMSolverMultistepScheduler,
+)
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.autoencoders.vae import DecoderOutput
+from diffusers.models.embeddings import LabelEmbedding
+from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import MHLAConfig
+from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data.images import class_folders, require_dir
+from ..metrics.extractors import digits_extractor, extract_features
+from ..metrics.fid import fid_from_features
+from .attention import attention_mhla_config, check_mhla_layers, install_attention
 from .config import ConfigError, DiTRunConfig
 from .loop import TrainTask
 from .objectives import DDPMLoss
@@ -30,17 +46,6 @@ DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (
 _PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__ hard-codes this id for the unconditional branch
 DIGITS_CLASSES, DIGITS_ITEMS = 10, 1797  # scikit-learn's load_digits
-
-
-def check_mhla_layers(mhla: MHLAConfig | None, num_layers: int) -> None:
-    """``mhla.layers`` must name existing self-attention layers, once each (``install_mhla``'s rule)."""
-    if mhla is None or mhla.layers is None:
-        return
-    bad = sorted({i for i in mhla.layers if not 0 <= i < num_layers})
-    repeated = sorted({i for i in mhla.layers if mhla.layers.count(i) > 1})
-    if bad or repeated:
-        what = f"{bad} out of range 0..{num_layers - 1}" if bad else f"{repeated} listed twice"
-        raise ConfigError(f"mhla.layers={mhla.layers}: layers {what} (the model has {num_layers} layers)")
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -72,25 +77,6 @@ def dit_architecture(model_cfg) -> dict:
     return arch
 
 
-def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:
-    """``softmax`` -> None; ``linear`` -> one block per axis (global ReLU linear attention, as SANA);
-    ``mhla`` -> ``mhla`` as configured. Everything else stays equal, so the three compare fairly."""
-    if attention == "softmax":
-        return None
-    if attention == "linear":
-        return dataclasses.replace(mhla, blocks=(1,) * len(mhla.blocks))
-    return mhla
-
-
-def install_attention(transformer: nn.Module, attention: str, mhla: MHLAConfig) -> nn.Module:
-    cfg = attention_mhla_config(attention, mhla)
-    if cfg is not None:
-        from ..install import install_mhla
-
-        install_mhla(transformer, cfg)
-    return transformer
-
-
 @torch.no_grad()
 def dit_initialize_(transformer: nn.Module) -> None:
     """DiT's init (``models.py: initialize_weights``): xavier linears, N(0, 0.02) embeddings, and the
@@ -119,8 +105,6 @@ def disable_block_label_dropout(transformer: nn.Module) -> None:
     """diffusers' DiT has one label embedder per block, each dropping labels independently with the
     global RNG while training; DiT drops a sample's label once. The task drops labels itself (seeded,
     once per sample), so the embedders' own dropout is switched off (the null row stays)."""
-    from diffusers.models.embeddings import LabelEmbedding
-
     for m in transformer.modules():
         if isinstance(m, LabelEmbedding):
             m.dropout_prob = 0.0
@@ -131,7 +115,7 @@ def label_table_size(num_classes: int) -> int:
 
     ``DiTPipeline.__call__`` hard-codes class 1000 for the unconditional branch, so smaller datasets keep
     the 1000-entry label table (rows ``num_classes..999`` are never used) and the model samples with the
-    stock pipeline, ``pipelines.dit`` and ``eval/`` unchanged. The null id used for label dropout is
+    stock pipeline, ``mhla_gen.pipelines.dit`` and ``eval/`` unchanged. The null id used for label dropout is
     this value too.
     """
     if num_classes > PIPELINE_NULL_CLASS:
@@ -142,27 +126,24 @@ def label_table_size(num_classes: int) -> int:
     return PIPELINE_NULL_CLASS
 
 
-def identity_vae():
+class IdentityVAE(ModelMixin, ConfigMixin):
     """A pixel-space stand-in for ``AutoencoderKL`` in ``DiTPipeline``: ``decode(z).sample = z``, scale 1."""
-    from diffusers.configuration_utils import ConfigMixin, register_to_config
-    from diffusers.models.autoencoders.vae import DecoderOutput
-    from diffusers.models.modeling_utils import ModelMixin
 
-    class IdentityVAE(ModelMixin, ConfigMixin):
-        @register_to_config
-        def __init__(self, scaling_factor: float = 1.0):
-            super().__init__()
-            self.register_buffer("anchor", torch.zeros(()), persistent=False)  # gives the module a device
+    @register_to_config
+    def __init__(self, scaling_factor: float = 1.0):
+        super().__init__()
+        self.register_buffer("anchor", torch.zeros(()), persistent=False)  # gives the module a device
 
-        def decode(self, z, return_dict: bool = True):
-            return DecoderOutput(sample=z) if return_dict else (z,)
+    def decode(self, z, return_dict: bool = True):
+        return DecoderOutput(sample=z) if return_dict else (z,)
 
+
+def identity_vae() -> IdentityVAE:
     return IdentityVAE()
 
 
 def make_sampler(name: str, train_scheduler):
-    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
-
+    """The sampling scheduler ``diffusion.sampler`` (ddim | dpm | ddpm) on the training schedule."""
     classes = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler, "ddpm": DDPMScheduler}
     if name not in classes:
         raise ValueError(f"diffusion.sampler must be one of {sorted(classes)}, got {name!r}")
@@ -172,8 +153,6 @@ def make_sampler(name: str, train_scheduler):
 
 class _DigitsDataset(Dataset):
     def __init__(self, resolution: int):
-        from ..data import digits_tensors
-
         images, self.labels = digits_tensors(resolution)
         self.pixels = images * 2.0 - 1.0  # [-1, 1] as DiTPipeline's output mapping expects
 
@@ -189,8 +168,6 @@ class DiTTask(TrainTask):
 
     def __init__(self, cfg: DiTRunConfig):
         super().__init__(cfg)
-        from diffusers import DDPMScheduler
-
         d = cfg.diffusion
         self.scheduler = DDPMScheduler(
             num_train_timesteps=d.num_train_timesteps,
@@ -201,29 +178,16 @@ class DiTTask(TrainTask):
             variance_type="learned_range" if cfg.model.learn_sigma else "fixed_small",
         )
         self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma)
-        self.vae = None
+        self.vae = None  # the data's AutoencoderKL, frozen (setup); None in pixel space
         self.latent_scale = 1.0
         self._dataset = None
 
     # ---------------------------------------------------------------------------------- model
-    def _load_vae(self):
-        """The data's AutoencoderKL (frozen), or None in pixel space."""
-        data = self.cfg.data
-        if self.vae is None and data.vae is not None and data.source != "digits":
-            from diffusers import AutoencoderKL
-
-            self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
-            self.vae.requires_grad_(False).eval()
-            self.latent_scale = self.vae.config.scaling_factor
-        return self.vae
-
     def _vae_config(self) -> dict | None:
         """The data VAE's ``config.json`` (no weights loaded), or None in pixel space."""
         data = self.cfg.data
         if data.vae is None or data.source == "digits":
             return None
-        from diffusers import AutoencoderKL
-
         try:
             return dict(AutoencoderKL.load_config(data.vae, subfolder=data.vae_subfolder))
         except OSError as err:
@@ -235,8 +199,6 @@ class DiTTask(TrainTask):
         if data.source == "digits":
             return 1, data.resolution
         if data.source == "latents":
-            from ..data import LatentCacheDataset
-
             shape = LatentCacheDataset(data.path).latents.shape  # (N, 2, C, h, w)
             return shape[2], shape[3]
         vae = self._vae_config()
@@ -289,16 +251,12 @@ class DiTTask(TrainTask):
 
     def _check_classes(self) -> None:
         """``model.num_classes`` must equal the data's class count (folders, or the latent cache's labels)."""
-        from ..data.images import class_folders, require_dir
-
         data, want = self.cfg.data, self.cfg.model.num_classes
         root = require_dir(data.path, "data.path")
         if data.source == "folder":
             found = len(class_folders(root, "data.path"))
             what = f"{found} class folders with images"
         else:
-            from ..data import LatentCacheDataset
-
             cache = LatentCacheDataset(root)
             found = int(cache.meta.get("num_classes", int(cache.labels.max()) + 1))
             if len(cache.labels) and int(cache.labels.max()) >= want:
@@ -313,8 +271,6 @@ class DiTTask(TrainTask):
     def _check_cache_vae(self) -> None:
         """A latent cache records the VAE and scaling factor it was encoded with; ``data.vae`` (which
         decodes the samples) must be that VAE, with that scaling factor."""
-        from ..data import LatentCacheDataset
-
         data = self.cfg.data
         meta = LatentCacheDataset(data.path).meta
         if data.vae is None:
@@ -339,23 +295,17 @@ class DiTTask(TrainTask):
         if data.source == "digits":
             return DIGITS_ITEMS
         if data.source == "latents":
-            from ..data import LatentCacheDataset
-
             return len(LatentCacheDataset(data.path))
         return len(self._folder_dataset())
 
     def _folder_dataset(self):
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
         if self._dataset is None:
-            from ..data import ClassFolderDataset
-
             self._dataset = ClassFolderDataset(self.cfg.data.path, self.cfg.data.resolution, "data.path")
         return self._dataset
 
     def _check_init_from(self, channels: int, size: int) -> None:
         """``model.init_from`` must be a DiT whose input and label table fit the data."""
-        from diffusers import DiTTransformer2DModel
-
         m = self.cfg.model
         path = Path(m.init_from)
         sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
@@ -391,8 +341,6 @@ class DiTTask(TrainTask):
         return {"num_classes": self.cfg.model.num_classes}
 
     def build_transformer(self) -> nn.Module:
-        from diffusers import DiTTransformer2DModel
-
         m = self.cfg.model
         arch = dit_architecture(m)
         channels, size = self._channels_and_size()
@@ -417,17 +365,23 @@ class DiTTask(TrainTask):
         return install_attention(transformer, m.attention, self.cfg.mhla)
 
     # ----------------------------------------------------------------------------------- data
+    def setup(self, accelerator) -> None:
+        """In latent space (``data.vae`` set, not digits): the data's ``AutoencoderKL``, frozen, on the
+        device. It encodes class-folder images on the fly and decodes the sample grids."""
+        data = self.cfg.data
+        if data.vae is None or data.source == "digits":
+            return
+        self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
+        self.vae.requires_grad_(False).eval().to(accelerator.device)
+        self.latent_scale = self.vae.config.scaling_factor
+
     def build_dataset(self, accelerator) -> Dataset:
         data = self.cfg.data
         if data.source == "digits":
             return _DigitsDataset(data.resolution)
         if data.path is None:
             raise ValueError(f"data.path is required for data.source={data.source}")
-        if self._load_vae() is not None:
-            self.vae.to(accelerator.device)
         if data.source == "latents":
-            from ..data import LatentCacheDataset
-
             return LatentCacheDataset(data.path)
         return self._folder_dataset()
 
@@ -458,8 +412,8 @@ class DiTTask(TrainTask):
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
-        from diffusers import DiTPipeline
-
+        """``DiTPipeline`` around ``transformer``: the data's VAE (after :meth:`setup`; identity in pixel
+        space) and the ``diffusion.sampler`` scheduler."""
         vae = self.vae if self.vae is not None else identity_vae()
         return DiTPipeline(
             transformer=transformer,
@@ -494,10 +448,6 @@ class DiTTask(TrainTask):
         ev = self.cfg.eval
         if ev.fid_num_samples <= 0 or self.cfg.data.source != "digits":  # validate() refused the latter
             return {}
-        from ..data import digits_tensors
-        from ..metrics.extractors import digits_extractor, extract_features
-        from ..metrics.fid import fid_from_features
-
         n_classes = self.cfg.model.num_classes
         labels = [i % n_classes for i in range(ev.fid_num_samples)]
         fake = torch.cat(

@@ -12,13 +12,19 @@ import logging
 import math
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
+from ..data.images import require_dir
+from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..lora import add_lora, save_lora_mhla
+from .attention import attention_mhla_config, check_mhla_layers, install_attention
 from .config import ConfigError
-from .dit import attention_mhla_config, check_mhla_layers, install_attention
 from .loop import TrainTask
 from .objectives import flow_matching_loss, flow_matching_sigmas
 
@@ -37,7 +43,7 @@ class FlowFinetuneTask(TrainTask):
         super().__init__(cfg)
         if not cfg.model.pretrained:
             raise ValueError("model.pretrained is required: a diffusers checkpoint folder or hub id")
-        self.frozen = None  # the pipeline without its transformer: tokenizer, text encoder, VAE, scheduler
+        self.frozen = None  # setup(): the pipeline minus its transformer (text encoder, VAE, scheduler)
         self._raw = None  # the captioned dataset, listed once (validation counts it, the cache reads it)
 
     # ---------------------------------------------------------------------------------- model
@@ -53,8 +59,6 @@ class FlowFinetuneTask(TrainTask):
         }
 
     def build_transformer(self) -> nn.Module:
-        import diffusers
-
         cls = getattr(diffusers, self.transformer_cls_name)
         transformer = cls.from_pretrained(
             self.cfg.model.pretrained,
@@ -64,8 +68,6 @@ class FlowFinetuneTask(TrainTask):
         )
         install_attention(transformer, self.cfg.model.attention, self.cfg.mhla)
         if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
-            from ..lora import add_lora
-
             add_lora(transformer, self.cfg.train.lora_rank, self.cfg.train.lora_alpha)
         return transformer
 
@@ -74,8 +76,6 @@ class FlowFinetuneTask(TrainTask):
         rebuilds the model from the three); otherwise the whole transformer (``save_pretrained``)."""
         if self.cfg.train.trainable != "lora":
             return super().save_final(transformer, folder)
-        from ..lora import save_lora_mhla
-
         save_lora_mhla(
             transformer,
             folder,
@@ -84,24 +84,23 @@ class FlowFinetuneTask(TrainTask):
             revision=self.cfg.model.revision,
         )
 
-    def frozen_pipeline(self, device):
-        """The checkpoint's pipeline minus the transformer, frozen, in ``model.dtype`` on ``device``."""
-        if self.frozen is None:
-            import diffusers
-
-            cls = getattr(diffusers, self.pipeline_cls_name)
-            pipe = cls.from_pretrained(
-                self.cfg.model.pretrained,
-                transformer=None,
-                revision=self.cfg.model.revision,
-                dtype=DTYPES[self.cfg.model.dtype],
-            )
-            pipe.set_progress_bar_config(disable=True)
-            self.frozen = pipe.to(device)
-        return self.frozen
+    def setup(self, accelerator) -> None:
+        """The checkpoint's pipeline minus the transformer (tokenizer, text encoder, VAE, scheduler),
+        frozen, in ``model.dtype`` on the device: it encodes the feature cache, gives the scheduler's
+        shift and timesteps to the loss, and assembles the sampling pipeline."""
+        cls = getattr(diffusers, self.pipeline_cls_name)
+        pipe = cls.from_pretrained(
+            self.cfg.model.pretrained,
+            transformer=None,
+            revision=self.cfg.model.revision,
+            dtype=DTYPES[self.cfg.model.dtype],
+        )
+        pipe.set_progress_bar_config(disable=True)
+        self.frozen = pipe.to(accelerator.device)
 
     @property
     def shift(self) -> float:
+        """``flow.shift``, else the checkpoint scheduler's (after :meth:`setup`)."""
         if self.cfg.flow.shift is not None:
             return self.cfg.flow.shift
         config = self.frozen.scheduler.config
@@ -110,8 +109,6 @@ class FlowFinetuneTask(TrainTask):
     # --------------------------------------------------------------------------------- checks
     def _component_config(self, cls_name: str, subfolder: str | None) -> dict:
         """``config.json`` (``model_index.json`` for the pipeline) of ``model.pretrained``, no weights."""
-        import diffusers
-
         pretrained = self.cfg.model.pretrained
         local = Path(pretrained).expanduser()
         if (local.exists() or pretrained.startswith((".", "/", "~"))) and not local.is_dir():
@@ -132,9 +129,6 @@ class FlowFinetuneTask(TrainTask):
     def validate(self) -> None:
         """Checkpoint family, sizes vs VAE / patch / pipeline, MHLA blocks vs the token grid, data and
         cache folders: all before the pipeline is loaded or any item is encoded."""
-        from ..data.images import require_dir
-        from ..data.latents import FEATURE_CACHE, check_cache_target
-
         index = self._component_config("DiffusionPipeline", None)
         if index.get("_class_name") != self.pipeline_cls_name:
             raise ConfigError(
@@ -191,10 +185,9 @@ class FlowFinetuneTask(TrainTask):
         raise NotImplementedError
 
     def build_dataset(self, accelerator) -> Dataset:
-        from ..data import FeatureCacheDataset, build_feature_cache
-
+        """The feature cache of every item (encoded once with :meth:`encode`, reused when its
+        fingerprint matches)."""
         data = self.cfg.data
-        self.frozen_pipeline(accelerator.device)
         cache_dir = self.cache_dir
         raw = self.listed_dataset()
         fingerprint = {
@@ -249,8 +242,6 @@ class SanaTask(FlowFinetuneTask):
         return d.height // (factor * patch), d.width // (factor * patch)
 
     def raw_dataset(self) -> Dataset:
-        from ..data import CaptionedImageFolder
-
         return CaptionedImageFolder(self.cfg.data.path, self.cfg.data.height, self.cfg.data.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
@@ -315,8 +306,6 @@ class WanTask(FlowFinetuneTask):
         return frames // pt, d.height // (spatial * ph), d.width // (spatial * pw)
 
     def raw_dataset(self) -> Dataset:
-        from ..data import CaptionedVideoFolder
-
         d = self.cfg.data
         return CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
 
@@ -338,8 +327,6 @@ class WanTask(FlowFinetuneTask):
 
     def sample_images(self, transformer) -> tuple[list, int]:
         """One row per prompt: up to 8 evenly spaced frames of the generated video."""
-        from PIL import Image
-
         d = self.cfg.data
         frames = self.pipeline(transformer)(
             prompt=list(d.sample_prompts),

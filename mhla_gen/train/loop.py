@@ -1,9 +1,14 @@
 """The one Accelerate training loop shared by DiT, SANA and Wan; a :class:`TrainTask` supplies the rest.
 
-    cfg -> Accelerator -> task.build_transformer / build_dataset -> AdamW (+ EMA) -> prepare
-        -> resume (atomic checkpoint, seeded sampler + skip_first_batches, step count)
-        -> loop: task.loss -> backward -> clip -> step -> clamp_mixing_ -> EMA -> log / checkpoint / sample
-        -> output_dir/final (EMA weights where used) -> task.finish (e.g. FID)
+:func:`train` runs four stages, top to bottom, sharing one :class:`Run`:
+
+    start_run  Accelerator, every check (task.validate, batch sizes, start plan), then output_dir claimed
+               and config.yaml written: nothing is written before the checks pass
+    build      task.build_transformer -> AdamW (+ EMA) -> task.setup -> task.build_dataset -> prepare
+               -> resume (atomic checkpoint, seeded sampler + skip_first_batches, step count)
+    run_steps  task.loss -> backward -> clip -> step -> clamp_mixing_ -> EMA -> log / checkpoint /
+               callbacks / sample grid, whichever is due
+    finish     output_dir/final (EMA weights where used) -> last sample grid -> task.finish (e.g. FID)
 
 Exact resume: the data order comes from Accelerate's seedable sampler (epoch-seeded) plus
 ``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
@@ -17,26 +22,39 @@ this run is about to redo) are dropped from ``metrics.jsonl``; a folder holding 
 and TensorBoard hides the events past it (``SummaryWriter(purge_step=start + 1)``). The output folder is
 a folder this project marked as a run (:mod:`mhla_gen.folders`): any other non-empty folder is refused,
 and ``final/`` is written in a temporary sibling and put in place when complete.
+
+FSDP is decided once (:attr:`Run.fsdp`): EMA is refused at start-up, sample grids are skipped while
+training, and :func:`finish` gathers the full weights into a fresh ``task.build_transformer()``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration, skip_first_batches
+from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..folders import check_replaceable, check_temp, claim, fresh_temp, owned, replace_with, write_marker
+from ..lora import lora_training_parameters
 from ..mixing import clamp_mixing_
+from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
-from .config import ConfigError, RunConfig, config_to_dict, config_to_yaml
+from .config import ConfigError, RunConfig, TrainConfig, config_to_dict, config_to_yaml
 from .io import append_jsonl, atomic_write_text, read_jsonl
 from .randomness import StepRandom
 
@@ -46,25 +64,15 @@ RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.folders.KIND
 
 
 class TrainTask:
-    """What one model family plugs into :func:`train`. Subclasses: DiT, SANA, Wan tasks."""
+    """What one model family plugs into :func:`train` (DiT, SANA, Wan tasks). The methods are listed in
+    the order a run calls them: checks before any work, then model, frozen parts, data, the loss of every
+    micro-step, the sample grids, and the end of the run."""
 
     name = "task"
     collate_fn = None
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-
-    def signature(self) -> dict:
-        """Settings that decide the parameter shapes; a checkpoint made with others is refused."""
-        raise NotImplementedError
-
-    def build_transformer(self) -> nn.Module:
-        """The transformer to train, MHLA installed (float32 master weights)."""
-        raise NotImplementedError
-
-    def build_dataset(self, accelerator) -> Dataset:
-        """Training items (dicts of tensors). Caches are built here (main process first)."""
-        raise NotImplementedError
 
     def validate(self) -> None:
         """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
@@ -75,6 +83,25 @@ class TrainTask:
         when unknown until the dataset is built."""
         return None
 
+    def signature(self) -> dict:
+        """Settings that decide the parameter shapes; a checkpoint made with others is refused."""
+        raise NotImplementedError
+
+    def build_transformer(self) -> nn.Module:
+        """The transformer to train, MHLA installed (float32 master weights)."""
+        raise NotImplementedError
+
+    def setup(self, accelerator) -> None:
+        """Load what the task needs besides the transformer (a frozen VAE, text encoders) onto
+        ``accelerator.device``. :func:`train` calls it once per run, after :meth:`build_transformer` and
+        before :meth:`build_dataset`, in every process (the main process first: downloads are cached
+        once). Nothing by default."""
+
+    def build_dataset(self, accelerator) -> Dataset:
+        """Training items (dicts of tensors). Caches are built here (main process first), with what
+        :meth:`setup` loaded."""
+        raise NotImplementedError
+
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """Scalar training loss of one micro-batch; every random draw goes through ``rnd``."""
         raise NotImplementedError
@@ -82,10 +109,6 @@ class TrainTask:
     def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
         """``(PIL images, columns)`` for a sample grid, through the real diffusers pipeline."""
         return [], 1
-
-    def finish(self, transformer: nn.Module, accelerator) -> dict:
-        """End-of-run evaluation (main process, final weights); returns metrics to record."""
-        return {}
 
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
         """Write the final weights into ``folder`` (main process): ``save_pretrained`` by default."""
@@ -95,53 +118,93 @@ class TrainTask:
         """Facts recorded in ``final/``'s marker that later commands check against (e.g. DiT's classes)."""
         return {}
 
-
-def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
-    """``all``: every parameter; ``mhla``: only those of the MHLA processors; ``lora``: the LoRA adapter
-    and the MHLA parameters (``mhla_gen.lora``). The others are frozen."""
-    if which == "all":
-        params = list(transformer.parameters())
-    elif which == "lora":
-        from ..lora import lora_training_parameters
-
-        params = lora_training_parameters(transformer)
-    else:
-        from ..processors.base import MHLAProcessor
-
-        params = [p for m in transformer.modules() if isinstance(m, MHLAProcessor) for p in m.parameters()]
-        if not params:
-            raise ValueError(
-                "train.trainable=mhla but the transformer has no MHLA processors (model.attention=softmax?)"
-            )
-    keep = {id(p) for p in params}
-    for p in transformer.parameters():
-        p.requires_grad_(id(p) in keep)
-    return params
+    def finish(self, transformer: nn.Module, accelerator) -> dict:
+        """End-of-run evaluation (main process, final weights); returns metrics to record."""
+        return {}
 
 
-def save_image_grid(images: list, columns: int, path: Path) -> None:
-    """Tile PIL images into one PNG (written through a temp file)."""
-    from PIL import Image
+class TrainCallback:
+    """Points of a run where :func:`train` calls out; each method does nothing here. Subclass it to watch
+    or interrupt a run, and pass instances as ``train(cfg, task, callbacks=[...])`` (the tests' fault
+    injection, ``tests/fault_injection.py``, SIGKILLs the process from these points)."""
 
-    if not images:
-        return
-    w, h = images[0].size
-    rows = math.ceil(len(images) / columns)
-    grid = Image.new(images[0].mode, (columns * w, rows * h))
-    for i, img in enumerate(images):
-        grid.paste(img, ((i % columns) * w, (i // columns) * h))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    grid.save(tmp)
-    os.replace(tmp, path)
+    def on_step_end(self, run: Run) -> None:
+        """Every process, after optimizer step ``run.step`` and its metrics record and checkpoint (when
+        due), before its sample grid (when due)."""
+
+    def on_checkpoint_staged(self, run: Run) -> None:
+        """Main process: the checkpoint of ``run.step`` is complete in ``checkpoints/.tmp-checkpoint_<step>``
+        and not yet renamed into place (a kill here leaves a torn save that resume must ignore)."""
 
 
-def _batches(loader, epoch: int, skip: int) -> Iterator:
-    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted."""
-    from accelerate import skip_first_batches
+@dataclass
+class Run:
+    """What the stages of one :func:`train` call share. :func:`start_run` fills the settings part,
+    :func:`build` the model part; ``step`` counts the optimizer steps done so far."""
 
-    loader.set_epoch(epoch)  # SeedableRandomSampler: permutation seeded by seed + epoch
-    return iter(skip_first_batches(loader, skip) if skip else loader)
+    cfg: RunConfig
+    task: TrainTask
+    accelerator: Accelerator
+    out: Path  # output_dir
+    local_batch: int  # items per process per micro-step
+    fsdp: bool  # sharded parameters: no EMA, no sample grids while training, final weights gathered
+    resume_from: Path | None  # the checkpoint this run continues from
+    step: int
+    callbacks: Sequence[TrainCallback] = ()
+    transformer: nn.Module | None = None  # prepared by Accelerate (maybe wrapped)
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: object = None
+    loader: DataLoader | None = None
+    params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones, after prepare
+    ema: EMAModel | None = None
+
+
+def train(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Path:
+    """Run ``task`` with ``cfg`` (stages in the module docstring); returns ``output_dir/final``."""
+    run = start_run(cfg, task, callbacks)
+    build(run)
+    run_steps(run)
+    return finish(run)
+
+
+# ---------------------------------------------------------- 1. start_run: settings, checks, output folder
+def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Run:
+    """The Accelerator, every check (raising before anything is written), where the run starts, then
+    ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=list(cfg.log.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+    )
+    check_world_size(accelerator)
+    local_batch = local_batch_size(cfg.train, accelerator.num_processes)
+    task.validate()  # everything the run uses, before any work
+    check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, cfg.train.global_batch_size)
+    resume_from, step = plan_start(cfg, out)
+    if resume_from is not None:
+        ckpt.check_signature(resume_from, task.signature())
+    check_run_folder(out)  # every process: all raise, none waits
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and cfg.train.ema_decay > 0:
+        raise ConfigError(
+            "train.ema_decay > 0 is not supported under FSDP (sharded parameters); set train.ema_decay=0"
+        )
+
+    if cfg.train.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    set_seed(cfg.seed)  # same on every process: identical initial weights
+    if accelerator.is_main_process:
+        prepare_output_dir(out, step)
+        atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
+        ckpt.remove_partial(out)
+    accelerator.wait_for_everyone()
+    return Run(
+        cfg=cfg, task=task, accelerator=accelerator, out=out, local_batch=local_batch, fsdp=fsdp,
+        resume_from=resume_from, step=step, callbacks=tuple(callbacks),
+    )
 
 
 def check_world_size(accelerator) -> None:
@@ -155,6 +218,18 @@ def check_world_size(accelerator) -> None:
             f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {world} scripts/<script>.py ...` (gloo); "
             f"the DDP and FSDP launch configs need one GPU per process"
         )
+
+
+def local_batch_size(tc: TrainConfig, num_processes: int) -> int:
+    """Items per process per micro-step: ``global_batch_size / (processes x accumulation steps)``;
+    :class:`ConfigError` when that does not divide."""
+    per_step = num_processes * tc.gradient_accumulation_steps
+    if tc.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by processes x "
+            f"accumulation steps = {per_step}"
+        )
+    return tc.global_batch_size // per_step
 
 
 def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
@@ -201,15 +276,6 @@ def check_run_folder(out: Path) -> None:
         check_temp(out / "final", "model", "output_dir (its final/)")
 
 
-def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
-    """``task.save_final`` into a marked temporary sibling, then put it in place of ``final``: a failure
-    while saving leaves the previous ``final/`` (if any) whole."""
-    tmp = fresh_temp(final, "model", "output_dir (its final/)")
-    task.save_final(model, tmp)
-    write_marker(tmp, "model", **task.model_record())
-    replace_with(tmp, final, "model", "output_dir (its final/)", vouched=True)
-
-
 def prepare_output_dir(out: Path, start: int) -> None:
     """Main process: claim ``out`` as a run folder and keep only the ``metrics.jsonl`` rows up to
     ``start`` (the rows after it are written again by this run)."""
@@ -225,7 +291,84 @@ def prepare_output_dir(out: Path, start: int) -> None:
                 len(records) - len(kept),
                 start,
             )
-        atomic_write_text(metrics, "".join(f"{_json(r)}\n" for r in kept))
+        atomic_write_text(metrics, "".join(f"{json.dumps(r)}\n" for r in kept))
+
+
+# ----------------------------------------------------------------------- 2. build: model, optimizer, data
+def build(run: Run) -> None:
+    """Transformer (trainable parameters chosen), optimizer and LR warm-up, EMA, the task's frozen parts
+    and data, all prepared by Accelerate; then the checkpoint's state when resuming, and the trackers."""
+    cfg, tc, accelerator, task = run.cfg, run.cfg.train, run.accelerator, run.task
+    transformer = task.build_transformer()
+    if tc.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+    params = trainable_parameters(transformer, tc.trainable)
+    optimizer = torch.optim.AdamW(
+        params, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+    )
+    # Accelerate steps a prepared scheduler once per process per step, hence the factor (as in diffusers)
+    lr_scheduler = get_scheduler(
+        "constant_with_warmup", optimizer, num_warmup_steps=tc.lr_warmup_steps * accelerator.num_processes
+    )
+    run.ema = EMAModel(params, decay=tc.ema_decay) if tc.ema_decay > 0 else None  # not under FSDP
+    with accelerator.main_process_first():
+        task.setup(accelerator)
+        dataset = task.build_dataset(accelerator)
+    loader = _loader(run, dataset)
+    check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
+    run.transformer, run.optimizer, run.loader, run.lr_scheduler = accelerator.prepare(
+        transformer, optimizer, loader, lr_scheduler
+    )
+    run.params = [p for p in run.transformer.parameters() if p.requires_grad]  # prepared (maybe wrapped)
+    if run.ema is not None:
+        run.ema.to(accelerator.device)
+        accelerator.register_for_checkpointing(run.ema)
+
+    if run.resume_from is not None:
+        accelerator.load_state(str(run.resume_from))
+        logger.info("resumed from %s at step %d", run.resume_from, run.step)
+    if accelerator.is_main_process and cfg.log.trackers:
+        accelerator.init_trackers(  # purge_step: TensorBoard hides older events from the next step on
+            task.name,
+            config=_flat(config_to_dict(cfg)),
+            init_kwargs={"tensorboard": {"purge_step": run.step + 1}},
+        )
+
+
+def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
+    """``all``: every parameter; ``mhla``: only those of the MHLA processors; ``lora``: the LoRA adapter
+    and the MHLA parameters (``mhla_gen.lora``). The others are frozen."""
+    if which == "all":
+        params = list(transformer.parameters())
+    elif which == "lora":
+        params = lora_training_parameters(transformer)
+    else:
+        params = [p for m in transformer.modules() if isinstance(m, MHLAProcessor) for p in m.parameters()]
+        if not params:
+            raise ValueError(
+                "train.trainable=mhla but the transformer has no MHLA processors (model.attention=softmax?)"
+            )
+    keep = {id(p) for p in params}
+    for p in transformer.parameters():
+        p.requires_grad_(id(p) in keep)
+    return params
+
+
+def _loader(run: Run, dataset: Dataset) -> DataLoader:
+    """Shuffled (seeded), incomplete last batch dropped; Accelerate's ``prepare`` makes its sampler
+    seedable per epoch and shards it over processes."""
+    return DataLoader(
+        dataset,
+        batch_size=run.local_batch,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(run.cfg.seed),
+        num_workers=_num_workers(run.cfg.train.num_workers),
+        collate_fn=run.task.collate_fn,
+        pin_memory=run.accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
+    )
 
 
 def _num_workers(requested: int) -> int:
@@ -236,209 +379,191 @@ def _num_workers(requested: int) -> int:
     return min(4, cpus)
 
 
-def train(cfg: RunConfig, task: TrainTask) -> Path:
-    """Run ``task`` with ``cfg``; returns ``output_dir/final``."""
-    from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    out = Path(cfg.output_dir)
-    tc = cfg.train
-    accelerator = Accelerator(
-        gradient_accumulation_steps=tc.gradient_accumulation_steps,
-        mixed_precision=tc.mixed_precision,
-        log_with=list(cfg.log.trackers) or None,
-        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-    )
-    check_world_size(accelerator)
-    per_step = accelerator.num_processes * tc.gradient_accumulation_steps
-    if tc.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={tc.global_batch_size} is not divisible by processes x "
-            f"accumulation steps = {per_step}"
-        )
-    local_batch = tc.global_batch_size // per_step
-    task.validate()  # everything the run uses, before any work
-    check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, tc.global_batch_size)
-    resume_from, step = plan_start(cfg, out)
-    if resume_from is not None:
-        ckpt.check_signature(resume_from, task.signature())
-    check_run_folder(out)  # every process: all raise, none waits
-    if tc.allow_tf32 and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-    set_seed(cfg.seed)  # same on every process: identical initial weights
-    if accelerator.is_main_process:
-        prepare_output_dir(out, step)
-        atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
-        ckpt.remove_partial(out)
-    accelerator.wait_for_everyone()
-
-    transformer = task.build_transformer()
-    if tc.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    transformer.train()
-    params = trainable_parameters(transformer, tc.trainable)
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=tc.learning_rate,
-        betas=(tc.adam_beta1, tc.adam_beta2),
-        eps=tc.adam_eps,
-        weight_decay=tc.weight_decay,
-    )
-    # Accelerate steps a prepared scheduler once per process per step, hence the factor (as in diffusers)
-    lr_scheduler = get_scheduler(
-        "constant_with_warmup", optimizer, num_warmup_steps=tc.lr_warmup_steps * accelerator.num_processes
-    )
-    if tc.ema_decay > 0 and accelerator.distributed_type == DistributedType.FSDP:
-        raise ValueError(
-            "train.ema_decay > 0 is not supported under FSDP (sharded parameters); set train.ema_decay=0"
-        )
-    ema = EMAModel(params, decay=tc.ema_decay) if tc.ema_decay > 0 else None
-
-    with accelerator.main_process_first():
-        dataset = task.build_dataset(accelerator)
-    loader = DataLoader(
-        dataset,
-        batch_size=local_batch,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        num_workers=_num_workers(tc.num_workers),
-        collate_fn=task.collate_fn,
-        pin_memory=accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
-    )
-    check_batch_fits(len(dataset), local_batch, tc.global_batch_size)  # the loader drops partial batches
-    transformer, optimizer, loader, lr_scheduler = accelerator.prepare(
-        transformer, optimizer, loader, lr_scheduler
-    )
-    params = [p for p in transformer.parameters() if p.requires_grad]  # prepared (maybe wrapped) ones
-    if ema is not None:
-        ema.to(accelerator.device)
-        accelerator.register_for_checkpointing(ema)
-
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        logger.info("resumed from %s at step %d", resume_from, step)
-    if accelerator.is_main_process and cfg.log.trackers:
-        accelerator.init_trackers(  # purge_step: TensorBoard hides older events from the next step on
-            task.name,
-            config=_flat(config_to_dict(cfg)),
-            init_kwargs={"tensorboard": {"purge_step": step + 1}},
-        )
-
-    def save(at_step: int) -> None:
-        hook = None
-        if cfg.debug.kill_during_checkpoint == at_step:
-            hook = _kill_self  # the state is written, the rename is not done: a torn save
-        ckpt.save_checkpoint(accelerator, out, at_step, task.signature(), tc.checkpoints_total_limit, hook)
-
-    def sample(at_step: int) -> None:
-        if accelerator.distributed_type == DistributedType.FSDP:
-            logger.warning("sample grids are skipped under FSDP (sharded weights); sample from final/")
-            return
-        if accelerator.is_main_process:
-            model = accelerator.unwrap_model(transformer)
-            with _ema_weights(ema, params):
-                model.eval()
-                images, columns = task.sample_images(model)
-                model.train()
-            save_image_grid(images, columns, out / "samples" / f"step_{at_step:07d}.png")
-        accelerator.wait_for_everyone()
-
-    micro = step * tc.gradient_accumulation_steps
-    epoch, skip = divmod(micro, len(loader))
+# ---------------------------------------------------------------------------- 3. run_steps: the step loop
+def run_steps(run: Run) -> None:
+    """Optimizer steps from ``run.step`` to ``train.max_steps``. The data continue where the step count
+    puts them (epoch-seeded order, the epoch's used batches skipped); each micro-step draws its noise from
+    :class:`StepRandom` seeded by its index, so an interrupted and resumed run sees the same numbers."""
+    cfg, accelerator = run.cfg, run.accelerator
+    micro = run.step * cfg.train.gradient_accumulation_steps
+    epoch, skip = divmod(micro, len(run.loader))
     generator = torch.Generator(accelerator.device)  # re-seeded by every micro-step's StepRandom
+    meter = _Meter(run.step)
     bar = tqdm(
-        total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc=task.name
+        total=cfg.train.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
+        desc=run.task.name,
     )
-    loss_sum, loss_count, grad_norm, t_last, step_last = 0.0, 0, float("nan"), time.perf_counter(), step
     with logging_redirect_tqdm():  # log lines (checkpoint saves, warnings) print above the bar
-        while step < tc.max_steps:
-            for batch in _batches(loader, epoch, skip):
+        while run.step < cfg.train.max_steps:
+            for batch in _batches(run.loader, epoch, skip):
                 rnd = StepRandom(
-                    cfg.seed,
-                    micro,
-                    local_batch,
-                    accelerator.process_index,
-                    accelerator.num_processes,
-                    accelerator.device,
-                    generator,
+                    cfg.seed, micro, run.local_batch, accelerator.process_index, accelerator.num_processes,
+                    accelerator.device, generator,
                 )
-                with accelerator.accumulate(transformer):
-                    loss = task.loss(transformer, batch, rnd)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                _micro_step(run, batch, rnd, meter)
                 micro += 1
-                loss_sum, loss_count = loss_sum + loss.detach().float(), loss_count + 1
-                if not accelerator.sync_gradients:
-                    continue
-                step += 1
-                clamp_mixing_(transformer)
-                if ema is not None:
-                    ema.step(params)
-                bar.update(1)
-                if step % cfg.log.every == 0 or step == tc.max_steps:
-                    mean_loss = accelerator.reduce(loss_sum / loss_count, "mean").item()
-                    now = time.perf_counter()
-                    record = {
-                        "step": step,
-                        "loss": mean_loss,
-                        "lr": lr_scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm),
-                        "steps_per_s": (step - step_last) / (now - t_last),
-                        "num_processes": accelerator.num_processes,
-                    }
-                    loss_sum, loss_count, t_last, step_last = 0.0, 0, now, step
-                    bar.set_postfix(loss=f"{mean_loss:.4f}")
-                    accelerator.log(record, step=step)
-                    if accelerator.is_main_process:
-                        append_jsonl(out / "metrics.jsonl", record)
-                if step % tc.checkpoint_every == 0 or step == tc.max_steps:
-                    save(step)
-                if cfg.debug.kill_after_step == step:
-                    _kill_self()
-                if cfg.log.sample_every and step % cfg.log.sample_every == 0 and step < tc.max_steps:
-                    sample(step)
-                if step >= tc.max_steps:
-                    break
+                if accelerator.sync_gradients:  # this micro-step ended an optimizer step
+                    _after_step(run, meter, bar)
+                    if run.step >= cfg.train.max_steps:
+                        break
             epoch, skip = epoch + 1, 0
         bar.close()
 
-    final = out / "final"
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(transformer)  # full weights on the main process (also FSDP)
-    ema_params = params if accelerator.distributed_type != DistributedType.FSDP else []
+
+def _batches(loader, epoch: int, skip: int) -> Iterator:
+    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted."""
+    loader.set_epoch(epoch)  # SeedableRandomSampler: permutation seeded by seed + epoch
+    return iter(skip_first_batches(loader, skip) if skip else loader)
+
+
+def _micro_step(run: Run, batch: dict, rnd: StepRandom, meter: _Meter) -> None:
+    """Loss and backward of one micro-batch; the optimizer steps (after clipping) when Accelerate says
+    the accumulation is complete, otherwise its ``step``/``zero_grad`` are no-ops."""
+    accelerator = run.accelerator
+    with accelerator.accumulate(run.transformer):
+        loss = run.task.loss(run.transformer, batch, rnd)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            meter.grad_norm = accelerator.clip_grad_norm_(run.params, run.cfg.train.max_grad_norm or math.inf)
+        run.optimizer.step()
+        run.lr_scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    meter.add(loss)
+
+
+def _after_step(run: Run, meter: _Meter, bar) -> None:
+    """One optimizer step done: count it, clamp the mixing matrices, update the EMA, then the metrics
+    record, checkpoint, callbacks and sample grid that are due."""
+    cfg = run.cfg
+    run.step += 1
+    clamp_mixing_(run.transformer)
+    if run.ema is not None:
+        run.ema.step(run.params)
+    bar.update(1)
+    last = run.step == cfg.train.max_steps
+    if run.step % cfg.log.every == 0 or last:
+        record = meter.record(run)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        run.accelerator.log(record, step=run.step)
+        if run.accelerator.is_main_process:
+            append_jsonl(run.out / "metrics.jsonl", record)
+    if run.step % cfg.train.checkpoint_every == 0 or last:
+        staged = lambda: [callback.on_checkpoint_staged(run) for callback in run.callbacks]
+        limit = cfg.train.checkpoints_total_limit
+        ckpt.save_checkpoint(run.accelerator, run.out, run.step, run.task.signature(), limit, staged)
+    for callback in run.callbacks:
+        callback.on_step_end(run)
+    if cfg.log.sample_every and run.step % cfg.log.sample_every == 0 and not last:
+        sample(run)
+
+
+class _Meter:
+    """Mean loss over the micro-steps (and processes) since the last record, the last gradient norm, and
+    the steps per second since the last record."""
+
+    def __init__(self, step: int):
+        self.loss_sum, self.count, self.grad_norm = 0.0, 0, math.nan
+        self.time, self.step = time.perf_counter(), step
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum, self.count = self.loss_sum + loss.detach().float(), self.count + 1
+
+    def record(self, run: Run) -> dict:
+        """The ``metrics.jsonl`` record of ``run.step`` (a collective: every process); restarts the sums."""
+        mean_loss = run.accelerator.reduce(self.loss_sum / self.count, "mean").item()
+        now = time.perf_counter()
+        record = {
+            "step": run.step,
+            "loss": mean_loss,
+            "lr": run.lr_scheduler.get_last_lr()[0],
+            "grad_norm": float(self.grad_norm),
+            "steps_per_s": (run.step - self.step) / (now - self.time),
+            "num_processes": run.accelerator.num_processes,
+        }
+        self.loss_sum, self.count, self.time, self.step = 0.0, 0, now, run.step
+        return record
+
+
+def sample(run: Run) -> None:
+    """Main process: a sample grid of the current weights (the EMA ones where kept) into
+    ``samples/step_<step>.png``; skipped under FSDP, where no process holds the whole model."""
+    accelerator = run.accelerator
+    if run.fsdp:
+        logger.warning("sample grids are skipped under FSDP (sharded weights); sample from final/")
+        return
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(transformer)
-        if accelerator.distributed_type == DistributedType.FSDP:
-            model = task.build_transformer()
-            model.load_state_dict(state_dict)
-        with _ema_weights(ema, ema_params):
+        model = accelerator.unwrap_model(run.transformer)
+        with _ema_weights(run.ema, run.params):
             model.eval()
-            save_final_folder(task, model, final)
+            images, columns = run.task.sample_images(model)
+            model.train()
+        save_image_grid(images, columns, run.out / "samples" / f"step_{run.step:07d}.png")
     accelerator.wait_for_everyone()
-    sample(step)  # after final/ is written: a failure while sampling cannot lose the trained weights
+
+
+def save_image_grid(images: list, columns: int, path: Path) -> None:
+    """Tile PIL images into one PNG (written through a temp file)."""
+    if not images:
+        return
+    w, h = images[0].size
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new(images[0].mode, (columns * w, rows * h))
+    for i, img in enumerate(images):
+        grid.paste(img, ((i % columns) * w, (i // columns) * h))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    grid.save(tmp)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------- 4. finish: final/, samples, evaluation
+def finish(run: Run) -> Path:
+    """``final/`` (EMA weights where kept), then the last sample grid (a failure there cannot lose the
+    trained weights), then ``task.finish``'s metrics; returns ``output_dir/final``."""
+    accelerator, final = run.accelerator, run.out / "final"
+    accelerator.wait_for_everyone()
+    model = _full_model(run)  # None outside the main process
     if accelerator.is_main_process:
-        with _ema_weights(ema, ema_params):
+        with _ema_weights(run.ema, run.params):
             model.eval()
-            metrics = task.finish(model, accelerator)
+            save_final_folder(run.task, model, final)
+    accelerator.wait_for_everyone()
+    sample(run)
+    if accelerator.is_main_process:
+        with _ema_weights(run.ema, run.params):
+            model.eval()
+            metrics = run.task.finish(model, accelerator)
         if metrics:
-            append_jsonl(out / "metrics.jsonl", {"step": step, **metrics})
-            accelerator.log(metrics, step=step)
-            print(
-                " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-            )
+            append_jsonl(run.out / "metrics.jsonl", {"step": run.step, **metrics})
+            accelerator.log(metrics, step=run.step)
+            shown = (f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            print(" ".join(shown))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
+
+
+def _full_model(run: Run) -> nn.Module | None:
+    """The trained transformer with all its weights, on the main process (None on the others): the
+    unwrapped model itself, or under FSDP a fresh ``task.build_transformer()`` loaded with the gathered
+    state dict (gathering is a collective: every process calls this)."""
+    if not run.fsdp:
+        return run.accelerator.unwrap_model(run.transformer) if run.accelerator.is_main_process else None
+    state_dict = run.accelerator.get_state_dict(run.transformer)  # full weights on the main process
+    if not run.accelerator.is_main_process:
+        return None
+    model = run.task.build_transformer()
+    model.load_state_dict(state_dict)
+    return model
+
+
+def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
+    """``task.save_final`` into a marked temporary sibling, then put it in place of ``final``: a failure
+    while saving leaves the previous ``final/`` (if any) whole."""
+    tmp = fresh_temp(final, "model", "output_dir (its final/)")
+    task.save_final(model, tmp)
+    write_marker(tmp, "model", **task.model_record())
+    replace_with(tmp, final, "model", "output_dir (its final/)", vouched=True)
 
 
 class _ema_weights:
@@ -455,16 +580,6 @@ class _ema_weights:
     def __exit__(self, *exc):
         if self.ema is not None and self.params:
             self.ema.restore(self.params)
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _json(record: dict) -> str:
-    import json
-
-    return json.dumps(record)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -1,0 +1,51 @@
+""":func:`load_transformer`: any transformer folder this project writes, back as a ready model.
+
+Two kinds of folder, told apart by their files:
+
+- a whole saved transformer (``transformer.save_pretrained`` after ``install_mhla``: ``config.json`` with
+  the MHLA config, safetensors weights): :func:`mhla_gen.serialization.load_saved_transformer`;
+- a LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters, a manifest naming
+  the pretrained base), e.g. the ``final/`` of a ``train.trainable=lora`` run:
+  :func:`mhla_gen.lora.load_lora_mhla`.
+
+This module sits above both: ``lora`` writes and reads its MHLA parameters with ``serialization``, and only
+the dispatch here needs to know about LoRA folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .lora import is_lora_folder, load_lora_mhla
+from .serialization import load_saved_transformer
+
+
+def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:
+    """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded.
+
+    A LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters and a manifest,
+    e.g. the ``final/`` of a ``train.trainable=lora`` run) loads too: the pretrained base weights, then
+    MHLA, then the adapter (:func:`mhla_gen.lora.load_lora_mhla`).
+
+    Args:
+        path: the folder holding ``config.json`` and the safetensors weights (or a LoRA + MHLA folder).
+        torch_dtype: cast after loading (None keeps the saved dtype).
+        device: move after loading (None keeps CPU).
+        base: LoRA + MHLA folders only: the pretrained checkpoint (folder or hub id) to take the base
+            weights from instead of the one recorded in the folder. Ignored for full folders.
+    Returns:
+        the diffusers model (``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or
+        ``WanTransformer3DModel``) in eval mode.
+    Raises:
+        FileNotFoundError: missing folder, ``config.json`` or weights.
+        ValueError: unsupported model class, or weights whose keys do not match (all listed).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"transformer folder {folder} does not exist")
+    if is_lora_folder(folder):
+        return load_lora_mhla(folder, base=base, torch_dtype=torch_dtype, device=device)
+    return load_saved_transformer(folder, torch_dtype=torch_dtype, device=device)
