@@ -81,6 +81,20 @@ def parse_run_args(
     return load_config(schema, args.config, args.overrides)
 
 
+def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
+    """``scripts/linearize.py``: ``--base dit|sana|wan`` picks the base model's config schema and task,
+    then stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
+    from .train.linearize import LINEARIZE_TASKS, TransferTask
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--base", choices=sorted(LINEARIZE_TASKS), default="dit")
+    known, rest = parser.parse_known_args(argv)
+    schema, task_cls = LINEARIZE_TASKS[known.base]
+    description = f"Stage 1 of converting a pretrained {known.base} to MHLA: attention transfer."
+    cfg = parse_run_args(schema, description, None, rest)
+    return train(cfg, TransferTask(cfg, task_cls(cfg)), callbacks)
+
+
 def train_main(
     kind: str,
     description: str,

@@ -9,28 +9,20 @@ device (shapes only), torch's ``FlopCounterMode`` counts the floating-point oper
 * one **stage-1 step** per sample (``mhla_gen.transfer``): the teacher's forward plus, in every converted
   layer, the MHLA student's forward and the backward its loss needs, for ``trainable=mhla`` and ``all``.
 
-MHLA runs as one registered op, which FlopCounterMode does not know; its formula is registered here
-(summaries, mixing and output GEMMs, from ``docs/operator.md``). Counts are FLOPs (2 per multiply-add)
-of the matmul-like ops (GEMMs, convolutions, attention); elementwise work is not counted.
+Counts come from ``mhla_gen.flops`` (which teaches FlopCounterMode the MHLA op and grouped convolution
+backward): FLOPs (2 per multiply-add) of the matmul-like ops; elementwise work is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    conv_flop_count,
-    flop_registry,
-    register_flop_formula,
-    shape_wrapper,
-)
 
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.cli import run
+from mhla_gen.flops import count_flops
 from mhla_gen.transfer import TransferHooks
 
 # DiT paper Table 1; SANA-600M (Efficient-Large-Model/Sana_600M_1024px_diffusers); Wan2.1-T2V-1.3B
@@ -59,35 +51,6 @@ MODELS = {
 }
 
 
-@register_flop_formula(torch.ops.mhla_gen.mhla)
-def _mhla_flops(q_shape, k_shape, v_shape, grid, blocks, *args, out_shape=None, **kwargs) -> int:
-    """Forward: summaries ``2·N·d·c``, mixing ``2·M²·c·d``, output ``2·N·d·c`` per (batch, head),
-    c = e + 1 with the normaliser."""
-    b, h, n, d = q_shape
-    c = v_shape[-1] + 1
-    m = math.prod(blocks)
-    return b * h * (4 * n * d * c + 2 * m * m * c * d)
-
-
-@register_flop_formula(torch.ops.mhla_gen.mhla_backward)
-def _mhla_backward_flops(grad_shape, q_shape, k_shape, v_shape, grid, blocks, *args, out_shape=None,
-                         **kwargs) -> int:
-    """Backward: about twice the forward (each GEMM has two gradient GEMMs) plus one redone GEMM."""
-    return 3 * _mhla_flops(q_shape, k_shape, v_shape, grid, blocks)
-
-
-def _grouped_conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
-                                 transposed, _output_padding, _groups, output_mask, out_shape=None, **kwargs):
-    """torch's own formula for ``convolution_backward`` ignores ``groups`` in the weight gradient, which
-    counts SANA's depthwise convolutions as dense ones (tens of TFLOP too many). Each gradient is a
-    convolution with as many multiply-adds as the forward."""
-    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
-    return forward * (int(output_mask[0]) + int(output_mask[1]))
-
-
-flop_registry[torch.ops.aten.convolution_backward] = shape_wrapper(_grouped_conv_backward_flops)
-
-
 def inputs(cls, config: dict, batch: int = 1) -> tuple[tuple, dict]:
     """Meta-device inputs of one sample at the model's real size."""
     if cls is DiTTransformer2DModel:
@@ -102,9 +65,7 @@ def inputs(cls, config: dict, batch: int = 1) -> tuple[tuple, dict]:
 
 
 def count(fn) -> int:
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
+    return count_flops(fn)
 
 
 def budget(name: str) -> dict:

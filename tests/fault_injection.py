@@ -2,6 +2,7 @@
 
     python tests/fault_injection.py kill_after_step=3 --config configs/tiny/dit.yaml output_dir=...
     python tests/fault_injection.py kill_during_checkpoint=4 --config configs/tiny/dit.yaml output_dir=...
+    python tests/fault_injection.py kill_after_step=3 linearize --config ... output_dir=...
 
 ``kill_after_step=N``: right after optimizer step N, its metrics record and its checkpoint (if due).
 ``kill_during_checkpoint=N``: checkpoint N is completely written to its temporary folder and not yet
@@ -16,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mhla_gen.cli import run, train_main
+from mhla_gen.cli import linearize_main, run, train_main
 from mhla_gen.train.loop import Run, TrainCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,8 +48,12 @@ def parse_kill(text: str) -> SigkillAt:
 
 
 def main(argv: list[str]) -> None:
-    """scripts/train_dit.py's ``main`` (the same entry and default config) with the kill callback."""
+    """scripts/train_dit.py's ``main`` (the same entry and default config) with the kill callback; with
+    ``linearize`` after the kill point, scripts/linearize.py's."""
     kill, args = parse_kill(argv[0]), argv[1:]
+    if args and args[0] == "linearize":
+        linearize_main(args[1:], callbacks=[kill])
+        return
     default_config = str(REPO / "configs" / "dit_digits.yaml")
     train_main("dit", "train_dit.py with fault injection", default_config, args, callbacks=[kill])
 

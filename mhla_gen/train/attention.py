@@ -7,12 +7,15 @@ runs that compare them share every other setting. DiT, SANA and Wan use these th
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from torch import nn
 
 from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..install import install_mhla
+from ..install import CONFIG_KEY, install_mhla, uninstall_mhla
+from ..loading import load_transformer
 
 
 def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:
@@ -43,3 +46,68 @@ def check_mhla_layers(mhla: MHLAConfig | None, num_layers: int) -> None:
     if bad or repeated:
         what = f"{bad} out of range 0..{num_layers - 1}" if bad else f"{repeated} listed twice"
         raise ConfigError(f"mhla.layers={mhla.layers}: layers {what} (the model has {num_layers} layers)")
+
+
+# ---------------------------------------------------------------------- starting from a saved transformer
+INIT_ATTENTION = ("saved", "fresh")
+
+
+def saved_mhla(folder: str | Path | None) -> MHLAConfig | None:
+    """The MHLA config a local transformer folder was saved with (``config.json``'s ``mhla`` entry), or
+    None (a stock model, a hub id, or no folder)."""
+    if folder is None:
+        return None
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    saved = json.loads(config.read_text()).get(CONFIG_KEY)
+    return MHLAConfig.from_dict(saved) if saved is not None else None
+
+
+def start_attention(attention: str, mhla: MHLAConfig, folder, init_attention: str, setting: str):
+    """``(attention, mhla)`` a run that starts from the transformer in ``folder`` trains.
+
+    A folder saved with MHLA (a trained MHLA model, a stage-1 folder of scripts/linearize.py) keeps its
+    MHLA layers and weights with ``init_attention=saved``: the run's attention is then that MHLA config
+    (``model.attention=softmax`` is refused, it would drop them). ``fresh``, or a stock folder: the
+    configured attention, installed fresh on the folder's projections."""
+    saved = saved_mhla(folder)
+    if saved is None or init_attention == "fresh":
+        return attention, mhla
+    if attention == "softmax":
+        raise ConfigError(
+            f"{setting}={str(folder)!r} was saved with MHLA, which model.attention=softmax would drop; set "
+            f"model.attention=mhla to continue it, or model.init_attention=fresh to start again from its "
+            f"projections"
+        )
+    return "mhla", saved
+
+
+def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_attention: str) -> nn.Module:
+    """The transformer of ``folder`` with the attention :func:`start_attention` chose: its saved MHLA kept,
+    or the stock attention back and ``attention`` installed fresh."""
+    if saved_mhla(folder) is None:
+        return install_attention(cls.from_pretrained(str(folder)), attention, mhla)
+    transformer = load_transformer(folder)
+    if not isinstance(transformer, cls):
+        raise ConfigError(f"{str(folder)!r} holds a {type(transformer).__name__}, not a {cls.__name__}")
+    if init_attention == "fresh":
+        uninstall_mhla(transformer)
+        install_attention(transformer, attention, mhla)
+    return transformer.train()
+
+
+def load_teacher(cls, source: str) -> nn.Module:
+    """A frozen teacher transformer: a local transformer folder (saved with or without MHLA), a pipeline
+    folder (its ``transformer/``), or a hub id (its ``transformer`` subfolder)."""
+    path = Path(source)
+    if path.is_dir():
+        folder = path / "transformer" if (path / "transformer").is_dir() else path
+        teacher = load_transformer(folder)
+    else:
+        teacher = cls.from_pretrained(source, subfolder="transformer")
+    if not isinstance(teacher, cls):
+        raise ConfigError(
+            f"train.distill teacher {source!r} is a {type(teacher).__name__}, not a {cls.__name__}"
+        )
+    return teacher.eval().requires_grad_(False)

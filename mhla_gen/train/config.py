@@ -29,6 +29,27 @@ T = TypeVar("T")
 
 
 @dataclass
+class DistillConfig:
+    """Distillation terms against a frozen teacher, added to the task's loss (LinFusion / CLEAR style); off
+    by default. ``teacher``: its transformer (folder or hub id); default: the model the run converts (DiT:
+    the teacher a stage-1 ``model.init_from`` records, or ``model.init_from`` itself when it is a stock
+    model; SANA / Wan: ``model.pretrained``'s transformer)."""
+
+    output_weight: float = 0.0  # x relative MSE between the model's and the teacher's outputs
+    attention_weight: float = 0.0  # x mean relative MSE of every MHLA layer's output vs the teacher layer's
+    teacher: str | None = None
+
+    def __post_init__(self):
+        for name in ("output_weight", "attention_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.distill.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.output_weight > 0 or self.attention_weight > 0
+
+
+@dataclass
 class TrainConfig:
     """Optimisation and checkpointing, shared by every script.
 
@@ -58,6 +79,7 @@ class TrainConfig:
     checkpoints_total_limit: int = 2
     num_workers: int = -1  # DataLoader workers; -1 = min(4, CPUs available to the process)
     allow_tf32: bool = True
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         if str(self.mixed_precision) in ("False", "false"):  # YAML 1.1 reads a bare `no` as a boolean
@@ -140,6 +162,9 @@ class DiTModelConfig:
     learn_sigma: bool = True
     class_dropout_prob: float = 0.1  # CFG label dropout to the null class (id 1000, as DiTPipeline wants)
     init_from: str | None = None  # a diffusers DiT folder or hub id (fast adaptation softmax -> MHLA)
+    # init_from saved with MHLA (a trained MHLA DiT, a stage-1 folder of scripts/linearize.py): `saved` keeps
+    # its MHLA layers and weights (they become the run's mhla.*), `fresh` installs model.attention anew
+    init_attention: str = "saved"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_TYPES:
@@ -148,6 +173,8 @@ class DiTModelConfig:
             raise ValueError(f"model.num_classes must be in 1..1000, got {self.num_classes}")
         if not 0.0 <= self.class_dropout_prob < 1.0:
             raise ValueError(f"model.class_dropout_prob must be in [0, 1), got {self.class_dropout_prob}")
+        if self.init_attention not in ("saved", "fresh"):
+            raise ValueError(f"model.init_attention must be saved or fresh, got {self.init_attention!r}")
         for name in ("hidden_size", "depth", "heads", "patch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(
@@ -231,10 +258,16 @@ class FinetuneModelConfig:
     attention: str = "mhla"
     revision: str | None = None
     dtype: str = "float32"  # weights of the frozen parts (text encoder, VAE): float32 | bfloat16 | float16
+    # a saved transformer folder to start from instead of the checkpoint's own (e.g. the stage-1 folder of
+    # scripts/linearize.py); init_attention as in DiT's model section
+    transformer: str | None = None
+    init_attention: str = "saved"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_TYPES:
             raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
+        if self.init_attention not in ("saved", "fresh"):
+            raise ValueError(f"model.init_attention must be saved or fresh, got {self.init_attention!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

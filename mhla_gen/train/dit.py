@@ -32,9 +32,18 @@ from torch.utils.data import Dataset
 from ..config import MHLAConfig
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
 from ..data.images import class_folders, require_dir
+from ..folders import read_marker
 from ..metrics.extractors import digits_extractor, extract_features
 from ..metrics.fid import fid_from_features
-from .attention import attention_mhla_config, check_mhla_layers, install_attention
+from .attention import (
+    attention_mhla_config,
+    check_mhla_layers,
+    install_attention,
+    load_start_transformer,
+    load_teacher,
+    saved_mhla,
+    start_attention,
+)
 from .config import ConfigError, DiTRunConfig
 from .loop import TrainTask
 from .objectives import DDPMLoss
@@ -217,6 +226,7 @@ class DiTTask(TrainTask):
         layers vs the model, init_from."""
         m, data = self.cfg.model, self.cfg.data
         arch = dit_architecture(m)
+        m.attention, self.cfg.mhla = self.attention()  # config.yaml records what the run trains
         if data.source == "digits" and m.num_classes != DIGITS_CLASSES:
             raise ConfigError(
                 f"model.num_classes={m.num_classes} but data.source=digits has {DIGITS_CLASSES} classes"
@@ -240,9 +250,11 @@ class DiTTask(TrainTask):
                 f"mhla.blocks={list(mhla.blocks)} does not fit DiT's {grid}x{grid} token grid "
                 f"(data.resolution={data.resolution}, patch size {arch['patch_size']})"
             )
-        check_mhla_layers(mhla, arch["depth"])
+        check_mhla_layers(mhla, self.depth())
         if m.init_from:
             self._check_init_from(channels, size)
+        if self.cfg.train.distill.enabled and not Path(self.distill_source()).exists():
+            self._check_teacher_id(self.distill_source())
         if self.cfg.eval.fid_num_samples and data.source != "digits":
             raise ConfigError(
                 f"eval.fid_num_samples={self.cfg.eval.fid_num_samples} is for data.source=digits only "
@@ -304,12 +316,66 @@ class DiTTask(TrainTask):
             self._dataset = ClassFolderDataset(self.cfg.data.path, self.cfg.data.resolution, "data.path")
         return self._dataset
 
+    def depth(self) -> int:
+        """Transformer blocks of the model trained: ``model.init_from``'s, else the configured size's."""
+        m = self.cfg.model
+        if m.init_from:
+            path = Path(m.init_from)
+            sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
+            try:
+                return DiTTransformer2DModel.load_config(m.init_from, subfolder=sub)["num_layers"]
+            except OSError as err:
+                raise ConfigError(f"model.init_from={m.init_from!r} cannot be loaded: {err}") from None
+        return dit_architecture(m)["depth"]
+
+    def init_folder(self) -> Path | None:
+        """The local folder holding ``model.init_from``'s transformer (its ``transformer/`` in a pipeline
+        folder), or None (no init_from, or a hub id)."""
+        path = Path(self.cfg.model.init_from or "")
+        if not self.cfg.model.init_from or not path.is_dir():
+            return None
+        return path / "transformer" if (path / "transformer").is_dir() else path
+
+    def attention(self) -> tuple[str, MHLAConfig]:
+        """``(model.attention, mhla)`` this run trains: as configured, or the MHLA that ``model.init_from``
+        was saved with (``model.init_attention=saved``, see :func:`start_attention`)."""
+        m = self.cfg.model
+        folder = self.init_folder()
+        return start_attention(m.attention, self.cfg.mhla, folder, m.init_attention, "model.init_from")
+
+    def distill_source(self) -> str:
+        """``train.distill.teacher``, else the teacher a stage-1 ``model.init_from`` records, else
+        ``model.init_from`` itself when it is a stock (softmax) DiT."""
+        d, folder = self.cfg.train.distill, self.init_folder()
+        recorded = (read_marker(folder) or {}).get("teacher") if folder is not None else None
+        stock = self.cfg.model.init_from if saved_mhla(folder) is None else None
+        source = d.teacher or recorded or stock
+        if source is None:
+            raise ConfigError(
+                "train.distill needs a teacher: set train.distill.teacher=PATH (or start from a stock model "
+                "or a stage-1 folder with model.init_from)"
+            )
+        return source
+
+    @staticmethod
+    def _check_teacher_id(source: str) -> None:
+        try:
+            DiTTransformer2DModel.load_config(source, subfolder="transformer")
+        except OSError as err:
+            raise ConfigError(f"train.distill teacher {source!r} cannot be loaded: {err}") from None
+
+    def distill_teacher(self) -> nn.Module:
+        return load_teacher(DiTTransformer2DModel, self.distill_source())
+
     def _check_init_from(self, channels: int, size: int) -> None:
         """``model.init_from`` must be a DiT whose input and label table fit the data."""
         m = self.cfg.model
         path = Path(m.init_from)
         sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
-        config = DiTTransformer2DModel.load_config(m.init_from, subfolder=sub)
+        try:
+            config = DiTTransformer2DModel.load_config(m.init_from, subfolder=sub)
+        except OSError as err:
+            raise ConfigError(f"model.init_from={m.init_from!r} cannot be loaded: {err}") from None
         if config.get("_class_name") != "DiTTransformer2DModel":
             raise ConfigError(
                 f"model.init_from={m.init_from!r} is a {config.get('_class_name')}, not a DiT transformer"
@@ -324,16 +390,15 @@ class DiTTask(TrainTask):
 
     def signature(self) -> dict:
         channels, size = self._channels_and_size()
+        attention, mhla = self.attention()
         return {
             "architecture": dit_architecture(self.cfg.model),
             "in_channels": channels,
             "sample_size": size,
             "num_classes": self.cfg.model.num_classes,
             "learn_sigma": self.cfg.model.learn_sigma,
-            "attention": self.cfg.model.attention,
-            "mhla": (attention_mhla_config(self.cfg.model.attention, self.cfg.mhla) or MHLAConfig()).to_dict()
-            if self.cfg.model.attention != "softmax"
-            else None,
+            "attention": attention,
+            "mhla": attention_mhla_config(attention, mhla).to_dict() if attention != "softmax" else None,
         }
 
     def model_record(self) -> dict:
@@ -346,9 +411,14 @@ class DiTTask(TrainTask):
         channels, size = self._channels_and_size()
         if m.init_from:
             self._check_init_from(channels, size)
-            path = Path(m.init_from)
-            sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
-            transformer = DiTTransformer2DModel.from_pretrained(m.init_from, subfolder=sub)
+            attention, mhla = self.attention()
+            if self.init_folder() is not None:
+                transformer = load_start_transformer(
+                    DiTTransformer2DModel, self.init_folder(), attention, mhla, m.init_attention
+                )
+                disable_block_label_dropout(transformer)
+                return transformer
+            transformer = DiTTransformer2DModel.from_pretrained(m.init_from, subfolder="transformer")
         else:
             transformer = DiTTransformer2DModel(
                 num_attention_heads=arch["heads"],
@@ -400,15 +470,21 @@ class DiTTask(TrainTask):
             z = dist.mean + dist.std * rnd.randn(*dist.mean.shape[1:]).to(dist.mean.dtype)
         return z.float() * self.latent_scale
 
-    def loss(self, model, batch: dict, rnd) -> torch.Tensor:
+    def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
+        """The transformer's keyword inputs for one micro-batch (noised at sampled timesteps, labels dropped
+        for CFG) and what the objective compares its output with: ``(x0, xt, noise, t)``."""
         x0 = self._clean_input(batch, rnd)
         drop = rnd.rand() < self.cfg.model.class_dropout_prob
         labels = torch.where(drop, label_table_size(self.cfg.model.num_classes), batch["class_labels"])
         t = rnd.randint(self.objective.num_timesteps)
         noise = rnd.randn(*x0.shape[1:])
         xt = self.scheduler.add_noise(x0, noise, t)
-        out = model(xt, timestep=t, class_labels=labels).sample
-        return self.objective(out, x0, xt, noise, t)
+        return {"hidden_states": xt, "timestep": t, "class_labels": labels}, (x0, xt, noise, t)
+
+    def loss(self, model, batch: dict, rnd) -> torch.Tensor:
+        inputs, target = self.model_inputs(batch, rnd)
+        out = model(**inputs, return_dict=False)[0]
+        return self.objective(out, *target) + self.distillation(out, inputs)
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):

@@ -8,6 +8,7 @@ training loop only runs the transformer. Samples go through the stock ``SanaPipe
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -19,14 +20,22 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
-from ..lora import add_lora, save_lora_mhla
-from .attention import attention_mhla_config, check_mhla_layers, install_attention
+from ..lora import add_lora, is_lora_folder, save_lora_mhla
+from .attention import (
+    attention_mhla_config,
+    check_mhla_layers,
+    install_attention,
+    load_start_transformer,
+    load_teacher,
+    start_attention,
+)
 from .config import ConfigError
 from .loop import TrainTask
-from .objectives import flow_matching_loss, flow_matching_sigmas
+from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +57,36 @@ class FlowFinetuneTask(TrainTask):
 
     # ---------------------------------------------------------------------------------- model
     def signature(self) -> dict:
-        mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        attention, mhla = self.attention()
+        mhla = attention_mhla_config(attention, mhla)
         tc = self.cfg.train
         return {
             "pretrained": self.cfg.model.pretrained,
-            "attention": self.cfg.model.attention,
+            "attention": attention,
             "mhla": mhla.to_dict() if mhla is not None else None,
             # None (not absent) otherwise, so checkpoints written before LoRA existed still match
             "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
+            "transformer": self.cfg.model.transformer,  # likewise None before model.transformer existed
         }
+
+    def attention(self) -> tuple[str, MHLAConfig]:
+        """``(model.attention, mhla)`` this run trains: as configured, or the MHLA that
+        ``model.transformer`` was saved with (``model.init_attention=saved``, see :func:`start_attention`)."""
+        m = self.cfg.model
+        folder = m.transformer
+        return start_attention(m.attention, self.cfg.mhla, folder, m.init_attention, "model.transformer")
 
     def build_transformer(self) -> nn.Module:
         cls = getattr(diffusers, self.transformer_cls_name)
-        transformer = cls.from_pretrained(
-            self.cfg.model.pretrained,
-            subfolder="transformer",
-            revision=self.cfg.model.revision,
-            dtype=torch.float32,
-        )
-        install_attention(transformer, self.cfg.model.attention, self.cfg.mhla)
+        m = self.cfg.model
+        if m.transformer is not None:  # a saved transformer to start from (e.g. a stage-1 folder)
+            attention, mhla = self.attention()
+            transformer = load_start_transformer(cls, m.transformer, attention, mhla, m.init_attention)
+        else:
+            transformer = cls.from_pretrained(
+                m.pretrained, subfolder="transformer", revision=m.revision, dtype=torch.float32
+            )
+            install_attention(transformer, m.attention, self.cfg.mhla)
         if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
             add_lora(transformer, self.cfg.train.lora_rank, self.cfg.train.lora_alpha)
         return transformer
@@ -135,9 +155,10 @@ class FlowFinetuneTask(TrainTask):
                 f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
-        transformer = self._component_config(self.transformer_cls_name, "transformer")
+        transformer = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
         vae = self._component_config(index["vae"][1], "vae")
         grid = self.token_grid(transformer, vae)
+        self.cfg.model.attention, self.cfg.mhla = self.attention()  # config.yaml records what the run trains
         mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
         fits = mhla is None or (len(mhla.blocks) == len(grid) and all(map(int.__le__, mhla.blocks, grid)))
         if not fits:
@@ -156,6 +177,29 @@ class FlowFinetuneTask(TrainTask):
             {"data.path": data.path, "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
+
+    def depth(self) -> int:
+        """Transformer blocks of the model trained (``model.transformer``'s or the checkpoint's)."""
+        config = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
+        return config["num_layers"]
+
+    def _start_config(self) -> dict | None:
+        """``model.transformer``'s ``config.json`` (None when unset): it must be a full transformer folder of
+        this model family."""
+        folder = self.cfg.model.transformer
+        if folder is None:
+            return None
+        config = Path(folder) / "config.json"
+        if is_lora_folder(folder):
+            raise ConfigError(f"model.transformer={folder!r} is a LoRA folder; start from a full transformer "
+                              f"folder, or from its base with train.trainable=lora")
+        if not config.is_file():
+            raise ConfigError(f"model.transformer={folder!r} is not a transformer folder (no config.json)")
+        loaded = json.loads(config.read_text())
+        if loaded.get("_class_name") != self.transformer_cls_name:
+            raise ConfigError(f"model.transformer={folder!r} is a {loaded.get('_class_name')}, not a "
+                              f"{self.transformer_cls_name}")
+        return loaded
 
     def _check_multiple(self, multiple: int, why: str) -> None:
         for name in ("height", "width"):
@@ -210,13 +254,25 @@ class FlowFinetuneTask(TrainTask):
     def conditioning(self, batch: dict) -> dict:
         return {"encoder_hidden_states": batch["prompt_embeds"]}
 
-    def loss(self, model, batch: dict, rnd) -> torch.Tensor:
+    def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
+        """The transformer's keyword inputs for one micro-batch (latents noised at sampled σ, the cached
+        text conditioning) and what the loss compares its output with: ``(x0, noise)``."""
         x0 = batch["latents"].float()
         f = self.cfg.flow
         sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
         noise = rnd.randn(*x0.shape[1:])
         T = self.frozen.scheduler.config.num_train_timesteps
-        return flow_matching_loss(model, x0, noise, sigmas, T, **self.conditioning(batch))
+        return {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}, (x0, noise)
+
+    def loss(self, model, batch: dict, rnd) -> torch.Tensor:
+        inputs, (x0, noise) = self.model_inputs(batch, rnd)
+        prediction = model(**inputs, return_dict=False)[0]
+        return flow_matching_mse(prediction, x0, noise) + self.distillation(prediction, inputs)
+
+    def distill_teacher(self) -> nn.Module:
+        """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
+        cls = getattr(diffusers, self.transformer_cls_name)
+        return load_teacher(cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained)
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):

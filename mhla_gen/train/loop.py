@@ -55,6 +55,7 @@ from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
 from .config import ConfigError, RunConfig, TrainConfig, config_to_dict, config_to_yaml
+from .distill import Distiller
 from .io import append_jsonl, atomic_write_text, read_jsonl
 from .randomness import StepRandom
 
@@ -73,6 +74,7 @@ class TrainTask:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.distiller: Distiller | None = None  # build() attaches one when train.distill is on
 
     def validate(self) -> None:
         """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
@@ -103,8 +105,22 @@ class TrainTask:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
-        """Scalar training loss of one micro-batch; every random draw goes through ``rnd``."""
+        """Scalar training loss of one micro-batch; every random draw goes through ``rnd``. Tasks add
+        :meth:`distillation` of their output."""
         raise NotImplementedError
+
+    def distill_teacher(self) -> nn.Module:
+        """The frozen teacher of ``train.distill`` (only asked when a distillation weight is > 0)."""
+        raise ConfigError(f"train.distill is not supported by the {self.name} task")
+
+    def distillation(self, output: torch.Tensor, inputs: dict) -> torch.Tensor | float:
+        """The ``train.distill`` terms of one micro-batch (0 when off); ``inputs``: the transformer's
+        keyword inputs that gave ``output``."""
+        return 0.0 if self.distiller is None else self.distiller(output, inputs)
+
+    def trainable_parameters(self, transformer: nn.Module) -> list[nn.Parameter]:
+        """What the optimizer trains (the rest is frozen): ``train.trainable`` by default."""
+        return trainable_parameters(transformer, self.cfg.train.trainable)
 
     def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
         """``(PIL images, columns)`` for a sample grid, through the real diffusers pipeline."""
@@ -303,7 +319,7 @@ def build(run: Run) -> None:
     if tc.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()
-    params = trainable_parameters(transformer, tc.trainable)
+    params = task.trainable_parameters(transformer)
     optimizer = torch.optim.AdamW(
         params, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
         weight_decay=tc.weight_decay,
@@ -315,6 +331,10 @@ def build(run: Run) -> None:
     run.ema = EMAModel(params, decay=tc.ema_decay) if tc.ema_decay > 0 else None  # not under FSDP
     with accelerator.main_process_first():
         task.setup(accelerator)
+        if tc.distill.enabled:
+            teacher = task.distill_teacher().to(accelerator.device)
+            weights = tc.distill.output_weight, tc.distill.attention_weight
+            task.distiller = Distiller(teacher, transformer, *weights)
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches

@@ -133,14 +133,24 @@ def flow_matching_sigmas(
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
+def flow_matching_inputs(
+    x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor, num_train_timesteps: int
+) -> dict[str, torch.Tensor]:
+    """Rectified flow (FlowMatchEulerDiscreteScheduler convention): the model sees x_σ = (1 - σ) x0 + σ ε
+    at ``timestep = σ · T``. x0, noise: ``(B, C, ...)`` latents; sigmas ``(B,)``."""
+    s = sigmas.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
+    return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": sigmas * num_train_timesteps}
+
+
+def flow_matching_mse(prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The model predicts the velocity v = ε - x0; mean squared error in fp32."""
+    return ((prediction.float() - (noise - x0).float()) ** 2).mean()
+
+
 def flow_matching_loss(
     model, x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor, num_train_timesteps: int, **cond
 ) -> torch.Tensor:
-    """Rectified flow (FlowMatchEulerDiscreteScheduler convention): x_σ = (1 - σ) x0 + σ ε, v = ε - x0.
-
-    x0, noise: ``(B, C, ...)`` latents; sigmas ``(B,)``; the model gets ``timestep = σ · T``.
-    """
-    s = sigmas.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
-    noisy = (1.0 - s) * x0 + s * noise
-    pred = model(hidden_states=noisy, timestep=sigmas * num_train_timesteps, return_dict=False, **cond)[0]
-    return ((pred.float() - (noise - x0).float()) ** 2).mean()
+    """:func:`flow_matching_mse` of ``model`` at :func:`flow_matching_inputs`."""
+    inputs = flow_matching_inputs(x0, noise, sigmas, num_train_timesteps)
+    prediction = model(**inputs, return_dict=False, **cond)[0]
+    return flow_matching_mse(prediction, x0, noise)

@@ -1,0 +1,71 @@
+"""Distillation terms against a frozen teacher, for the second stage of a conversion (LinFusion / CLEAR).
+
+With ``train.distill.output_weight`` / ``attention_weight`` > 0 the task's loss gains
+
+* an **output** term: the relative MSE between the model's output and the frozen teacher's output on the
+  same noised input, and
+* an **attention** term: the mean over the model's MHLA layers of the relative MSE between that layer's
+  output and the teacher's same layer's output (each computed from its own model's activations).
+
+The teacher runs once per micro-batch, without gradients; forward hooks collect both models'
+self-attention outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..processors import MHLAProcessor, processor_class_for
+from ..transfer import relative_error
+
+
+class _LayerOutputs:
+    """Forward hooks keeping the output of the chosen self-attention layers of ``model``."""
+
+    def __init__(self, model: nn.Module, indices: list[int]):
+        layers = processor_class_for(model).self_attention(model)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_hook(self._keep(i)) for i in indices]
+
+    def _keep(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output
+
+        return hook
+
+    def pop(self) -> dict[int, torch.Tensor]:
+        outputs, self.outputs = self.outputs, {}
+        return outputs
+
+
+class Distiller:
+    """``distiller(student_output, inputs)`` -> the weighted distillation terms of one micro-batch.
+
+    Args:
+        teacher: the frozen teacher transformer (same family and layer count as ``student``).
+        student: the transformer being trained (hooks go on its MHLA layers).
+        output_weight, attention_weight: the weights of the two terms.
+    """
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, output_weight: float, attention_weight: float):
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.output_weight, self.attention_weight = output_weight, attention_weight
+        layers = processor_class_for(student).self_attention(student)
+        mhla = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
+        if attention_weight > 0 and not mhla:
+            raise ValueError("train.distill.attention_weight > 0 but the model has no MHLA layers")
+        self.student_layers = _LayerOutputs(student, mhla if attention_weight > 0 else [])
+        self.teacher_layers = _LayerOutputs(teacher, mhla if attention_weight > 0 else [])
+
+    def __call__(self, student_output: torch.Tensor, inputs: dict) -> torch.Tensor:
+        with torch.no_grad():
+            teacher_output = self.teacher(**inputs, return_dict=False)[0]
+        terms = student_output.new_zeros((), dtype=torch.float32)
+        if self.output_weight > 0:
+            terms = terms + self.output_weight * relative_error(student_output, teacher_output)
+        student, teacher = self.student_layers.pop(), self.teacher_layers.pop()
+        if self.attention_weight > 0:
+            per_layer = [relative_error(student[i], teacher[i]) for i in student]
+            terms = terms + self.attention_weight * torch.stack(per_layer).mean()
+        return terms

@@ -1,0 +1,341 @@
+"""Stage 1 of a conversion as a training run: ``scripts/linearize.py`` (attention transfer, then hybrid
+layers chosen by their remaining error).
+
+:class:`TransferTask` wraps the training task of the base model (DiT, SANA or Wan: its data, noising and
+conditioning) and replaces its objective by :mod:`mhla_gen.transfer`'s: every MHLA layer learns to
+reproduce the frozen teacher layer's output from the teacher's own input. It runs through the same
+:func:`~mhla_gen.train.loop.train` as every training script, so it checkpoints, resumes exactly and writes
+``config.yaml`` / ``metrics.jsonl`` the same way. At the end (:meth:`TransferTask.save_final`):
+
+1. each converted layer's relative error on ``transfer.eval_batches`` held-out batches, for the trained
+   layers and for the layers at their init;
+2. ``hybrid.softmax_layers``: ``auto:K`` keeps stock attention in the K layers whose error stays largest
+   (a list keeps those layers; null keeps none); :func:`mhla_gen.transfer.finalize`;
+3. ``final/``: the converted transformer, which ``load_transformer``, the pipelines and the training
+   scripts (``model.init_from`` / ``model.transformer``) read; its marker records the teacher;
+4. ``output_dir/transfer.json`` (errors, chosen layers, cost: steps, wall time, FLOPs in teacher-forward
+   equivalents) and ``output_dir/transfer_errors.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from ..flops import count_flops
+from ..folders import file_record
+from ..install import uninstall_mhla
+from ..transfer import TRAINABLE, TransferHooks, converted_layers, finalize, hardest_layers
+from .attention import attention_mhla_config, saved_mhla
+from .config import ConfigError, DiTRunConfig, SanaRunConfig, TrainConfig, WanRunConfig
+from .dit import DiTTask
+from .finetune import SanaTask, WanTask
+from .io import atomic_write_text, read_jsonl
+from .loop import TrainTask
+from .randomness import StepRandom
+
+logger = logging.getLogger(__name__)
+
+REPORT = "transfer.json"
+REPORT_KIND = "transfer_report"
+
+
+@dataclass
+class TransferConfig:
+    """What stage 1 trains (``mhla``: mixing, CPE, gate; ``mhla+qk``: also q/k projections; ``all``: every
+    parameter of the converted attention modules) and how many held-out batches measure each layer."""
+
+    trainable: str = "mhla"
+    eval_batches: int = 4
+
+    def __post_init__(self):
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"transfer.trainable must be one of {TRAINABLE}, got {self.trainable!r}")
+        if self.eval_batches < 1:
+            raise ValueError(f"transfer.eval_batches must be >= 1, got {self.eval_batches}")
+
+
+@dataclass
+class HybridConfig:
+    """``softmax_layers``: null (every converted layer stays MHLA), ``auto:K`` (the K converted layers with
+    the largest stage-1 error keep the teacher's attention), or a list of layer indices."""
+
+    softmax_layers: Any = None
+
+
+def _stage1_train() -> TrainConfig:
+    return TrainConfig(max_steps=1000, learning_rate=1e-3, ema_decay=0.0, checkpoint_every=500)
+
+
+@dataclass
+class DiTLinearizeConfig(DiTRunConfig):
+    output_dir: str = "runs/linearize_dit"
+    train: TrainConfig = field(default_factory=_stage1_train)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+
+
+@dataclass
+class SanaLinearizeConfig(SanaRunConfig):
+    output_dir: str = "runs/linearize_sana"
+    train: TrainConfig = field(default_factory=_stage1_train)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+
+
+@dataclass
+class WanLinearizeConfig(WanRunConfig):
+    output_dir: str = "runs/linearize_wan"
+    train: TrainConfig = field(default_factory=_stage1_train)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+
+
+LINEARIZE_TASKS = {  # --base -> (config schema, base task)
+    "dit": (DiTLinearizeConfig, DiTTask),
+    "sana": (SanaLinearizeConfig, SanaTask),
+    "wan": (WanLinearizeConfig, WanTask),
+}
+
+
+def parse_softmax_layers(value, converted: list[int]) -> tuple[int | None, list[int]]:
+    """``hybrid.softmax_layers`` -> ``(K, [])`` for ``auto:K`` or ``(None, layers)`` for a list; checked
+    against the ``converted`` layers (at least one must stay MHLA)."""
+    if value is None:
+        return None, []
+    if isinstance(value, str):
+        head, _, k = value.partition(":")
+        if head != "auto" or not k.strip().isdigit():
+            raise ConfigError(
+                f"hybrid.softmax_layers must be null, auto:K or a list of layers, got {value!r}"
+            )
+        if int(k) >= len(converted):
+            raise ConfigError(
+                f"hybrid.softmax_layers={value}: K={int(k)} must leave at least one of the {len(converted)} "
+                f"converted layers as MHLA"
+            )
+        return int(k), []
+    layers = sorted({int(i) for i in value})
+    if not set(layers) <= set(converted) or len(layers) >= len(converted):
+        raise ConfigError(
+            f"hybrid.softmax_layers={list(value)} must be converted layers ({converted}) and leave at "
+            f"least one as MHLA"
+        )
+    return None, layers
+
+
+class TransferTask(TrainTask):
+    """Stage 1 on top of a base task (``DiTTask``, ``SanaTask``, ``WanTask``); see the module docstring."""
+
+    name = "linearize"
+
+    def __init__(self, cfg, base: TrainTask):
+        super().__init__(cfg)
+        self.base = base
+        self.collate_fn = base.collate_fn
+        self.hooks: TransferHooks | None = None
+        self.dataset: Dataset | None = None
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------- checks
+    def teacher(self) -> str:
+        """Where the frozen teacher comes from (recorded in ``final/``'s marker)."""
+        m = self.cfg.model
+        return str(getattr(m, "init_from", None) or getattr(m, "transformer", None) or m.pretrained)
+
+    def teacher_folder(self) -> Path | None:
+        """The local folder of the teacher's transformer (None for a hub id)."""
+        m = self.cfg.model
+        if isinstance(self.cfg, DiTRunConfig):
+            return self.base.init_folder()
+        folder = Path(m.transformer) if m.transformer else Path(m.pretrained) / "transformer"
+        return folder if folder.is_dir() else None
+
+    def validate(self) -> None:
+        """The base task's checks, a teacher with its own (stock) attention, an MHLA student, and the
+        hybrid and stage-1 settings; all before any work."""
+        cfg = self.cfg
+        if isinstance(cfg, DiTRunConfig) and not cfg.model.init_from:
+            raise ConfigError("model.init_from is required: the pretrained DiT to convert (the teacher)")
+        if saved_mhla(self.teacher_folder()) is not None:
+            raise ConfigError(
+                f"the teacher {self.teacher()!r} already runs MHLA; stage 1 needs a model with its own "
+                f"attention (softmax for DiT and Wan, SANA's linear attention)"
+            )
+        if cfg.model.attention == "softmax":
+            raise ConfigError("model.attention=softmax leaves nothing to convert; use mhla (or linear)")
+        if cfg.train.trainable != "all" or cfg.train.distill.enabled:
+            raise ConfigError(
+                "stage 1 trains what transfer.trainable says, with its own objective: leave train.trainable "
+                "and train.distill at their defaults"
+            )
+        self.base.validate()
+        parse_softmax_layers(cfg.hybrid.softmax_layers, self.converted_indices())
+
+    def converted_indices(self) -> list[int]:
+        """The layers stage 1 converts: ``mhla.layers`` (all when null) of the base model's depth."""
+        mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        if mhla.layers is not None:
+            return sorted(mhla.layers)
+        return list(range(self.base.depth()))
+
+    def count_items(self) -> int | None:
+        return self.base.count_items()
+
+    def signature(self) -> dict:
+        return {**self.base.signature(), "transfer": self.cfg.transfer.trainable}
+
+    # -------------------------------------------------------------------------------------- model
+    def build_transformer(self) -> nn.Module:
+        transformer = self.base.build_transformer()
+        self.hooks = TransferHooks(transformer, self.cfg.transfer.trainable)
+        return transformer
+
+    def trainable_parameters(self, transformer: nn.Module) -> list[nn.Parameter]:
+        """What ``transfer.trainable`` trains, in the model's parameter order (the loop's EMA pairs its
+        shadows with ``transformer.parameters()`` that require grad, in that order)."""
+        keep = {id(p) for p in self.hooks.parameters()}
+        for p in transformer.parameters():
+            p.requires_grad_(id(p) in keep)
+        return [p for p in transformer.parameters() if id(p) in keep]
+
+    def setup(self, accelerator) -> None:
+        self.device = accelerator.device
+        self.base.setup(accelerator)
+
+    def build_dataset(self, accelerator) -> Dataset:
+        self.dataset = self.base.build_dataset(accelerator)
+        return self.dataset
+
+    def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
+        """The mean over converted layers of each layer's relative error against the teacher layer."""
+        inputs, _ = self.base.model_inputs(batch, rnd)
+        model(**inputs, return_dict=False)
+        return torch.stack(list(self.hooks.pop_errors().values())).mean()
+
+    def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
+        if self.hooks is not None and self.hooks.handles:  # hooked: the model computes the teacher
+            return [], 1
+        return self.base.sample_images(transformer)
+
+    # ------------------------------------------------------------------------------------ the end
+    def save_final(self, transformer: nn.Module, folder: Path) -> None:
+        """Errors before / after, the hybrid choice, the converted model in ``folder``, the report."""
+        after = self.layer_errors(transformer, self.hooks)
+        cost = self.cost(transformer)
+        before = self.initial_errors()
+        k, fixed = parse_softmax_layers(self.cfg.hybrid.softmax_layers, sorted(after))
+        softmax = hardest_layers(after, k) if k is not None else fixed
+        self.hooks.remove()
+        finalize(transformer, softmax)
+        self.base.save_final(transformer, folder)
+        self.report = {
+            "teacher": self.teacher(), "trainable": self.cfg.transfer.trainable,
+            "hybrid": self.cfg.hybrid.softmax_layers, "softmax_layers": softmax,
+            "mhla_layers": sorted(converted_layers(transformer)),
+            "errors_before": {str(i): before[i] for i in sorted(before)},
+            "errors_after": {str(i): after[i] for i in sorted(after)}, **cost,
+        }
+        out = Path(self.cfg.output_dir)
+        atomic_write_text(out / REPORT, json.dumps({**self.report, **file_record(REPORT_KIND)}, indent=1))
+        plot_errors(before, after, softmax, out / "transfer_errors.png")
+
+    def model_record(self) -> dict:
+        return {**self.base.model_record(), "teacher": self.teacher(), "stage": "attention transfer"}
+
+    def finish(self, transformer: nn.Module, accelerator) -> dict:
+        r = self.report
+        summary = {
+            "transfer_error_before": float(np.mean(list(r["errors_before"].values()))),
+            "transfer_error_after": float(np.mean(list(r["errors_after"].values()))),
+            "teacher_forward_equivalents": r["teacher_forward_equivalents"],
+        }
+        return {**summary, **self.base.finish(transformer, accelerator)}
+
+    # -------------------------------------------------------------------------------- measurements
+    def eval_inputs(self) -> list[dict]:
+        """``transfer.eval_batches`` fixed batches of model inputs (the dataset's first items, noised with
+        a seed of their own): the same for every measurement of the run."""
+        size = self.cfg.train.global_batch_size // self.cfg.train.gradient_accumulation_steps
+        batches = []
+        for i in range(self.cfg.transfer.eval_batches):
+            items = [self.dataset[(i * size + j) % len(self.dataset)] for j in range(size)]
+            batch = (self.collate_fn or default_collate)(items)
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            rnd = StepRandom(self.cfg.seed + 7919, i, size, device=self.device)
+            batches.append(self.base.model_inputs(batch, rnd)[0])
+        return batches
+
+    @torch.no_grad()
+    def layer_errors(self, transformer: nn.Module, hooks: TransferHooks) -> dict[int, float]:
+        """Each converted layer's relative error, averaged over :meth:`eval_inputs`."""
+        totals: dict[int, float] = {}
+        batches = self.eval_inputs()
+        for inputs in batches:
+            transformer(**inputs, return_dict=False)
+            for i, e in hooks.pop_errors().items():
+                totals[i] = totals.get(i, 0.0) + e.item() / len(batches)
+        return totals
+
+    def initial_errors(self) -> dict[int, float]:
+        """:meth:`layer_errors` of the model stage 1 started from (MHLA at its init)."""
+        fresh = self.base.build_transformer().to(self.device).eval()
+        errors = self.layer_errors(fresh, TransferHooks(fresh, "mhla"))
+        del fresh
+        return errors
+
+    def cost(self, transformer: nn.Module) -> dict:
+        """Steps and wall time of stage 1 (from ``metrics.jsonl``), and its FLOPs in forwards of the
+        teacher on the same batch (counted with :mod:`mhla_gen.flops`)."""
+        inputs = self.eval_inputs()[0]
+
+        def stage1_step():
+            transformer(**inputs, return_dict=False)
+            torch.stack(list(self.hooks.pop_errors().values())).mean().backward()
+
+        step_flops = count_flops(stage1_step)
+        transformer.zero_grad(set_to_none=True)
+        teacher = self.base.build_transformer().to(self.device).eval()
+        uninstall_mhla(teacher)
+        with torch.no_grad():
+            teacher_flops = count_flops(lambda: teacher(**inputs, return_dict=False))
+        records = [r for r in read_jsonl(Path(self.cfg.output_dir) / "metrics.jsonl") if "steps_per_s" in r]
+        seconds, last = 0.0, 0
+        for r in records:
+            seconds, last = seconds + (r["step"] - last) / r["steps_per_s"], r["step"]
+        steps = self.cfg.train.max_steps
+        return {
+            "steps": steps, "wall_seconds": seconds, "stage1_step_flops": step_flops,
+            "teacher_forward_flops": teacher_flops,
+            "teacher_forward_equivalents": steps * self.cfg.train.gradient_accumulation_steps
+            * step_flops / teacher_flops,
+        }
+
+
+def plot_errors(before: dict[int, float], after: dict[int, float], softmax: list[int], path: Path) -> None:
+    """Each converted layer's relative error before and after stage 1 (log scale); the layers kept as
+    softmax are marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(after)
+    x = np.arange(len(layers))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(layers) + 2), 3.2))
+    ax.bar(x - 0.2, [before[i] for i in layers], 0.4, label="at init")
+    ax.bar(x + 0.2, [after[i] for i in layers], 0.4, label="after stage 1")
+    ax.set_xticks(x, [f"{i}*" if i in softmax else str(i) for i in layers])
+    ax.set(yscale="log", xlabel="layer (* = kept as softmax)", ylabel="relative error |s-t|²/|t|²")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,23 @@
+"""Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers.
+
+python scripts/linearize.py --config configs/linearize_dit_digits.yaml model.init_from=runs/softmax/final
+python scripts/linearize.py --base sana --config configs/sana_mhla.yaml model.pretrained=PATH data.path=DIR
+python scripts/linearize.py --base wan --config configs/wan_mhla_hybrid.yaml model.pretrained=PATH \
+    data.path=DIR hybrid.softmax_layers=auto:10 mhla.layers=null
+
+Every MHLA layer learns to reproduce the frozen teacher layer's output from the teacher's own input
+(mhla_gen.transfer). Output: output_dir/final (the converted transformer: continue it with
+train_dit.py model.init_from=... or finetune_*.py model.transformer=...), transfer.json and
+transfer_errors.png. Settings: the base script's, plus transfer.trainable (mhla | mhla+qk | all),
+transfer.eval_batches and hybrid.softmax_layers (null | auto:K | [layers]).
+"""
+
+from mhla_gen.cli import linearize_main, run
+
+
+def main(argv=None):
+    return linearize_main(argv)
+
+
+if __name__ == "__main__":
+    run(main)

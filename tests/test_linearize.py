@@ -1,0 +1,187 @@
+"""scripts/linearize.py (stage 1 of the converter) and stage 2 continuing from its folder: tiny DiT, SANA
+and Wan; the hybrid choice; exact resume; what is refused before any work."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess, run_killed
+
+from mhla_gen import MHLAConfig, install_mhla, load_transformer
+from mhla_gen.errors import ConfigError
+from mhla_gen.folders import read_marker
+from mhla_gen.processors import MHLAProcessor
+
+TINY = {base: str(REPO / "configs" / "tiny" / f"{base}.yaml") for base in ("dit", "sana", "wan")}
+
+
+@pytest.fixture(scope="module")
+def dit_teacher(tmp_path_factory):
+    """A softmax DiT trained a few steps on the digits, its layer 1 made hard for linear attention (sharp
+    softmax: q and k scaled up), so auto:1 must keep that layer."""
+    root = tmp_path_factory.mktemp("dit_teacher")
+    run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={root / 'run'}",
+                  "model.attention=softmax", "train.max_steps=20", "model.depth=3")
+    teacher = load_transformer(root / "run" / "final")
+    with torch.no_grad():
+        for name in ("to_q", "to_k"):
+            getattr(teacher.transformer_blocks[1].attn1, name).weight.mul_(6.0)
+    teacher.save_pretrained(root / "teacher")
+    return root / "teacher"
+
+
+def linearize(*args):
+    run_inprocess("linearize.py", *args)
+
+
+def dit_stage1(teacher, out, *overrides):
+    linearize("--config", TINY["dit"], f"model.init_from={teacher}", f"output_dir={out}", "model.depth=3",
+              "train.max_steps=6", "train.learning_rate=3e-3", *overrides)
+
+
+def test_dit_stage1_lowers_the_errors_keeps_the_hardest_layer_and_feeds_stage2(dit_teacher, tmp_path):
+    dit_stage1(dit_teacher, tmp_path / "s1", "hybrid.softmax_layers=auto:1", "mhla.cpe_kernel=3")
+    report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
+    before, after = report["errors_before"], report["errors_after"]
+    assert set(before) == set(after) == {"0", "1", "2"}
+    assert np.mean(list(after.values())) < np.mean(list(before.values()))
+    assert report["softmax_layers"] == [1] and report["mhla_layers"] == [0, 2]  # the planted hardest layer
+    assert report["teacher_forward_equivalents"] > report["steps"]  # a teacher forward plus the students
+    assert (tmp_path / "s1" / "transfer_errors.png").stat().st_size > 0
+    final = tmp_path / "s1" / "final"
+    assert read_marker(final)["teacher"] == str(dit_teacher)
+    model = load_transformer(final)
+    assert model.mhla_config.layers == [0, 2] and model.mhla_config.cpe_kernel == 3
+    assert not isinstance(model.transformer_blocks[1].attn1.processor, MHLAProcessor)
+
+    # stage 2 continues from the folder: its MHLA layers and weights, recorded in config.yaml
+    run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={tmp_path / 's2'}", "model.depth=3",
+                  f"model.init_from={final}", "train.max_steps=1", "train.learning_rate=1e-12",
+                  "train.ema_decay=0")
+    assert "layers:\n  - 0\n  - 2" in (tmp_path / "s2" / "config.yaml").read_text()
+    assert max_abs_diff(final_weights(tmp_path / "s2"), final_weights(tmp_path / "s1")) < 1e-6
+
+
+def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):
+    dit_stage1(dit_teacher, tmp_path / "fixed", "hybrid.softmax_layers=[0]", "train.max_steps=1")
+    assert json.loads((tmp_path / "fixed" / "transfer.json").read_text())["softmax_layers"] == [0]
+    bad = {
+        "hybrid.softmax_layers=auto:3": "K=3 must leave at least one of the 3 converted layers",
+        "hybrid.softmax_layers=[0,1,2]": "leave at least one as MHLA",
+        "hybrid.softmax_layers=auto:x": "must be null, auto:K or a list",
+        "model.attention=softmax": "leaves nothing to convert",
+        "train.trainable=mhla": "leave train.trainable",
+        "transfer.trainable=qk": "transfer.trainable must be one of",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            dit_stage1(dit_teacher, tmp_path / "bad", override)
+    with pytest.raises(ConfigError, match="already runs MHLA"):  # a teacher without its own attention
+        dit_stage1(tmp_path / "fixed" / "final", tmp_path / "bad")
+    with pytest.raises(ConfigError, match="model.init_from is required"):
+        linearize("--config", TINY["dit"], f"output_dir={tmp_path / 'bad'}")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_stage1_killed_and_resumed_ends_like_an_uninterrupted_run(dit_teacher, tmp_path):
+    args = ["linearize", "--config", TINY["dit"], f"model.init_from={dit_teacher}", "model.depth=3",
+            "train.max_steps=4", "train.checkpoint_every=2", "transfer.trainable=mhla+qk"]
+    killed = run_killed("kill_after_step=3", *args, f"output_dir={tmp_path / 'killed'}")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    linearize(*args[1:], f"output_dir={tmp_path / 'killed'}")
+    linearize(*args[1:], f"output_dir={tmp_path / 'straight'}")
+    assert [r["step"] for r in read_metrics(tmp_path / "killed")][:4] == [1, 2, 3, 4]
+    assert max_abs_diff(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight")) == 0.0
+
+
+@pytest.fixture(scope="module")
+def sana_setup(tmp_path_factory):
+    from mhla_gen.testing import tiny_sana_pipeline
+
+    root = tmp_path_factory.mktemp("sana")
+    tiny_sana_pipeline().save_pretrained(root / "ckpt")
+    rng = np.random.default_rng(0)
+    (root / "data").mkdir()
+    for i, caption in enumerate(["a red cat", "a blue dog", "a small cat", "a green dog"]):
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(root / "data" / f"{i}.png")
+        (root / "data" / f"{i}.txt").write_text(caption)
+    return root
+
+
+def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sana_setup, tmp_path):
+    """SANA's teacher is its global linear attention: with uniform mixing (eps / M) the converted model
+    starts at zero error; the folder then feeds finetune_sana.py's model.transformer and the pipeline."""
+    from mhla_gen.pipelines.sana import load_sana_pipeline
+
+    common = ["--config", TINY["sana"], f"model.pretrained={sana_setup / 'ckpt'}",
+              f"data.path={sana_setup / 'data'}", "train.max_steps=2"]
+    linearize("--base", "sana", *common, f"output_dir={tmp_path / 's1'}", "mhla.mixing_init=uniform",
+              f"mhla.eps={1e-15 / 4}")
+    report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
+    assert max(report["errors_before"].values()) < 1e-10
+    run_inprocess("finetune_sana.py", *common, f"output_dir={tmp_path / 's2'}",
+                  f"model.transformer={tmp_path / 's1' / 'final'}", "train.distill.attention_weight=1")
+    pipe = load_sana_pipeline(sana_setup / "ckpt", transformer_path=tmp_path / "s2" / "final")
+    assert pipe.transformer.mhla_config.mixing_init == "uniform"
+    assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "s2"))
+
+
+def test_wan_stage1_hybrid_with_cpe(tmp_path):
+    import imageio.v3 as iio
+
+    from mhla_gen.testing_wan import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "data").mkdir()
+    rng = np.random.default_rng(0)
+    for i, caption in enumerate(["a cat runs", "a dog swims"]):
+        frames = rng.integers(0, 255, (6, 40, 48, 3), dtype=np.uint8)
+        iio.imwrite(tmp_path / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
+        (tmp_path / "data" / f"{i}.txt").write_text(caption)
+    linearize("--base", "wan", "--config", TINY["wan"], f"model.pretrained={tmp_path / 'ckpt'}",
+              f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 's1'}", "train.max_steps=2",
+              "mhla.layers=null", "mhla.cpe_kernel=3", "hybrid.softmax_layers=auto:1",
+              "transfer.trainable=all")
+    report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
+    assert len(report["softmax_layers"]) == 1 and len(report["mhla_layers"]) == 2
+    assert load_transformer(tmp_path / "s1" / "final").mhla_config.layers == report["mhla_layers"]
+
+
+def test_distillation_terms_vanish_against_an_identical_teacher():
+    """The output and attention terms compare the model with the frozen teacher on the same input: zero
+    when the teacher is the model itself, positive when the MHLA layers differ."""
+    from mhla_gen.testing import tiny_dit
+    from mhla_gen.train.distill import Distiller
+
+    model = install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2))).eval()
+    x = torch.randn(2, model.config.in_channels, model.config.sample_size, model.config.sample_size)
+    inputs = {"hidden_states": x, "timestep": torch.tensor([5, 9]), "class_labels": torch.tensor([1, 2])}
+    distiller = Distiller(copy.deepcopy(model), model, output_weight=1.0, attention_weight=1.0)
+    assert distiller(model(**inputs, return_dict=False)[0], inputs).item() == 0.0
+    with torch.no_grad():
+        model.transformer_blocks[0].attn1.processor.mixing.weight.mul_(3.0)
+    assert distiller(model(**inputs, return_dict=False)[0], inputs).item() > 0.0
+
+
+def test_starting_from_an_mhla_folder_fresh_or_refused(dit_teacher, tmp_path):
+    dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
+    final = tmp_path / "s1" / "final"
+    common = ["--config", TINY["dit"], "model.depth=3", f"model.init_from={final}", "train.max_steps=1"]
+    with pytest.raises(ConfigError, match="was saved with MHLA, which model.attention=softmax would drop"):
+        run_inprocess("train_dit.py", *common, f"output_dir={tmp_path / 'bad'}", "model.attention=softmax")
+    with pytest.raises(ConfigError, match="train.distill needs a teacher"):
+        run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={tmp_path / 'bad'}",
+                      "train.distill.output_weight=1")
+    assert not (tmp_path / "bad").exists()
+    run_inprocess("train_dit.py", *common, f"output_dir={tmp_path / 'fresh'}", "model.init_attention=fresh",
+                  "mhla.blocks=[1,1]", "train.learning_rate=1e-12", "train.ema_decay=0")
+    fresh = load_transformer(tmp_path / "fresh" / "final")
+    assert fresh.mhla_config.blocks == (1, 1) and fresh.mhla_config.layers is None
+    trained = load_transformer(final)
+    q = [m.transformer_blocks[0].attn1.to_q.weight for m in (fresh, trained)]
+    assert torch.allclose(*q)  # the folder's projections, fresh attention
