@@ -51,6 +51,9 @@ KINDS: dict[str, tuple[str, frozenset[str]]] = {
         "DiT latent cache", frozenset({"latents.npy", "labels.npy", "meta.json", "latents_trim.npy"})
     ),
     "feature_cache": ("SANA / Wan feature cache", frozenset({"items", "meta.json"})),
+    "teacher_data": (
+        "teacher-sampled training data", frozenset({"latents.npy", "labels.npy", "meta.json", "parts"})
+    ),
     "samples": (
         "evaluation sample set (eval/generate.py)",
         frozenset({"config.yaml", "manifest.jsonl", "manifest.*.jsonl", "samples.npz",

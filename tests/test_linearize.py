@@ -185,3 +185,41 @@ def test_starting_from_an_mhla_folder_fresh_or_refused(dit_teacher, tmp_path):
     trained = load_transformer(final)
     q = [m.transformer_blocks[0].attn1.to_q.weight for m in (fresh, trained)]
     assert torch.allclose(*q)  # the folder's projections, fresh attention
+
+
+def test_teacher_data_is_sampled_resumably_and_trains(dit_teacher, tmp_path):
+    """data.source=teacher: samples of the teacher through DiTPipeline, in the latent-cache layout, chunk by
+    chunk (a run killed half-way redoes only the missing chunks, with the same numbers)."""
+    from mhla_gen.data.teacher import write_teacher_samples
+
+    calls = []
+
+    def generate(labels, chunk):
+        calls.append(chunk)
+        if chunk == 1 and len(calls) == 2:
+            raise KeyboardInterrupt  # killed while sampling the second chunk
+        return torch.full((len(labels), 1, 4, 4), float(chunk)) + torch.arange(4.0)
+
+    args = (tmp_path / "data", [0, 1, 2, 0, 1], {"v": 1}, {"vae": None})
+    with pytest.raises(KeyboardInterrupt):
+        write_teacher_samples(generate, *args, chunk=2)
+    write_teacher_samples(generate, *args, chunk=2)
+    assert calls == [0, 1, 1, 2]  # chunk 0 was kept
+    latents = np.load(tmp_path / "data" / "latents.npy")
+    assert latents.shape == (5, 2, 1, 4, 4) and latents[4, 0, 0, 0, 0] == 2.0  # chunk 2, seed 2
+    assert np.array_equal(latents[:, 1], latents[:, 0, ..., ::-1])  # each sample and its flip
+
+    out = tmp_path / "run"
+    common = ["--config", TINY["dit"], "model.depth=3", "data.source=teacher", f"data.teacher={dit_teacher}"]
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "x.png").write_bytes(b"mine")
+    with pytest.raises(ConfigError, match="data.path=.* not written by mhla_gen"):
+        run_inprocess("train_dit.py", *common, "data.teacher_samples=8", f"data.path={tmp_path / 'photos'}",
+                      f"output_dir={out}")
+    with pytest.raises(ConfigError, match="teacher_samples >= 1"):
+        run_inprocess("train_dit.py", *common, f"data.path={tmp_path / 'tdata'}", f"output_dir={out}")
+    run_inprocess("train_dit.py", *common, "data.teacher_samples=16", f"data.path={tmp_path / 'tdata'}",
+                  f"output_dir={out}", "train.max_steps=2", "log.sample_steps=2")
+    meta = json.loads((tmp_path / "tdata" / "meta.json").read_text())
+    assert meta["count"] == 16 and meta["teacher"] == str(dit_teacher)
+    assert read_marker(tmp_path / "tdata")["kind"] == "teacher_data" and len(read_metrics(out)) == 2

@@ -185,7 +185,9 @@ class DiTModelConfig:
 @dataclass
 class DiTDataConfig:
     """``source``: ``folder`` (ImageNet-style class folders), ``latents`` (a cache written by
-    scripts/extract_latents.py) or ``digits`` (the embedded sklearn digits, pixel space)."""
+    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space) or ``teacher``
+    (``teacher_samples`` samples of ``teacher_labels`` drawn from ``teacher`` through DiTPipeline with
+    ``log.sample_steps`` / ``log.guidance_scale`` into ``path``, then read like a latent cache)."""
 
     source: str = "folder"
     path: str | None = None
@@ -193,12 +195,22 @@ class DiTDataConfig:
     vae: str | None = "stabilityai/sd-vae-ft-ema"  # local folder or hub id; None = pixel space
     vae_subfolder: str | None = None
     hflip: bool = True
+    teacher: str | None = None  # data.source=teacher: the DiT to sample (default: model.init_from)
+    teacher_samples: int = 0
+    teacher_labels: list[int] | None = None  # default: every class, in turn
 
     def __post_init__(self):
-        if self.source not in ("folder", "latents", "digits"):
-            raise ValueError(f"data.source must be folder, latents or digits, got {self.source!r}")
+        if self.source not in ("folder", "latents", "digits", "teacher"):
+            raise ValueError(f"data.source must be folder, latents, digits or teacher, got {self.source!r}")
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
+        if self.source == "teacher" and self.teacher_samples < 1:
+            raise ValueError(
+                f"data.source=teacher needs data.teacher_samples >= 1 (how many to draw), got "
+                f"{self.teacher_samples}"
+            )
+        if self.teacher_labels is not None and not self.teacher_labels:
+            raise ValueError("data.teacher_labels is empty: list the classes to sample (or null for all)")
 
 
 @dataclass

@@ -32,7 +32,8 @@ from torch.utils.data import Dataset
 from ..config import MHLAConfig
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
 from ..data.images import class_folders, require_dir
-from ..folders import read_marker
+from ..data.teacher import TEACHER_DATA, write_teacher_samples
+from ..folders import check_apart, owned, read_marker
 from ..metrics.extractors import digits_extractor, extract_features
 from ..metrics.fid import fid_from_features
 from .attention import (
@@ -210,6 +211,9 @@ class DiTTask(TrainTask):
         if data.source == "latents":
             shape = LatentCacheDataset(data.path).latents.shape  # (N, 2, C, h, w)
             return shape[2], shape[3]
+        if data.source == "teacher":  # samples of the teacher's own input size
+            config = self._teacher_config()
+            return config["in_channels"], config["sample_size"]
         vae = self._vae_config()
         if vae is None:
             return 3, data.resolution
@@ -234,7 +238,10 @@ class DiTTask(TrainTask):
         if data.source != "digits":
             if data.path is None:
                 raise ConfigError(f"data.path is required for data.source={data.source}")
-            self._check_classes()
+            if data.source == "teacher":
+                self._check_teacher_data()
+            else:
+                self._check_classes()
         if data.source == "latents":
             self._check_cache_vae()
         channels, size = self._channels_and_size()
@@ -302,10 +309,76 @@ class DiTTask(TrainTask):
             + f", but data.vae={data.vae!r}: set data.vae={recorded!r} (samples are decoded with data.vae)"
         )
 
+    # ----------------------------------------------------------------------------- teacher data
+    def teacher_source(self) -> str:
+        source = self.cfg.data.teacher or self.cfg.model.init_from
+        if source is None:
+            raise ConfigError(
+                "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
+            )
+        return source
+
+    def _teacher_config(self) -> dict:
+        source = self.teacher_source()
+        path = Path(source)
+        sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
+        try:
+            config = DiTTransformer2DModel.load_config(source, subfolder=sub)
+        except OSError as err:
+            raise ConfigError(f"data.teacher={source!r} cannot be loaded: {err}") from None
+        if config.get("_class_name") != "DiTTransformer2DModel":
+            raise ConfigError(f"data.teacher={source!r} is a {config.get('_class_name')}, not a DiT")
+        return config
+
+    def teacher_labels(self) -> list[int]:
+        data, classes = self.cfg.data, self.cfg.model.num_classes
+        chosen = data.teacher_labels or list(range(classes))
+        return [chosen[i % len(chosen)] for i in range(data.teacher_samples)]
+
+    def _check_teacher_data(self) -> None:
+        """The teacher loads, its labels are the model's classes, and data.path may be written."""
+        self._teacher_config()
+        bad = sorted({c for c in self.teacher_labels() if not 0 <= c < self.cfg.model.num_classes})
+        if bad:
+            raise ConfigError(
+                f"data.teacher_labels {bad} are outside model.num_classes={self.cfg.model.num_classes}"
+            )
+        owned(self.cfg.data.path, TEACHER_DATA, "data.path")
+        check_apart(self.cfg.data.path, "data.path", {"data.teacher": self.teacher_source()})
+
+    @torch.no_grad()
+    def _sample_teacher(self, device) -> None:
+        """``data.teacher_samples`` samples of the teacher into ``data.path`` (resumable), in the space the
+        model trains in: pixels in [-1, 1], or VAE latents (encoded as extract_latents.py does)."""
+        data, teacher = self.cfg.data, load_teacher(DiTTransformer2DModel, self.teacher_source()).to(device)
+        pipe = DiTPipeline(transformer=teacher, vae=self.vae if self.vae is not None else identity_vae(),
+                           scheduler=make_sampler(self.cfg.diffusion.sampler, self.scheduler)).to(device)
+        pipe.set_progress_bar_config(disable=True)
+
+        def generate(labels: list[int], chunk: int) -> torch.Tensor:
+            g = torch.Generator(device).manual_seed(self.cfg.seed * 100_003 + chunk)
+            images = pipe(class_labels=labels, guidance_scale=self.cfg.log.guidance_scale, generator=g,
+                          num_inference_steps=self.cfg.log.sample_steps, output_type="pt").images
+            x = images.to(device) * 2 - 1  # (B, C, H, W) in [-1, 1]
+            if self.vae is None:
+                return x
+            return self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(g) * self.latent_scale
+
+        fingerprint = {
+            "teacher": self.teacher_source(), "labels": self.teacher_labels(), "seed": self.cfg.seed,
+            "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
+            "sampler": self.cfg.diffusion.sampler, "vae": data.vae,
+        }
+        meta = {"vae": data.vae, "vae_subfolder": data.vae_subfolder, "scaling_factor": self.latent_scale,
+                "teacher": self.teacher_source()}
+        write_teacher_samples(generate, data.path, self.teacher_labels(), fingerprint, meta)
+
     def count_items(self) -> int:
         data = self.cfg.data
         if data.source == "digits":
             return DIGITS_ITEMS
+        if data.source == "teacher":
+            return data.teacher_samples
         if data.source == "latents":
             return len(LatentCacheDataset(data.path))
         return len(self._folder_dataset())
@@ -439,11 +512,12 @@ class DiTTask(TrainTask):
         """In latent space (``data.vae`` set, not digits): the data's ``AutoencoderKL``, frozen, on the
         device. It encodes class-folder images on the fly and decodes the sample grids."""
         data = self.cfg.data
-        if data.vae is None or data.source == "digits":
-            return
-        self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
-        self.vae.requires_grad_(False).eval().to(accelerator.device)
-        self.latent_scale = self.vae.config.scaling_factor
+        if data.vae is not None and data.source != "digits":
+            self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
+            self.vae.requires_grad_(False).eval().to(accelerator.device)
+            self.latent_scale = self.vae.config.scaling_factor
+        if data.source == "teacher":
+            self._sample_teacher(accelerator.device)
 
     def build_dataset(self, accelerator) -> Dataset:
         data = self.cfg.data
@@ -451,7 +525,7 @@ class DiTTask(TrainTask):
             return _DigitsDataset(data.resolution)
         if data.path is None:
             raise ValueError(f"data.path is required for data.source={data.source}")
-        if data.source == "latents":
+        if data.source in ("latents", "teacher"):
             return LatentCacheDataset(data.path)
         return self._folder_dataset()
 
@@ -511,7 +585,7 @@ class DiTTask(TrainTask):
 
     def sample_images(self, transformer) -> tuple[list, int]:
         """``num_samples`` per class for (up to) the first 10 classes: one row per class."""
-        if self.vae is None and self.cfg.data.source == "latents":
+        if self.vae is None and self.cfg.data.source == "latents":  # (teacher data in pixel space decodes)
             logger.warning("no data.vae to decode latents with: sample grids skipped")
             return [], 1
         classes = min(self.cfg.model.num_classes, 10)
