@@ -22,6 +22,7 @@ seeds, and per-seed paired differences between arms.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from .serialization import load_transformer
 from .train.config import DiTRunConfig, load_config
 from .train.dit import DiTTask
 from .train.io import atomic_write_text, read_jsonl
+from .train.linearize import DiTLinearizeConfig, TransferTask
 from .train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -51,11 +53,14 @@ RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.fol
 
 @dataclass(frozen=True)
 class Arm:
-    """One configuration of an experiment: ``overrides`` on top of the base config."""
+    """One configuration of an experiment: ``overrides`` on top of the base config; with ``stage1`` (the
+    overrides of a ``scripts/linearize.py`` run on the same base), the run starts from that run's
+    ``final/`` (``model.init_from``), stage 1 being run once per seed and shared by the arms that name it."""
 
     name: str
     overrides: tuple[str, ...] = ()
     group: str = "main"
+    stage1: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -71,26 +76,58 @@ class Job:
     result_dir: str
     fid_samples: int
     extra: dict = field(default_factory=dict)  # copied into every result record
+    stage1: list[str] | None = None  # linearize overrides (without output_dir / seed)
+    stage1_dir: str = ""  # where that stage-1 run lives (shared by the jobs with the same stage 1 and seed)
 
 
 def result_path(job: Job, step: int) -> Path:
     return Path(job.result_dir) / f"step{step:07d}.json"
 
 
+def stage1_report(job: Job) -> Path:
+    return Path(job.stage1_dir) / "transfer.json"
+
+
+def run_stage1(job: Job) -> dict:
+    """The job's stage-1 run (``scripts/linearize.py``), unless its report exists; returns the report."""
+    if not stage1_report(job).is_file():
+        cfg = load_config(DiTLinearizeConfig, job.config, [
+            *job.stage1, f"output_dir={job.stage1_dir}", f"seed={job.seed}", "resume=latest",
+            "eval.fid_num_samples=0",
+        ])
+        train(cfg, TransferTask(cfg, DiTTask(cfg)))
+        _reset_accelerate()
+    return json.loads(stage1_report(job).read_text())
+
+
+def stage1_summary(report: dict) -> dict:
+    """What a result record keeps of its stage-1 report: cost and the mean layer error before / after."""
+    keys = ("steps", "wall_seconds", "teacher_forward_equivalents", "softmax_layers")
+    return {**{k: report[k] for k in keys},
+            "error_before": float(np.mean(list(report["errors_before"].values()))),
+            "error_after": float(np.mean(list(report["errors_after"].values())))}
+
+
 def run_job(job: Job) -> list[dict]:
-    """Train ``job`` up to each evaluation step in turn and evaluate there; skip points already done."""
+    """Train ``job`` up to each evaluation step in turn and evaluate there (step 0: the model it starts
+    from); skip points already done."""
     records = []
     for step in job.steps:
         path = result_path(job, step)
         if path.is_file():
             records.append(json.loads(path.read_text()))
             continue
-        cfg = job_config(job, step)
+        cfg = job_config(job, max(step, 1))
         start = time.perf_counter()
-        train(cfg, DiTTask(cfg))
-        _reset_accelerate()
-        record = evaluate_point(job, cfg, step)
+        if step == 0:
+            record = evaluate_point(job, cfg, 0, DiTTask(cfg).build_transformer().eval())
+        else:
+            train(cfg, DiTTask(cfg))
+            _reset_accelerate()
+            record = evaluate_point(job, cfg, step)
         record["segment_seconds"] = time.perf_counter() - start
+        if job.stage1:
+            record["stage1"] = stage1_summary(json.loads(stage1_report(job).read_text()))
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**record, **file_record(RESULT_KIND)}, indent=1))
         logger.info("%s seed %d step %d: FID %.2f", job.arm, job.seed, step, record["fid_digits"])
@@ -100,9 +137,10 @@ def run_job(job: Job) -> list[dict]:
 
 def job_config(job: Job, step: int) -> DiTRunConfig:
     """The run's config for the segment that ends at ``step`` (checkpoints at every evaluation step)."""
-    every = math.gcd(*job.steps)
+    every = math.gcd(*[s for s in job.steps if s > 0])
+    start = [f"model.init_from={Path(job.stage1_dir) / 'final'}"] if job.stage1 else []
     return load_config(DiTRunConfig, job.config, [
-        *job.overrides, f"output_dir={job.run_dir}", f"seed={job.seed}", f"train.max_steps={step}",
+        *job.overrides, *start, f"output_dir={job.run_dir}", f"seed={job.seed}", f"train.max_steps={step}",
         f"train.checkpoint_every={every}", "train.checkpoints_total_limit=1", "resume=latest",
         "eval.fid_num_samples=0",
     ])
@@ -117,10 +155,11 @@ def _reset_accelerate() -> None:
 
 
 @torch.no_grad()
-def evaluate_point(job: Job, cfg: DiTRunConfig, step: int) -> dict:
-    """FID, label accuracy, logged loss and attention statistics of the run's ``final/`` at ``step``; the
-    first 100 samples (ten of each class) are kept beside the result as ``step<n>_samples.npy``."""
-    transformer = load_transformer(Path(job.run_dir) / "final")
+def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> dict:
+    """FID, label accuracy, logged loss and attention statistics of ``transformer`` (default: the run's
+    ``final/``) at ``step``; the first 100 samples (ten of each class) are kept beside the result as
+    ``step<n>_samples.npy``."""
+    transformer = transformer if transformer is not None else load_transformer(Path(job.run_dir) / "final")
     labels = [i % cfg.model.num_classes for i in range(job.fid_samples)]
     start = time.perf_counter()
     fake = DiTTask(cfg).generate(transformer, labels, seed=10_000 + job.seed, output_type="pt").cpu()
@@ -132,7 +171,9 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int) -> dict:
     real, _ = digits_tensors(cfg.data.resolution)
     fake_f, real_f = extract_features(extractor, fake), extract_features(extractor, real)
     accuracy = (torch.from_numpy(fake_f["logits"]).argmax(-1) == torch.tensor(labels)).double().mean().item()
-    logged = [r for r in read_jsonl(Path(job.run_dir) / "metrics.jsonl") if "loss" in r and r["step"] <= step]
+    metrics = Path(job.run_dir) / "metrics.jsonl"
+    records = read_jsonl(metrics) if metrics.is_file() else []  # none before the first step
+    logged = [r for r in records if "loss" in r and r["step"] <= step]
     window = [r["loss"] for r in logged[-5:]]  # the last few logged losses: one batch is noisy
     stats = attention_summary(transformer, cfg.data.resolution, job.seed)
     return {
@@ -166,12 +207,22 @@ def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: l
               fid_samples: int, extra: dict | None = None) -> list[Job]:
     """One job per (arm, seed), its folders under ``out`` (``out`` itself must be ours, see
     :func:`run_jobs`)."""
-    return [
-        Job(arm.name, seed, config, [*base, *arm.overrides], sorted(steps),
-            str(out / "runs" / arm.name / f"seed{seed}"), str(out / "results" / arm.name / f"seed{seed}"),
-            fid_samples, {"group": arm.group, **(extra or {})})
-        for arm in arms for seed in seeds
-    ]
+    jobs = []
+    for arm in arms:
+        for seed in seeds:
+            run, results = (str(out / part / arm.name / f"seed{seed}") for part in ("runs", "results"))
+            job = Job(arm.name, seed, config, [*base, *arm.overrides], sorted(steps), run, results,
+                      fid_samples, {"group": arm.group, **(extra or {})})
+            if arm.stage1 is not None:
+                job.stage1 = [*base, *arm.stage1]
+                job.stage1_dir = str(out / "stage1" / _key(arm.stage1) / f"seed{seed}")
+            jobs.append(job)
+    return jobs
+
+
+def _key(overrides: tuple[str, ...]) -> str:
+    """A short name for a stage-1 setting (jobs with the same setting and seed share its run)."""
+    return hashlib.sha256(json.dumps(list(overrides)).encode()).hexdigest()[:10]
 
 
 def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1) -> list[dict]:
@@ -180,15 +231,23 @@ def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int =
     claim(out, kind, setting)
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
     logger.info("%d of %d runs to do (the others finished earlier)", len(todo), len(jobs))
-    if workers <= 1 or len(todo) <= 1:
-        for job in todo:
-            run_job(job)
-    else:
-        context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-        with context.Pool(workers, initializer=_worker_init, maxtasksperchild=1) as pool:
-            for _ in pool.imap_unordered(run_job, todo):
-                pass
+    pending = {job.stage1_dir: job for job in todo if job.stage1 and not stage1_report(job).is_file()}
+    stage1 = list(pending.values())
+    _map(run_stage1, stage1, workers)  # first: stage-2 runs of several arms may start from one stage 1
+    _map(run_job, todo, workers)
     return [json.loads(result_path(job, s).read_text()) for job in jobs for s in job.steps]
+
+
+def _map(fn, jobs: list[Job], workers: int) -> None:
+    """``fn(job)`` for every job, ``workers`` at a time in fresh processes (in this one when 1)."""
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            fn(job)
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+    with context.Pool(workers, initializer=_worker_init, maxtasksperchild=1) as pool:
+        for _ in pool.imap_unordered(fn, jobs):
+            pass
 
 
 def _worker_init() -> None:

@@ -1,0 +1,244 @@
+"""How fast a converted model recovers: a pretrained softmax (or linear-attention) DiT converted to MHLA in
+different ways, each arm with the same stage-2 budget and data, on the embedded digits.
+
+    python eval/adaptation.py                               # both grids, 3 seeds (teachers trained first)
+    python eval/adaptation.py --teachers-from runs/study    # the study's seed-0 softmax / linear runs
+    python eval/adaptation.py --quick                       # seconds: a smoke test
+
+Teachers: DiTs of the study's size (eval/study.py) trained on the digits with softmax and with linear
+attention (cached under OUT/teachers by their settings, or taken from a finished study). Arms (stage 2 =
+train_dit.py with ``model.init_from``, the same budget, data and seed in every arm):
+
+* ``softmax-continued``: the softmax teacher trained on (the reference);
+* ``linear-plain``: the teacher with global linear attention installed, trained (the paper's LA baseline);
+* ``mhla-plain``: MHLA installed on the teacher, trained (the paper's conversion recipe);
+* ``mhla-stage1``: stage 1 first (scripts/linearize.py, attention transfer), then stage 2;
+* ``mhla-stage1-distill``: the same, stage 2 with output and attention distillation against the teacher;
+* ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
+  stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
+* from the linear teacher (64 tokens): ``linear-continued``, and MHLA installed with a ``uniform`` mixing
+  matrix (``eps`` / M: exactly the teacher at step 0) or the paper's locality init.
+
+FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
+``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/adaptation.md,
+OUT/adaptation.json and OUT/curves_<grid>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mhla_gen.cli import expand_path, run
+from mhla_gen.errors import ConfigError
+from mhla_gen.experiments import Arm, make_jobs, run_jobs, summarize
+from mhla_gen.folders import claim, file_record
+from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.io import atomic_write_text
+from mhla_gen.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "dit_digits.yaml")
+MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)  # eval/study.py's
+QUICK_MODEL = dict(hidden_size=16, depth=2, heads=2, patch_size=2)
+GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler steps
+    "64": dict(resolution=16, blocks=(2, 2), teacher_steps=1500, stage1_steps=200, steps=400, batch=32,
+               fid_samples=500, sample_steps=20),
+    "256": dict(resolution=32, blocks=(4, 4), teacher_steps=1200, stage1_steps=150, steps=300, batch=32,
+                fid_samples=300, sample_steps=10),
+    "quick": dict(resolution=8, blocks=(2, 2), teacher_steps=4, stage1_steps=2, steps=4, batch=8,
+                  fid_samples=20, sample_steps=2),
+}
+STAGE1 = ("model.attention=mhla", "train.global_batch_size=32")
+
+
+def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
+    """The arms of one grid (the hybrid and linear-teacher arms at 64 tokens only, see the docstring)."""
+    soft, lin = "model.init_from=@softmax", "model.init_from=@linear"
+    distill = ("train.distill.output_weight=1", "train.distill.attention_weight=1")
+    main = [
+        Arm("softmax-continued", (soft, "model.attention=softmax")),
+        Arm("linear-plain", (soft, "model.attention=linear")),
+        Arm("mhla-plain", (soft, "model.attention=mhla")),
+        Arm("mhla-stage1", (), stage1=(soft, *STAGE1)),
+        Arm("mhla-stage1-distill", distill, stage1=(soft, *STAGE1)),
+    ]
+    if grid == "256":
+        return main
+    fresh = (lin, "model.init_attention=fresh", "model.attention=mhla")
+    return main + [
+        Arm("hybrid-auto", (), "hybrid", stage1=(soft, *STAGE1, "hybrid.softmax_layers=auto:1")),
+        Arm("hybrid-fixed", (), "hybrid", stage1=(soft, *STAGE1, "hybrid.softmax_layers=[0]")),
+        Arm("linear-continued", (lin,), "linear teacher"),
+        Arm("mhla-from-linear-uniform", (*fresh, "mhla.mixing_init=uniform", f"mhla.eps={eps / blocks}"),
+            "linear teacher"),
+        Arm("mhla-from-linear-locality", (*fresh, "mhla.mixing_init=linear"), "linear teacher"),
+    ]
+
+
+def base_overrides(grid: dict, model: dict) -> list[str]:
+    return [
+        f"data.resolution={grid['resolution']}", f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
+        *(f"model.{k}={v}" for k, v in model.items()), f"train.global_batch_size={grid['batch']}",
+        "train.lr_warmup_steps=0", f"log.every={max(1, grid['steps'] // 20)}", "log.trackers=[]",
+        "log.num_samples=1", f"log.sample_steps={grid['sample_steps']}",
+    ]
+
+
+def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed: int = 0) -> Path:
+    """The ``attention`` teacher of ``grid`` (trained once under ``out``; reused when finished)."""
+    folder = out / "teachers" / f"{name}-{attention}"
+    if not (folder / "final").is_dir():
+        cfg = load_config(DiTRunConfig, CONFIG, [
+            *base_overrides(grid, model), f"model.attention={attention}", f"output_dir={folder}",
+            f"seed={seed}", f"train.max_steps={grid['teacher_steps']}", "eval.fid_num_samples=0",
+            f"train.lr_warmup_steps={min(50, grid['teacher_steps'] // 10)}",
+        ])
+        train(cfg, DiTTask(cfg))
+    return folder / "final"
+
+
+QUICK_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1-distill", "hybrid-auto",
+              "mhla-from-linear-uniform")
+
+
+def plan(args) -> list:
+    """Every job: each grid's arms x seeds, with the teachers' folders filled in."""
+    jobs = []
+    for name in args.grids:
+        grid = dict(GRIDS[name], **({"steps": args.steps} if args.steps else {}))
+        model = QUICK_MODEL if name == "quick" else MODEL
+        teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")}
+        wanted = args.arms or (QUICK_ARMS if name == "quick" else None)
+        chosen = [with_teachers(arm, teachers, grid) for arm in arms(name, 1e-6, np.prod(grid["blocks"]))
+                  if wanted is None or arm.name in wanted]
+        extra = {"grid": name, "tokens": (grid["resolution"] // 2) ** 2}
+        base, seeds = base_overrides(grid, model), list(range(args.seeds))
+        jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
+                          grid["fid_samples"], extra)
+    return jobs
+
+
+def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
+    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, and the stage-1 budget."""
+    def resolve(items):
+        soft, lin = str(teachers["softmax"]), str(teachers["linear"])
+        return tuple(i.replace("@softmax", soft).replace("@linear", lin) for i in items)
+
+    stage1 = (*resolve(arm.stage1), f"train.max_steps={grid['stage1_steps']}") if arm.stage1 else None
+    return Arm(arm.name, resolve(arm.overrides), arm.group, stage1)
+
+
+def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Path:
+    if args.teachers_from is not None:
+        path = Path(args.teachers_from) / name / "runs" / attention / "seed0" / "final"
+        if not path.is_dir():
+            raise ConfigError(f"--teachers-from {args.teachers_from}: no {path} (run eval/study.py first)")
+        return path
+    claim(args.out, "study", "--out")
+    return teacher(args.out, name, attention, grid, model)
+
+
+def eval_steps(steps: int) -> list[int]:
+    return sorted({0, *(max(1, steps * k // 8) for k in (1, 2, 4, 8))})
+
+
+# ------------------------------------------------------------------------------------------ report
+def fmt(s: dict, digits: int = 1) -> str:
+    ci = "" if np.isnan(s["ci"]) else f" ± {s['ci']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}{ci}"
+
+
+def within(stats: dict, arm: str, target: float, steps: list[int]) -> str:
+    """The first evaluated step at which the arm's mean FID is within 10 % of ``target``."""
+    hit = [s for s in steps if stats[(arm, s)]["mean"] <= 1.1 * target]
+    return str(hit[0]) if hit else f"> {steps[-1]}"
+
+
+def grid_report(records: list[dict], grid: str) -> str:
+    recs = [r for r in records if r["grid"] == grid]
+    stats, acc = summarize(recs, "fid_digits"), summarize(recs, "label_accuracy")
+    steps = sorted({r["step"] for r in recs})
+    arms_ = list(dict.fromkeys(r["arm"] for r in recs))
+    target = stats[("softmax-continued", 0)]["mean"] if ("softmax-continued", 0) in stats else np.nan
+    lines = [f"**{recs[0]['tokens']} tokens**: digits-FID (mean ± 95 % t-interval over "
+             f"{stats[(arms_[0], steps[-1])]['n']} seeds) along stage 2; the softmax teacher's FID is "
+             f"{target:.1f} (softmax-continued at step 0)", "",
+             "| arm | " + " | ".join(f"step {s}" for s in steps) + " | label acc (end) | first step within "
+             "10 % of the teacher | stage 1: teacher-forward equivalents, wall s |",
+             "|---|" + "---|" * (len(steps) + 3)]
+    for arm in arms_:
+        s1 = next((r["stage1"] for r in recs if r["arm"] == arm and "stage1" in r), None)
+        cost = f"{s1['teacher_forward_equivalents']:.0f}, {s1['wall_seconds']:.0f}" if s1 else "—"
+        cells = [fmt(stats[(arm, s)]) for s in steps]
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {fmt(acc[(arm, steps[-1])], 3)} | "
+                     f"{within(stats, arm, target, steps)} | {cost} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(records: list[dict], grid: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if r["grid"] == grid]
+    stats = summarize(recs, "fid_digits")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm in dict.fromkeys(r["arm"] for r in recs):
+        steps = sorted(s for a, s in stats if a == arm)
+        ax.plot(steps, [stats[(arm, s)]["mean"] for s in steps], marker="o", label=arm)
+    ax.set(xlabel="stage-2 step", ylabel="digits-FID", yscale="log",
+           title=f"{recs[0]['tokens']} tokens: conversion arms (mean over seeds)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=expand_path, default="runs/adaptation")
+    parser.add_argument("--grids", nargs="+", choices=["64", "256"], default=["64", "256"])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
+    parser.add_argument("--steps", type=int, default=None, help="stage-2 budget (default: per grid)")
+    parser.add_argument("--arms", nargs="+", default=None, help="only these arms")
+    parser.add_argument("--teachers-from", type=expand_path, default=None,
+                        help="a finished eval/study.py folder: its seed-0 softmax and linear runs")
+    parser.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
+        raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
+    if args.quick:
+        args.grids, args.seeds, args.jobs = ["quick"], min(args.seeds, 1), 1
+    args.out = Path(args.out)
+    command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    start = time.perf_counter()
+    records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
+    minutes = (time.perf_counter() - start) / 60
+    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, wall time {minutes:.0f} min, "
+            f"{args.jobs} worker processes, torch {torch.__version__}\n"]
+    for grid in args.grids:
+        text.append(grid_report(records, grid))
+        plot_curves(records, grid, args.out / f"curves_{grid}.png")
+    atomic_write_text(args.out / "adaptation.md", "\n".join(text))
+    atomic_write_text(args.out / "adaptation.json", json.dumps(
+        {"command": command, "records": records, **file_record("study")}, indent=1))
+    print("\n".join(text))
+    return records
+
+
+if __name__ == "__main__":
+    run(main)
