@@ -108,15 +108,20 @@ def write_class_latents(
     latents.flush()
     del latents
     if count < len(dataset):  # drop the unused tail rows left by skipped files
-        full = np.load(tmp / "latents.npy", mmap_mode="r")
-        np.save(tmp / "latents_trim.npy", np.ascontiguousarray(full[:count]))
-        del full
-        os.replace(tmp / "latents_trim.npy", tmp / "latents.npy")
+        _trim(tmp / "latents.npy", count)
     np.save(tmp / "labels.npy", np.asarray(good, dtype=np.int64))
     (tmp / "meta.json").write_text(json.dumps({**meta, "count": count, "skipped": skipped}, indent=1))
     replace_with(tmp, out_dir, LATENT_CACHE, settings[0])
     logger.info("wrote %d latents to %s (%d files skipped)", count, out_dir, skipped)
     return out_dir
+
+
+def _trim(path: Path, count: int) -> None:
+    """Keep the first ``count`` rows of the ``.npy`` at ``path`` (written beside it, then renamed)."""
+    full = np.load(path, mmap_mode="r")
+    np.save(path.with_name("latents_trim.npy"), np.ascontiguousarray(full[:count]))
+    del full
+    os.replace(path.with_name("latents_trim.npy"), path)
 
 
 class LatentCacheDataset(Dataset):
