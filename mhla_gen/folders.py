@@ -52,7 +52,9 @@ KINDS: dict[str, tuple[str, frozenset[str]]] = {
     ),
     "feature_cache": ("SANA / Wan feature cache", frozenset({"items", "meta.json"})),
     "teacher_data": (
-        "teacher-sampled training data", frozenset({"latents.npy", "labels.npy", "meta.json", "parts"})
+        "teacher-sampled training data",
+        frozenset({"latents.npy", "labels.npy", "meta.json", "parts", "[0-9]*.png", "[0-9]*.mp4",
+                   "[0-9]*.txt", ".[0-9]*.tmp.*"}),
     ),
     "samples": (
         "evaluation sample set (eval/generate.py)",

@@ -223,3 +223,26 @@ def test_teacher_data_is_sampled_resumably_and_trains(dit_teacher, tmp_path):
     meta = json.loads((tmp_path / "tdata" / "meta.json").read_text())
     assert meta["count"] == 16 and meta["teacher"] == str(dit_teacher)
     assert read_marker(tmp_path / "tdata")["kind"] == "teacher_data" and len(read_metrics(out)) == 2
+
+
+@pytest.mark.parametrize("base", ["sana", "wan"])
+def test_sana_and_wan_teacher_data_from_a_prompt_file(base, tmp_path):
+    """data.source=teacher with a prompt file: images / videos sampled from the checkpoint's own pipeline
+    into a captioned folder of the project, then cached and trained on; resumable sample by sample."""
+    from mhla_gen.testing import tiny_sana_pipeline
+    from mhla_gen.testing_wan import tiny_wan_pipeline
+
+    (tiny_sana_pipeline() if base == "sana" else tiny_wan_pipeline()).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "prompts.txt").write_text("a red cat\n\na blue dog\n")
+    common = ["--config", TINY[base], f"model.pretrained={tmp_path / 'ckpt'}", "data.source=teacher",
+              f"data.path={tmp_path / 'tdata'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=1",
+              "log.sample_steps=2"]
+    with pytest.raises(ConfigError, match="needs data.prompts_file"):
+        run_inprocess(f"finetune_{base}.py", *common)
+    run_inprocess(f"finetune_{base}.py", *common, f"data.prompts_file={tmp_path / 'prompts.txt'}",
+                  "data.teacher_samples=3", "train.global_batch_size=2")
+    suffix = ".png" if base == "sana" else ".mp4"
+    names = sorted(p.name for p in (tmp_path / "tdata").glob(f"*{suffix}"))
+    assert names == [f"00000{i}{suffix}" for i in range(3)]
+    assert (tmp_path / "tdata" / "000002.txt").read_text() == "a red cat"
+    assert json.loads((tmp_path / "run" / "cache" / "meta.json").read_text())["count"] == 3

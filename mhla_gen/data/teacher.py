@@ -77,3 +77,47 @@ def write_teacher_samples(
     shutil.rmtree(parts)
     logger.info("sampled %d items from the teacher into %s", len(labels), out)
     return out
+
+
+def read_prompts(path: str | Path, setting: str = "data.prompts_file") -> list[str]:
+    """The non-empty lines of a prompt file; ``FileNotFoundError`` / ``ValueError`` naming ``setting``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{setting}={str(path)!r} does not exist")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{setting}={str(path)!r} holds no prompts")
+    return prompts
+
+
+def write_teacher_captioned(
+    sample: Callable[[str, int], object],
+    save: Callable[[object, Path], None],
+    out: str | Path,
+    prompts: list[str],
+    count: int,
+    suffix: str,
+    fingerprint: dict,
+    setting: str = "data.path",
+) -> Path:
+    """``count`` samples ``sample(prompt, seed=i)`` of the prompts in turn, written by ``save`` as
+    ``out/<i:06d><suffix>`` with the prompt in ``<i:06d>.txt`` (the captioned-folder layout the SANA / Wan
+    tasks read). Each sample is written under a temporary name and renamed when complete, so a killed run
+    redoes only the missing ones; a folder sampled with other settings (``meta.json``) is sampled again."""
+    out = claim(out, TEACHER_DATA, setting)
+    meta = out / "meta.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("fingerprint") != fingerprint:
+        logger.warning("%s=%s was sampled with other settings: sampling it again", setting, out)
+        for path in out.glob("[0-9]*"):
+            path.unlink()
+    meta.write_text(json.dumps({"fingerprint": fingerprint, "count": count}, indent=1))
+    for i in tqdm(range(count), desc="sampling the teacher", unit="sample"):
+        target = out / f"{i:06d}{suffix}"
+        if target.is_file():
+            continue
+        prompt = prompts[i % len(prompts)]
+        (out / f"{i:06d}.txt").write_text(prompt)
+        tmp = out / f".{i:06d}.tmp{suffix}"
+        save(sample(prompt, i), tmp)
+        os.replace(tmp, target)
+    return out

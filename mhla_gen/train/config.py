@@ -303,7 +303,10 @@ class FlowMatchingConfig:
 
 @dataclass
 class CaptionDataConfig:
-    """A folder of images or videos with captions (metadata.jsonl or a .txt file per item)."""
+    """A folder of images or videos with captions (metadata.jsonl or a .txt file per item). ``source``:
+    ``folder`` (``path`` holds the data) or ``teacher`` (``teacher_samples`` images / videos of the
+    prompts in ``prompts_file``, in turn, sampled from ``model.pretrained`` through its stock pipeline
+    into ``path`` with ``log.sample_steps`` / ``log.guidance_scale``, then read as a folder)."""
 
     path: str = ""
     cache_dir: str | None = None  # latents + text embeddings cache; None = output_dir/cache
@@ -312,6 +315,9 @@ class CaptionDataConfig:
     num_frames: int = 81  # video only: 4k + 1
     max_sequence_length: int = 300
     sample_prompts: list[str] = field(default_factory=lambda: ["a photo of a cat"])
+    source: str = "folder"
+    prompts_file: str | None = None  # data.source=teacher: one prompt per line
+    teacher_samples: int = 0
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "max_sequence_length"):
@@ -319,6 +325,13 @@ class CaptionDataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
+        if self.source not in ("folder", "teacher"):
+            raise ValueError(f"data.source must be folder or teacher, got {self.source!r}")
+        if self.source == "teacher" and (self.teacher_samples < 1 or not self.prompts_file):
+            raise ValueError(
+                "data.source=teacher needs data.prompts_file (one prompt per line) and data.teacher_samples "
+                f">= 1 (how many to draw), got {self.prompts_file!r} and {self.teacher_samples}"
+            )
 
 
 @dataclass

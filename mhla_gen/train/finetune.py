@@ -24,7 +24,10 @@ from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
+from ..folders import owned
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
+from ..metrics.video import write_video
 from .attention import (
     attention_mhla_config,
     check_mhla_layers,
@@ -117,6 +120,8 @@ class FlowFinetuneTask(TrainTask):
         )
         pipe.set_progress_bar_config(disable=True)
         self.frozen = pipe.to(accelerator.device)
+        if self.cfg.data.source == "teacher":
+            self._sample_teacher(accelerator.device)
 
     @property
     def shift(self) -> float:
@@ -169,7 +174,11 @@ class FlowFinetuneTask(TrainTask):
             )
         check_mhla_layers(mhla, transformer["num_layers"])
         data = self.cfg.data
-        require_dir(data.path, "data.path")
+        if data.source == "teacher":  # data.path is sampled at setup: it must be ours to write
+            owned(data.path, TEACHER_DATA, "data.path")
+            read_prompts(data.prompts_file)
+        else:
+            require_dir(data.path, "data.path")
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
@@ -222,7 +231,39 @@ class FlowFinetuneTask(TrainTask):
         return self._raw
 
     def count_items(self) -> int:
+        if self.cfg.data.source == "teacher":  # not sampled yet
+            return self.cfg.data.teacher_samples
         return len(self.listed_dataset())
+
+    # ----------------------------------------------------------------------------- teacher data
+    suffix = ".png"  # what a teacher sample is saved as
+
+    def teacher_sample(self, pipe, prompt: str, seed: int):
+        """One sample of ``prompt`` from ``pipe`` (``seed``), in the form :meth:`save_sample` writes."""
+        raise NotImplementedError
+
+    def save_sample(self, sample, path: Path) -> None:
+        sample.save(path)
+
+    def _sample_teacher(self, device) -> None:
+        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
+        stock pipeline) into ``data.path``, resumable (:func:`write_teacher_captioned`)."""
+        d, m = self.cfg.data, self.cfg.model
+        teacher = getattr(diffusers, self.transformer_cls_name).from_pretrained(
+            m.pretrained, subfolder="transformer", revision=m.revision, dtype=DTYPES[m.dtype]
+        )
+        pipe = self.pipeline(teacher.to(device))
+        fingerprint = {
+            "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
+            "size": [d.height, d.width, d.num_frames if self.name == "wan" else 1],
+            "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
+            "seed": self.cfg.seed,
+        }
+        sample = lambda prompt, i: self.teacher_sample(pipe, prompt, self.cfg.seed * 100_003 + i)
+        prompts = fingerprint["prompts"]
+        write_teacher_captioned(sample, self.save_sample, d.path, prompts, d.teacher_samples, self.suffix,
+                                fingerprint)
+        self._raw = None  # listed again, with the samples
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         """One raw item -> ``{"latents": (C, ...), "prompt_embeds": (L, D), ...}`` for the cache."""
@@ -323,6 +364,15 @@ class SanaTask(FlowFinetuneTask):
             "encoder_attention_mask": batch["prompt_attention_mask"],
         }
 
+    def teacher_sample(self, pipe, prompt: str, seed: int):
+        d = self.cfg.data
+        return pipe(
+            prompt=[prompt], height=d.height, width=d.width, num_inference_steps=self.cfg.log.sample_steps,
+            guidance_scale=self.cfg.log.guidance_scale, use_resolution_binning=False,
+            generator=torch.Generator(pipe.transformer.device).manual_seed(seed),
+            complex_human_instruction=None, max_sequence_length=d.max_sequence_length,
+        ).images[0]
+
     def sample_images(self, transformer) -> tuple[list, int]:
         data = self.cfg.data
         images = self.pipeline(transformer)(
@@ -343,6 +393,21 @@ class WanTask(FlowFinetuneTask):
     name = "wan"
     pipeline_cls_name = "WanPipeline"
     transformer_cls_name = "WanTransformer3DModel"
+    suffix = ".mp4"
+
+    def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:
+        """One video ``(F, H, W, 3)`` uint8."""
+        d = self.cfg.data
+        frames = pipe(
+            prompt=prompt, height=d.height, width=d.width, num_frames=d.num_frames,
+            num_inference_steps=self.cfg.log.sample_steps, guidance_scale=self.cfg.log.guidance_scale,
+            generator=torch.Generator(pipe.transformer.device).manual_seed(seed),
+            max_sequence_length=d.max_sequence_length, output_type="np",
+        ).frames[0]
+        return (np.clip(np.asarray(frames), 0, 1) * 255).round().astype(np.uint8)
+
+    def save_sample(self, sample: np.ndarray, path: Path) -> None:
+        write_video(path, sample, fps=16, lossless=True)
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """``(F' / pt, H / (s ph), W / (s pw))``, ``F' = (F - 1) / t + 1`` latent frames (VAE t x s x s)."""
