@@ -553,11 +553,11 @@ def finish(run: Run) -> Path:
         with _ema_weights(run.ema, run.params):
             model.eval()
             metrics = run.task.finish(model, accelerator)
-        if metrics:
+        if metrics:  # printed first: a failing write cannot lose them
+            shown = (f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            print(" ".join(shown), flush=True)
             append_jsonl(run.out / "metrics.jsonl", {"step": run.step, **metrics})
             accelerator.log(metrics, step=run.step)
-            shown = (f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-            print(" ".join(shown))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
