@@ -76,27 +76,27 @@ def _stage1_train() -> TrainConfig:
 
 
 @dataclass
-class DiTLinearizeConfig(DiTRunConfig):
+class Stage1Sections:
+    """What a stage-1 config adds to (and changes in) its base model's training config."""
+
+    train: TrainConfig = field(default_factory=_stage1_train)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+
+
+@dataclass
+class DiTLinearizeConfig(Stage1Sections, DiTRunConfig):
     output_dir: str = "runs/linearize_dit"
-    train: TrainConfig = field(default_factory=_stage1_train)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
 @dataclass
-class SanaLinearizeConfig(SanaRunConfig):
+class SanaLinearizeConfig(Stage1Sections, SanaRunConfig):
     output_dir: str = "runs/linearize_sana"
-    train: TrainConfig = field(default_factory=_stage1_train)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
 @dataclass
-class WanLinearizeConfig(WanRunConfig):
+class WanLinearizeConfig(Stage1Sections, WanRunConfig):
     output_dir: str = "runs/linearize_wan"
-    train: TrainConfig = field(default_factory=_stage1_train)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
 LINEARIZE_TASKS = {  # --base -> (config schema, base task)
