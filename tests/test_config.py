@@ -15,6 +15,12 @@ TRAINING_YAMLS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not 
 
 
 def schema_for(path: Path):
+    """The config class a YAML is for: its name's first word (``dit``, ``sana``, ``wan``); stage-1 configs
+    live in configs/linearize/."""
+    if path.parent.name == "linearize":
+        from mhla_gen.train.linearize import LINEARIZE_TASKS
+
+        return LINEARIZE_TASKS[path.stem.split("_")[0]][0]
     return SCHEMAS[path.stem.split("_")[0]]
 
 
