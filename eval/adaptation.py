@@ -57,7 +57,7 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
     "quick": dict(resolution=8, blocks=(2, 2), teacher_steps=4, stage1_steps=2, steps=4, batch=8,
                   fid_samples=20, sample_steps=2),
 }
-STAGE1 = ("model.attention=mhla", "train.global_batch_size=32")
+STAGE1 = ("model.attention=mhla", "train.ema_decay=0")  # final/ and its errors: the trained weights
 
 
 def arms(grid: str, eps: float, blocks: int) -> list[Arm]:

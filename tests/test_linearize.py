@@ -246,3 +246,17 @@ def test_sana_and_wan_teacher_data_from_a_prompt_file(base, tmp_path):
     assert names == [f"00000{i}{suffix}" for i in range(3)]
     assert (tmp_path / "tdata" / "000002.txt").read_text() == "a red cat"
     assert json.loads((tmp_path / "run" / "cache" / "meta.json").read_text())["count"] == 3
+
+
+def test_stage2_teacher_data_and_distillation_follow_the_recorded_teacher(dit_teacher, tmp_path):
+    """Starting from a stage-1 folder, data.source=teacher and train.distill use the model it converted,
+    not the (MHLA) folder itself."""
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
+    overrides = [f"model.init_from={tmp_path / 's1' / 'final'}", "model.depth=3", "data.source=teacher",
+                 "data.teacher_samples=4", f"data.path={tmp_path / 'd'}"]
+    cfg = load_config(DiTRunConfig, TINY["dit"], overrides)
+    task = DiTTask(cfg)
+    assert task.teacher_source() == task.distill_source() == str(dit_teacher)

@@ -195,7 +195,7 @@ class DiTDataConfig:
     vae: str | None = "stabilityai/sd-vae-ft-ema"  # local folder or hub id; None = pixel space
     vae_subfolder: str | None = None
     hflip: bool = True
-    teacher: str | None = None  # data.source=teacher: the DiT to sample (default: model.init_from)
+    teacher: str | None = None  # data.source=teacher: the DiT to sample (default: what init_from converts)
     teacher_samples: int = 0
     teacher_labels: list[int] | None = None  # default: every class, in turn
 

@@ -311,7 +311,8 @@ class DiTTask(TrainTask):
 
     # ----------------------------------------------------------------------------- teacher data
     def teacher_source(self) -> str:
-        source = self.cfg.data.teacher or self.cfg.model.init_from
+        """``data.teacher``, else :meth:`pretrained_teacher` (a stage-1 folder's teacher, not the folder)."""
+        source = self.cfg.data.teacher or self.pretrained_teacher()
         if source is None:
             raise ConfigError(
                 "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
@@ -416,13 +417,16 @@ class DiTTask(TrainTask):
         folder = self.init_folder()
         return start_attention(m.attention, self.cfg.mhla, folder, m.init_attention, "model.init_from")
 
-    def distill_source(self) -> str:
-        """``train.distill.teacher``, else the teacher a stage-1 ``model.init_from`` records, else
-        ``model.init_from`` itself when it is a stock (softmax) DiT."""
-        d, folder = self.cfg.train.distill, self.init_folder()
+    def pretrained_teacher(self) -> str | None:
+        """The model this run converts: the teacher a stage-1 ``model.init_from`` records, or
+        ``model.init_from`` itself when it is a stock (softmax) DiT; None without one."""
+        folder = self.init_folder()
         recorded = (read_marker(folder) or {}).get("teacher") if folder is not None else None
-        stock = self.cfg.model.init_from if saved_mhla(folder) is None else None
-        source = d.teacher or recorded or stock
+        return recorded or (self.cfg.model.init_from if saved_mhla(folder) is None else None)
+
+    def distill_source(self) -> str:
+        """``train.distill.teacher``, else :meth:`pretrained_teacher`."""
+        source = self.cfg.train.distill.teacher or self.pretrained_teacher()
         if source is None:
             raise ConfigError(
                 "train.distill needs a teacher: set train.distill.teacher=PATH (or start from a stock model "
