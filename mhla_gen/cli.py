@@ -60,11 +60,13 @@ TRAIN_TASKS = {
 
 
 def parse_run_args(
-    schema, description: str, default_config: str | None = None, argv: list[str] | None = None
+    schema, description: str, default_config: str | None = None, argv: list[str] | None = None,
+    parents: Sequence[argparse.ArgumentParser] = (),
 ):
     """``schema`` instance from ``--config FILE`` (default ``default_config``) and ``key=value`` overrides
-    (OmegaConf dotlist, :func:`~mhla_gen.train.config.load_config`); sets up console logging."""
-    parser = argparse.ArgumentParser(description=description)
+    (OmegaConf dotlist, :func:`~mhla_gen.train.config.load_config`); sets up console logging. ``parents``:
+    parsers of extra flags the script reads itself (shown in ``--help``)."""
+    parser = argparse.ArgumentParser(description=description, parents=list(parents))
     parser.add_argument(
         "--config",
         default=default_config,
@@ -86,12 +88,12 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
     then stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
     from .train.linearize import LINEARIZE_TASKS, TransferTask
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--base", choices=sorted(LINEARIZE_TASKS), default="dit")
-    known, rest = parser.parse_known_args(argv)
-    schema, task_cls = LINEARIZE_TASKS[known.base]
-    description = f"Stage 1 of converting a pretrained {known.base} to MHLA: attention transfer."
-    cfg = parse_run_args(schema, description, None, rest)
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--base", choices=sorted(LINEARIZE_TASKS), default="dit",
+                      help="the model family: its config sections, data and conditioning (default: dit)")
+    schema, task_cls = LINEARIZE_TASKS[base.parse_known_args(argv)[0].base]
+    description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
+    cfg = parse_run_args(schema, description, None, argv, parents=[base])
     return train(cfg, TransferTask(cfg, task_cls(cfg)), callbacks)
 
 
