@@ -228,8 +228,10 @@ def main(argv=None) -> list[dict]:
     start = time.perf_counter()
     records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
     minutes = (time.perf_counter() - start) / 60
-    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, wall time {minutes:.0f} min, "
-            f"{args.jobs} worker processes, torch {torch.__version__}\n"]
+    core_hours = sum(r.get("segment_seconds", 0) for r in records) / 3600
+    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, wall time of this call "
+            f"{minutes:.0f} min, {args.jobs} worker processes, torch {torch.__version__}; stage 2 and its "
+            f"evaluations summed over all runs: {core_hours:.1f} core-hours\n"]
     for grid in args.grids:
         text.append(grid_report(records, grid))
         plot_curves(records, grid, args.out / f"curves_{grid}.png")

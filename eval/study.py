@@ -92,7 +92,8 @@ def plan(args) -> list:
         jobs += make_jobs(args.out / name, CONFIG, base, MAIN_ARMS, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra)
         if name in ("256", "quick") and not args.no_ablations:  # compared at the end of the budget only
-            jobs += make_jobs(args.out / name, CONFIG, base, ABLATIONS, seeds, [grid["steps"]],
+            ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
+            jobs += make_jobs(args.out / name, CONFIG, base, ABLATIONS, ablation_seeds, [grid["steps"]],
                               grid["fid_samples"], extra)
     return jobs
 
@@ -144,7 +145,8 @@ def grid_tables(records: list[dict], grid: str) -> str:
     stats = {m: summarize(recs, m) for m in METRICS}
     r0 = recs[0]
     seeds = stats["fid_digits"][(arms[0], last)]["n"]
-    head = (f"**{r0['tokens']} tokens**: mean ± 95 % t-interval over {seeds} seeds (min–max), at step "
+    head = (f"**{r0['tokens']} tokens**: mean ± 95 % t-interval over {seeds} seeds (min–max; fewer where the "
+            f"seeds column says so), at step "
             f"{last}; attention rank of {r0['attention_tokens']}, row entropy of at most "
             f"{r0['max_entropy']:.2f} nats")
     return "\n".join([head, "", final_table(stats, arms, last), curve_table(recs, stats),
@@ -152,10 +154,11 @@ def grid_tables(records: list[dict], grid: str) -> str:
 
 
 def final_table(stats: dict, arms: list[str], last: int) -> str:
-    lines = ["| arm | FID ↓ | label acc ↑ | loss | attn rank | row entropy |", "|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | FID ↓ | label acc ↑ | loss | attn rank | row entropy |",
+             "|---|---|---|---|---|---|---|"]
     for arm in arms:
         cells = [fmt(stats[m][(arm, last)], d) for m, d in zip(METRICS, (2, 3, 4, 1, 3))]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines.append(f"| {arm} | {stats['fid_digits'][(arm, last)]['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -241,7 +244,9 @@ def plot_samples(records: list[dict], grid: str, out: Path, path: Path) -> None:
 
 def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
     text = [f"# Softmax / linear / MHLA study\n\n`{args.command}` — {time.strftime('%Y-%m-%d')}, "
-            f"wall time {seconds / 60:.0f} min, {args.jobs} worker processes, torch {torch.__version__}\n"]
+            f"wall time of this call {seconds / 60:.0f} min, {args.jobs} worker processes, torch "
+            f"{torch.__version__}; training and evaluation summed over all runs: "
+            f"{sum(r.get('segment_seconds', 0) for r in records) / 3600:.1f} core-hours\n"]
     for grid in args.grids:
         text.append(grid_tables(records, grid))
         plot_curves(records, grid, args.out / f"curves_{grid}.png")
@@ -267,10 +272,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=None, help="training budget (default: per grid)")
     parser.add_argument("--fid-samples", type=int, default=None)
     parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--ablation-seeds", type=int, default=None,
+                        help="seeds of the ablation arms (default: --seeds; the first ones)")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps, 2 seeds (a smoke test)")
     args = parser.parse_args(argv)
-    for name in ("seeds", "jobs", "steps", "fid_samples"):
+    for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.quick:
