@@ -14,6 +14,8 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
 * ``mhla-plain``: MHLA installed on the teacher, trained (the paper's conversion recipe);
 * ``mhla-stage1``: stage 1 first (scripts/linearize.py, attention transfer), then stage 2;
 * ``mhla-stage1-distill``: the same, stage 2 with output and attention distillation against the teacher;
+* ``mhla-stage1-all``: stage 1 trains every parameter of the converted layers (``transfer.trainable=all``:
+  q/k/v/out projections too), not only MHLA's own (mixing), then stage 2;
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
 * from the linear teacher (64 tokens): ``linear-continued``, and MHLA installed with a ``uniform`` mixing
@@ -70,6 +72,7 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("mhla-plain", (soft, "model.attention=mhla")),
         Arm("mhla-stage1", (), stage1=(soft, *STAGE1)),
         Arm("mhla-stage1-distill", distill, stage1=(soft, *STAGE1)),
+        Arm("mhla-stage1-all", (), stage1=(soft, *STAGE1, "transfer.trainable=all")),
     ]
     if grid == "256":
         return main
