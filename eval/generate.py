@@ -167,7 +167,9 @@ class Sampler:
         transformer = load_transformer(path, torch_dtype=dtype, device=self.device)
         if mhla is not None:
             raise ValueError("`mhla` is for stock transformers; a training run's transformer has its own")
-        return DiTTask(run_cfg).pipeline(transformer).to(self.device)
+        task = DiTTask(run_cfg)
+        task.load_vae(self.device)  # a latent-space run decodes with its data's VAE
+        return task.pipeline(transformer).to(self.device)
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[np.ndarray]:

@@ -138,3 +138,26 @@ def test_generate_refuses_a_folder_that_is_not_a_sample_set(tiny_run, tmp_path):
         load("generate").main(["base=dit", f"run_config={tiny_run / 'config.yaml'}", "labels=[0]", "steps=1",
                                f"output_dir={tmp_path / 'photos'}"])
     assert (tmp_path / "photos" / "000000.png").read_bytes() == b"my photo"
+
+
+def test_generate_latent_space_run_decodes_with_its_vae(tmp_path):
+    """A run trained in latent space (data.vae) samples through its VAE: RGB at the data's pixel
+    resolution, not the latents themselves (4 channels at half the size)."""
+    from mhla_gen.testing import tiny_autoencoder_kl
+    from mhla_gen.train.config import DiTRunConfig, config_to_yaml, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    tiny_autoencoder_kl().save_pretrained(tmp_path / "vae")  # 2x spatial compression, 4 channels
+    (tmp_path / "data" / "a").mkdir(parents=True)
+    run = tmp_path / "run"
+    cfg = load_config(DiTRunConfig, ROOT / "configs" / "dit_digits.yaml", [
+        f"output_dir={run}", "data.source=folder", f"data.path={tmp_path / 'data'}",
+        f"data.vae={tmp_path / 'vae'}", "data.resolution=16", "model.num_classes=2",
+        "model.hidden_size=16", "model.depth=1", "model.heads=2", "model.patch_size=2"])
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    DiTTask(cfg).build_transformer().save_pretrained(run / "final")
+    out = tmp_path / "samples"
+    load("generate").main(["base=dit", f"run_config={run / 'config.yaml'}", f"output_dir={out}",
+                           "labels=[0,1]", "steps=2"])
+    assert np.load(out / "samples.npz")["arr_0"].shape == (2, 16, 16, 3)

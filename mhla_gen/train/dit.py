@@ -515,13 +515,17 @@ class DiTTask(TrainTask):
     def setup(self, accelerator) -> None:
         """In latent space (``data.vae`` set, not digits): the data's ``AutoencoderKL``, frozen, on the
         device. It encodes class-folder images on the fly and decodes the sample grids."""
+        self.load_vae(accelerator.device)
+        if self.cfg.data.source == "teacher":
+            self._sample_teacher(accelerator.device)
+
+    def load_vae(self, device) -> None:
+        """The data's ``AutoencoderKL`` (``data.vae``), frozen, on ``device``; nothing in pixel space."""
         data = self.cfg.data
         if data.vae is not None and data.source != "digits":
             self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
-            self.vae.requires_grad_(False).eval().to(accelerator.device)
+            self.vae.requires_grad_(False).eval().to(device)
             self.latent_scale = self.vae.config.scaling_factor
-        if data.source == "teacher":
-            self._sample_teacher(accelerator.device)
 
     def build_dataset(self, accelerator) -> Dataset:
         data = self.cfg.data
