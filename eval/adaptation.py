@@ -40,8 +40,8 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
-from mhla_gen.experiments import Arm, make_jobs, run_jobs, summarize
-from mhla_gen.folders import claim, file_record
+from mhla_gen.experiments import Arm, finished_records, make_jobs, run_jobs, summarize
+from mhla_gen.folders import claim, file_record, owned
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -146,6 +146,8 @@ def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Pa
         if not path.is_dir():
             raise ConfigError(f"--teachers-from {args.teachers_from}: no {path} (run eval/study.py first)")
         return path
+    if args.report_only:  # the folder the teacher was (or would be) trained in
+        return Path(args.out) / "teachers" / f"{name}-{attention}" / "final"
     claim(args.out, "study", "--out")
     return teacher(args.out, name, attention, grid, model)
 
@@ -172,17 +174,17 @@ def grid_report(records: list[dict], grid: str) -> str:
     steps = sorted({r["step"] for r in recs})
     arms_ = list(dict.fromkeys(r["arm"] for r in recs))
     target = stats[("softmax-continued", 0)]["mean"] if ("softmax-continued", 0) in stats else np.nan
-    lines = [f"**{recs[0]['tokens']} tokens**: digits-FID (mean ± 95 % t-interval over "
-             f"{stats[(arms_[0], steps[-1])]['n']} seeds) along stage 2; the softmax teacher's FID is "
-             f"{target:.1f} (softmax-continued at step 0)", "",
-             "| arm | " + " | ".join(f"step {s}" for s in steps) + " | label acc (end) | first step within "
-             "10 % of the teacher | stage 1: teacher-forward equivalents, wall s |",
-             "|---|" + "---|" * (len(steps) + 3)]
+    lines = [f"**{recs[0]['tokens']} tokens**: digits-FID (mean ± 95 % t-interval over the seeds) along "
+             f"stage 2; the softmax teacher's FID is {target:.1f} (softmax-continued at step 0)", "",
+             "| arm | seeds | " + " | ".join(f"step {s}" for s in steps) + " | label acc (end) | first step "
+             "within 10 % of the teacher | stage 1: teacher-forward equivalents, wall s |",
+             "|---|---|" + "---|" * (len(steps) + 3)]
     for arm in arms_:
         s1 = next((r["stage1"] for r in recs if r["arm"] == arm and "stage1" in r), None)
         cost = f"{s1['teacher_forward_equivalents']:.0f}, {s1['wall_seconds']:.0f}" if s1 else "—"
         cells = [fmt(stats[(arm, s)]) for s in steps]
-        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {fmt(acc[(arm, steps[-1])], 3)} | "
+        lines.append(f"| {arm} | {stats[(arm, steps[-1])]['n']} | " + " | ".join(cells)
+                     + f" | {fmt(acc[(arm, steps[-1])], 3)} | "
                      f"{within(stats, arm, target, steps)} | {cost} |")
     return "\n".join(lines) + "\n"
 
@@ -218,6 +220,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--arms", nargs="+", default=None, help="only these arms")
     parser.add_argument("--teachers-from", type=expand_path, default=None,
                         help="a finished eval/study.py folder: its seed-0 softmax and linear runs")
+    parser.add_argument("--report-only", action="store_true",
+                        help="tables and plots from the runs finished so far; train nothing")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
@@ -229,7 +233,12 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     start = time.perf_counter()
-    records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
+    if args.report_only:
+        records = finished_records(plan(args)) if owned(args.out, "study", "--out") else []
+        if not records:
+            raise ConfigError(f"--report-only: no finished run under --out {args.out}")
+    else:
+        records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
     minutes = (time.perf_counter() - start) / 60
     core_hours = sum(r.get("segment_seconds", 0) for r in records) / 3600
     text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, wall time of this call "

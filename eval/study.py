@@ -39,8 +39,8 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
-from mhla_gen.experiments import Arm, make_jobs, paired, run_jobs, summarize
-from mhla_gen.folders import file_record
+from mhla_gen.experiments import Arm, finished_records, make_jobs, paired, run_jobs, summarize
+from mhla_gen.folders import file_record, owned
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -275,6 +275,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--report-only", action="store_true",
+                        help="tables and plots from the runs finished so far; train nothing")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps, 2 seeds (a smoke test)")
     args = parser.parse_args(argv)
     for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples"):
@@ -287,7 +289,12 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # a line per file of every checkpoint
     start = time.perf_counter()
-    records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
+    if args.report_only:
+        records = finished_records(plan(args)) if owned(args.out, "study", "--out") else []
+        if not records:
+            raise ConfigError(f"--report-only: no finished run under --out {args.out}")
+    else:
+        records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
     speed = {} if args.no_throughput else {n: throughput(n) for n in (64, 256, 1024, 4096)}
     print(write_report(args, records, speed, time.perf_counter() - start))
     return records

@@ -238,6 +238,13 @@ def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int =
     return [json.loads(result_path(job, s).read_text()) for job in jobs for s in job.steps]
 
 
+def finished_records(jobs: list[Job]) -> list[dict]:
+    """The records of every job whose evaluation points all exist; runs nothing (a report of a study
+    that is still running, or that was stopped early)."""
+    done = [job for job in jobs if all(result_path(job, s).is_file() for s in job.steps)]
+    return [json.loads(result_path(job, s).read_text()) for job in done for s in job.steps]
+
+
 def _map(fn, jobs: list[Job], workers: int) -> None:
     """``fn(job)`` for every job, ``workers`` at a time in fresh processes (in this one when 1)."""
     if workers <= 1 or len(jobs) <= 1:

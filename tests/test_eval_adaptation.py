@@ -40,6 +40,7 @@ def test_adaptation_quick(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(experiments, "train", lambda cfg, task: calls.append(cfg.output_dir))
     assert module.main(["--quick", "--out", str(tmp_path)]) == records and calls == []  # nothing redone
+    assert module.main(["--quick", "--out", str(tmp_path), "--report-only"]) == records and calls == []
 
 
 def test_adaptation_refuses_a_missing_study(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import mhla_gen.experiments as experiments
+from mhla_gen.errors import ConfigError
 from mhla_gen.experiments import interval, paired
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,31 @@ def test_study_resumes_only_what_is_missing(quick, monkeypatch):
     before = next(r for r in records if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
     after = next(r for r in again if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
     assert after["fid_digits"] == before["fid_digits"]  # the same weights and samples as the first time
+
+
+def test_study_report_only_reads_finished_runs(quick, monkeypatch, tmp_path):
+    """--report-only trains nothing: a run with a missing point is left out of the tables, the
+    ablations keep the seeds --ablation-seeds names, and a folder without finished runs is refused."""
+    out, records = quick
+    calls = []
+    monkeypatch.setattr(experiments, "train", lambda cfg, task: calls.append(cfg.output_dir))
+    missing = out / "quick" / "results" / "mhla" / "seed1" / "step0000002.json"
+    kept = missing.read_text()
+    missing.unlink()  # mhla seed 1 is still running
+    try:
+        again = load_study().main(["--quick", "--out", str(out), "--report-only", "--ablation-seeds", "1"])
+    finally:
+        missing.write_text(kept)
+    assert calls == []
+    assert {r["seed"] for r in again if r["arm"] == "mhla"} == {0}
+    assert {r["seed"] for r in again if r["group"] == "ablation"} == {0}
+    assert "\n| mhla | 1 | " in (out / "study.md").read_text()  # the seeds column
+    with pytest.raises(ConfigError, match="no finished run"):
+        load_study().main(["--quick", "--out", str(tmp_path / "empty"), "--report-only"])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("user file")
+    with pytest.raises(ConfigError, match="--out"):
+        load_study().main(["--quick", "--out", str(tmp_path / "mine"), "--report-only"])
 
 
 def test_intervals_and_paired_differences():
