@@ -241,9 +241,11 @@ def main(argv=None) -> list[dict]:
         records = run_jobs(args.out, "study", "--out", plan(args), args.jobs)
     minutes = (time.perf_counter() - start) / 60
     core_hours = sum(r.get("segment_seconds", 0) for r in records) / 3600
-    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, wall time of this call "
-            f"{minutes:.0f} min, {args.jobs} worker processes, torch {torch.__version__}; stage 2 and its "
-            f"evaluations summed over all runs: {core_hours:.1f} core-hours\n"]
+    how = ("tables from the runs finished so far" if args.report_only
+           else f"wall time of this call {minutes:.0f} min, {args.jobs} worker processes")
+    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, {how}, torch "
+            f"{torch.__version__}; stage 2 and its evaluations summed over all runs: {core_hours:.1f} "
+            "core-hours\n"]
     for grid in args.grids:
         text.append(grid_report(records, grid))
         plot_curves(records, grid, args.out / f"curves_{grid}.png")

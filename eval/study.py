@@ -243,9 +243,10 @@ def plot_samples(records: list[dict], grid: str, out: Path, path: Path) -> None:
 
 
 def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
-    text = [f"# Softmax / linear / MHLA study\n\n`{args.command}` — {time.strftime('%Y-%m-%d')}, "
-            f"wall time of this call {seconds / 60:.0f} min, {args.jobs} worker processes, torch "
-            f"{torch.__version__}; training and evaluation summed over all runs: "
+    how = ("tables from the runs finished so far" if args.report_only
+           else f"wall time of this call {seconds / 60:.0f} min, {args.jobs} worker processes")
+    text = [f"# Softmax / linear / MHLA study\n\n`{args.command}` — {time.strftime('%Y-%m-%d')}, {how}, "
+            f"torch {torch.__version__}; training and evaluation summed over all runs: "
             f"{sum(r.get('segment_seconds', 0) for r in records) / 3600:.1f} core-hours\n"]
     for grid in args.grids:
         text.append(grid_tables(records, grid))
