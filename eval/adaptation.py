@@ -201,8 +201,12 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
     for arm in dict.fromkeys(r["arm"] for r in recs):
         steps = sorted(s for a, s in stats if a == arm)
         ax.plot(steps, [stats[(arm, s)]["mean"] for s in steps], marker="o", label=arm)
+        low, high = ([stats[(arm, s)][k] for s in steps] for k in ("min", "max"))
+        ax.fill_between(steps, low, high, alpha=0.12)
+    if ("softmax-continued", 0) in stats:
+        ax.axhline(stats[("softmax-continued", 0)]["mean"], color="gray", linestyle=":", label="teacher")
     ax.set(xlabel="stage-2 step", ylabel="digits-FID", yscale="log",
-           title=f"{recs[0]['tokens']} tokens: conversion arms (mean over seeds)")
+           title=f"{recs[0]['tokens']} tokens: conversion arms (mean over seeds, band = min–max)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
