@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from .data.digits import digits_tensors
-from .folders import claim, file_record
+from .errors import ConfigError
+from .folders import claim, file_record, owned
 from .metrics import digits_extractor, extract_features, fid_from_features
 from .metrics.attention import attention_statistics, example_inputs
 from .serialization import load_transformer
@@ -243,6 +244,17 @@ def finished_records(jobs: list[Job]) -> list[dict]:
     that is still running, or that was stopped early)."""
     done = [job for job in jobs if all(result_path(job, s).is_file() for s in job.steps)]
     return [json.loads(result_path(job, s).read_text()) for job in done for s in job.steps]
+
+
+def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool) -> list[dict]:
+    """:func:`run_jobs` on the ``--out`` study folder ``out``, or with ``report_only`` the records of
+    the runs finished so far, training nothing (``out`` must then be a study folder of ours)."""
+    if not report_only:
+        return run_jobs(out, "study", "--out", jobs, workers)
+    records = finished_records(jobs) if owned(out, "study", "--out") else []
+    if not records:
+        raise ConfigError(f"--report-only: no finished run under --out {out}")
+    return records
 
 
 def _map(fn, jobs: list[Job], workers: int) -> None:
