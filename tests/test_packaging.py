@@ -1,4 +1,4 @@
-"""pyproject.toml installs exactly the package folders of the repo, under the one top-level name mhla_gen."""
+"""pyproject.toml installs the one top-level package mhla_gen with every subpackage (found by discovery)."""
 
 from pathlib import Path
 
@@ -9,11 +9,9 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_package_list_names_every_package_folder():
-    """The list is explicit (pipelines/ is installed as mhla_gen.pipelines, which discovery cannot do), so
-    a new subpackage of mhla_gen must be added to it: otherwise wheels would ship without it."""
+def test_package_discovery_finds_mhla_gen_only():
+    """Discovery, not a hand-kept list: a new subpackage ships without an edit here; nothing is remapped."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert setuptools["package-dir"] == {"mhla_gen.pipelines": "pipelines"}
-    inits = (REPO / "mhla_gen").rglob("__init__.py")
-    found = {".".join(init.parent.relative_to(REPO).parts) for init in inits}
-    assert sorted(setuptools["packages"]) == sorted(found | {"mhla_gen.pipelines"})
+    assert setuptools == {"packages": {"find": {"include": ["mhla_gen*"]}}}
+    assert (REPO / "mhla_gen" / "pipelines" / "__init__.py").is_file()
+    assert not (REPO / "pipelines").exists()

@@ -1,29 +1,10 @@
 """Inference assembly: one module per base model, each returning a stock diffusers pipeline whose
 transformer runs MHLA self-attention (``load_dit_pipeline``, ``load_sana_pipeline``, ``load_wan_pipeline``).
 
-This folder is installed as ``mhla_gen.pipelines`` (pyproject.toml, ``package-dir``): import it by that
-name. Its old top-level name still works where the repo root is on ``sys.path`` (running from a checkout,
-as the scripts and tests do), with a ``DeprecationWarning``, until the next release; ``pipelines`` is no
-longer an installed name, so it cannot clash with another project's package of that name.
+A plain subpackage of mhla_gen (``from mhla_gen.pipelines.dit import load_dit_pipeline``).
 """
 
 from __future__ import annotations
-
-if __name__ == "pipelines":  # this folder imported by its old top-level name
-    import importlib
-    import sys
-    import warnings
-
-    warnings.warn(
-        "`import pipelines` is deprecated and will be removed in the next release; import "
-        "mhla_gen.pipelines instead (e.g. `from mhla_gen.pipelines.dit import load_dit_pipeline`)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    # the old names become the new modules themselves (not second copies of them); the rest of this file
-    # then runs in the discarded module object, and the import statement gets mhla_gen.pipelines
-    for _name in ("", ".dit", ".sana", ".wan"):
-        sys.modules[f"pipelines{_name}"] = importlib.import_module(f"mhla_gen.pipelines{_name}")
 
 from pathlib import Path
 
