@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import MHLAConfig
-from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters
+from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters, stock_class_name
 from .processors import processor_class_for, processor_class_for_name
 
 METADATA_CONFIG_KEY = "mhla_config"
@@ -94,7 +94,7 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
     mhla = config.pop(CONFIG_KEY, None)
-    processor_cls = processor_class_for_name(config.get("_class_name"))
+    processor_cls = processor_class_for_name(stock_class_name(config.get("_class_name")))
 
     # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
     with init_empty_weights(include_buffers=False):

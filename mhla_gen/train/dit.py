@@ -34,6 +34,7 @@ from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
 from ..data.images import class_folders, require_dir
 from ..data.teacher import TEACHER_DATA, write_teacher_samples
 from ..folders import check_apart, owned, read_marker
+from ..install import stock_class_name
 from ..metrics.extractors import digits_extractor, extract_features
 from ..metrics.fid import fid_from_features
 from .attention import (
@@ -327,7 +328,7 @@ class DiTTask(TrainTask):
             config = DiTTransformer2DModel.load_config(source, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"data.teacher={source!r} cannot be loaded: {err}") from None
-        if config.get("_class_name") != "DiTTransformer2DModel":
+        if stock_class_name(config.get("_class_name")) != "DiTTransformer2DModel":
             raise ConfigError(f"data.teacher={source!r} is a {config.get('_class_name')}, not a DiT")
         return config
 
@@ -453,7 +454,7 @@ class DiTTask(TrainTask):
             config = DiTTransformer2DModel.load_config(m.init_from, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"model.init_from={m.init_from!r} cannot be loaded: {err}") from None
-        if config.get("_class_name") != "DiTTransformer2DModel":
+        if stock_class_name(config.get("_class_name")) != "DiTTransformer2DModel":
             raise ConfigError(
                 f"model.init_from={m.init_from!r} is a {config.get('_class_name')}, not a DiT transformer"
             )

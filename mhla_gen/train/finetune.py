@@ -26,6 +26,7 @@ from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
 from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
 from ..folders import owned
+from ..install import stock_class_name
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import (
@@ -205,7 +206,7 @@ class FlowFinetuneTask(TrainTask):
         if not config.is_file():
             raise ConfigError(f"model.transformer={folder!r} is not a transformer folder (no config.json)")
         loaded = json.loads(config.read_text())
-        if loaded.get("_class_name") != self.transformer_cls_name:
+        if stock_class_name(loaded.get("_class_name")) != self.transformer_cls_name:
             raise ConfigError(f"model.transformer={folder!r} is a {loaded.get('_class_name')}, not a "
                               f"{self.transformer_cls_name}")
         return loaded
