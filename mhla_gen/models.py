@@ -37,13 +37,11 @@ from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransfor
 from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
-from torch import nn
 
 from .config import MHLAConfig
 from .install import (
     check_mhla_consistent,
     install_mhla,
-    is_mhla_installed,
     mhla_processors,
     register_mhla_class,
 )
@@ -83,17 +81,16 @@ class MHLAAttentionMixin:
 
 
 def _init_with_mhla(stock_cls: type):
-    """``__init__`` of the MHLA subclass: the stock ``__init__``, then ``install_mhla`` from ``mhla``. Its
-    signature is the stock one plus ``mhla`` (diffusers' ``from_config`` reads the init keys from it)."""
+    """``__init__`` of the MHLA subclass: the stock ``__init__``, then ``install_mhla`` from ``mhla`` (without
+    ``mhla`` the instance becomes the stock class). Its signature is the stock one plus ``mhla``
+    (diffusers' ``from_config`` reads the init keys from it)."""
 
     def __init__(self, *args, mhla: dict | MHLAConfig | None = None, **kwargs):
-        if mhla is None:
-            raise ValueError(
-                f"{type(self).__name__} needs an MHLA config (config.json key 'mhla'): this is a stock "
-                f"{stock_cls.__name__}; load it with {stock_cls.__name__}.from_pretrained, then install_mhla"
-            )
         stock_cls.__init__(self, *args, **kwargs)
-        install_mhla(self, mhla if isinstance(mhla, MHLAConfig) else MHLAConfig.from_dict(dict(mhla)))
+        if mhla is None:  # a stock config (e.g. MHLA class.from_pretrained(stock folder)): a stock model,
+            self.__class__ = stock_cls  # as the class always says whether MHLA runs
+        else:
+            install_mhla(self, mhla if isinstance(mhla, MHLAConfig) else MHLAConfig.from_dict(dict(mhla)))
 
     signature = inspect.signature(stock_cls.__init__)
     params = list(signature.parameters.values())
@@ -122,11 +119,6 @@ def mhla_model_class(stock_cls: type) -> type:
     return cls
 
 
-def is_mhla_model(model: nn.Module) -> bool:
-    """Whether ``model`` is an instance of an MHLA class with MHLA installed."""
-    return isinstance(model, MHLAModelMixin) and is_mhla_installed(model)
-
-
 MHLADiTTransformer2DModel = mhla_model_class(DiTTransformer2DModel)
 MHLASanaTransformer2DModel = mhla_model_class(SanaTransformer2DModel)
 MHLAWanTransformer3DModel = mhla_model_class(WanTransformer3DModel)
@@ -136,6 +128,5 @@ __all__ = [
     "MHLAModelMixin",
     "MHLASanaTransformer2DModel",
     "MHLAWanTransformer3DModel",
-    "is_mhla_model",
     "mhla_model_class",
 ]

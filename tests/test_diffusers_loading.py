@@ -104,15 +104,16 @@ def test_diffusers_loaders_rebuild_the_mhla_model_exactly(saved):
         assert torch.equal(base.forward(transformer), expected), name
 
 
-def test_what_cannot_carry_mhla_fails_loudly(saved):
-    """A lone transformer folder names a class AutoModel looks up in diffusers; an MHLA class asked to load
-    a stock folder has no MHLA to install: both raise, naming the class."""
+def test_lone_folder_automodel_fails_loudly_and_mhla_class_on_stock_folder_is_stock(saved):
+    """A lone transformer folder names a class AutoModel looks up in diffusers: it raises, naming the class.
+    An MHLA class asked to load a stock folder has no MHLA to install: it gives the stock model."""
     base, root, _ = saved
     with pytest.raises(ValueError, match=f"`diffusers` has no class `{base.mhla_cls.__name__}`"):
         AutoModel.from_pretrained(str(root / "final"))
-    stock = base.mhla_cls.stock_cls.__name__
-    with pytest.raises(ValueError, match=f"this is a stock {stock}; load it with {stock}.from_pretrained"):
-        base.mhla_cls.from_pretrained(root / "stock", subfolder="transformer")
+    stock = base.mhla_cls.from_pretrained(root / "stock", subfolder="transformer")
+    reference = base.mhla_cls.stock_cls.from_pretrained(root / "stock", subfolder="transformer")
+    assert type(stock) is base.mhla_cls.stock_cls and "mhla" not in stock.config
+    assert torch.equal(base.forward(stock), base.forward(reference))
 
 
 @pytest.mark.parametrize("name", list(BASES))
@@ -176,3 +177,18 @@ def test_diffusers_without_mhla_gen_imported_refuses_in_one_line(saved):
                             env=env)
     assert result.returncode != 0
     assert "import mhla_gen.models before calling `from_pretrained`" in result.stderr
+
+
+def test_every_supported_base_has_an_mhla_class():
+    """A base added to the processor registry needs its line in mhla_gen/models.py (mhla_model_class),
+    else install_mhla leaves it stock-named and diffusers' loaders cannot rebuild its MHLA."""
+    from mhla_gen.install import MHLA_MODEL_CLASSES
+    from mhla_gen.processors import PROCESSOR_CLASSES
+
+    missing = [p.model_cls.__name__ for p in PROCESSOR_CLASSES if p.model_cls not in MHLA_MODEL_CLASSES]
+    assert not missing, f"add `MHLA<Name> = mhla_model_class(<Name>)` to mhla_gen/models.py for {missing}"
+    for stock, mhla in MHLA_MODEL_CLASSES.items():
+        assert mhla.__module__ == "mhla_gen.models" and mhla.__name__ == f"MHLA{stock.__name__}"
+        import mhla_gen.models
+
+        assert getattr(mhla_gen.models, mhla.__name__) is mhla  # where model_index.json entries point
