@@ -6,6 +6,7 @@ cannot carry MHLA fails loudly. Tiny DiT, SANA and Wan."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -102,6 +103,16 @@ def test_diffusers_loaders_rebuild_the_mhla_model_exactly(saved):
         transformer = load()
         assert type(transformer) is base.mhla_cls and transformer.mhla_config == base.cfg, name
         assert torch.equal(base.forward(transformer), expected), name
+
+
+def test_project_loaders_say_what_they_load(saved, caplog):
+    base, root, _ = saved
+    with caplog.at_level(logging.INFO, logger="mhla_gen"):
+        load_transformer(root / "final")
+        load_transformer(root / "stock" / "transformer")
+    assert f"loaded {base.mhla_cls.__name__} from {root / 'final'}: MHLA {base.cfg.to_dict()}" in caplog.text
+    stock = base.mhla_cls.stock_cls.__name__
+    assert f"loaded {stock} from {root / 'stock' / 'transformer'}: stock attention (no MHLA)" in caplog.text
 
 
 def test_lone_folder_automodel_fails_loudly_and_mhla_class_on_stock_folder_is_stock(saved):
