@@ -25,8 +25,9 @@ import torch
 from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
+from mhla_gen.folders import check_apart, claim, listed, owned, record_files
 from mhla_gen.loading import load_transformer
+from mhla_gen.locks import die_with_parent, main_rank, release
 from mhla_gen.metrics.video import write_video
 from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline, trained_num_classes
 from mhla_gen.train.config import DiTRunConfig, load_config
@@ -228,8 +229,9 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
         raise RuntimeError(f"samples {missing[:10]}... have no manifest record after generation")
     lines = "".join(json.dumps(records[item["index"]]) + "\n" for item in items)
     (out / "manifest.jsonl").write_text(lines)
-    for shard in out.glob("manifest.*.jsonl"):
-        shard.unlink()
+    for name in listed(out) or {}:  # the shards the processes listed when they created them; no pattern
+        if name.startswith("manifest.") and name != "manifest.jsonl" and (out / name).is_file():
+            (out / name).unlink()
     if cfg.base != "wan":
         from PIL import Image
 
@@ -252,19 +254,50 @@ def check_previous_run(out: Path, chash: str) -> None:
                 break
 
 
+def check_model(cfg: GenerateConfig) -> None:
+    """What the sampler will load exists and is the right kind of folder (configs only, no weights), and
+    ``output_dir`` is apart from it: before the output folder is marked or its config written."""
+    model_setting = "model" if cfg.model else "run_config"
+    inputs = {"model": cfg.model, "transformer": cfg.transformer, "run_config": cfg.run_config,
+              "prompts_file": cfg.prompts_file}
+    check_apart(cfg.output_dir, "output_dir", inputs)
+    if cfg.run_config and not cfg.model:
+        load_config(DiTRunConfig, cfg.run_config)  # FileNotFoundError / ConfigError naming it
+        final = Path(cfg.transformer or Path(cfg.run_config).parent / "final")
+        if not (final / "config.json").is_file() and not (final / "mhla_lora.json").is_file():
+            setting = "transformer" if cfg.transformer else "run_config"
+            raise ConfigError(f"{setting}: {str(final)!r} holds no saved transformer (config.json); has the "
+                              f"run finished?")
+        return
+    local = Path(cfg.model).expanduser()
+    if local.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1:
+        if not (local / "model_index.json").is_file():
+            raise ConfigError(f"{model_setting}={cfg.model!r} is not a diffusers pipeline folder (no "
+                              f"model_index.json)")
+    if cfg.transformer is not None:
+        folder = Path(cfg.transformer).expanduser()
+        if not (folder / "config.json").is_file() and not (folder / "mhla_lora.json").is_file():
+            raise ConfigError(f"transformer={cfg.transformer!r} is not a saved transformer folder")
+    if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
+        raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
+
+
 def generate(cfg: GenerateConfig) -> Path:
     """Generate the missing samples of this process's shard; rank 0 assembles. Returns output_dir."""
     from accelerate import PartialState
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    if state_is_launched():
+        die_with_parent()  # a rank stops with its launcher
     state = PartialState()
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
     items = sample_items(cfg)
     owned(out, SAMPLES_FOLDER, "output_dir")  # every process: all raise
     if cfg.base == "dit" and (num_classes := trained_classes(cfg)) is not None:  # before loading anything
         check_labels(cfg, num_classes)
+    check_model(cfg)  # before the folder is marked or its config.yaml written
     if state.is_main_process:
         claim(out, SAMPLES_FOLDER, "output_dir")
         check_previous_run(out, chash)
@@ -274,6 +307,8 @@ def generate(cfg: GenerateConfig) -> Path:
     mine = items[state.process_index :: state.num_processes]
     todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
     shard = out / f"manifest.{state.process_index}.jsonl"
+    if todo and not shard.exists():
+        record_files(out, shard.name, pending=True)  # listed before it exists: assemble deletes it by name
     if todo:
         sampler = Sampler(cfg, state.device)
         bar = tqdm(total=len(todo), desc=f"rank {state.process_index}",
@@ -292,7 +327,15 @@ def generate(cfg: GenerateConfig) -> Path:
     if state.is_main_process:
         assemble(out, cfg, items, chash)
     state.wait_for_everyone()
+    release(out)
     return out
+
+
+def state_is_launched() -> bool:
+    """Started by a multi-process launcher (torchrun / accelerate launch)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not main_rank()
 
 
 def main(argv=None) -> Path:

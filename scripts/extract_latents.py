@@ -51,9 +51,14 @@ def main(argv=None):
     from diffusers import AutoencoderKL
 
     # before any work: --out must not overlap --data nor hold files of its own
-    check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data})
+    check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data, "--vae": args.vae})
     dataset = ClassFolderDataset(args.data, args.resolution, "--data")
     try:
+        config = AutoencoderKL.load_config(args.vae, subfolder=args.vae_subfolder)
+        factor = 2 ** (len(config["block_out_channels"]) - 1)  # the VAE's downsampling
+        if args.resolution % factor:
+            raise ConfigError(f"--resolution {args.resolution} is not a multiple of the VAE's downsampling "
+                              f"factor {factor}: the latents would not cover the image exactly")
         vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder)
     except OSError as err:
         raise ConfigError(f"--vae {args.vae!r} cannot be loaded: {err}") from None

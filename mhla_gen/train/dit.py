@@ -32,8 +32,8 @@ from torch.utils.data import Dataset
 from ..config import MHLAConfig
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
 from ..data.images import class_folders, require_dir
-from ..data.teacher import TEACHER_DATA, write_teacher_samples
-from ..folders import check_apart, owned, read_marker
+from ..data.teacher import check_teacher_folder, write_teacher_samples
+from ..folders import check_apart, check_recorded, input_record, read_marker
 from ..metrics.extractors import digits_extractor, extract_features
 from ..metrics.fid import fid_from_features
 from .attention import (
@@ -242,6 +242,8 @@ class DiTTask(TrainTask):
                 self._check_teacher_data()
             else:
                 self._check_classes()
+        if data.source == "folder":
+            self._check_readable()
         if data.source == "latents":
             self._check_cache_vae()
         channels, size = self._channels_and_size()
@@ -260,8 +262,11 @@ class DiTTask(TrainTask):
         check_mhla_layers(mhla, self.depth())
         if m.init_from:
             self._check_init_from(channels, size)
-        if self.cfg.train.distill.enabled and not Path(self.distill_source()).exists():
-            self._check_teacher_id(self.distill_source())
+        if self.cfg.train.distill.enabled:
+            if not Path(self.distill_source()).exists():
+                self._check_teacher_id(self.distill_source())
+            self.cfg.train.distill.teacher = self.distill_source()  # config.yaml says which teacher
+            logger.info("distillation teacher: %s", self.cfg.train.distill.teacher)
         if self.cfg.eval.fid_num_samples and data.source != "digits":
             raise ConfigError(
                 f"eval.fid_num_samples={self.cfg.eval.fid_num_samples} is for data.source=digits only "
@@ -286,6 +291,19 @@ class DiTTask(TrainTask):
             what = f"{found} classes (its meta.json)"
         if found != want:
             raise ConfigError(f"model.num_classes={want} but data.path={data.path!r} has {what}")
+
+    def _check_readable(self) -> None:
+        """At least one image of the class folders opens (before anything is written): a folder of
+        unreadable files would otherwise stop the run at its first batch."""
+        dataset = self._folder_dataset()
+        for i in range(len(dataset)):
+            try:
+                dataset.load(i)
+                return
+            except Exception:  # noqa: BLE001 - an unreadable file is skipped while training too
+                continue
+        raise ConfigError(f"data.path={self.cfg.data.path!r}: none of its {len(dataset)} image files can "
+                          f"be read as an image")
 
     def _check_cache_vae(self) -> None:
         """A latent cache records the VAE and scaling factor it was encoded with; ``data.vae`` (which
@@ -312,7 +330,7 @@ class DiTTask(TrainTask):
     # ----------------------------------------------------------------------------- teacher data
     def teacher_source(self) -> str:
         """``data.teacher``, else :meth:`pretrained_teacher` (a stage-1 folder's teacher, not the folder)."""
-        source = self.cfg.data.teacher or self.pretrained_teacher()
+        source = self.cfg.data.teacher or self.pretrained_teacher("data.teacher")
         if source is None:
             raise ConfigError(
                 "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
@@ -344,8 +362,11 @@ class DiTTask(TrainTask):
             raise ConfigError(
                 f"data.teacher_labels {bad} are outside model.num_classes={self.cfg.model.num_classes}"
             )
-        owned(self.cfg.data.path, TEACHER_DATA, "data.path")
-        check_apart(self.cfg.data.path, "data.path", {"data.teacher": self.teacher_source()})
+        check_teacher_folder(self.cfg.data.path, "data.path")
+        check_apart(self.cfg.data.path, "data.path",
+                    {"data.teacher": self.teacher_source(), "model.init_from": self.cfg.model.init_from})
+        self.cfg.data.teacher = self.teacher_source()  # config.yaml says which teacher samples the data
+        logger.info("data teacher: %s", self.cfg.data.teacher)
 
     @torch.no_grad()
     def _sample_teacher(self, device) -> None:
@@ -366,7 +387,8 @@ class DiTTask(TrainTask):
             return self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(g) * self.latent_scale
 
         fingerprint = {
-            "teacher": self.teacher_source(), "labels": self.teacher_labels(), "seed": self.cfg.seed,
+            "teacher": input_record(self.teacher_source()), "labels": self.teacher_labels(),
+            "seed": self.cfg.seed,
             "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
             "sampler": self.cfg.diffusion.sampler, "vae": data.vae,
         }
@@ -417,12 +439,36 @@ class DiTTask(TrainTask):
         folder = self.init_folder()
         return start_attention(m.attention, self.cfg.mhla, folder, m.init_attention, "model.init_from")
 
-    def pretrained_teacher(self) -> str | None:
-        """The model this run converts: the teacher a stage-1 ``model.init_from`` records, or
-        ``model.init_from`` itself when it is a stock (softmax) DiT; None without one."""
+    def pretrained_teacher(self, setting: str = "train.distill.teacher") -> str | None:
+        """The model this run converts: the teacher a stage-1 ``model.init_from`` records (checked: still
+        there, unchanged, with its own attention), or ``model.init_from`` itself when it is a stock
+        (softmax) DiT; None without one. ``setting``: where the user can name a teacher instead."""
         folder = self.init_folder()
-        recorded = (read_marker(folder) or {}).get("teacher") if folder is not None else None
-        return recorded or (self.cfg.model.init_from if saved_mhla(folder) is None else None)
+        marker = (read_marker(folder) or {}) if folder is not None else {}
+        if "teacher" not in marker:
+            return self.cfg.model.init_from if saved_mhla(folder) is None else None
+        what = f"the teacher that model.init_from={self.cfg.model.init_from!r} records"
+        fix = f"nothing was changed: name the teacher explicitly with {setting}=PATH"
+        path = check_recorded(marker.get("teacher_record"), what, fix)
+        local = Path(path)
+        if saved_mhla(local / "transformer" if (local / "transformer").is_dir() else local) is not None:
+            raise ConfigError(f"{what} ({path!r}) runs MHLA; a teacher keeps its own attention; {fix}")
+        return path
+
+    def inputs(self) -> dict[str, str | None]:
+        """Start point, data (an output when sampled from a teacher), VAE and teachers."""
+        data, tc = self.cfg.data, self.cfg.train
+        found = {"model.init_from": self.cfg.model.init_from}
+        if data.source != "digits":
+            found |= {"data.path": data.path, "data.vae": data.vae}
+        if data.source == "teacher":
+            found["data.teacher"] = self.teacher_source()
+        if tc.distill.enabled:
+            found["train.distill.teacher"] = self.distill_source()
+        return found
+
+    def written_inside(self) -> tuple[str, ...]:
+        return ("data.path",) if self.cfg.data.source == "teacher" else ()  # sampled by this run
 
     def distill_source(self) -> str:
         """``train.distill.teacher``, else :meth:`pretrained_teacher`."""

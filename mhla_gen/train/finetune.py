@@ -24,8 +24,7 @@ from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
-from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
-from ..folders import owned
+from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import (
@@ -175,7 +174,7 @@ class FlowFinetuneTask(TrainTask):
         check_mhla_layers(mhla, transformer["num_layers"])
         data = self.cfg.data
         if data.source == "teacher":  # data.path is sampled at setup: it must be ours to write
-            owned(data.path, TEACHER_DATA, "data.path")
+            check_teacher_folder(data.path, "data.path")
             read_prompts(data.prompts_file)
         else:
             require_dir(data.path, "data.path")
@@ -186,6 +185,19 @@ class FlowFinetuneTask(TrainTask):
             {"data.path": data.path, "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
+
+    def inputs(self) -> dict[str, str | None]:
+        """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
+        m, data = self.cfg.model, self.cfg.data
+        found = {"model.pretrained": m.pretrained, "model.transformer": m.transformer, "data.path": data.path,
+                 "data.prompts_file": data.prompts_file, "data.cache_dir": data.cache_dir}
+        if self.cfg.train.distill.enabled:
+            found["train.distill.teacher"] = self.cfg.train.distill.teacher or m.pretrained
+        return found
+
+    def written_inside(self) -> tuple[str, ...]:
+        """The cache (and data sampled from the teacher) may live in the run folder: the run writes them."""
+        return ("data.cache_dir", "data.path") if self.cfg.data.source == "teacher" else ("data.cache_dir",)
 
     def depth(self) -> int:
         """Transformer blocks of the model trained (``model.transformer``'s or the checkpoint's)."""

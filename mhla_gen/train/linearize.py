@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ..flops import count_flops
-from ..folders import file_record
+from ..folders import file_record, input_record
 from ..install import uninstall_mhla
 from ..transfer import TRAINABLE, TransferHooks, converted_layers, finalize, hardest_layers
 from .attention import attention_mhla_config, saved_mhla
@@ -111,6 +111,13 @@ def parse_softmax_layers(value, converted: list[int]) -> tuple[int | None, list[
     against the ``converted`` layers (at least one must stay MHLA)."""
     if value is None:
         return None, []
+    if not isinstance(value, (str, list, tuple)) or (
+        not isinstance(value, str) and not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        raise ConfigError(
+            f"hybrid.softmax_layers must be null, auto:K or a list of layer indices (integers), got "
+            f"{value!r}"
+        )
     if isinstance(value, str):
         head, _, k = value.partition(":")
         if head != "auto" or not k.strip().isdigit():
@@ -147,9 +154,18 @@ class TransferTask(TrainTask):
 
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
-        """Where the frozen teacher comes from (recorded in ``final/``'s marker)."""
+        """Where the frozen teacher comes from: a local folder resolved and absolute, or a hub id (recorded
+        in ``final/``'s marker with its fingerprint, :func:`~mhla_gen.folders.input_record`)."""
         m = self.cfg.model
-        return str(getattr(m, "init_from", None) or getattr(m, "transformer", None) or m.pretrained)
+        source = str(getattr(m, "init_from", None) or getattr(m, "transformer", None) or m.pretrained)
+        local = Path(source).expanduser()
+        return str(local.resolve()) if local.exists() else source
+
+    def inputs(self) -> dict[str, str | None]:
+        return self.base.inputs()
+
+    def written_inside(self) -> tuple[str, ...]:
+        return self.base.written_inside()
 
     def teacher_folder(self) -> Path | None:
         """The local folder of the teacher's transformer (None for a hub id)."""
@@ -249,7 +265,8 @@ class TransferTask(TrainTask):
         plot_errors(before, after, softmax, out / "transfer_errors.png")
 
     def model_record(self) -> dict:
-        return {**self.base.model_record(), "teacher": self.teacher(), "stage": "attention transfer"}
+        return {**self.base.model_record(), "teacher": self.teacher(),
+                "teacher_record": input_record(self.teacher()), "stage": "attention transfer"}
 
     def finish(self, transformer: nn.Module, accelerator) -> dict:
         r = self.report
