@@ -91,9 +91,10 @@ def _dir(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ folder proofs
-def prove_model(folder: Path) -> None:
+def prove_model(folder: Path, in_run: bool = False) -> None:
     """``config.json`` of a supported transformer with mhla_gen's ``mhla`` record (or a LoRA folder's
-    ``mhla_lora.json``), weights that open, an index whose shards are there."""
+    ``mhla_lora.json``), weights that open, an index whose shards are there. ``in_run``: the ``final/`` of
+    a run folder being adopted, whose ``config.yaml`` is the record (a softmax run saves no ``mhla``)."""
     lora = folder / "mhla_lora.json"
     if lora.is_file():
         if "base" not in (_json(lora) or {}):
@@ -106,7 +107,7 @@ def prove_model(folder: Path) -> None:
         if not isinstance(record, dict) or record.get("_class_name") not in TRANSFORMERS:
             raise _misfit(config, f"names {record.get('_class_name') if isinstance(record, dict) else None}, "
                                   f"not one of {', '.join(TRANSFORMERS)}")
-        if "mhla" not in record:
+        if "mhla" not in record and not in_run:
             raise _misfit(config, "has no mhla record: a model saved by another program, not by mhla_gen")
     for path in (folder / n for n in content(folder)):
         if path.name in ("config.json", "mhla_lora.json"):
@@ -284,7 +285,7 @@ def prove_run(folder: Path) -> list[tuple[Path, str]]:
             _dir(path)
             kind = {"final": "model", "cache": "feature_cache", "attention_stats": "attention_stats"}[name]
             if read_marker(path) is None:
-                PROOFS[kind](path)
+                prove_model(path, in_run=True) if kind == "model" else PROOFS[kind](path)
                 marks.append((path, kind))
         elif name == "transfer.json":
             if not file_is_ours(path, "transfer_report"):
