@@ -60,7 +60,7 @@ from ..folders import (
     replace_with,
     write_marker,
 )
-from ..locks import die_with_parent, release
+from ..locks import release
 from ..lora import lora_training_parameters
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
@@ -212,8 +212,6 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     """The Accelerator, every check (raising before anything is written), where the run starts, then
     ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
     out = Path(cfg.output_dir).expanduser()
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        die_with_parent()  # a rank of a launch stops with its launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
