@@ -385,8 +385,8 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "scripts/linearize.py": "train", "scripts/sample.py": "check_apart", "scripts/extract_latents.py":
     "check_cache_target", "scripts/convert_wan_mhla.py": "check_apart", "scripts/diffusers_model_tests.py":
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
-    "eval/adaptation.py": "check_apart", "eval/study.py": "study_records", "eval/fid.py": "check_file_target",
-    "eval/vbench.py": "check_file_target", "scripts/bench_attention.py": "check_file_target",
+    "eval/adaptation.py": "check_apart", "eval/study.py": "study_records", "eval/fid.py": "check_apart",
+    "eval/vbench.py": "check_apart", "scripts/bench_attention.py": "check_file_target",
     "scripts/bench_wan_step.py": "check_file_target", "scripts/bench_models.py": None,
     "scripts/conversion_budget.py": None,  # print only
 }
