@@ -16,6 +16,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 from mhla_gen.errors import ConfigError
+from mhla_gen.folders import input_record
 
 
 def positive_int(text: str) -> int:
@@ -72,6 +73,8 @@ def main(argv=None):
     meta = {
         "vae": str(Path(args.vae).resolve()) if Path(args.vae).exists() else args.vae,  # checked by train_dit
         "vae_subfolder": args.vae_subfolder,
+        "vae_record": input_record(args.vae),  # resolved, with a fingerprint of its weights
+        "data": str(Path(args.data).resolve()),
         "resolution": args.resolution,
         "scaling_factor": vae.config.scaling_factor,
         "classes": dataset.classes,
