@@ -449,5 +449,8 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
         cfg.train.distill.output_weight = 1.0
     task = task_cls(cfg) if task_cls is not None else TransferTask(cfg, TRAIN_TASKS["dit"][1](cfg))
     reported = task.inputs()
-    missing = [s for s in settings if s not in reported and s != "data.teacher"]
+    if base in ("dit", "linearize"):  # data.teacher is read with data.source=teacher
+        cfg.data.source = "teacher"
+        reported = {**reported, **task.inputs()}
+    missing = [s for s in settings if s not in reported]
     assert not missing, f"settings the apart check does not cover: {missing}"
