@@ -100,8 +100,8 @@ def check_apart(
             continue
         shown = f"{str(path)!r}" + (f" (= {str(other)!r})" if str(other) != str(path) else "")
         raise ConfigError(
-            f"{out_setting}={str(out)!r} {relation} the input {setting}={shown}: a command never writes "
-            f"where its inputs are; nothing was changed: choose an {out_setting} outside it"
+            f"{out_setting}={str(out)!r} {relation} {setting}={shown}, an input of this command: a command "
+            f"never writes where its inputs are; nothing was changed: choose another {out_setting}"
         )
 
 
