@@ -172,6 +172,9 @@ class FlowFinetuneTask(TrainTask):
                 + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
             )
         check_mhla_layers(mhla, transformer["num_layers"])
+        if self.cfg.train.distill.enabled:  # config.yaml and the log say which teacher
+            self.cfg.train.distill.teacher = self.cfg.train.distill.teacher or self.cfg.model.pretrained
+            logger.info("distillation teacher: %s", self.cfg.train.distill.teacher)
         data = self.cfg.data
         if data.source == "teacher":  # data.path is sampled at setup: it must be ours to write
             check_teacher_folder(data.path, "data.path")
