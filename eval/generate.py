@@ -216,10 +216,16 @@ def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
     return tmp
 
 
+def listed_shards(out: Path) -> list[Path]:
+    """The per-process manifest shards in ``out`` that this script listed (never found by pattern)."""
+    names = [n for n in listed(out) or {} if n.startswith("manifest.") and n != "manifest.jsonl"]
+    return [out / n for n in sorted(set(names)) if (out / n).is_file()]
+
+
 def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> None:
     """Rank 0: merge the per-rank manifest shards into manifest.jsonl; write samples.npz for images."""
     records = {}
-    for shard in sorted(out.glob("manifest.*.jsonl")) + [out / "manifest.jsonl"]:
+    for shard in listed_shards(out) + [out / "manifest.jsonl"]:
         if shard.exists():
             for line in shard.read_text().splitlines():
                 record = json.loads(line)
@@ -229,9 +235,8 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
         raise RuntimeError(f"samples {missing[:10]}... have no manifest record after generation")
     lines = "".join(json.dumps(records[item["index"]]) + "\n" for item in items)
     (out / "manifest.jsonl").write_text(lines)
-    for name in listed(out) or {}:  # the shards the processes listed when they created them; no pattern
-        if name.startswith("manifest.") and name != "manifest.jsonl" and (out / name).is_file():
-            (out / name).unlink()
+    for shard in listed_shards(out):  # the shards the processes listed when they created them
+        shard.unlink()
     if cfg.base != "wan":
         from PIL import Image
 
@@ -245,7 +250,7 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
 
 def check_previous_run(out: Path, chash: str) -> None:
     """Refuse to resume into a folder generated with other settings."""
-    for manifest in [out / "manifest.jsonl", *out.glob("manifest.*.jsonl")]:
+    for manifest in [out / "manifest.jsonl", *listed_shards(out)]:
         if manifest.exists():
             for line in manifest.read_text().splitlines():
                 if json.loads(line)["config_hash"] != chash:
