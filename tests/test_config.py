@@ -18,9 +18,10 @@ def schema_for(path: Path):
     """The config class a YAML is for: its name's first word (``dit``, ``sana``, ``wan``); stage-1 configs
     live in configs/linearize/."""
     if path.parent.name == "linearize":
-        from mhla_gen.train.linearize import LINEARIZE_TASKS
+        from mhla_gen.bases import base_for
+        from mhla_gen.train.linearize import stage1_schema
 
-        return LINEARIZE_TASKS[path.stem.split("_")[0]][0]
+        return stage1_schema(base_for(path.stem.split("_")[0]))
     return SCHEMAS[path.stem.split("_")[0]]
 
 

@@ -40,7 +40,7 @@ def reference_run(tmp_path_factory):
 
 def test_run_writes_everything(reference_run):
     from mhla_gen import MHLAConfig
-    from mhla_gen.serialization import load_transformer
+    from mhla_gen.loading import load_transformer
     from mhla_gen.train.config import DiTRunConfig, load_config
 
     out = reference_run

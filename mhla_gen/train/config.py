@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -271,11 +272,21 @@ class FinetuneModelConfig:
     revision: str | None = None
     dtype: str = "float32"  # weights of the frozen parts (text encoder, VAE): float32 | bfloat16 | float16
     # a saved transformer folder to start from instead of the checkpoint's own (e.g. the stage-1 folder of
-    # scripts/linearize.py); init_attention as in DiT's model section
-    transformer: str | None = None
+    # scripts/linearize.py): the same key as DiT's; init_attention as in DiT's model section
+    init_from: str | None = None
     init_attention: str = "saved"
+    transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
 
     def __post_init__(self):
+        if self.transformer is not None:
+            if self.init_from not in (None, self.transformer):
+                raise ValueError(
+                    f"model.transformer={self.transformer!r} (the old name of model.init_from) and "
+                    f"model.init_from={self.init_from!r} disagree; set model.init_from only"
+                )
+            warnings.warn("model.transformer is now model.init_from (the same key for every base); "
+                          "using it as model.init_from", FutureWarning, stacklevel=2)
+            self.init_from, self.transformer = self.transformer, None
         if self.attention not in ATTENTION_TYPES:
             raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
         if self.init_attention not in ("saved", "fresh"):

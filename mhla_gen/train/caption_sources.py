@@ -1,0 +1,65 @@
+"""The data SANA and Wan fine-tune on, one class per ``data.source`` (:data:`CAPTION_SOURCES`).
+
+``folder``: images or videos with captions in ``data.path`` (``metadata.jsonl`` or a ``.txt`` per item);
+``teacher``: ``data.teacher_samples`` samples of the prompts in ``data.prompts_file`` drawn from
+``model.pretrained`` at setup into ``data.path``, then read as a folder.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..data.images import require_dir
+from ..data.teacher import TEACHER_DATA, read_prompts
+from ..folders import owned
+from .loop import TrainTask
+
+
+class CaptionSource:
+    """One ``data.source`` of a fine-tuning run."""
+
+    name: ClassVar[str]
+
+    def __init__(self, task: TrainTask):
+        self.task, self.data = task, task.cfg.data
+
+    def validate(self) -> None:
+        """This source's own settings, before any work; ConfigError / FileNotFoundError naming them."""
+        raise NotImplementedError
+
+    def count_items(self) -> int:
+        return len(self.task.listed_dataset())
+
+    def prepare(self, device) -> None:
+        """Work at setup, once the frozen pipeline is loaded; nothing by default."""
+
+
+class CaptionedFolderSource(CaptionSource):
+    """``data.path`` holds the captioned images / videos."""
+
+    name = "folder"
+
+    def validate(self) -> None:
+        require_dir(self.data.path, "data.path")
+
+
+class CaptionTeacherSource(CaptionSource):
+    """Samples of ``model.pretrained`` itself, drawn into ``data.path`` at setup (resumable)."""
+
+    name = "teacher"
+
+    def validate(self) -> None:  # data.path is sampled at setup: it must be ours to write
+        owned(self.data.path, TEACHER_DATA, "data.path")
+        read_prompts(self.data.prompts_file)
+
+    def count_items(self) -> int:  # not sampled yet
+        return self.data.teacher_samples
+
+    def prepare(self, device) -> None:
+        self.task.sample_teacher(device)
+
+
+CAPTION_SOURCES: dict[str, type[CaptionSource]] = {
+    source.name: source for source in (CaptionedFolderSource, CaptionTeacherSource)
+}
+"""``data.source`` -> its class."""
