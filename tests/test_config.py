@@ -162,3 +162,15 @@ def test_training_yamls_list_only_deviations(path):
         if default == value or (isinstance(default, (list, tuple)) and list(default) == value):
             repeated.append(key)
     assert not repeated, f"{path.name} repeats defaults: {repeated}"
+
+
+def test_one_start_key_for_every_base():
+    """``model.init_from`` names the transformer to start from for every base; SANA / Wan's old
+    ``model.transformer`` maps onto it with a warning, and the two may not disagree."""
+    for schema in (DiTRunConfig, SanaRunConfig, WanRunConfig):
+        assert load_config(schema, None, ["model.init_from=runs/x/final"]).model.init_from == "runs/x/final"
+    with pytest.warns(FutureWarning, match="model.transformer is now model.init_from"):
+        cfg = load_config(SanaRunConfig, None, ["model.transformer=runs/x/final"])
+    assert (cfg.model.init_from, cfg.model.transformer) == ("runs/x/final", None)
+    with pytest.raises(ValueError, match="model.transformer='a'.*model.init_from='b' disagree"):
+        load_config(WanRunConfig, None, ["model.transformer=a", "model.init_from=b"])

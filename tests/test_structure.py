@@ -120,6 +120,16 @@ def test_every_record_resolves(name):
     assert getattr(diffusers, base.pipeline_class)
 
 
+def test_every_data_source_is_a_class():
+    """The ``data.source`` names a config accepts are exactly the source classes (and each base lists its)."""
+    from mhla_gen.train import config
+    from mhla_gen.train.caption_sources import CAPTION_SOURCES
+    from mhla_gen.train.dit_sources import DIT_SOURCES
+
+    assert tuple(DIT_SOURCES) == config.DIT_SOURCES == base_for("dit").data_sources
+    assert tuple(CAPTION_SOURCES) == config.CAPTION_SOURCES == base_for("wan").data_sources
+
+
 def test_lookups_name_what_is_supported():
     import torch
 

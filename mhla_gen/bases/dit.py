@@ -15,4 +15,5 @@ BASE = Base(
     task=Ref("mhla_gen.train.dit:DiTTask"),
     sampler=Ref("mhla_gen.pipelines.dit:DiTSampler"),
     converter_config="configs/linearize/dit_xl2_256.yaml",
+    diffusers_tests="tests/models/transformers/test_models_dit_transformer2d.py",
 )

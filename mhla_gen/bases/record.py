@@ -67,6 +67,8 @@ class Base:
         sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
         converter_config: the stage-1 config (``scripts/linearize.py --base NAME``) for its real size.
         text_dim: the transformer config key of the caption-embedding width (None without captions).
+        diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
+            run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Base:
     sampler: Ref
     converter_config: str
     text_dim: str | None = None
+    diffusers_tests: str | None = None
 
     def __post_init__(self):
         if self.conditioning not in CONDITIONING:

@@ -16,4 +16,5 @@ BASE = Base(
     sampler=Ref("mhla_gen.pipelines.sana:SanaSampler"),
     converter_config="configs/linearize/sana_600m_1024.yaml",
     text_dim="caption_channels",
+    diffusers_tests="tests/models/transformers/test_models_transformer_sana.py",
 )

@@ -16,4 +16,5 @@ BASE = Base(
     sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),
     converter_config="configs/linearize/wan_1_3b_480p.yaml",
     text_dim="text_dim",
+    diffusers_tests="tests/models/transformers/test_models_transformer_wan.py",
 )

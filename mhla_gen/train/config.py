@@ -24,6 +24,9 @@ from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_con
 from ..lora import check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
+# data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
+DIT_SOURCES = ("folder", "latents", "digits", "teacher")
+CAPTION_SOURCES = ("folder", "teacher")
 
 
 T = TypeVar("T")
@@ -201,8 +204,8 @@ class DiTDataConfig:
     teacher_labels: list[int] | None = None  # default: every class, in turn
 
     def __post_init__(self):
-        if self.source not in ("folder", "latents", "digits", "teacher"):
-            raise ValueError(f"data.source must be folder, latents, digits or teacher, got {self.source!r}")
+        if self.source not in DIT_SOURCES:
+            raise ValueError(f"data.source must be one of {', '.join(DIT_SOURCES)}, got {self.source!r}")
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
         if self.source == "teacher" and self.teacher_samples < 1:
@@ -336,8 +339,8 @@ class CaptionDataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
-        if self.source not in ("folder", "teacher"):
-            raise ValueError(f"data.source must be folder or teacher, got {self.source!r}")
+        if self.source not in CAPTION_SOURCES:
+            raise ValueError(f"data.source must be one of {', '.join(CAPTION_SOURCES)}, got {self.source!r}")
         if self.source == "teacher" and (self.teacher_samples < 1 or not self.prompts_file):
             raise ValueError(
                 "data.source=teacher needs data.prompts_file (one prompt per line) and data.teacher_samples "
