@@ -84,7 +84,7 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
     from .train.loop import train
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--base", choices=sorted(BASES), default="dit",
+    parser.add_argument("--base", choices=sorted(n for n, b in BASES.items() if b.trains), default="dit",
                         help="the model family: its config sections, data and conditioning (default: dit)")
     base = BASES[parser.parse_known_args(argv)[0].base]
     description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
@@ -106,5 +106,7 @@ def train_main(
     from .train.loop import train
 
     record = base_for(base)
+    if not record.trains:
+        raise ValueError(f"base {base!r} has no training task yet (mhla_gen/bases/{base}.py: task=None)")
     cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
     return train(cfg, record.task.load()(cfg), callbacks)

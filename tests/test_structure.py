@@ -110,10 +110,11 @@ def test_every_record_resolves(name):
     from mhla_gen.train.config import RunConfig
     from mhla_gen.train.loop import TrainTask
 
-    assert issubclass(base.run_config.load(), RunConfig)
-    assert issubclass(base.task.load(), TrainTask)
     assert issubclass(base.sampler.load(), PipelineSampler)
-    assert (ROOT / base.converter_config).is_file()
+    if base.trains:
+        assert issubclass(base.run_config.load(), RunConfig)
+        assert issubclass(base.task.load(), TrainTask)
+        assert (ROOT / base.converter_config).is_file()
     assert base_for_class_name(base.transformer_class.__name__).transformer_class is base.transformer_class
     import diffusers
 

@@ -62,10 +62,12 @@ class Base:
         conditioning: ``labels`` (class ids), ``captions`` (text prompts) or ``captions+image``.
         objective: ``ddpm`` (DiT's learned-sigma DDPM) or ``flow`` (rectified flow matching).
         data_sources: the ``data.source`` values its training task reads.
-        run_config: the run-config dataclass of its training script (:class:`Ref`).
-        task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`).
         sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
-        converter_config: the stage-1 config (``scripts/linearize.py --base NAME``) for its real size.
+        run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
+            task yet, the base samples, installs, saves and loads only).
+        task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
+        converter_config: the stage-1 config (``scripts/linearize.py --base NAME``) for its real size
+            (None without a training task).
         text_dim: the transformer config key of the caption-embedding width (None without captions).
         diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
             run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).
@@ -78,10 +80,10 @@ class Base:
     conditioning: str
     objective: str
     data_sources: tuple[str, ...]
-    run_config: Ref
-    task: Ref
     sampler: Ref
-    converter_config: str
+    run_config: Ref | None = None
+    task: Ref | None = None
+    converter_config: str | None = None
     text_dim: str | None = None
     diffusers_tests: str | None = None
 
@@ -112,6 +114,11 @@ class Base:
     def sample_suffix(self) -> str:
         """The file suffix of one sample: ``.mp4`` (video) or ``.png``."""
         return ".mp4" if self.video else ".png"
+
+    @property
+    def trains(self) -> bool:
+        """Whether a training task (and so fine-tuning and stage-1 conversion) exists for this base."""
+        return self.task is not None and self.run_config is not None
 
     def matches(self, config: dict) -> bool:
         """Whether a transformer ``config.json`` of :attr:`transformer_class` is this base (records that

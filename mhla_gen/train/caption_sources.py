@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
+
 from ..data.images import require_dir
-from ..data.teacher import TEACHER_DATA, read_prompts
+from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
 from ..folders import owned
 from .loop import TrainTask
 
@@ -56,7 +58,24 @@ class CaptionTeacherSource(CaptionSource):
         return self.data.teacher_samples
 
     def prepare(self, device) -> None:
-        self.task.sample_teacher(device)
+        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
+        stock pipeline, sampled by the task's ``teacher_sample``) into ``data.path``, resumable
+        (:func:`write_teacher_captioned`)."""
+        task, d, m = self.task, self.data, self.task.cfg.model
+        teacher = task.transformer_cls.from_pretrained(
+            m.pretrained, subfolder="transformer", revision=m.revision, dtype=getattr(torch, m.dtype)
+        )
+        pipe = task.pipeline(teacher.to(device))
+        fingerprint = {
+            "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
+            "size": [d.height, d.width, d.num_frames if task.base.video else 1],
+            "steps": task.cfg.log.sample_steps, "guidance": task.cfg.log.guidance_scale,
+            "seed": task.cfg.seed,
+        }
+        sample = lambda prompt, i: task.teacher_sample(pipe, prompt, task.cfg.seed * 100_003 + i)
+        write_teacher_captioned(sample, task.save_sample, d.path, fingerprint["prompts"], d.teacher_samples,
+                                task.suffix, fingerprint)
+        task.forget_listing()  # listed again, with the samples
 
 
 CAPTION_SOURCES: dict[str, type[CaptionSource]] = {

@@ -25,7 +25,6 @@ from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.latents import FEATURE_CACHE, check_cache_target
-from ..data.teacher import read_prompts, write_teacher_captioned
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
@@ -240,10 +239,13 @@ class FlowFinetuneTask(TrainTask):
         raise NotImplementedError
 
     def listed_dataset(self) -> Dataset:
-        """:meth:`raw_dataset`, listed once."""
+        """:meth:`raw_dataset`, listed once (again after :meth:`forget_listing`)."""
         if self._raw is None:
             self._raw = self.raw_dataset()
         return self._raw
+
+    def forget_listing(self) -> None:
+        self._raw = None
 
     def count_items(self) -> int:
         return self.source.count_items()
@@ -257,26 +259,6 @@ class FlowFinetuneTask(TrainTask):
 
     def save_sample(self, sample, path: Path) -> None:
         sample.save(path)
-
-    def sample_teacher(self, device) -> None:
-        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
-        stock pipeline) into ``data.path``, resumable (:func:`write_teacher_captioned`)."""
-        d, m = self.cfg.data, self.cfg.model
-        teacher = self.transformer_cls.from_pretrained(
-            m.pretrained, subfolder="transformer", revision=m.revision, dtype=DTYPES[m.dtype]
-        )
-        pipe = self.pipeline(teacher.to(device))
-        fingerprint = {
-            "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
-            "size": [d.height, d.width, d.num_frames if self.base.video else 1],
-            "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
-            "seed": self.cfg.seed,
-        }
-        sample = lambda prompt, i: self.teacher_sample(pipe, prompt, self.cfg.seed * 100_003 + i)
-        prompts = fingerprint["prompts"]
-        write_teacher_captioned(sample, self.save_sample, d.path, prompts, d.teacher_samples, self.suffix,
-                                fingerprint)
-        self._raw = None  # listed again, with the samples
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         """One raw item -> ``{"latents": (C, ...), "prompt_embeds": (L, D), ...}`` for the cache."""
