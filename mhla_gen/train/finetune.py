@@ -321,9 +321,6 @@ class SanaTask(FlowFinetuneTask):
     name = "sana"
     base = base_for("sana")
 
-    def _transformer_config(self) -> dict:
-        return self._component_config(self.transformer_cls.__name__, "transformer")
-
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """``(H / (f p), W / (f p))``: DC-AE factor f, patch p; SanaPipeline also wants multiples of 32."""
         factor = 2 ** (len(vae["encoder_block_out_channels"]) - 1)
@@ -403,9 +400,6 @@ class WanTask(FlowFinetuneTask):
 
     def save_sample(self, sample: np.ndarray, path: Path) -> None:
         write_video(path, sample, fps=16, lossless=True)
-
-    def _transformer_config(self) -> dict:
-        return self._component_config(self.transformer_cls.__name__, "transformer")
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """``(F' / pt, H / (s ph), W / (s pw))``, ``F' = (F - 1) / t + 1`` latent frames (VAE t x s x s)."""
