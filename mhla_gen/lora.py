@@ -52,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from .bases import base_for_class_name, base_for_model
 from .config import MHLAConfig
 from .install import (
     CONFIG_KEY,
@@ -63,7 +64,6 @@ from .install import (
     stock_class_name,
     uninstall_mhla,
 )
-from .processors import processor_class_for, processor_class_for_name
 from .serialization import load_mhla_parameters, read_mhla_config, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def save_lora_mhla(
         save_mhla_parameters(transformer, folder / mhla_file)
     manifest = {
         "format": _FORMAT,
-        "class_name": processor_class_for(transformer).model_cls.__name__,  # the base's (stock) class
+        "class_name": base_for_model(transformer).transformer_class.__name__,  # the base's (stock) class
         "base": str(Path(base).resolve()) if Path(base).is_dir() else base,
         "subfolder": subfolder,
         "revision": revision,
@@ -309,7 +309,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    processor_cls = processor_class_for_name(stock_class_name(manifest["class_name"]))
+    processor_cls = base_for_class_name(stock_class_name(manifest["class_name"])).processor
     if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
         logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
     base = base or manifest["base"]

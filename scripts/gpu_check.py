@@ -41,7 +41,7 @@ from mhla_gen.errors import ConfigError  # noqa: E402
 from mhla_gen.folders import check_writable  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
-BENCH_DIR = REPO / "scripts"  # where the benchmark scripts live: the one line to change if they move
+BENCH_DIR = REPO / "benchmarks"  # where the benchmark scripts live: the one line to change if they move
 BENCH_ATTENTION = BENCH_DIR / "bench_attention.py"
 BENCH_WAN_STEP = BENCH_DIR / "bench_wan_step.py"
 REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report is ours to replace

@@ -191,12 +191,13 @@ def test_diffusers_without_mhla_gen_imported_refuses_in_one_line(saved):
 
 
 def test_every_supported_base_has_an_mhla_class():
-    """A base added to the processor registry needs its line in mhla_gen/models.py (mhla_model_class),
+    """A base record (mhla_gen/bases) needs its line in mhla_gen/models.py (mhla_model_class),
     else install_mhla leaves it stock-named and diffusers' loaders cannot rebuild its MHLA."""
+    from mhla_gen.bases import BASES
     from mhla_gen.install import MHLA_MODEL_CLASSES
-    from mhla_gen.processors import PROCESSOR_CLASSES
 
-    missing = [p.model_cls.__name__ for p in PROCESSOR_CLASSES if p.model_cls not in MHLA_MODEL_CLASSES]
+    classes = [base.transformer_class for base in BASES.values()]
+    missing = [cls.__name__ for cls in classes if cls not in MHLA_MODEL_CLASSES]
     assert not missing, f"add `MHLA<Name> = mhla_model_class(<Name>)` to mhla_gen/models.py for {missing}"
     for stock, mhla in MHLA_MODEL_CLASSES.items():
         assert mhla.__module__ == "mhla_gen.models" and mhla.__name__ == f"MHLA{stock.__name__}"

@@ -11,7 +11,7 @@ import pytest
 from test_diffusers_loading import BASES, trained_like
 
 from mhla_gen import uninstall_mhla
-from mhla_gen.processors import processor_class_for
+from mhla_gen.bases import base_for_model
 
 
 @pytest.mark.parametrize("name", ["sana", "wan"])
@@ -19,7 +19,7 @@ def test_set_attn_processor_touching_mhla_is_refused(name):
     base = BASES[name]
     model = trained_like(base)
     before, config = base.forward(model), dict(model.config)
-    stock = processor_class_for(model).stock_processor()
+    stock = base_for_model(model).processor.stock_processor()
     for processor in (stock, {k: stock for k in model.attn_processors}):
         with pytest.raises(ValueError, match=r"uninstall_mhla\(transformer\) first"):
             model.set_attn_processor(processor)
@@ -45,9 +45,10 @@ def test_set_attn_processor_touching_mhla_is_refused(name):
 def test_save_refuses_processors_replaced_behind_install_mhla(tmp_path, name):
     base = BASES[name]
     model = trained_like(base)
-    layers = processor_class_for(model).self_attention(model)
+    layers = base_for_model(model).processor.self_attention(model)
     index = base.cfg.layers[0] if base.cfg.layers else 0
-    layers[index].set_processor(processor_class_for(model).stock_processor())  # diffusers' per-module call
+    stock = base_for_model(model).processor.stock_processor()
+    layers[index].set_processor(stock)  # diffusers' per-module call
     with pytest.raises(ValueError, match=rf"layers \[{index}\] .*mhla_gen.uninstall_mhla\(transformer\)"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -17,8 +17,8 @@ FAKE_ENVIRONMENT = {"GPU": "Fake H100, 80 GiB", "driver": "999.1", "CUDA (torch)
                     "triton": "3.x", "diffusers": "0.42.1"}
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_script", REPO / "scripts" / f"{name}.py")
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_script", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
@@ -27,7 +27,7 @@ def load_script(name: str):
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return load_script("gpu_check")
+    return load_script(REPO / "scripts" / "gpu_check.py")
 
 
 def test_refuses_without_cuda_in_one_line(tmp_path):
@@ -112,6 +112,6 @@ def test_sections_call_the_benchmark_scripts_with_flags_they_accept(gpu_check, m
     for name, script in [("operator benchmark", "bench_attention"), ("Wan2.1-1.3B step", "bench_wan_step")]:
         command = sections[name].command
         assert Path(command[1]).is_file() and Path(command[1]).stem == script
-        args = load_script(script).parse_args(command[2:])
+        args = load_script(Path(command[1])).parse_args(command[2:])
         assert args.device == "cuda" and args.dtype == "bf16"
     assert sections["gpu tests"].command[1:5] == ["-m", "pytest", "-m", "gpu"]
