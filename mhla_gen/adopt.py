@@ -26,6 +26,13 @@ from .errors import ConfigError
 from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
 
 TRANSFORMERS = ("DiTTransformer2DModel", "SanaTransformer2DModel", "WanTransformer3DModel")
+
+
+def _stock_name(class_name):
+    """``MHLADiTTransformer2DModel`` (an ``install_mhla``-ed model, mhla_gen.models) -> its stock name;
+    by the naming rule, so that adopting imports no model code."""
+    name = str(class_name)
+    return name[len("MHLA"):] if name.startswith("MHLA") and name[len("MHLA"):] in TRANSFORMERS else name
 LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data")  # replaced or deleted by listing
 
 
@@ -104,7 +111,7 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
         if not config.is_file():
             raise _misfit(config, "missing: a model folder has its config.json")
         record = _json(config)
-        if not isinstance(record, dict) or record.get("_class_name") not in TRANSFORMERS:
+        if not isinstance(record, dict) or _stock_name(record.get("_class_name")) not in TRANSFORMERS:
             raise _misfit(config, f"names {record.get('_class_name') if isinstance(record, dict) else None}, "
                                   f"not one of {', '.join(TRANSFORMERS)}")
         if "mhla" not in record and not in_run:
