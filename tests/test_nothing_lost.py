@@ -82,6 +82,15 @@ def test_finetune_sana_refuses_an_output_dir_holding_model_transformer(tmp_path)
             run, match="contains model.transformer")
 
 
+def test_generate_into_the_run_it_samples_is_refused(teacher_run):
+    """generate with output_dir = the training run (or its final/) would replace the run's config.yaml."""
+    run = teacher_run / "teacher"
+    generate = load_script("eval/generate.py").main
+    for target in (run, run / "final"):
+        refused(lambda t: generate(["base=dit", f"run_config={run / 'config.yaml'}", "labels=[0]", "steps=1",
+                                    f"output_dir={t}"]), target, run, match=r"output_dir=.* (contains|is) ")
+
+
 def test_the_finished_run_hint_does_not_suggest_losing_it(teacher_run, tmp_path):
     """resume=latest on a finished run without checkpoints: the hint must not say resume=none."""
     import shutil
