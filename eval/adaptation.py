@@ -145,6 +145,7 @@ def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Pa
         path = Path(args.teachers_from) / name / "runs" / attention / "seed0" / "final"
         if not path.is_dir():
             raise ConfigError(f"--teachers-from {args.teachers_from}: no {path} (run eval/study.py first)")
+        check_apart(args.out, "--out", {f"--teachers-from (its {attention} teacher)": path})
         return path
     if args.report_only:  # the folder the teacher was (or would be) trained in
         return Path(args.out) / "teachers" / f"{name}-{attention}" / "final"
@@ -245,8 +246,6 @@ def main(argv=None) -> list[dict]:
         args.grids, args.seeds, args.jobs = ["quick"], min(args.seeds, 1), 1
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
-    if args.teachers_from is not None:
-        check_apart(args.out, "--out", {"--teachers-from": args.teachers_from})
     command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
