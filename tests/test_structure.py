@@ -131,6 +131,16 @@ def test_every_data_source_is_a_class():
     assert tuple(CAPTION_SOURCES) == config.CAPTION_SOURCES == base_for("wan").data_sources
 
 
+def test_a_transformer_subclass_finds_its_base():
+    """A subclass of a base's transformer (e.g. one registered for diffusers loading) is that base."""
+    from mhla_gen.testing import tiny_dit
+
+    dit = type(tiny_dit())
+    subclass = type("MyDiTTransformer", (dit,), {})
+    assert base_for_class_name("MyDiTTransformer") is base_for("dit")
+    assert base_for_model(subclass.from_config(tiny_dit().config)) is base_for("dit")
+
+
 def test_lookups_name_what_is_supported():
     import torch
 
