@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.train.io import atomic_write_text
@@ -588,7 +589,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
     parser.add_argument("--no-sdpa", action="store_true", help="leave SDPA out entirely")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--out", type=expand_path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
@@ -602,8 +603,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.out is not None:  # before hours of timing (mhla_gen.folders)
-        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
+    if args.out is not None:  # before hours of timing (mhla_gen.folders); the checked path is the written one
+        args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)

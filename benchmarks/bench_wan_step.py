@@ -55,13 +55,13 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import diffusers
 import torch
 from diffusers import WanTransformer3DModel
 
 from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.install import is_mhla_installed, mhla_processors
@@ -112,12 +112,12 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing_wan.TINY_WAN_CONFIG (tests)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--out", type=expand_path, default=None, help="also write the results as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
     if args.out is not None:  # before any timing (mhla_gen.folders)
-        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
+        args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)  # ~ expanded
 
     if args.frames < 1 or (args.frames - 1) % VAE_TIME:
         parser.error(f"--frames must be 4k+1 (Wan's VAE keeps the first frame, then 4 per latent frame), "

@@ -26,7 +26,8 @@ from mhla_gen.bases import BASES, Base, base_for
 from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
+from mhla_gen.folders import check_apart, claim, listed, owned, record_files
+from mhla_gen.locks import die_with_parent, main_rank, release
 from mhla_gen.metrics.video import write_video
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.train.config import load_config
@@ -190,10 +191,16 @@ def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
     return tmp
 
 
+def listed_shards(out: Path) -> list[Path]:
+    """The per-process manifest shards in ``out`` that this script listed (never found by pattern)."""
+    names = [n for n in listed(out) or {} if n.startswith("manifest.") and n != "manifest.jsonl"]
+    return [out / n for n in sorted(set(names)) if (out / n).is_file()]
+
+
 def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> None:
     """Rank 0: merge the per-rank manifest shards into manifest.jsonl; write samples.npz for images."""
     records = {}
-    for shard in sorted(out.glob("manifest.*.jsonl")) + [out / "manifest.jsonl"]:
+    for shard in listed_shards(out) + [out / "manifest.jsonl"]:
         if shard.exists():
             for line in shard.read_text().splitlines():
                 record = json.loads(line)
@@ -203,7 +210,7 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
         raise RuntimeError(f"samples {missing[:10]}... have no manifest record after generation")
     lines = "".join(json.dumps(records[item["index"]]) + "\n" for item in items)
     (out / "manifest.jsonl").write_text(lines)
-    for shard in out.glob("manifest.*.jsonl"):
+    for shard in listed_shards(out):  # the shards the processes listed when they created them
         shard.unlink()
     if not cfg.record.video:
         from PIL import Image
@@ -218,7 +225,7 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
 
 def check_previous_run(out: Path, chash: str) -> None:
     """Refuse to resume into a folder generated with other settings."""
-    for manifest in [out / "manifest.jsonl", *out.glob("manifest.*.jsonl")]:
+    for manifest in [out / "manifest.jsonl", *listed_shards(out)]:
         if manifest.exists():
             for line in manifest.read_text().splitlines():
                 if json.loads(line)["config_hash"] != chash:
@@ -227,19 +234,50 @@ def check_previous_run(out: Path, chash: str) -> None:
                 break
 
 
+def check_model(cfg: GenerateConfig) -> None:
+    """What the sampler will load exists and is the right kind of folder (configs only, no weights), and
+    ``output_dir`` is apart from it: before the output folder is marked or its config written."""
+    model_setting = "model" if cfg.model else "run_config"
+    inputs = {"model": cfg.model, "transformer": cfg.transformer, "run_config": cfg.run_config,
+              "prompts_file": cfg.prompts_file}
+    check_apart(cfg.output_dir, "output_dir", inputs)
+    if cfg.run_config and not cfg.model:
+        load_config(cfg.record.run_config.load(), cfg.run_config)  # FileNotFoundError / ConfigError naming it
+        final = Path(cfg.transformer or Path(cfg.run_config).parent / "final")
+        if not (final / "config.json").is_file() and not (final / "mhla_lora.json").is_file():
+            setting = "transformer" if cfg.transformer else "run_config"
+            raise ConfigError(f"{setting}: {str(final)!r} holds no saved transformer (config.json); has the "
+                              f"run finished?")
+        return
+    local = Path(cfg.model).expanduser()
+    if local.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1:
+        if not (local / "model_index.json").is_file():
+            raise ConfigError(f"{model_setting}={cfg.model!r} is not a diffusers pipeline folder (no "
+                              f"model_index.json)")
+    if cfg.transformer is not None:
+        folder = Path(cfg.transformer).expanduser()
+        if not (folder / "config.json").is_file() and not (folder / "mhla_lora.json").is_file():
+            raise ConfigError(f"transformer={cfg.transformer!r} is not a saved transformer folder")
+    if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
+        raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
+
+
 def generate(cfg: GenerateConfig) -> Path:
     """Generate the missing samples of this process's shard; rank 0 assembles. Returns output_dir."""
     from accelerate import PartialState
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    if state_is_launched():
+        die_with_parent()  # a rank stops with its launcher
     state = PartialState()
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
     items = sample_items(cfg)
     owned(out, SAMPLES_FOLDER, "output_dir")  # every process: all raise
     if cfg.record.class_conditional and (num_classes := trained_classes(cfg)) is not None:  # before loading
         check_labels(cfg, num_classes)
+    check_model(cfg)  # before the folder is marked or its config.yaml written
     if state.is_main_process:
         claim(out, SAMPLES_FOLDER, "output_dir")
         check_previous_run(out, chash)
@@ -249,6 +287,8 @@ def generate(cfg: GenerateConfig) -> Path:
     mine = items[state.process_index :: state.num_processes]
     todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
     shard = out / f"manifest.{state.process_index}.jsonl"
+    if todo and not shard.exists():
+        record_files(out, shard.name, pending=True)  # listed before it exists: assemble deletes it by name
     if todo:
         sampler = Sampler(cfg, state.device)
         bar = tqdm(total=len(todo), desc=f"rank {state.process_index}",
@@ -267,7 +307,15 @@ def generate(cfg: GenerateConfig) -> Path:
     if state.is_main_process:
         assemble(out, cfg, items, chash)
     state.wait_for_everyone()
+    release(out)
     return out
+
+
+def state_is_launched() -> bool:
+    """Started by a multi-process launcher (torchrun / accelerate launch)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not main_rank()
 
 
 def main(argv=None) -> Path:

@@ -40,6 +40,7 @@ from .data.digits import digits_tensors
 from .errors import ConfigError
 from .folders import claim, file_record, owned
 from .loading import load_transformer
+from .locks import die_with_parent
 from .metrics import digits_extractor, extract_features, fid_from_features
 from .metrics.attention import attention_statistics, example_inputs
 from .train.config import DiTRunConfig, load_config
@@ -265,12 +266,13 @@ def _map(fn, jobs: list[Job], workers: int) -> None:
             fn(job)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with context.Pool(workers, initializer=_worker_init, maxtasksperchild=1) as pool:
+    with context.Pool(workers, initializer=_worker_init, initargs=(os.getpid(),), maxtasksperchild=1) as pool:
         for _ in pool.imap_unordered(fn, jobs):
             pass
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int | None = None) -> None:
+    die_with_parent(parent)  # Ctrl-C, SIGTERM or SIGKILL of the study: its workers stop too
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["TQDM_DISABLE"] = "1"  # progress bars of parallel workers would interleave
     torch.set_num_threads(1)

@@ -22,8 +22,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from mhla_gen.bases import BASES
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
-from mhla_gen.folders import claim
+from mhla_gen.folders import check_apart, claim
 
 # each base record's diffusers test suite (Base.diffusers_tests)
 SUITES = {name: base.diffusers_tests for name, base in BASES.items() if base.diffusers_tests}
@@ -103,14 +104,16 @@ def outcomes(xml: Path) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--diffusers", type=Path, required=True, help="diffusers git checkout or bare git dir"
+        "--diffusers", type=expand_path, required=True, help="diffusers git checkout or bare git dir"
     )
     parser.add_argument(
         "--rev", default="HEAD", help="diffusers revision, ideally the installed version's tag"
     )
-    parser.add_argument("--out", type=Path, default=Path("/tmp/difftests"))
+    parser.add_argument("--out", type=expand_path, default="/tmp/difftests")
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     args = parser.parse_args()
+    args.diffusers, args.out = Path(args.diffusers), Path(args.out)
+    check_apart(args.out, "--out", {"--diffusers": args.diffusers})
     claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
     export(args.diffusers, args.rev, args.out)
     env = {**os.environ, "PYTHONPATH": str(args.out), "HF_HUB_OFFLINE": "1"}

@@ -29,7 +29,7 @@ from mhla_gen.bases import BASES, base_for
 from mhla_gen.cli import expand_path, run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
+from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
@@ -177,6 +177,7 @@ def prepare_out(args) -> Path:
     """Claim ``--out`` (new, empty or written by this script) and refuse to replace earlier samples with
     the same names unless ``--overwrite``: before any model is loaded."""
     out = Path(args.out)
+    check_apart(out, "--out", {"--model": args.model, "--transformer": args.transformer})
     owned(out, OUTPUT_KIND, "--out")
     existing = [name for name in output_names(args) if (out / name).exists()]
     if existing and not args.overwrite:

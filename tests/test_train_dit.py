@@ -318,7 +318,7 @@ def test_restart_refused_where_it_would_mix_runs(reference_run, tmp_path):
 
     shutil.copytree(reference_run, tmp_path / "done")
     shutil.rmtree(tmp_path / "done" / "checkpoints")  # a finished run whose checkpoints were deleted
-    with pytest.raises(ConfigError, match="finished run .*resume=none"):
+    with pytest.raises(ConfigError, match="finished run .*choose another output_dir"):
         train(tmp_path / "done", "train.max_steps=6")
     shutil.copytree(reference_run, tmp_path / "old")  # checkpoints 4 and 5 would outlive a fresh start
     with pytest.raises(ConfigError, match=r"later checkpoints \['checkpoint_4', 'checkpoint_5'\]"):
@@ -530,4 +530,4 @@ def test_validate_leaves_the_config_alone_and_run_config_records_the_saved_mhla(
     resolved = task.run_config()
     assert resolved.model.attention == "mhla"
     assert resolved.mhla.blocks == (1, 2) and resolved.mhla.layers == [1]
-    assert task.start.saved == resolved.mhla and task.start.teacher is None  # a trained MHLA, no teacher
+    assert task.start.saved == resolved.mhla and task.start.teacher() is None  # a trained MHLA, no teacher

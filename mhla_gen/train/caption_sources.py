@@ -12,8 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..data.images import require_dir
-from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
-from ..folders import owned
+from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
 from .loop import TrainTask
 
 
@@ -51,7 +50,7 @@ class CaptionTeacherSource(CaptionSource):
     name = "teacher"
 
     def validate(self) -> None:  # data.path is sampled at setup: it must be ours to write
-        owned(self.data.path, TEACHER_DATA, "data.path")
+        check_teacher_folder(self.data.path, "data.path")
         read_prompts(self.data.prompts_file)
 
     def count_items(self) -> int:  # not sampled yet

@@ -108,8 +108,9 @@ class DiTTask(TrainTask):
             )
 
     def _check_distill_teacher(self) -> None:
-        """A teacher that is not a local path must be a loadable hub id."""
+        """A teacher that is not a local path must be a loadable hub id; the log names the teacher."""
         source = self.distill_source()
+        logger.info("distillation teacher: %s", source)
         if Path(source).exists():
             return
         try:
@@ -131,14 +132,35 @@ class DiTTask(TrainTask):
         return self.start.attention(m.attention, self.cfg.mhla, m.init_attention)
 
     def run_config(self) -> DiTRunConfig:
-        """The config with the attention this run trains (what ``config.yaml`` records)."""
+        """The config with the attention this run trains and the teachers it uses (what ``config.yaml``
+        records)."""
         attention, mhla = self.attention()
-        model = dataclasses.replace(self.cfg.model, attention=attention)
-        return dataclasses.replace(self.cfg, model=model, mhla=mhla)
+        cfg = self.cfg
+        model = dataclasses.replace(cfg.model, attention=attention)
+        data, train = cfg.data, cfg.train
+        if data.source == "teacher":
+            data = dataclasses.replace(data, teacher=self.teacher_source())
+        if train.distill.enabled:
+            train = dataclasses.replace(train, distill=dataclasses.replace(train.distill,
+                                                                           teacher=self.distill_source()))
+        return dataclasses.replace(cfg, model=model, mhla=mhla, data=data, train=train)
+
+    def inputs(self) -> dict[str, str | None]:
+        """Start point, data (an output when sampled from a teacher), VAE and teachers."""
+        data = self.cfg.data
+        found = {"model.init_from": self.cfg.model.init_from, **self.source.inputs()}
+        if data.source == "teacher":
+            found["data.teacher"] = self.teacher_source()
+        if self.cfg.train.distill.enabled:
+            found["train.distill.teacher"] = self.distill_source()
+        return found
+
+    def written_inside(self) -> tuple[str, ...]:
+        return ("data.path",) if self.cfg.data.source == "teacher" else ()  # sampled by this run
 
     def teacher_source(self) -> str:
         """``data.teacher``, else the model ``model.init_from`` converts (a stage-1 folder's teacher)."""
-        source = self.cfg.data.teacher or self.start.teacher
+        source = self.cfg.data.teacher or self.start.teacher("data.teacher")
         if source is None:
             raise ConfigError(
                 "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
@@ -147,7 +169,7 @@ class DiTTask(TrainTask):
 
     def distill_source(self) -> str:
         """``train.distill.teacher``, else the model ``model.init_from`` converts."""
-        source = self.cfg.train.distill.teacher or self.start.teacher
+        source = self.cfg.train.distill.teacher or self.start.teacher()
         if source is None:
             raise ConfigError(
                 "train.distill needs a teacher: set train.distill.teacher=PATH (or start from a stock model "

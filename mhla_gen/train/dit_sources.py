@@ -8,6 +8,7 @@ scikit-learn's digits in pixel space; ``teacher``: samples of a teacher DiT, dra
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,12 +18,14 @@ from torch.utils.data import Dataset
 
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
 from ..data.images import class_folders, require_dir
-from ..data.teacher import TEACHER_DATA, write_teacher_samples
+from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
-from ..folders import check_apart, owned
+from ..folders import check_apart, input_record
 from .attention import load_teacher
 from .dit_model import identity_vae, make_sampler
 from .loop import TrainTask
+
+logger = logging.getLogger(__name__)
 
 DIGITS_CLASSES, DIGITS_ITEMS = 10, 1797  # scikit-learn's load_digits
 
@@ -58,6 +61,10 @@ class DiTSource:
         """This source's own settings; ConfigError naming them."""
         if self.data.path is None:
             raise ConfigError(f"data.path is required for data.source={self.name}")
+
+    def inputs(self) -> dict[str, str | None]:
+        """The paths this source reads, setting -> path (the run's output must be apart from each)."""
+        return {"data.path": self.data.path, "data.vae": self.data.vae}
 
     def vae_config(self) -> dict | None:
         """The data VAE's ``config.json`` (no weights loaded), or None in pixel space."""
@@ -109,6 +116,20 @@ class ClassFolderSource(DiTSource):
                 f"model.num_classes={want} but data.path={self.data.path!r} has {found} class folders "
                 f"with images"
             )
+        self.check_readable()
+
+    def check_readable(self) -> None:
+        """At least one image of the class folders opens (before anything is written): a folder of
+        unreadable files would otherwise stop the run at its first batch."""
+        dataset = self.dataset()
+        for i in range(len(dataset)):
+            try:
+                dataset.load(i)
+                return
+            except Exception:  # noqa: BLE001 - an unreadable file is skipped while training too
+                continue
+        raise ConfigError(f"data.path={self.data.path!r}: none of its {len(dataset)} image files can "
+                          f"be read as an image")
 
     def dataset(self) -> Dataset:
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
@@ -187,6 +208,9 @@ class DigitsSource(DiTSource):
     pixel_space = True
     scores_fid = True
 
+    def inputs(self) -> dict[str, str | None]:
+        return {}  # embedded in scikit-learn
+
     def validate(self) -> None:
         if self.cfg.model.num_classes != DIGITS_CLASSES:
             raise ConfigError(
@@ -235,8 +259,10 @@ class TeacherSource(DiTSource):
         bad = sorted({c for c in self.labels() if not 0 <= c < classes})
         if bad:
             raise ConfigError(f"data.teacher_labels {bad} are outside model.num_classes={classes}")
-        owned(self.data.path, TEACHER_DATA, "data.path")
-        check_apart(self.data.path, "data.path", {"data.teacher": self.task.teacher_source()})
+        check_teacher_folder(self.data.path, "data.path")
+        check_apart(self.data.path, "data.path",
+                    {"data.teacher": self.task.teacher_source(), "model.init_from": self.cfg.model.init_from})
+        logger.info("data teacher: %s", self.task.teacher_source())
 
     def channels_and_size(self) -> tuple[int, int]:  # samples of the teacher's own input size
         config = self.teacher_config()
@@ -270,7 +296,7 @@ class TeacherSource(DiTSource):
             return vae.encode(x.to(vae.dtype)).latent_dist.sample(g) * scale
 
         fingerprint = {
-            "teacher": source, "labels": self.labels(), "seed": cfg.seed,
+            "teacher": input_record(source), "labels": self.labels(), "seed": cfg.seed,
             "steps": cfg.log.sample_steps, "guidance": cfg.log.guidance_scale,
             "sampler": cfg.diffusion.sampler, "vae": data.vae,
         }

@@ -85,10 +85,19 @@ class FlowFinetuneTask(TrainTask):
         return self.start.attention(m.attention, self.cfg.mhla, m.init_attention)
 
     def run_config(self):
-        """The config with the attention this run trains (what ``config.yaml`` records)."""
+        """The config with the attention this run trains and the distillation teacher it uses (what
+        ``config.yaml`` records)."""
         attention, mhla = self.attention()
         model = dataclasses.replace(self.cfg.model, attention=attention)
-        return dataclasses.replace(self.cfg, model=model, mhla=mhla)
+        train = self.cfg.train
+        if train.distill.enabled:
+            train = dataclasses.replace(train, distill=dataclasses.replace(train.distill,
+                                                                           teacher=self.distill_source()))
+        return dataclasses.replace(self.cfg, model=model, mhla=mhla, train=train)
+
+    def distill_source(self) -> str:
+        """``train.distill.teacher``, else ``model.pretrained``."""
+        return self.cfg.train.distill.teacher or self.cfg.model.pretrained
 
     def conversion_teacher(self) -> tuple[str, Path | None]:
         """``(reference, local transformer folder or None)`` of the model stage 1 converts: the start
@@ -192,6 +201,8 @@ class FlowFinetuneTask(TrainTask):
                 + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
             )
         check_mhla_layers(mhla, transformer["num_layers"])
+        if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
+            logger.info("distillation teacher: %s", self.distill_source())
         data = self.cfg.data
         self.source.validate()
         check_cache_target(
@@ -201,6 +212,19 @@ class FlowFinetuneTask(TrainTask):
             {"data.path": data.path, "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
+
+    def inputs(self) -> dict[str, str | None]:
+        """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
+        m, data = self.cfg.model, self.cfg.data
+        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from, "data.path": data.path,
+                 "data.prompts_file": data.prompts_file, "data.cache_dir": data.cache_dir}
+        if self.cfg.train.distill.enabled:
+            found["train.distill.teacher"] = self.distill_source()
+        return found
+
+    def written_inside(self) -> tuple[str, ...]:
+        """The cache (and data sampled from the teacher) may live in the run folder: the run writes them."""
+        return ("data.cache_dir", "data.path") if self.cfg.data.source == "teacher" else ("data.cache_dir",)
 
     def depth(self) -> int:
         """Transformer blocks of the model trained (``model.init_from``'s or the checkpoint's)."""
@@ -307,7 +331,7 @@ class FlowFinetuneTask(TrainTask):
 
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
-        return load_teacher(self.transformer_cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained)
+        return load_teacher(self.transformer_cls, self.distill_source())
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):

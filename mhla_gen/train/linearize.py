@@ -34,7 +34,7 @@ from torch.utils.data import Dataset, default_collate
 
 from ..bases import Base
 from ..flops import count_flops
-from ..folders import file_record
+from ..folders import file_record, input_record
 from ..install import uninstall_mhla
 from ..transfer import TRAINABLE, TransferHooks, converted_layers, finalize, hardest_layers
 from .attention import attention_mhla_config, saved_mhla
@@ -100,6 +100,13 @@ def parse_softmax_layers(value, converted: list[int]) -> tuple[int | None, list[
     against the ``converted`` layers (at least one must stay MHLA)."""
     if value is None:
         return None, []
+    if not isinstance(value, (str, list, tuple)) or (
+        not isinstance(value, str) and not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        raise ConfigError(
+            f"hybrid.softmax_layers must be null, auto:K or a list of layer indices (integers), got "
+            f"{value!r}"
+        )
     if isinstance(value, str):
         head, _, k = value.partition(":")
         if head != "auto" or not k.strip().isdigit():
@@ -136,8 +143,17 @@ class TransferTask(TrainTask):
 
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
-        """Where the frozen teacher comes from (recorded in ``final/``'s marker)."""
-        return str(self.inner.conversion_teacher()[0])
+        """Where the frozen teacher comes from: a local folder resolved and absolute, or a hub id (recorded
+        in ``final/``'s marker with its fingerprint, :func:`~mhla_gen.folders.input_record`)."""
+        source = str(self.inner.conversion_teacher()[0])
+        local = Path(source).expanduser()
+        return str(local.resolve()) if local.exists() else source
+
+    def inputs(self) -> dict[str, str | None]:
+        return self.inner.inputs()
+
+    def written_inside(self) -> tuple[str, ...]:
+        return self.inner.written_inside()
 
     def validate(self) -> None:
         """The base task's checks, a teacher with its own (stock) attention, an MHLA student, and the
@@ -231,7 +247,8 @@ class TransferTask(TrainTask):
         plot_errors(before, after, softmax, out / "transfer_errors.png")
 
     def model_record(self) -> dict:
-        return {**self.inner.model_record(), "teacher": self.teacher(), "stage": "attention transfer"}
+        return {**self.inner.model_record(), "teacher": self.teacher(),
+                "teacher_record": input_record(self.teacher()), "stage": "attention transfer"}
 
     def finish(self, transformer: nn.Module, accelerator) -> dict:
         r = self.report

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..folders import read_marker
+from ..folders import check_recorded, read_marker
 from .attention import install_attention, load_start_transformer, saved_mhla, start_attention
 
 SETTING = "model.init_from"
@@ -32,12 +32,14 @@ class StartPoint:
             a hub id or no start point.
         saved: the MHLA config the folder was saved with (None: stock attention, hub id or no start).
         recorded_teacher: the teacher its marker records (a stage-1 folder), else None.
+        teacher_record: that teacher's resolved path and fingerprint (:func:`~mhla_gen.folders.input_record`).
     """
 
     ref: str | None = None
     folder: Path | None = None
     saved: MHLAConfig | None = None
     recorded_teacher: str | None = None
+    teacher_record: dict | None = None
 
     @classmethod
     def resolve(cls, ref: str | None) -> StartPoint:
@@ -48,17 +50,26 @@ class StartPoint:
         folder = None
         if path.is_dir():
             folder = path / "transformer" if (path / "transformer").is_dir() else path
-        teacher = (read_marker(folder) or {}).get("teacher") if folder is not None else None
-        return cls(ref=ref, folder=folder, saved=saved_mhla(folder), recorded_teacher=teacher)
+        marker = (read_marker(folder) or {}) if folder is not None else {}
+        return cls(ref=ref, folder=folder, saved=saved_mhla(folder), recorded_teacher=marker.get("teacher"),
+                   teacher_record=marker.get("teacher_record"))
 
     def __bool__(self) -> bool:
         return self.ref is not None
 
-    @property
-    def teacher(self) -> str | None:
-        """The model this start point converts: the teacher a stage-1 folder records, or the start point
-        itself when it is a stock model (no saved MHLA); None without one."""
-        return self.recorded_teacher or (self.ref if self.saved is None else None)
+    def teacher(self, setting: str = "train.distill.teacher") -> str | None:
+        """The model this start point converts: the teacher a stage-1 folder records (checked: still there,
+        unchanged, with its own attention), or the start point itself when it is a stock model (no saved
+        MHLA); None without one. ``setting``: where the user can name a teacher instead."""
+        if self.recorded_teacher is None:
+            return self.ref if self.saved is None else None
+        what = f"the teacher that {SETTING}={self.ref!r} records"
+        fix = f"nothing was changed: name the teacher explicitly with {setting}=PATH"
+        path = check_recorded(self.teacher_record, what, fix)
+        local = Path(path)
+        if saved_mhla(local / "transformer" if (local / "transformer").is_dir() else local) is not None:
+            raise ConfigError(f"{what} ({path!r}) runs MHLA; a teacher keeps its own attention; {fix}")
+        return path
 
     def attention(self, attention: str, mhla: MHLAConfig, init_attention: str) -> tuple[str, MHLAConfig]:
         """``(model.attention, mhla)`` the run trains (:func:`~mhla_gen.train.attention.start_attention`)."""
