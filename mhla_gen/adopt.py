@@ -243,11 +243,13 @@ def prove_attention_stats(folder: Path) -> None:
 
 
 def _run_config(path: Path) -> None:
-    from .train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
-    from .train.linearize import DiTLinearizeConfig, SanaLinearizeConfig, WanLinearizeConfig
+    from .bases import BASES
+    from .train.config import load_config
+    from .train.linearize import stage1_schema
 
-    for schema in (DiTRunConfig, SanaRunConfig, WanRunConfig, DiTLinearizeConfig, SanaLinearizeConfig,
-                   WanLinearizeConfig):
+    trained = [base for base in BASES.values() if base.trains]
+    schemas = [base.run_config.load() for base in trained] + [stage1_schema(base) for base in trained]
+    for schema in schemas:
         try:
             load_config(schema, str(path))
             return

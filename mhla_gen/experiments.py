@@ -35,17 +35,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .bases import base_for
 from .data.digits import digits_tensors
 from .errors import ConfigError
 from .folders import claim, file_record, owned
+from .loading import load_transformer
 from .locks import die_with_parent
 from .metrics import digits_extractor, extract_features, fid_from_features
 from .metrics.attention import attention_statistics, example_inputs
-from .serialization import load_transformer
 from .train.config import DiTRunConfig, load_config
 from .train.dit import DiTTask
 from .train.io import atomic_write_text, read_jsonl
-from .train.linearize import DiTLinearizeConfig, TransferTask
+from .train.linearize import TransferTask, stage1_schema
 from .train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def stage1_report(job: Job) -> Path:
 def run_stage1(job: Job) -> dict:
     """The job's stage-1 run (``scripts/linearize.py``), unless its report exists; returns the report."""
     if not stage1_report(job).is_file():
-        cfg = load_config(DiTLinearizeConfig, job.config, [
+        cfg = load_config(stage1_schema(base_for("dit")), job.config, [
             *job.stage1, f"output_dir={job.stage1_dir}", f"seed={job.seed}", "resume=latest",
             "eval.fid_num_samples=0",
         ])

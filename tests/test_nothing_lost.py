@@ -77,9 +77,9 @@ def test_finetune_sana_refuses_an_output_dir_holding_model_transformer(tmp_path)
     write_marker(run / "final", "model")
     (tmp_path / "data").mkdir()
     args = ("--config", TINY_SANA, f"model.pretrained={tmp_path / 'ckpt'}", f"data.path={tmp_path / 'data'}")
-    refused(lambda t: run_inprocess("finetune_sana.py", *args, f"model.transformer={t / 'final'}",
+    refused(lambda t: run_inprocess("finetune_sana.py", *args, f"model.init_from={t / 'final'}",
                                     f"output_dir={t}", "resume=none"),
-            run, match="contains model.transformer")
+            run, match="contains model.init_from")
 
 
 def test_generate_into_the_run_it_samples_is_refused(teacher_run):
@@ -384,7 +384,7 @@ def test_extract_latents_resolution_must_fit_the_vae(assets, tmp_path, capsys, m
 def test_bench_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    load_script("scripts/bench_attention.py").main(["--sizes", "--device", "cpu", "--out", "~/x.json"])
+    load_script("benchmarks/bench_attention.py").main(["--sizes", "--device", "cpu", "--out", "~/x.json"])
     assert (tmp_path / "x.json").is_file() and not (tmp_path / "~").exists()
 
 
@@ -395,9 +395,9 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "check_cache_target", "scripts/convert_wan_mhla.py": "check_apart", "scripts/diffusers_model_tests.py":
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
     "eval/adaptation.py": "check_apart", "eval/study.py": "study_records", "eval/fid.py": "check_apart",
-    "eval/vbench.py": "check_apart", "scripts/bench_attention.py": "check_file_target",
-    "scripts/bench_wan_step.py": "check_file_target", "scripts/bench_models.py": None,
-    "scripts/conversion_budget.py": None,  # print only
+    "eval/vbench.py": "check_apart", "benchmarks/bench_attention.py": "check_file_target",
+    "benchmarks/bench_wan_step.py": "check_file_target", "benchmarks/bench_models.py": None,
+    "benchmarks/conversion_budget.py": None,  # print only
 }
 # The only places that delete files, each deleting what its own listing / marker names
 DELETERS = {
@@ -413,14 +413,15 @@ PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher
 def test_every_entry_point_checks_apart_and_every_deleter_is_known():
     """A new script must say how it keeps inputs apart (and its writes go through claim / fresh_temp,
     which mark and lock); a new deletion site must be reviewed against the listing rule."""
-    scripts = {str(p.relative_to(REPO)) for d in ("scripts", "eval") for p in (REPO / d).glob("*.py")}
+    folders = ("scripts", "eval", "benchmarks")
+    scripts = {str(p.relative_to(REPO)) for d in folders for p in (REPO / d).glob("*.py")}
     assert scripts == set(ENTRY_POINTS), "classify every entry point in ENTRY_POINTS"
     for script, how in ENTRY_POINTS.items():
         source = (REPO / script).read_text()
         assert how is None or how in source or "train_main" in source or "linearize_main" in source, script
         if "claim(" in source or "fresh_temp(" in source or "os.replace(" in source:
             assert how is not None, f"{script} writes a folder without an apart check"
-    for path in [*REPO.glob("mhla_gen/**/*.py"), *REPO.glob("scripts/*.py"), *REPO.glob("eval/*.py")]:
+    for path in [*REPO.glob("mhla_gen/**/*.py"), *(p for d in folders for p in REPO.glob(f"{d}/*.py"))]:
         source = path.read_text()
         deletes = any(call in source for call in ("rmtree(", ".unlink(", "os.remove(", ".rmdir("))
         rel = str(path.relative_to(REPO))
@@ -434,17 +435,20 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
     the loop checks output_dir against it and records it resolved in the run's marker."""
     import dataclasses
 
-    from mhla_gen.cli import TRAIN_TASKS
-    from mhla_gen.train.linearize import DiTLinearizeConfig, TransferTask
+    from mhla_gen.bases import base_for
+    from mhla_gen.train.linearize import TransferTask, stage1_schema
 
-    schema, task_cls = TRAIN_TASKS.get(base, (DiTLinearizeConfig, None))
+    record = base_for("dit" if base == "linearize" else base)
+    schema = stage1_schema(record) if base == "linearize" else record.run_config.load()
+    task_cls = record.task.load()
     cfg = schema()
     settings = []
     for section in dataclasses.fields(cfg):
         value = getattr(cfg, section.name)
         if dataclasses.is_dataclass(value):
             names = [f.name for f in dataclasses.fields(value)]
-            settings += [f"{section.name}.{name}" for name in names if name in PATH_FIELDS]
+            settings += [f"{section.name}.{name}" for name in names if name in PATH_FIELDS
+                         and f"{section.name}.{name}" != "model.transformer"]  # an alias, read as init_from
             settings += [f"{section.name}.distill.teacher" for f in dataclasses.fields(value)
                          if f.name == "distill"]
     for setting in settings:
@@ -456,7 +460,7 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
     cfg.data.source = "teacher" if base in ("sana", "wan") else "latents"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
-    task = task_cls(cfg) if task_cls is not None else TransferTask(cfg, TRAIN_TASKS["dit"][1](cfg))
+    task = TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
     reported = task.inputs()
     if base in ("dit", "linearize"):  # data.teacher is read with data.source=teacher
         cfg.data.source = "teacher"

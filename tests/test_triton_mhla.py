@@ -481,7 +481,7 @@ def test_bench_model_shapes_on_cpu(capsys, tmp_path):
     import importlib.util
     import json
 
-    path = ROOT / "scripts" / "bench_attention.py"
+    path = ROOT / "benchmarks" / "bench_attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention_for_triton", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench

@@ -89,7 +89,13 @@ class TrainTask:
 
     def validate(self) -> None:
         """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
-        before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files."""
+        before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files.
+        It does not change the config (:meth:`run_config` says what the run resolved)."""
+
+    def run_config(self) -> RunConfig:
+        """The config as this run resolved it (e.g. the MHLA a start point was saved with): what
+        ``config.yaml`` records. The config itself by default."""
+        return self.cfg
 
     def inputs(self) -> dict[str, str | None]:
         """Every input the run reads, setting -> local path or hub id (start points, teachers, data, VAE):
@@ -239,7 +245,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     set_seed(cfg.seed)  # same on every process: identical initial weights
     if accelerator.is_main_process:
         prepare_output_dir(out, step, recorded_inputs(task))
-        atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
+        atomic_write_text(out / "config.yaml", config_to_yaml(task.run_config()))  # before step 0
         ckpt.remove_partial(out)
     accelerator.wait_for_everyone()
     return Run(

@@ -1,8 +1,8 @@
 """One Wan2.1-T2V-1.3B denoising step with stock attention, the MHLA hybrid and MHLA in every layer.
 
-    python scripts/bench_wan_step.py --device cuda --dtype bf16          # the issue-13 run (480p, 81 frames)
-    python scripts/bench_wan_step.py --device cuda --dtype bf16 --compile
-    python scripts/bench_wan_step.py --tiny --frames 5 --height 32 --width 48 --batch 1   # CPU smoke run
+    python benchmarks/bench_wan_step.py --device cuda --dtype bf16      # the issue-13 run (480p, 81 frames)
+    python benchmarks/bench_wan_step.py --device cuda --dtype bf16 --compile
+    python benchmarks/bench_wan_step.py --tiny --frames 5 --height 32 --width 48 --batch 1   # CPU smoke run
 
 Issue 13's goal: a whole Wan-1.3B 480p denoising step (random weights, bf16, on CUDA) at least 2.2x
 faster with MHLA (``mhla`` below) than with stock attention. No GPU result exists yet: no GPU was lent
@@ -330,7 +330,8 @@ def markdown(report: dict, command: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    command = shlex.join(["python", "scripts/bench_wan_step.py", *(sys.argv[1:] if argv is None else argv)])
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "benchmarks/bench_wan_step.py", *given])
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -38,14 +38,14 @@ numbers are the same under that setting.
 
 Example (the README table; CPU fp32, B=1, 4 heads, d=64):
 
-    python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
+    python benchmarks/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
         --sizes 1024 4096 16384 --blocks 4 16 64 256 --skip-sdpa-above 4096 --out bench.json
 
 Grids (``--grids GRID:BLOCKS ...``): linear attention and MHLA on each listed token grid, all timed side
 by side, with MHLA's time per token against the first case's. The README's uneven-grid table (the Wan
 480p latent grid against an evenly divisible one, Wan-1.3B heads, CPU fp32):
 
-    python scripts/bench_attention.py --device cpu --heads 12 --dim 128 --repeats 5 \
+    python benchmarks/bench_attention.py --device cpu --heads 12 --dim 128 --repeats 5 \
         --grids 21x30x50:3x5x10 21x30x52:3x5x10
 
 Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
@@ -59,7 +59,7 @@ MHLA cannot avoid: forward q, k, v read and the output written (4 tensors); forw
 v and the output gradient read and dq, dk, dv written (11 tensors). It is printed as a fraction of a
 measured device-to-device copy (1 GiB, read + write):
 
-    python scripts/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
+    python benchmarks/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
 """
 
 from __future__ import annotations
