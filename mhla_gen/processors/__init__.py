@@ -12,10 +12,13 @@ from torch import nn
 from .base import MHLAProcessor
 from .dit import DiTMHLAProcessor
 from .sana import SanaMHLAProcessor
+from .sana_video import SanaVideoMHLAProcessor
 from .wan import WanMHLAProcessor
 
-PROCESSOR_CLASSES: tuple[type[MHLAProcessor], ...] = (DiTMHLAProcessor, SanaMHLAProcessor, WanMHLAProcessor)
-"""The supported base models, one MHLA processor class each: DiT, SANA and Wan."""
+PROCESSOR_CLASSES: tuple[type[MHLAProcessor], ...] = (
+    DiTMHLAProcessor, SanaMHLAProcessor, WanMHLAProcessor, SanaVideoMHLAProcessor
+)
+"""The supported base models, one MHLA processor class each: DiT, SANA, Wan (2.1 / 2.2) and SANA-Video."""
 
 
 def _supported() -> list[str]:
@@ -43,6 +46,7 @@ __all__ = [
     "DiTMHLAProcessor",
     "MHLAProcessor",
     "SanaMHLAProcessor",
+    "SanaVideoMHLAProcessor",
     "WanMHLAProcessor",
     "processor_class_for",
     "processor_class_for_name",
