@@ -274,8 +274,13 @@ class FinetuneModelConfig:
     # scripts/linearize.py); init_attention as in DiT's model section
     transformer: str | None = None
     init_attention: str = "saved"
+    # which of the pipeline's transformers this run trains: Wan2.2 A14B has two experts, ``transformer``
+    # (high noise, σ >= the pipeline's boundary_ratio) and ``transformer_2`` (low noise, σ below it)
+    expert: str = "transformer"
 
     def __post_init__(self):
+        if self.expert not in ("transformer", "transformer_2"):
+            raise ValueError(f"model.expert must be transformer or transformer_2, got {self.expert!r}")
         if self.attention not in ATTENTION_TYPES:
             raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
         if self.init_attention not in ("saved", "fresh"):

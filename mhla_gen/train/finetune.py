@@ -70,7 +70,14 @@ class FlowFinetuneTask(TrainTask):
             # None (not absent) otherwise, so checkpoints written before LoRA existed still match
             "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
             "transformer": self.cfg.model.transformer,  # likewise None before model.transformer existed
+            "expert": None if self.expert == "transformer" else self.expert,  # likewise
         }
+
+    @property
+    def expert(self) -> str:
+        """The pipeline component this run trains (``model.expert``): ``transformer``, or Wan2.2's
+        low-noise ``transformer_2``; also its subfolder in ``model.pretrained``."""
+        return self.cfg.model.expert
 
     def attention(self) -> tuple[str, MHLAConfig]:
         """``(model.attention, mhla)`` this run trains: as configured, or the MHLA that
@@ -87,7 +94,7 @@ class FlowFinetuneTask(TrainTask):
             transformer = load_start_transformer(cls, m.transformer, attention, mhla, m.init_attention)
         else:
             transformer = cls.from_pretrained(
-                m.pretrained, subfolder="transformer", revision=m.revision, dtype=torch.float32
+                m.pretrained, subfolder=self.expert, revision=m.revision, dtype=torch.float32
             )
             install_attention(transformer, m.attention, self.cfg.mhla)
         if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
@@ -103,18 +110,19 @@ class FlowFinetuneTask(TrainTask):
             transformer,
             folder,
             self.cfg.model.pretrained,
-            subfolder="transformer",
+            subfolder=self.expert,
             revision=self.cfg.model.revision,
         )
 
     def setup(self, accelerator) -> None:
-        """The checkpoint's pipeline minus the transformer (tokenizer, text encoder, VAE, scheduler),
-        frozen, in ``model.dtype`` on the device: it encodes the feature cache, gives the scheduler's
-        shift and timesteps to the loss, and assembles the sampling pipeline."""
+        """The checkpoint's pipeline minus the trained transformer (tokenizer, text encoder, VAE, scheduler;
+        for a Wan2.2 expert also the other expert, stock, which sampling needs), frozen, in ``model.dtype``
+        on the device: it encodes the feature cache, gives the scheduler's shift and timesteps to the
+        loss, and assembles the sampling pipeline."""
         cls = getattr(diffusers, self.pipeline_cls_name)
         pipe = cls.from_pretrained(
             self.cfg.model.pretrained,
-            transformer=None,
+            **{self.expert: None},
             revision=self.cfg.model.revision,
             dtype=DTYPES[self.cfg.model.dtype],
         )
@@ -160,7 +168,12 @@ class FlowFinetuneTask(TrainTask):
                 f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
-        transformer = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
+        if self.expert != "transformer" and index.get(self.expert, [None])[0] is None:
+            raise ConfigError(
+                f"model.expert={self.expert}: model.pretrained={self.cfg.model.pretrained!r} has no "
+                f"{self.expert} (only Wan2.2 A14B pipelines have two experts)"
+            )
+        transformer = self._start_config() or self._component_config(self.transformer_cls_name, self.expert)
         vae = self._component_config(index["vae"][1], "vae")
         grid = self.token_grid(transformer, vae)
         self.cfg.model.attention, self.cfg.mhla = self.attention()  # config.yaml records what the run trains
@@ -189,7 +202,7 @@ class FlowFinetuneTask(TrainTask):
 
     def depth(self) -> int:
         """Transformer blocks of the model trained (``model.transformer``'s or the checkpoint's)."""
-        config = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
+        config = self._start_config() or self._component_config(self.transformer_cls_name, self.expert)
         return config["num_layers"]
 
     def _start_config(self) -> dict | None:
@@ -250,7 +263,7 @@ class FlowFinetuneTask(TrainTask):
         stock pipeline) into ``data.path``, resumable (:func:`write_teacher_captioned`)."""
         d, m = self.cfg.data, self.cfg.model
         teacher = getattr(diffusers, self.transformer_cls_name).from_pretrained(
-            m.pretrained, subfolder="transformer", revision=m.revision, dtype=DTYPES[m.dtype]
+            m.pretrained, subfolder=self.expert, revision=m.revision, dtype=DTYPES[m.dtype]
         )
         pipe = self.pipeline(teacher.to(device))
         fingerprint = {
@@ -301,9 +314,20 @@ class FlowFinetuneTask(TrainTask):
         x0 = batch["latents"].float()
         f = self.cfg.flow
         sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
+        low, high = self.noise_range()
+        sigmas = low + (high - low) * sigmas  # the expert's share of the noise levels (all of them: 0, 1)
         noise = rnd.randn(*x0.shape[1:])
         T = self.frozen.scheduler.config.num_train_timesteps
         return {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}, (x0, noise)
+
+    def noise_range(self) -> tuple[float, float]:
+        """The σ range this run trains on (after :meth:`setup`): all of ``[0, 1]``, except for a Wan2.2 A14B
+        expert, which the pipeline runs on one side of ``boundary_ratio`` b only (``t >= b T``:
+        ``transformer``; below: ``transformer_2``); the sampled σ are mapped affinely into that range."""
+        boundary = self.frozen.config.get("boundary_ratio", None)
+        if boundary is None:
+            return 0.0, 1.0
+        return (boundary, 1.0) if self.expert == "transformer" else (0.0, boundary)
 
     def loss(self, model, batch: dict, rnd) -> torch.Tensor:
         inputs, (x0, noise) = self.model_inputs(batch, rnd)
@@ -313,12 +337,12 @@ class FlowFinetuneTask(TrainTask):
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
         cls = getattr(diffusers, self.transformer_cls_name)
-        return load_teacher(cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained)
+        return load_teacher(cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained, self.expert)
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
         cls = type(self.frozen)
-        pipe = cls(**{**self.frozen.components, "transformer": transformer})
+        pipe = cls(**{**self.frozen.components, self.expert: transformer})
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -156,7 +156,7 @@ class TransferTask(TrainTask):
         m = self.cfg.model
         if isinstance(self.cfg, DiTRunConfig):
             return self.base.init_folder()
-        folder = Path(m.transformer) if m.transformer else Path(m.pretrained) / "transformer"
+        folder = Path(m.transformer) if m.transformer else Path(m.pretrained) / m.expert
         return folder if folder.is_dir() else None
 
     def validate(self) -> None:
