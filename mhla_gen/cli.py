@@ -21,6 +21,7 @@ from pathlib import Path
 from .train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
 from .train.dit import DiTTask
 from .train.finetune import SanaTask, WanTask
+from .train.finetune_sana_video import SanaVideoRunConfig, SanaVideoTask
 from .train.loop import TrainCallback, train
 
 # a user's mistake in settings, data or paths (ConfigError is a ValueError; FileNotFoundError,
@@ -56,6 +57,7 @@ TRAIN_TASKS = {
     "dit": (DiTRunConfig, DiTTask),
     "sana": (SanaRunConfig, SanaTask),
     "wan": (WanRunConfig, WanTask),
+    "sana-video": (SanaVideoRunConfig, SanaVideoTask),
 }
 
 

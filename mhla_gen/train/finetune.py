@@ -50,6 +50,7 @@ class FlowFinetuneTask(TrainTask):
 
     pipeline_cls_name = ""
     transformer_cls_name = ""
+    video = False  # items are videos (data.num_frames counts)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -268,7 +269,7 @@ class FlowFinetuneTask(TrainTask):
         pipe = self.pipeline(teacher.to(device))
         fingerprint = {
             "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
-            "size": [d.height, d.width, d.num_frames if self.name == "wan" else 1],
+            "size": [d.height, d.width, d.num_frames if self.video else 1],
             "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
             "seed": self.cfg.seed,
         }
@@ -295,7 +296,7 @@ class FlowFinetuneTask(TrainTask):
             "files": [str(p) for p in raw.paths],
             "height": data.height,
             "width": data.width,
-            "num_frames": data.num_frames if self.name == "wan" else None,
+            "num_frames": data.num_frames if self.video else None,
             "max_sequence_length": data.max_sequence_length,
         }
         inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
@@ -418,6 +419,7 @@ class WanTask(FlowFinetuneTask):
     pipeline_cls_name = "WanPipeline"
     transformer_cls_name = "WanTransformer3DModel"
     suffix = ".mp4"
+    video = True
 
     def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:
         """One video ``(F, H, W, 3)`` uint8."""
@@ -470,10 +472,10 @@ class WanTask(FlowFinetuneTask):
         )
         return {"latents": latents[0], "prompt_embeds": embeds[0].float()}
 
-    def sample_images(self, transformer) -> tuple[list, int]:
-        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+    def generate_videos(self, transformer) -> np.ndarray:
+        """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""
         d = self.cfg.data
-        frames = self.pipeline(transformer)(
+        return self.pipeline(transformer)(
             prompt=list(d.sample_prompts),
             height=d.height,
             width=d.width,
@@ -483,8 +485,11 @@ class WanTask(FlowFinetuneTask):
             generator=torch.Generator(transformer.device).manual_seed(self.cfg.seed),
             max_sequence_length=d.max_sequence_length,
             output_type="np",
-        ).frames  # (B, F, H, W, 3) in [0, 1]
-        frames = np.asarray(frames)
+        ).frames
+
+    def sample_images(self, transformer) -> tuple[list, int]:
+        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+        frames = np.asarray(self.generate_videos(transformer))  # (B, F, H, W, 3) in [0, 1]
         pick = np.unique(np.linspace(0, frames.shape[1] - 1, min(8, frames.shape[1])).round().astype(int))
         images = [
             Image.fromarray((frames[b, f] * 255).round().astype(np.uint8))

@@ -38,6 +38,7 @@ from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, DiTRunConfig, SanaRunConfig, TrainConfig, WanRunConfig
 from .dit import DiTTask
 from .finetune import SanaTask, WanTask
+from .finetune_sana_video import SanaVideoRunConfig, SanaVideoTask
 from .io import atomic_write_text, read_jsonl
 from .loop import TrainTask
 from .randomness import StepRandom
@@ -99,10 +100,16 @@ class WanLinearizeConfig(Stage1Sections, WanRunConfig):
     output_dir: str = "runs/linearize_wan"
 
 
+@dataclass
+class SanaVideoLinearizeConfig(Stage1Sections, SanaVideoRunConfig):
+    output_dir: str = "runs/linearize_sana_video"
+
+
 LINEARIZE_TASKS = {  # --base -> (config schema, base task)
     "dit": (DiTLinearizeConfig, DiTTask),
     "sana": (SanaLinearizeConfig, SanaTask),
     "wan": (WanLinearizeConfig, WanTask),
+    "sana-video": (SanaVideoLinearizeConfig, SanaVideoTask),
 }
 
 
