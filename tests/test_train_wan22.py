@@ -60,12 +60,30 @@ def trained_sigmas(monkeypatch):
     return seen
 
 
-def test_each_expert_finetunes_on_its_noise_range_and_both_sample(a14b_setup, tmp_path, trained_sigmas):
+@pytest.fixture
+def sampling_pipelines(monkeypatch):
+    """``(boundary_ratio, has transformer_2)`` of every WanPipeline call (the runs' sample grids)."""
+    from diffusers import WanPipeline
+
+    seen, original = [], WanPipeline.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.config.boundary_ratio, self.transformer_2 is not None))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanPipeline, "__call__", spy)
+    return seen
+
+
+def test_each_expert_finetunes_on_its_noise_range_and_both_sample(
+    a14b_setup, tmp_path, trained_sigmas, sampling_pipelines
+):
     from mhla_gen.pipelines.wan import load_wan_pipeline
 
     boundary = WAN22_T2V_BOUNDARY
     run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / "high", "transformer"))
     assert trained_sigmas and min(trained_sigmas) >= boundary
+    assert sampling_pipelines == [(boundary, True)]  # the run's samples use both experts
     trained_sigmas.clear()
     run_inprocess(
         "finetune_wan.py", *_common(a14b_setup, tmp_path / "low", "transformer_2"), "mhla.layers=[1, 2]"

@@ -8,6 +8,7 @@ training loop only runs the transformer. Samples go through the stock ``SanaPipe
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -342,8 +343,15 @@ class FlowFinetuneTask(TrainTask):
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
+        """The checkpoint's pipeline with ``transformer`` in the trained slot; its settings that are not
+        components (Wan2.2: ``boundary_ratio``, ``expand_timesteps``) kept."""
         cls = type(self.frozen)
-        pipe = cls(**{**self.frozen.components, self.expert: transformer})
+        components = self.frozen.components
+        settings = {
+            k: v for k, v in self.frozen.config.items()
+            if k in inspect.signature(cls.__init__).parameters and k not in components
+        }
+        pipe = cls(**{**components, **settings, self.expert: transformer})
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
