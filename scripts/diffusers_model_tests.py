@@ -1,11 +1,11 @@
-"""Run diffusers' own model test suites for DiT, SANA and Wan, stock and with MHLA installed.
+"""Run diffusers' own model test suites for DiT, SANA, Wan and SANA-Video, stock and with MHLA installed.
 
 diffusers' tests are not part of the pip package and are not vendored here. This script copies the
 few files they need out of a diffusers git checkout (or bare git dir) into ``--out``, adds a pytest
 plugin that wraps ``__init__`` of ``DiTTransformer2DModel`` / ``SanaTransformer2DModel`` /
-``WanTransformer3DModel`` so every model the tests build (constructors, ``from_config``,
-``from_pretrained``) gets MHLA with CPE and gate in every layer, runs each suite twice (stock, MHLA)
-and prints pass / fail / skip counts plus every test whose outcome differs.
+``WanTransformer3DModel`` / ``SanaVideoTransformer3DModel`` so every model the tests build (constructors,
+``from_config``, ``from_pretrained``) gets MHLA with CPE and gate in every layer, runs each suite twice
+(stock, MHLA) and prints pass / fail / skip counts plus every test whose outcome differs.
 
     python scripts/diffusers_model_tests.py --diffusers PATH/to/diffusers [--rev v0.42.1] [--out DIR]
 
@@ -28,6 +28,7 @@ SUITES = {
     "dit": "tests/models/transformers/test_models_dit_transformer2d.py",
     "sana": "tests/models/transformers/test_models_transformer_sana.py",
     "wan": "tests/models/transformers/test_models_transformer_wan.py",
+    "sana-video": "tests/models/transformers/test_models_transformer_sana_video.py",
 }
 SUPPORT = [
     "tests/__init__.py",
@@ -38,11 +39,14 @@ SUPPORT = [
     "tests/models/transformers/__init__.py",
 ]
 
-PLUGIN = '''"""Every DiT / SANA / Wan transformer built in the run gets MHLA (CPE 3, gate) in every layer."""
+PLUGIN = '''"""Every DiT / SANA / Wan / SANA-Video transformer built in the run gets MHLA (CPE 3, gate)
+in every layer."""
 import functools
 
 import torch
-from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
+from diffusers import (
+    DiTTransformer2DModel, SanaTransformer2DModel, SanaVideoTransformer3DModel, WanTransformer3DModel
+)
 
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.processors.base import MHLAProcessor
@@ -51,6 +55,7 @@ CONFIGS = {
     DiTTransformer2DModel: MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
     SanaTransformer2DModel: MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
     WanTransformer3DModel: MHLAConfig(blocks=(2, 2, 2), cpe_kernel=3, gate=True),
+    SanaVideoTransformer3DModel: MHLAConfig(blocks=(2, 2, 2), cpe_kernel=3, gate=True),
 }
 for cls, cfg in CONFIGS.items():
     def __init__(self, *args, _original=cls.__init__, _cfg=cfg, **kwargs):
@@ -60,16 +65,16 @@ for cls, cfg in CONFIGS.items():
     cls.__init__ = functools.wraps(cls.__init__)(__init__)
 
 CALLS = [0]
-_attend = MHLAProcessor.attend
+_layout = MHLAProcessor.layout  # every MHLA processor calls it once per call (its block layout)
 
 
-def _counting_attend(self, *args, **kwargs):
+def _counting_layout(self, *args, **kwargs):
     if not torch.compiler.is_compiling():  # a counter in the graph would make dynamo recompile
         CALLS[0] += 1
-    return _attend(self, *args, **kwargs)
+    return _layout(self, *args, **kwargs)
 
 
-MHLAProcessor.attend = _counting_attend
+MHLAProcessor.layout = _counting_layout
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -116,7 +121,9 @@ def main() -> None:
     args = parser.parse_args()
     claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
     export(args.diffusers, args.rev, args.out)
-    env = {**os.environ, "PYTHONPATH": str(args.out), "HF_HUB_OFFLINE": "1"}
+    # the exported tests first, then the caller's PYTHONPATH (a checkout of mhla_gen it points at)
+    pythonpath = os.pathsep.join(p for p in (str(args.out), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
     for suite in args.suites:
         runs = {}
         for mode in ("stock", "mhla"):
@@ -144,7 +151,7 @@ def main() -> None:
             runs[mode] = outcomes(xml)
             counts = {k: list(runs[mode].values()).count(k) for k in ("passed", "failed", "skipped")}
             used = [line for line in run.stdout.splitlines() if line.startswith("mhla_plugin:")]
-            print(f"{suite:5s} {mode:5s} {counts}", *used)
+            print(f"{suite:10s} {mode:5s} {counts}", *used)
         for name in sorted(set(runs["stock"]) | set(runs["mhla"])):
             stock, mhla = runs["stock"].get(name, "-"), runs["mhla"].get(name, "-")
             if stock != mhla:
