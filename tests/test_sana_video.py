@@ -271,3 +271,24 @@ def test_pipeline_samples_with_mhla_from_a_saved_folder(tmp_path):
     other = MHLAConfig(blocks=(1, 1, 1))
     with pytest.raises(ValueError, match="refusing to replace its trained MHLA"):
         load_sana_video_pipeline(tmp_path / "pipe", mhla=other, torch_dtype=torch.float32)
+
+
+
+@pytest.mark.gpu  # skipped without CUDA by conftest
+def test_cuda_matches_cpu_exact_start_and_bf16():
+    """On CUDA (the op's Triton kernels for the identity feature map): the uniform start equals the stock
+    model in fp32 (TF32 off; 8 ulps as on the CPU), and bf16 stays within bf16 round-off of fp32 CPU."""
+    model = _model()
+    inputs = _inputs()
+    stock = _run(model, inputs)
+    install_mhla(model, MHLAConfig(blocks=BLOCKS, mixing_init="uniform", eps=SANA_VIDEO_EPS / M))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = _run(model.cuda(), {k: v.cuda() for k, v in inputs.items()}).cpu()
+    ulp = float(torch.finfo(torch.float32).eps * 2 ** stock.abs().max().log2().floor())
+    torch.testing.assert_close(out, stock, rtol=0, atol=8 * ulp)
+    _perturb_mhla_(model)
+    reference = _run(model.cpu(), inputs)
+    half_inputs = {k: v.cuda().to(torch.bfloat16) if k != "timestep" else v.cuda() for k, v in inputs.items()}
+    half = _run(model.cuda().to(torch.bfloat16), half_inputs)
+    assert torch.isfinite(half).all()
+    torch.testing.assert_close(half.float().cpu(), reference, rtol=0.1, atol=0.1)
