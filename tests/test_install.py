@@ -16,9 +16,11 @@ from mhla_gen.processors import (
     processor_class_for_name,
 )
 from mhla_gen.processors.base import MHLAProcessor
+from mhla_gen.processors.sana_video import SanaVideoMHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import sana_forward as sana_call
 from mhla_gen.testing import tiny_dit, tiny_sana
+from mhla_gen.testing_video import tiny_sana_video
 from mhla_gen.testing_wan import tiny_wan_transformer
 
 BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
@@ -127,7 +129,12 @@ def test_unsupported_model_raises():
 
 @pytest.mark.parametrize(
     "factory, processor_cls",
-    [(tiny_dit, DiTMHLAProcessor), (tiny_sana, SanaMHLAProcessor), (tiny_wan_transformer, WanMHLAProcessor)],
+    [
+        (tiny_dit, DiTMHLAProcessor),
+        (tiny_sana, SanaMHLAProcessor),
+        (tiny_wan_transformer, WanMHLAProcessor),
+        (tiny_sana_video, SanaVideoMHLAProcessor),
+    ],
 )
 def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
     model = factory()
@@ -140,7 +147,10 @@ def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
 
 
 def test_unsupported_class_name_raises():
-    supported = r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'WanTransformer3DModel'\]"
+    supported = (
+        r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'WanTransformer3DModel', "
+        r"'SanaVideoTransformer3DModel'\]"
+    )
     with pytest.raises(ValueError, match=rf"model class 'UNet2DModel'; supported models: {supported}"):
         processor_class_for_name("UNet2DModel")
 
