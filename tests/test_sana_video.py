@@ -213,6 +213,20 @@ def test_compiles_to_one_graph_without_breaks_and_matches_eager():
     torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-6)
 
 
+def test_torch_export_matches_eager():
+    """``torch.export`` (diffusers' export / AOT path): the numerator and the normaliser are one opaque
+    op node each per MHLA layer, and the exported program matches eager."""
+    model = _model(MHLAConfig(blocks=BLOCKS, cpe_kernel=3, gate=True))
+    inputs = _inputs()
+    program = torch.export.export(model, (), inputs)
+    with torch.no_grad():
+        exported = program.module()(**inputs)[0]
+    torch.testing.assert_close(exported, _run(model, inputs), rtol=1e-6, atol=1e-6)
+    graph = program.run_decompositions().graph
+    nodes = [n for n in graph.nodes if n.target is torch.ops.mhla_gen.mhla.default]
+    assert len(nodes) == 2 * len(model.transformer_blocks)
+
+
 @pytest.mark.parametrize("mode", ["cpu_offload", "group_leaf_disk", "group_block_disk"])
 def test_offloading_is_exact(mode, tmp_path):
     """accelerate's cpu_offload (weights on meta between calls) and diffusers' group offloading to disk
