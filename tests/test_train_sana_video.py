@@ -46,7 +46,7 @@ def test_stage1_starts_exactly_then_stage2_and_the_pipeline(sana_video_setup, tm
     report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
     assert max(report["errors_before"].values()) < 1e-10  # SANA-Video's own attention: nothing to learn
     run_inprocess("finetune_sana_video.py", *_common(sana_video_setup, tmp_path / "s2"),
-                  f"model.transformer={tmp_path / 's1' / 'final'}", "train.trainable=mhla")
+                  f"model.init_from={tmp_path / 's1' / 'final'}", "train.trainable=mhla")
     assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "s2"))
     assert (tmp_path / "s2" / "samples" / "step_0000002.png").is_file()
     pipe = load_sana_video_pipeline(sana_video_setup / "ckpt", transformer_path=tmp_path / "s2" / "final")

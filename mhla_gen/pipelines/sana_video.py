@@ -13,12 +13,17 @@ models, or an exact resolution), and ``complex_human_instruction=None`` with a t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from diffusers import SanaVideoPipeline, SanaVideoTransformer3DModel
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
 
-from . import load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, load_pipeline_transformer
+
+SANA_VIDEO_DEFAULT_SIZE = (480, 832)  # SanaVideoPipeline's default height and width
 
 
 def load_sana_video_pipeline(
@@ -49,3 +54,33 @@ def load_sana_video_pipeline(
     dtypes = {"default": torch_dtype, "vae": vae_dtype}  # whichever VAE class the folder names
     pipe = SanaVideoPipeline.from_pretrained(path_or_id, transformer=transformer, dtype=dtypes)
     return pipe.to(device) if device is not None else pipe
+
+
+class SanaVideoSampler(PipelineSampler):
+    """``SanaVideoPipeline``: prompts, videos of ``frames`` frames (4k + 1), sizes in multiples of 32,
+    resolution binning off (MHLA runs at the size asked for)."""
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_sana_video_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """``(height, width)`` (default 480 x 832), multiples of 32 as the pipeline checks; frames 4k + 1."""
+        height = settings.height or SANA_VIDEO_DEFAULT_SIZE[0]
+        width = settings.width or SANA_VIDEO_DEFAULT_SIZE[1]
+        for name, value in (("height", height), ("width", width)):
+            if value % 32:
+                raise ConfigError(f"--{name} {value} is not a multiple of 32 (SanaVideoPipeline)")
+        if settings.frames is not None and (settings.frames - 1) % pipe.vae_scale_factor_temporal:
+            raise ConfigError(f"--frames {settings.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+        return dataclasses.replace(settings, height=height, width=width)
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        optional = settings.optional(frames="frames", max_sequence_length="max_sequence_length",
+                                     output_type="output_type")
+        return pipe(prompt=list(conditions), negative_prompt=settings.negative_prompt or "",
+                    height=settings.height, width=settings.width, num_inference_steps=settings.steps,
+                    guidance_scale=settings.guidance, generator=generator, use_resolution_binning=False,
+                    **optional, **settings.extra).frames

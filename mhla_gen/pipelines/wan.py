@@ -23,12 +23,17 @@ I2V models' CLIP image features) stays stock.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from diffusers import DiffusionPipeline, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
 
-from . import load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, load_pipeline_transformer
+
+WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
 EXPERTS = ("transformer", "transformer_2")
 """The component names of Wan2.2's two experts (high noise, low noise); Wan2.1 has the first only."""
@@ -117,3 +122,42 @@ def load_wan_i2v_pipeline(
     paths = (transformer_path, transformer_2_path)
     dtypes = {"vae": vae_dtype, "image_encoder": torch.float32}
     return _load(WanImageToVideoPipeline, path_or_id, mhla, mhla_2, torch_dtype, device, paths, dtypes)
+
+
+class WanSampler(PipelineSampler):
+    """``WanPipeline``: prompts, videos of ``frames`` frames (4k + 1)."""
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_wan_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """``(height, width)`` (default 480 x 832), refused when the VAE and patch cannot tile it or its token
+        grid exceeds the model's rotary table (``rope_max_seq_len``); frames must be 4k + 1."""
+        height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
+        config = pipe.transformer.config
+        _, ph, pw = config.patch_size
+        spatial = pipe.vae_scale_factor_spatial
+        for name, value, patch in (("height", height, ph), ("width", width, pw)):
+            if value % (spatial * patch):
+                raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} "
+                                  f"(VAE {spatial}x, patch {patch})")
+            if value // (spatial * patch) > config.rope_max_seq_len:
+                raise ConfigError(
+                    f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
+                    f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len="
+                    f"{config.rope_max_seq_len}; pass a smaller --height/--width"
+                )
+        if settings.frames is not None and (settings.frames - 1) % pipe.vae_scale_factor_temporal:
+            raise ConfigError(f"--frames {settings.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+        return dataclasses.replace(settings, height=height, width=width)
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        optional = settings.optional(num_frames="frames", max_sequence_length="max_sequence_length",
+                                     output_type="output_type")
+        return pipe(prompt=list(conditions), negative_prompt=settings.negative_prompt,
+                    height=settings.height, width=settings.width, num_inference_steps=settings.steps,
+                    guidance_scale=settings.guidance, generator=generator, **optional,
+                    **settings.extra).frames

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..bases import base_for
 from .config import CaptionDataConfig, ConfigError, FinetuneModelConfig, FlowMatchingConfig, RunConfig
 from .finetune import WanTask
 
@@ -39,8 +40,7 @@ class SanaVideoTask(WanTask):
     """:class:`WanTask` with SANA-Video's transformer, pipeline, text encoder and sampling call."""
 
     name = "sana-video"
-    pipeline_cls_name = "SanaVideoPipeline"
-    transformer_cls_name = "SanaVideoTransformer3DModel"
+    base = base_for("sana-video")
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """Wan's grid; ``SanaVideoPipeline`` also wants heights and widths in multiples of 32, and the
