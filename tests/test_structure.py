@@ -145,7 +145,8 @@ def test_a_transformer_subclass_finds_its_base():
 def test_lookups_name_what_is_supported():
     import torch
 
-    with pytest.raises(ValueError, match=r"unknown base 'unet'; supported bases: \['dit', 'sana', 'wan'\]"):
+    supported = r"\['dit', 'sana', 'sana-video', 'wan'\]"
+    with pytest.raises(ValueError, match=rf"unknown base 'unet'; supported bases: {supported}"):
         base_for("unet")
     with pytest.raises(ValueError, match="MHLA does not support Linear"):
         base_for_model(torch.nn.Linear(2, 2))

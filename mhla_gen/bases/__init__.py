@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import dit, sana, wan
+from . import dit, sana, sana_video, wan
 from .record import Base, Ref, TokenGrid
 
-BASES: dict[str, Base] = {base.name: base for base in (dit.BASE, sana.BASE, wan.BASE)}
+BASES: dict[str, Base] = {base.name: base for base in (dit.BASE, sana.BASE, wan.BASE, sana_video.BASE)}
 """Every supported base, by name; where several share a transformer class, the first listed that
 ``matches`` a model's config answers for it."""
 

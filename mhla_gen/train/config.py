@@ -278,9 +278,14 @@ class FinetuneModelConfig:
     # scripts/linearize.py): the same key as DiT's; init_attention as in DiT's model section
     init_from: str | None = None
     init_attention: str = "saved"
+    # which of the pipeline's transformers this run trains: Wan2.2 A14B has two experts, ``transformer``
+    # (high noise, σ >= the pipeline's boundary_ratio) and ``transformer_2`` (low noise, σ below it)
+    expert: str = "transformer"
     transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
 
     def __post_init__(self):
+        if self.expert not in ("transformer", "transformer_2"):
+            raise ValueError(f"model.expert must be transformer or transformer_2, got {self.expert!r}")
         if self.transformer is not None:
             if self.init_from not in (None, self.transformer):
                 raise ValueError(

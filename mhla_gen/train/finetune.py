@@ -30,6 +30,7 @@ from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
 from .caption_sources import CAPTION_SOURCES
 from .config import ConfigError
+from .experts import check_expert, in_expert_range, pipeline_with
 from .loop import TrainTask
 from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
 from .start import StartPoint
@@ -75,6 +76,7 @@ class FlowFinetuneTask(TrainTask):
             "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
             # likewise None without a start point (the key's name before model.init_from)
             "transformer": self.start.ref,
+            "expert": None if self.cfg.model.expert == "transformer" else self.cfg.model.expert,
         }
 
     def attention(self) -> tuple[str, MHLAConfig]:
@@ -104,7 +106,7 @@ class FlowFinetuneTask(TrainTask):
         point, else ``model.pretrained``'s own transformer."""
         if self.start:
             return self.start.ref, self.start.folder
-        folder = Path(self.cfg.model.pretrained) / "transformer"
+        folder = Path(self.cfg.model.pretrained) / self.cfg.model.expert
         return self.cfg.model.pretrained, folder if folder.is_dir() else None
 
     def build_transformer(self) -> nn.Module:
@@ -114,7 +116,7 @@ class FlowFinetuneTask(TrainTask):
             transformer = self.start.load(cls, *self.attention(), m.init_attention)
         else:
             transformer = cls.from_pretrained(
-                m.pretrained, subfolder="transformer", revision=m.revision, dtype=torch.float32
+                m.pretrained, subfolder=self.cfg.model.expert, revision=m.revision, dtype=torch.float32
             )
             install_attention(transformer, m.attention, self.cfg.mhla)
         if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
@@ -130,7 +132,7 @@ class FlowFinetuneTask(TrainTask):
             transformer,
             folder,
             self.cfg.model.pretrained,
-            subfolder="transformer",
+            subfolder=self.cfg.model.expert,
             revision=self.cfg.model.revision,
         )
 
@@ -141,7 +143,7 @@ class FlowFinetuneTask(TrainTask):
         cls = getattr(diffusers, self.pipeline_cls_name)
         pipe = cls.from_pretrained(
             self.cfg.model.pretrained,
-            transformer=None,
+            **{self.cfg.model.expert: None},  # a Wan2.2 expert's run keeps the other one (samples)
             revision=self.cfg.model.revision,
             dtype=DTYPES[self.cfg.model.dtype],
         )
@@ -174,7 +176,7 @@ class FlowFinetuneTask(TrainTask):
             raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
 
     def _transformer_config(self) -> dict:
-        return self._component_config(self.transformer_cls.__name__, "transformer")
+        return self._component_config(self.transformer_cls.__name__, self.cfg.model.expert)
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """The transformer's token grid for ``data.*`` sizes; ConfigError when they do not tile."""
@@ -189,6 +191,7 @@ class FlowFinetuneTask(TrainTask):
                 f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
+        check_expert(index, self.cfg.model.expert, self.cfg.model.pretrained)
         transformer = self._start_config() or self._transformer_config()
         vae = self._component_config(index["vae"][1], "vae")
         grid = self.token_grid(transformer, vae)
@@ -320,6 +323,7 @@ class FlowFinetuneTask(TrainTask):
         x0 = batch["latents"].float()
         f = self.cfg.flow
         sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
+        sigmas = in_expert_range(sigmas, self.frozen.config.get("boundary_ratio"), self.cfg.model.expert)
         noise = rnd.randn(*x0.shape[1:])
         T = self.frozen.scheduler.config.num_train_timesteps
         return {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}, (x0, noise)
@@ -331,14 +335,11 @@ class FlowFinetuneTask(TrainTask):
 
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
-        return load_teacher(self.transformer_cls, self.distill_source())
+        return load_teacher(self.transformer_cls, self.distill_source(), self.cfg.model.expert)
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
-        cls = type(self.frozen)
-        pipe = cls(**{**self.frozen.components, "transformer": transformer})
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return pipeline_with(self.frozen, self.cfg.model.expert, transformer)
 
 
 class SanaTask(FlowFinetuneTask):
@@ -462,10 +463,10 @@ class WanTask(FlowFinetuneTask):
         )
         return {"latents": latents[0], "prompt_embeds": embeds[0].float()}
 
-    def sample_images(self, transformer) -> tuple[list, int]:
-        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+    def generate_videos(self, transformer) -> np.ndarray:
+        """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""
         d = self.cfg.data
-        frames = self.pipeline(transformer)(
+        return self.pipeline(transformer)(
             prompt=list(d.sample_prompts),
             height=d.height,
             width=d.width,
@@ -475,8 +476,11 @@ class WanTask(FlowFinetuneTask):
             generator=torch.Generator(transformer.device).manual_seed(self.cfg.seed),
             max_sequence_length=d.max_sequence_length,
             output_type="np",
-        ).frames  # (B, F, H, W, 3) in [0, 1]
-        frames = np.asarray(frames)
+        ).frames
+
+    def sample_images(self, transformer) -> tuple[list, int]:
+        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+        frames = np.asarray(self.generate_videos(transformer))  # (B, F, H, W, 3) in [0, 1]
         pick = np.unique(np.linspace(0, frames.shape[1] - 1, min(8, frames.shape[1])).round().astype(int))
         images = [
             Image.fromarray((frames[b, f] * 255).round().astype(np.uint8))
