@@ -316,10 +316,10 @@ class FlowFinetuneTask(TrainTask):
         return load_teacher(cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained)
 
     # -------------------------------------------------------------------------------- samples
-    def pipeline(self, transformer):
+    def pipeline(self, transformer, progress: bool = False):
         cls = type(self.frozen)
         pipe = cls(**{**self.frozen.components, "transformer": transformer})
-        pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(disable=not progress, desc="sample grid", leave=False)
         return pipe
 
 
@@ -375,7 +375,7 @@ class SanaTask(FlowFinetuneTask):
 
     def sample_images(self, transformer) -> tuple[list, int]:
         data = self.cfg.data
-        images = self.pipeline(transformer)(
+        images = self.pipeline(transformer, progress=True)(
             prompt=list(data.sample_prompts),
             height=data.height,
             width=data.width,
@@ -449,7 +449,7 @@ class WanTask(FlowFinetuneTask):
     def sample_images(self, transformer) -> tuple[list, int]:
         """One row per prompt: up to 8 evenly spaced frames of the generated video."""
         d = self.cfg.data
-        frames = self.pipeline(transformer)(
+        frames = self.pipeline(transformer, progress=True)(
             prompt=list(d.sample_prompts),
             height=d.height,
             width=d.width,
