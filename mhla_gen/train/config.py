@@ -216,10 +216,17 @@ class DiTDataConfig:
     teacher: str | None = None  # data.source=teacher: the DiT to sample (default: what init_from converts)
     teacher_samples: int = 0
     teacher_labels: list[int] | None = None  # default: every class, in turn
+    # data.source=hf: a datasets dataset (save_to_disk folder, load_dataset folder or hub name) with an image
+    # and an integer class column (mhla_gen.data.hf_datasets)
+    split: str = "train"
+    image_column: str = "image"
+    label_column: str = "label"
 
     def __post_init__(self):
-        if self.source not in ("folder", "latents", "digits", "teacher"):
-            raise ValueError(f"data.source must be folder, latents, digits or teacher, got {self.source!r}")
+        if self.source not in ("folder", "latents", "digits", "teacher", "hf"):
+            raise ValueError(
+                f"data.source must be folder, latents, digits, teacher or hf, got {self.source!r}"
+            )
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
         if self.source == "teacher" and self.teacher_samples < 1:
@@ -336,6 +343,12 @@ class CaptionDataConfig:
     source: str = "folder"
     prompts_file: str | None = None  # data.source=teacher: one prompt per line
     teacher_samples: int = 0
+    # data.source=hf: a datasets dataset (mhla_gen.data.hf_datasets); data.source=shards: webdataset-style tar
+    # shards, key.jpg/png/mp4 + key.txt (mhla_gen.data.shards); data.path names either
+    split: str = "train"
+    image_column: str = "image"  # SANA
+    video_column: str = "video"  # Wan
+    caption_column: str = "text"
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "max_sequence_length"):
@@ -343,8 +356,8 @@ class CaptionDataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
-        if self.source not in ("folder", "teacher"):
-            raise ValueError(f"data.source must be folder or teacher, got {self.source!r}")
+        if self.source not in ("folder", "teacher", "hf", "shards"):
+            raise ValueError(f"data.source must be folder, teacher, hf or shards, got {self.source!r}")
         if self.source == "teacher" and (self.teacher_samples < 1 or not self.prompts_file):
             raise ValueError(
                 "data.source=teacher needs data.prompts_file (one prompt per line) and data.teacher_samples "

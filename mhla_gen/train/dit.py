@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..config import MHLAConfig
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data.hf_datasets import HFClassImages
 from ..data.images import class_folders, require_dir
 from ..data.teacher import TEACHER_DATA, write_teacher_samples
 from ..folders import check_apart, owned, read_marker
@@ -276,6 +277,12 @@ class DiTTask(TrainTask):
     def _check_classes(self) -> None:
         """``model.num_classes`` must equal the data's class count (folders, or the latent cache's labels)."""
         data, want = self.cfg.data, self.cfg.model.num_classes
+        if data.source == "hf":  # a datasets dataset: its label column (mhla_gen.data.hf_datasets)
+            found = self._folder_dataset().num_classes
+            if found != want:
+                raise ConfigError(f"model.num_classes={want} but data.path={data.path!r} has {found} classes "
+                                  f"(its {data.label_column!r} column)")
+            return
         root = require_dir(data.path, "data.path")
         if data.source == "folder":
             found = len(class_folders(root, "data.path"))
@@ -390,9 +397,13 @@ class DiTTask(TrainTask):
         return len(self._folder_dataset())
 
     def _folder_dataset(self):
-        """The class-folder dataset (listed once: validation counts it, training reads it)."""
+        """The class-folder dataset, or for data.source=hf the datasets dataset (listed once: validation
+        counts it, training reads it)."""
+        d = self.cfg.data
+        if self._dataset is None and d.source == "hf":
+            self._dataset = HFClassImages(d.path, d.split, d.image_column, d.label_column, d.resolution)
         if self._dataset is None:
-            self._dataset = ClassFolderDataset(self.cfg.data.path, self.cfg.data.resolution, "data.path")
+            self._dataset = ClassFolderDataset(d.path, d.resolution, "data.path")
         return self._dataset
 
     def depth(self) -> int:

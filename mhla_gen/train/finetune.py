@@ -22,8 +22,10 @@ from torch.utils.data import Dataset
 
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
+from ..data.hf_datasets import HFCaptionedImages, HFCaptionedVideos
 from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..data.shards import TarShardDataset, input_folder
 from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
 from ..folders import owned
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
@@ -177,13 +179,13 @@ class FlowFinetuneTask(TrainTask):
         if data.source == "teacher":  # data.path is sampled at setup: it must be ours to write
             owned(data.path, TEACHER_DATA, "data.path")
             read_prompts(data.prompts_file)
-        else:
+        elif data.source == "folder":  # hf / shards: listed (and checked) by count_items, before any work
             require_dir(data.path, "data.path")
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
             "data.cache_dir",
-            {"data.path": data.path, "output_dir": self.cfg.output_dir},
+            {"data.path": input_folder(data.path), "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
 
@@ -285,7 +287,7 @@ class FlowFinetuneTask(TrainTask):
             "num_frames": data.num_frames if self.name == "wan" else None,
             "max_sequence_length": data.max_sequence_length,
         }
-        inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
+        inputs = {"data.path": input_folder(data.path), "output_dir": self.cfg.output_dir}
         build_feature_cache(
             raw, self.encode, cache_dir, fingerprint, "data.cache_dir", inputs, inside_ok=("output_dir",)
         )
@@ -339,7 +341,12 @@ class SanaTask(FlowFinetuneTask):
         return d.height // (factor * patch), d.width // (factor * patch)
 
     def raw_dataset(self) -> Dataset:
-        return CaptionedImageFolder(self.cfg.data.path, self.cfg.data.height, self.cfg.data.width)
+        d = self.cfg.data
+        if d.source == "hf":
+            return HFCaptionedImages(d.path, d.split, d.image_column, d.caption_column, d.height, d.width)
+        if d.source == "shards":
+            return TarShardDataset(d.path, d.height, d.width)
+        return CaptionedImageFolder(d.path, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         pipe = self.frozen
@@ -428,6 +435,11 @@ class WanTask(FlowFinetuneTask):
 
     def raw_dataset(self) -> Dataset:
         d = self.cfg.data
+        if d.source == "hf":
+            columns = d.video_column, d.caption_column
+            return HFCaptionedVideos(d.path, d.split, *columns, d.num_frames, d.height, d.width)
+        if d.source == "shards":
+            return TarShardDataset(d.path, d.height, d.width, num_frames=d.num_frames)
         return CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
