@@ -587,7 +587,7 @@ def _full_model(run: Run) -> nn.Module | None:
         return None
     model = run.task.build_transformer()
     model.load_state_dict(state_dict)
-    return model
+    return model.to(run.accelerator.device)  # where the task's frozen parts are (end-of-run sampling)
 
 
 def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
