@@ -54,6 +54,19 @@ def test_summary_tensorboard_grids_and_lr_schedule(tmp_path, caplog):
     assert sorted(board["images"]["samples"]) == [2, 3]
 
 
+def test_wandb_offline_gets_metrics_and_sample_grids(tmp_path, monkeypatch):
+    """log.trackers=[wandb] with WANDB_MODE=offline (the [wandb] extra; skipped where it is not installed):
+    the offline run lives under output_dir/logs and holds the sample grid of the last step."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_inprocess("train_dit.py", "--config", TINY, f"output_dir={tmp_path}", "train.max_steps=2",
+                  "log.trackers=[wandb]")
+    (run,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
+    assert list(run.glob("run-*.wandb"))
+    assert [p.name.split("_")[:2] for p in (run / "files" / "media" / "images").iterdir()] == [["samples", "2"]]
+
+
 def test_missing_tracker_package_is_a_startup_error(tmp_path, monkeypatch):
     """Accelerate would warn and train untracked: here the run stops before anything is written."""
     import accelerate.utils

@@ -141,6 +141,7 @@ class TransferTask(TrainTask):
         super().__init__(cfg)
         self.base = base
         self.collate_fn = base.collate_fn
+        self.fsdp_units, self.fsdp_shared = base.fsdp_units, base.fsdp_shared  # the same model's FSDP2 units
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
