@@ -105,25 +105,37 @@ def finetune(kind: str, root, out, *overrides):
     )
 
 
+@pytest.fixture(scope="module")
+def folder_weights(sources, tmp_path_factory):
+    """``folder_weights(kind)``: final weights of the 2-step run on the plain folder (run once per kind)."""
+    done = {}
+
+    def weights(kind: str) -> dict:
+        if kind not in done:
+            out = tmp_path_factory.mktemp(f"folder_{kind}")
+            finetune(kind, sources, out, f"data.path={sources / ('images' if kind == 'sana' else 'videos')}")
+            done[kind] = final_weights(out)
+        return done[kind]
+
+    return weights
+
+
 @pytest.mark.parametrize("kind", ["sana", "wan"])
-def test_hf_and_shards_train_exactly_like_the_folder(sources, tmp_path, kind):
+def test_hf_and_shards_train_exactly_like_the_folder(sources, folder_weights, tmp_path, kind):
     media = "images" if kind == "sana" else "videos"
     column = "data.image_column=image" if kind == "sana" else "data.video_column=video"
-    finetune(kind, sources, tmp_path / "folder", f"data.path={sources / media}")
     finetune(kind, sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / f'hf_{media}'}",
              column, "data.caption_column=prompt")
     finetune(kind, sources, tmp_path / "shards", "data.source=shards",
              f"data.path={sources / f'shards_{media}' / 'a-*.tar'}")
-    reference = final_weights(tmp_path / "folder")
-    assert max_abs_diff(final_weights(tmp_path / "hf"), reference) == 0.0
-    assert max_abs_diff(final_weights(tmp_path / "shards"), reference) == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights(kind)) == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "shards"), folder_weights(kind)) == 0.0
 
 
-def test_load_dataset_folder_trains_like_the_folder(sources, tmp_path):
+def test_load_dataset_folder_trains_like_the_folder(sources, folder_weights, tmp_path):
     """An imagefolder (images + metadata.jsonl) read through load_dataset, split train."""
-    finetune("sana", sources, tmp_path / "folder", f"data.path={sources / 'images'}")
     finetune("sana", sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / 'imagefolder'}")
-    assert max_abs_diff(final_weights(tmp_path / "hf"), final_weights(tmp_path / "folder")) == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights("sana")) == 0.0
 
 
 def test_dit_class_labelled_hf_dataset_trains_like_class_folders(sources, tmp_path):

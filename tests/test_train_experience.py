@@ -64,7 +64,8 @@ def test_wandb_offline_gets_metrics_and_sample_grids(tmp_path, monkeypatch):
                   "log.trackers=[wandb]")
     (run,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
     assert list(run.glob("run-*.wandb"))
-    assert [p.name.split("_")[:2] for p in (run / "files" / "media" / "images").iterdir()] == [["samples", "2"]]
+    images = (run / "files" / "media" / "images").iterdir()
+    assert [p.name.split("_")[:2] for p in images] == [["samples", "2"]]
 
 
 def test_missing_tracker_package_is_a_startup_error(tmp_path, monkeypatch):
