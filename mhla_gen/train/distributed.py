@@ -68,7 +68,8 @@ def check_world_size(accelerator, env=os.environ) -> None:
             "accelerate launch was asked for several processes but started only this one (e.g. "
             "`accelerate launch --cpu --num_processes 2`, or a MULTI_CPU config without MPI): on CPU use "
             f"`{CPU_LAUNCH.format(n=2)}` or `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
-            "--num_processes 2 ...`; for one process drop --num_processes"
+            "--num_processes 2 ...`; for one process drop --num_processes (and unset MASTER_ADDR if your "
+            "shell exports it)"
         )
 
 
