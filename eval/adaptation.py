@@ -41,7 +41,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
-from mhla_gen.folders import claim, file_record
+from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -152,6 +152,17 @@ def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Pa
     return teacher(args.out, name, attention, grid, model)
 
 
+def check_arms(args) -> None:
+    """``--arms`` must name arms of the chosen grids (``ConfigError`` listing them otherwise)."""
+    if not args.arms:
+        return
+    known = {arm.name for name in args.grids for arm in arms(name, 1e-6, 4)}
+    bad = [name for name in args.arms if name not in known]
+    if bad:
+        raise ConfigError(f"--arms {' '.join(bad)}: no such arm for --grids {' '.join(args.grids)}; "
+                          f"choose from {', '.join(sorted(known))}")
+
+
 def eval_steps(steps: int) -> list[int]:
     return sorted({0, *(max(1, steps * k // 8) for k in (1, 2, 4, 8))})
 
@@ -233,6 +244,9 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         args.grids, args.seeds, args.jobs = ["quick"], min(args.seeds, 1), 1
     args.out = Path(args.out)
+    check_arms(args)  # before any teacher is trained
+    if args.teachers_from is not None:
+        check_apart(args.out, "--out", {"--teachers-from": args.teachers_from})
     command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)

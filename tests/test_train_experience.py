@@ -40,7 +40,7 @@ def test_summary_tensorboard_grids_and_lr_schedule(tmp_path, caplog):
     lrs = [r["lr"] for r in read_metrics(tmp_path)]
     assert lrs == pytest.approx([1e-3, 5e-4, 0.0], abs=1e-12)
 
-    from mhla_gen.serialization import load_transformer
+    from mhla_gen import load_transformer
 
     total = sum(p.numel() for p in load_transformer(tmp_path / "final").parameters())
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run summary"))

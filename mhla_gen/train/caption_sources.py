@@ -1,0 +1,133 @@
+"""The data SANA and Wan fine-tune on, one class per ``data.source`` (:data:`CAPTION_SOURCES`).
+
+``folder``: images or videos with captions in ``data.path`` (``metadata.jsonl`` or a ``.txt`` per item);
+``teacher``: ``data.teacher_samples`` samples of the prompts in ``data.prompts_file`` drawn from
+``model.pretrained`` at setup into ``data.path``, then read as a folder; ``hf``: a ``datasets`` dataset
+(:mod:`mhla_gen.data.hf_datasets`); ``shards``: webdataset-style tar shards (:mod:`mhla_gen.data.shards`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch.utils.data import Dataset
+
+from ..data.hf_datasets import HFCaptionedImages, HFCaptionedVideos
+from ..data.images import require_dir
+from ..data.shards import TarShardDataset, input_folder, list_shards
+from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
+from .loop import TrainTask
+
+
+class CaptionSource:
+    """One ``data.source`` of a fine-tuning run."""
+
+    name: ClassVar[str]
+
+    def __init__(self, task: TrainTask):
+        self.task, self.data = task, task.cfg.data
+
+    def validate(self) -> None:
+        """This source's own settings, before any work; ConfigError / FileNotFoundError naming them."""
+        raise NotImplementedError
+
+    def count_items(self) -> int:
+        return len(self.task.listed_dataset())
+
+    def prepare(self, device) -> None:
+        """Work at setup, once the frozen pipeline is loaded; nothing by default."""
+
+    def raw_dataset(self) -> Dataset | None:
+        """The captioned items, listed; None: the task reads ``data.path`` as a folder."""
+        return None
+
+    def input_path(self) -> str | None:
+        """The folder this source reads (outputs and caches must lie apart from it)."""
+        return self.data.path
+
+
+class CaptionedFolderSource(CaptionSource):
+    """``data.path`` holds the captioned images / videos."""
+
+    name = "folder"
+
+    def validate(self) -> None:
+        require_dir(self.data.path, "data.path")
+
+
+class CaptionTeacherSource(CaptionSource):
+    """Samples of ``model.pretrained`` itself, drawn into ``data.path`` at setup (resumable)."""
+
+    name = "teacher"
+
+    def validate(self) -> None:  # data.path is sampled at setup: it must be ours to write
+        check_teacher_folder(self.data.path, "data.path")
+        read_prompts(self.data.prompts_file)
+
+    def count_items(self) -> int:  # not sampled yet
+        return self.data.teacher_samples
+
+    def prepare(self, device) -> None:
+        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
+        stock pipeline, sampled by the task's ``teacher_sample``) into ``data.path``, resumable
+        (:func:`write_teacher_captioned`)."""
+        task, d, m = self.task, self.data, self.task.cfg.model
+        teacher = task.transformer_cls.from_pretrained(
+            m.pretrained, subfolder="transformer", revision=m.revision, dtype=getattr(torch, m.dtype)
+        )
+        pipe = task.pipeline(teacher.to(device))
+        fingerprint = {
+            "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
+            "size": [d.height, d.width, d.num_frames if task.base.video else 1],
+            "steps": task.cfg.log.sample_steps, "guidance": task.cfg.log.guidance_scale,
+            "seed": task.cfg.seed,
+        }
+        sample = lambda prompt, i: task.teacher_sample(pipe, prompt, task.cfg.seed * 100_003 + i)
+        write_teacher_captioned(sample, task.save_sample, d.path, fingerprint["prompts"], d.teacher_samples,
+                                task.suffix, fingerprint)
+        task.forget_listing()  # listed again, with the samples
+
+
+class CaptionedHFSource(CaptionSource):
+    """A ``datasets`` dataset: ``data.path`` a save_to_disk folder, a load_dataset folder or a hub name,
+    ``data.split``, ``data.image_column`` (SANA) / ``data.video_column`` (Wan) and ``data.caption_column``;
+    loaded and its columns checked when the task lists it (count_items, before any work)."""
+
+    name = "hf"
+
+    def validate(self) -> None:
+        if not self.data.path:
+            raise FileNotFoundError("data.source=hf needs data.path: a saved dataset, a folder or a hub name")
+
+    def raw_dataset(self) -> Dataset:
+        d = self.data
+        if self.task.base.video:
+            columns = d.video_column, d.caption_column
+            return HFCaptionedVideos(d.path, d.split, *columns, d.num_frames, d.height, d.width)
+        return HFCaptionedImages(d.path, d.split, d.image_column, d.caption_column, d.height, d.width)
+
+
+class TarShardSource(CaptionSource):
+    """webdataset-style tar shards: ``data.path`` a folder of ``.tar`` files or a glob; ``key.jpg|png|mp4``
+    + ``key.txt`` per item."""
+
+    name = "shards"
+
+    def validate(self) -> None:
+        list_shards(self.data.path or "", "data.path")
+
+    def raw_dataset(self) -> Dataset:
+        d = self.data
+        frames = d.num_frames if self.task.base.video else None
+        return TarShardDataset(d.path, d.height, d.width, num_frames=frames)
+
+    def input_path(self) -> str | None:
+        return input_folder(self.data.path)
+
+
+CAPTION_SOURCES: dict[str, type[CaptionSource]] = {
+    source.name: source
+    for source in (CaptionedFolderSource, CaptionTeacherSource, CaptionedHFSource, TarShardSource)
+}
+"""``data.source`` -> its class."""
