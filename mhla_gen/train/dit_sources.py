@@ -3,7 +3,8 @@
 Each source checks its own settings (:meth:`DiTSource.validate`, before any work), says what the model
 input is (channels and size), how many items there are, and builds the dataset. ``folder``: ImageNet-style
 class folders, VAE-encoded on the fly; ``latents``: a cache of ``scripts/extract_latents.py``; ``digits``:
-scikit-learn's digits in pixel space; ``teacher``: samples of a teacher DiT, drawn at setup into a cache.
+scikit-learn's digits in pixel space; ``teacher``: samples of a teacher DiT, drawn at setup into a cache;
+``hf``: a ``datasets`` dataset with an image and an integer class column (:mod:`mhla_gen.data.hf_datasets`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from torch.utils.data import Dataset
 
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data.hf_datasets import HFClassImages
 from ..data.images import class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
@@ -135,6 +137,32 @@ class ClassFolderSource(DiTSource):
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
         if self._dataset is None:
             self._dataset = ClassFolderDataset(self.data.path, self.data.resolution, "data.path")
+        return self._dataset
+
+
+class HFClassSource(DiTSource):
+    """A ``datasets`` dataset (``data.path``: a save_to_disk folder, a load_dataset folder or a hub name;
+    ``data.split``) with ``data.image_column`` and ``data.label_column``: cropped like class folders,
+    encoded on the fly; the label column's class count must be ``model.num_classes``."""
+
+    name = "hf"
+
+    def __init__(self, task: TrainTask):
+        super().__init__(task)
+        self._dataset = None
+
+    def validate(self) -> None:
+        super().validate()
+        found, want = self.dataset().num_classes, self.cfg.model.num_classes
+        if found != want:
+            raise ConfigError(f"model.num_classes={want} but data.path={self.data.path!r} has {found} "
+                              f"classes (its {self.data.label_column!r} column)")
+
+    def dataset(self) -> Dataset:
+        """Loaded (and its columns checked) once: validation counts it, training reads it."""
+        if self._dataset is None:
+            d = self.data
+            self._dataset = HFClassImages(d.path, d.split, d.image_column, d.label_column, d.resolution)
         return self._dataset
 
 
@@ -306,6 +334,7 @@ class TeacherSource(DiTSource):
 
 
 DIT_SOURCES: dict[str, type[DiTSource]] = {
-    source.name: source for source in (ClassFolderSource, LatentCacheSource, DigitsSource, TeacherSource)
+    source.name: source
+    for source in (ClassFolderSource, LatentCacheSource, DigitsSource, TeacherSource, HFClassSource)
 }
 """``data.source`` -> its class (a new source: a class above and a line here)."""

@@ -36,14 +36,14 @@ def in_expert_range(sigmas, boundary_ratio: float | None, expert: str):
     return low + (high - low) * sigmas
 
 
-def pipeline_with(frozen, expert: str, transformer):
+def pipeline_with(frozen, expert: str, transformer, progress: bool = False):
     """A new pipeline of ``frozen``'s class and components with ``transformer`` in the ``expert`` slot;
     ``frozen``'s settings that are ``__init__`` arguments but not components (Wan2.2: ``boundary_ratio``,
-    ``expand_timesteps``) kept; progress bars off."""
+    ``expand_timesteps``) kept; a progress bar only with ``progress`` (the sample grids)."""
     cls = type(frozen)
     components = frozen.components
     accepted = inspect.signature(cls.__init__).parameters
     settings = {k: v for k, v in frozen.config.items() if k in accepted and k not in components}
     pipe = cls(**{**components, **settings, expert: transformer})
-    pipe.set_progress_bar_config(disable=True)
+    pipe.set_progress_bar_config(disable=not progress, desc="sample grid", leave=False)
     return pipe

@@ -206,20 +206,20 @@ class FlowFinetuneTask(TrainTask):
         check_mhla_layers(mhla, transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
             logger.info("distillation teacher: %s", self.distill_source())
-        data = self.cfg.data
         self.source.validate()
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
             "data.cache_dir",
-            {"data.path": data.path, "output_dir": self.cfg.output_dir},
+            {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
 
     def inputs(self) -> dict[str, str | None]:
         """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
         m, data = self.cfg.model, self.cfg.data
-        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from, "data.path": data.path,
+        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from,
+                 "data.path": self.source.input_path(),
                  "data.prompts_file": data.prompts_file, "data.cache_dir": data.cache_dir}
         if self.cfg.train.distill.enabled:
             found["train.distill.teacher"] = self.distill_source()
@@ -307,7 +307,7 @@ class FlowFinetuneTask(TrainTask):
             "num_frames": data.num_frames if self.base.video else None,
             "max_sequence_length": data.max_sequence_length,
         }
-        inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
+        inputs = {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir}
         build_feature_cache(
             raw, self.encode, cache_dir, fingerprint, "data.cache_dir", inputs, inside_ok=("output_dir",)
         )
@@ -338,8 +338,8 @@ class FlowFinetuneTask(TrainTask):
         return load_teacher(self.transformer_cls, self.distill_source(), self.cfg.model.expert)
 
     # -------------------------------------------------------------------------------- samples
-    def pipeline(self, transformer):
-        return pipeline_with(self.frozen, self.cfg.model.expert, transformer)
+    def pipeline(self, transformer, progress: bool = False):
+        return pipeline_with(self.frozen, self.cfg.model.expert, transformer, progress)
 
 
 class SanaTask(FlowFinetuneTask):
@@ -357,7 +357,8 @@ class SanaTask(FlowFinetuneTask):
         return d.height // (factor * patch), d.width // (factor * patch)
 
     def raw_dataset(self) -> Dataset:
-        return CaptionedImageFolder(self.cfg.data.path, self.cfg.data.height, self.cfg.data.width)
+        d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
+        return listed if listed is not None else CaptionedImageFolder(d.path, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         pipe = self.frozen
@@ -393,7 +394,7 @@ class SanaTask(FlowFinetuneTask):
 
     def sample_images(self, transformer) -> tuple[list, int]:
         data = self.cfg.data
-        images = self.pipeline(transformer)(
+        images = self.pipeline(transformer, progress=True)(
             prompt=list(data.sample_prompts),
             height=data.height,
             width=data.width,
@@ -444,8 +445,8 @@ class WanTask(FlowFinetuneTask):
         return frames // pt, d.height // (spatial * ph), d.width // (spatial * pw)
 
     def raw_dataset(self) -> Dataset:
-        d = self.cfg.data
-        return CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
+        d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
+        return listed if listed is not None else CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         pipe = self.frozen
@@ -466,7 +467,7 @@ class WanTask(FlowFinetuneTask):
     def generate_videos(self, transformer) -> np.ndarray:
         """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""
         d = self.cfg.data
-        return self.pipeline(transformer)(
+        return self.pipeline(transformer, progress=True)(
             prompt=list(d.sample_prompts),
             height=d.height,
             width=d.width,

@@ -137,6 +137,7 @@ class TransferTask(TrainTask):
         super().__init__(cfg)
         self.inner = inner  # the base model's own task: data, noising, conditioning
         self.collate_fn = inner.collate_fn
+        self.fsdp_units, self.fsdp_shared = inner.fsdp_units, inner.fsdp_shared  # the model's FSDP2 units
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
