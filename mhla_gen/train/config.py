@@ -185,7 +185,8 @@ class DiTModelConfig:
 @dataclass
 class DiTDataConfig:
     """``source``: ``folder`` (ImageNet-style class folders), ``latents`` (a cache written by
-    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space) or ``teacher``
+    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space), ``shapes`` (drawn
+    mirror-symmetric coloured shapes, RGB pixel space: mhla_gen.data.shapes) or ``teacher``
     (``teacher_samples`` samples of ``teacher_labels`` drawn from ``teacher`` through DiTPipeline with
     ``log.sample_steps`` / ``log.guidance_scale`` into ``path``, then read like a latent cache)."""
 
@@ -200,8 +201,10 @@ class DiTDataConfig:
     teacher_labels: list[int] | None = None  # default: every class, in turn
 
     def __post_init__(self):
-        if self.source not in ("folder", "latents", "digits", "teacher"):
-            raise ValueError(f"data.source must be folder, latents, digits or teacher, got {self.source!r}")
+        if self.source not in ("folder", "latents", "digits", "shapes", "teacher"):
+            raise ValueError(
+                f"data.source must be folder, latents, digits, shapes or teacher, got {self.source!r}"
+            )
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
         if self.source == "teacher" and self.teacher_samples < 1:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import MHLAConfig
-from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
 from ..data.images import class_folders, require_dir
 from ..data.teacher import TEACHER_DATA, write_teacher_samples
 from ..folders import check_apart, owned, read_marker
@@ -56,6 +56,7 @@ DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (
 _PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__ hard-codes this id for the unconditional branch
 DIGITS_CLASSES, DIGITS_ITEMS = 10, 1797  # scikit-learn's load_digits
+EMBEDDED = ("digits", "shapes")  # pixel-space data drawn in code (no data.path, no VAE)
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -196,7 +197,7 @@ class DiTTask(TrainTask):
     def _vae_config(self) -> dict | None:
         """The data VAE's ``config.json`` (no weights loaded), or None in pixel space."""
         data = self.cfg.data
-        if data.vae is None or data.source == "digits":
+        if data.vae is None or data.source in EMBEDDED:
             return None
         try:
             return dict(AutoencoderKL.load_config(data.vae, subfolder=data.vae_subfolder))
@@ -206,8 +207,8 @@ class DiTTask(TrainTask):
     def _channels_and_size(self) -> tuple[int, int]:
         """``(in_channels, sample_size)`` of the transformer input."""
         data = self.cfg.data
-        if data.source == "digits":
-            return 1, data.resolution
+        if data.source in EMBEDDED:
+            return (1 if data.source == "digits" else 3), data.resolution
         if data.source == "latents":
             shape = LatentCacheDataset(data.path).latents.shape  # (N, 2, C, h, w)
             return shape[2], shape[3]
@@ -235,7 +236,9 @@ class DiTTask(TrainTask):
             raise ConfigError(
                 f"model.num_classes={m.num_classes} but data.source=digits has {DIGITS_CLASSES} classes"
             )
-        if data.source != "digits":
+        if data.source == "shapes":
+            shapes.check_shapes_data(data.resolution, m.num_classes)
+        if data.source not in EMBEDDED:
             if data.path is None:
                 raise ConfigError(f"data.path is required for data.source={data.source}")
             if data.source == "teacher":
@@ -378,6 +381,8 @@ class DiTTask(TrainTask):
         data = self.cfg.data
         if data.source == "digits":
             return DIGITS_ITEMS
+        if data.source == "shapes":
+            return shapes.TRAIN_ITEMS
         if data.source == "teacher":
             return data.teacher_samples
         if data.source == "latents":
@@ -522,7 +527,7 @@ class DiTTask(TrainTask):
     def load_vae(self, device) -> None:
         """The data's ``AutoencoderKL`` (``data.vae``), frozen, on ``device``; nothing in pixel space."""
         data = self.cfg.data
-        if data.vae is not None and data.source != "digits":
+        if data.vae is not None and data.source not in EMBEDDED:
             self.vae = AutoencoderKL.from_pretrained(data.vae, subfolder=data.vae_subfolder)
             self.vae.requires_grad_(False).eval().to(device)
             self.latent_scale = self.vae.config.scaling_factor
@@ -531,11 +536,19 @@ class DiTTask(TrainTask):
         data = self.cfg.data
         if data.source == "digits":
             return _DigitsDataset(data.resolution)
+        if data.source == "shapes":
+            return shapes.ShapesDataset(data.resolution)
         if data.path is None:
             raise ValueError(f"data.path is required for data.source={data.source}")
         if data.source in ("latents", "teacher"):
             return LatentCacheDataset(data.path)
         return self._folder_dataset()
+
+    def held_out_dataset(self) -> Dataset | None:
+        """Images training never sees (stage 1's measurements): the shapes have a held-out draw."""
+        if self.cfg.data.source == "shapes":
+            return shapes.ShapesDataset(self.cfg.data.resolution, 256, seed=shapes.HELD_OUT_SEED)
+        return None
 
     def _clean_input(self, batch: dict, rnd) -> torch.Tensor:
         """x0 ``(B, C, h, w)``: flipped per sample (seeded), VAE-encoded when training in latent space."""
@@ -545,7 +558,7 @@ class DiTTask(TrainTask):
             return torch.where(flip.view(-1, 1, 1, 1), pair[:, 1], pair[:, 0])
         x = batch["pixels"]
         x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
-        if self.cfg.data.source == "digits" or self.vae is None:
+        if self.cfg.data.source in EMBEDDED or self.vae is None:
             return x
         with torch.no_grad():
             dist = self.vae.encode(x.to(self.vae.dtype)).latent_dist
