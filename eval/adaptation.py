@@ -64,7 +64,7 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
     "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), teacher_steps=1200, stage1_steps=150,
                         steps=300, batch=16, fid_samples=200, sample_steps=10),
     # --quick: CI-sized (about 10 min of 2 cores)
-    "quick": dict(resolution=16, blocks=(2, 2), teacher_steps=300, stage1_steps=50, steps=100, batch=32,
+    "quick": dict(resolution=16, blocks=(2, 2), teacher_steps=200, stage1_steps=50, steps=100, batch=32,
                   fid_samples=200, sample_steps=10),
     "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=200, stage1_steps=40,
                          steps=80, batch=32, fid_samples=200, sample_steps=10),
@@ -163,7 +163,23 @@ def plan(args) -> list:
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
+        if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
+            scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
+            budget = grid["teacher_steps"] + grid["steps"]
+            jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
+                              grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
+                              grid.get("val_triples", 512))
     return jobs
+
+
+def compute(record: dict, teacher_steps: int) -> float:
+    """Training compute up to ``record`` in forwards of the model on one batch (teacher-forward
+    equivalents; a training step is about 3: forward and backward): the teacher's training, stage 1
+    (its measured cost) and stage 2 for a conversion arm; the steps alone for the from-scratch arm."""
+    if record["arm"] == "mhla-scratch":
+        return 3.0 * record["step"]
+    stage1 = record.get("stage1", {}).get("teacher_forward_equivalents", 0.0)
+    return 3.0 * teacher_steps + stage1 + 3.0 * record["step"]
 
 
 def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
@@ -323,6 +339,37 @@ def select_grids(args) -> list[str]:
     return [key(n) for n in names]
 
 
+def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path) -> str:
+    """FID against total training compute (:func:`compute`) for the from-scratch arm and the conversion
+    arms, mean over seeds with a 95 % band; returns a markdown paragraph pointing at the plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if r["grid"] == grid]
+    stats = summarize(recs, "fid")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm in ("mhla-scratch", "softmax-continued", "mhla-plain", "mhla-stage1"):
+        steps = sorted(s for a, s in stats if a == arm)
+        if not steps:
+            continue
+        first = {s: next(r for r in recs if r["arm"] == arm and r["step"] == s) for s in steps}
+        x = [compute(first[s], teacher_steps) for s in steps]
+        mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+        half = np.nan_to_num(np.array([stats[(arm, s)]["ci"] for s in steps]))
+        ax.plot(x, mean, marker="o", label=arm)
+        ax.fill_between(x, mean - half, mean + half, alpha=0.12)
+    ax.set(xlabel="training compute (forwards of one batch; teacher + stage 1 + stage 2)", ylabel="FID",
+           yscale="log", title=f"{recs[0]['tokens']} tokens: convert vs from scratch at equal compute")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return (f"Quality against compute (conversion arms start after the teacher's {teacher_steps} steps): "
+            f"[{path.name}]({path.name})\n")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,6 +385,9 @@ def main(argv=None) -> list[dict]:
                         help="a finished eval/study.py folder: its seed-0 softmax and linear runs")
     parser.add_argument("--report-only", action="store_true",
                         help="tables and plots from the runs finished so far; train nothing")
+    parser.add_argument("--scratch", action="store_true",
+                        help="also MHLA trained from scratch for the teacher's plus stage 2's steps (equal "
+                             "compute: the curve of quality against teacher-forward equivalents)")
     parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
@@ -360,8 +410,12 @@ def main(argv=None) -> list[dict]:
             f"{torch.__version__}; stage 2 and its evaluations summed over all runs: {core_hours:.1f} "
             "core-hours\n"]
     for grid in args.grids:
-        text.append(grid_report(records, grid))
-        plot_curves(records, grid, args.out / f"curves_{grid}.png")
+        stage2 = [r for r in records if r["grid"] == grid and r["arm"] != "mhla-scratch"]
+        text.append(grid_report(stage2, grid))
+        plot_curves(stage2, grid, args.out / f"curves_{grid}.png")
+        if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
+            text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
+                                     args.out / f"compute_{grid}.png"))
     atomic_write_text(args.out / "adaptation.md", "\n".join(text))
     atomic_write_text(args.out / "adaptation.json", json.dumps(
         {"command": command, "records": records, **file_record("study")}, indent=1))

@@ -101,3 +101,38 @@ def test_intervals_and_paired_differences():
     p = paired(records, "x", "y", "fid", 10)
     assert p["per_seed"] == {0: -1.0, 1: 1.0, 2: -2.0} and p["negative"] == 2
     assert p["mean"] == pytest.approx(-2 / 3)
+
+
+def test_every_arm_and_seed_is_scored_on_the_same_noise_and_triples(tmp_path):
+    """Common random numbers: the evaluation of one model does not depend on the run's seed (samples,
+    labels, validation triples), so paired differences between arms and seeds measure the models."""
+    from mhla_gen.experiments import Job, evaluate_point
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    study = load_study()
+    grid = study.GRIDS["shapes-smoke"]
+    cfg = load_config(DiTRunConfig, study.CONFIG, study.base_overrides(grid, study.grid_model(grid)))
+    model = DiTTask(cfg).build_transformer().eval()
+    scores = []
+    for seed in (0, 1):
+        job = Job("mhla", seed, study.CONFIG, [], [1], str(tmp_path / f"run{seed}"),
+                  str(tmp_path / f"r{seed}"), fid_samples=20, val_triples=16)
+        scores.append(evaluate_point(job, cfg, 1, model))
+    for key in ("fid", "val_loss", "all_correct", "colour_accuracy", "symmetry_error"):
+        assert scores[0][key] == scores[1][key], key
+    assert scores[0]["data"] == "shapes" and math.isfinite(scores[0]["val_loss"])
+    assert scores[0]["fid_bootstrap_sd"] > 0 and 0 <= scores[0]["all_correct"] <= 1
+
+
+def test_study_on_the_shapes(tmp_path):
+    records = load_study().main(["--smoke", "--data", "shapes", "--seeds", "1", "--no-ablations",
+                                 "--out", str(tmp_path)])
+    assert {(r["arm"], r["step"]) for r in records} == {(a, t) for a in ("softmax", "linear", "mhla")
+                                                       for t in (1, 2, 4)}
+    assert all(r["grid"] == "shapes-smoke" and r["tokens"] == 16 for r in records)
+    table = (tmp_path / "study.md").read_text()
+    assert "| all 3 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
+    assert (tmp_path / "shapes-smoke" / "results" / "mhla" / "seed0" / "step0000004_features.npz").is_file()
+    with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
+        load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])

@@ -93,7 +93,8 @@ def test_bootstraps_detectable_differences_and_verdicts():
     assert same["difference"] == 0 and same["sd"] == 0  # the same samples: no sampling noise left
     from scipy import stats
 
-    assert detectable(2.0, 5) == pytest.approx((stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) * 2 / math.sqrt(5))
+    want = (stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) * 2 / math.sqrt(5)
+    assert detectable(2.0, 5) == pytest.approx(want)
     assert detectable(1.0, 1) == pytest.approx(1.959964 + 0.841621, rel=1e-5)
     assert verdict(-3.0, 1.0, 0.5) == "resolved" and verdict(0.1, 0.2, 0.5) == "bounded"
     assert verdict(0.1, 2.0, 0.5) == "undecided" and verdict(math.nan, 1.0, 1.0) == "undecided"
