@@ -44,7 +44,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import compare, fmt_comparison
 from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
-from mhla_gen.folders import claim, file_record
+from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -202,6 +202,17 @@ def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Pa
         return Path(args.out) / "teachers" / f"{name}-{attention}" / "final"
     claim(args.out, "study", "--out")
     return teacher(args.out, name, attention, grid, model)
+
+
+def check_arms(args) -> None:
+    """``--arms`` must name arms of the chosen grids (``ConfigError`` listing them otherwise)."""
+    if not args.arms:
+        return
+    known = {arm.name for name in args.grids for arm in arms(name, 1e-6, 4)}
+    bad = [name for name in args.arms if name not in known]
+    if bad:
+        raise ConfigError(f"--arms {' '.join(bad)}: no such arm for --grids {' '.join(args.grids)}; "
+                          f"choose from {', '.join(sorted(known))}")
 
 
 def eval_steps(steps: int) -> list[int]:
@@ -395,6 +406,9 @@ def main(argv=None) -> list[dict]:
         raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
     args.grids = select_grids(args)
     args.out = Path(args.out)
+    check_arms(args)  # before any teacher is trained
+    if args.teachers_from is not None:
+        check_apart(args.out, "--out", {"--teachers-from": args.teachers_from})
     command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)

@@ -22,7 +22,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
+from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.loading import load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
@@ -62,7 +62,8 @@ def main(argv=None) -> list[dict]:
     if not 0 <= args.timestep < 1000:
         raise ConfigError(f"--timestep must be in 0..999, got {args.timestep}")
     out_dir = Path(args.out_dir) if args.out_dir else Path(args.model).resolve().parent / "attention_stats"
-    owned(out_dir, STATS_FOLDER, "--out-dir")  # before any work
+    check_apart(out_dir, "--out-dir", {"--model": args.model})  # before any work
+    owned(out_dir, STATS_FOLDER, "--out-dir")
 
     model = load_transformer(args.model)
     images = labels = None

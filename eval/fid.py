@@ -29,7 +29,7 @@ from PIL import Image
 from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_file_target, file_record
+from mhla_gen.folders import check_apart, check_file_target, file_record
 from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
@@ -181,6 +181,9 @@ def check_outputs(args) -> tuple[Path, Path | None]:
     """The metrics JSON and reference-statistics paths, checked before any work (mhla_gen.folders): an
     existing file is replaced only if this script wrote it or ``--overwrite`` is given."""
     out = check_file_target(args.out or default_out(args.samples), "--out", METRICS_KIND, args.overwrite)
+    check_apart(out, "--out", {"--ref": args.ref})  # a reference set is never written into
+    if out.resolve() == Path(args.samples).resolve():
+        raise ConfigError(f"--out {str(out)!r} is the input --samples; choose another --out")
     stats = None
     if args.save_ref_stats:
         if is_stats_file(args.ref):

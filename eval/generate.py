@@ -22,43 +22,43 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mhla_gen.bases import BASES, Base, base_for
 from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
-from mhla_gen.loading import load_transformer
+from mhla_gen.folders import check_apart, claim, listed, owned, record_files
+from mhla_gen.locks import die_with_parent, main_rank, release
 from mhla_gen.metrics.video import write_video
-from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline, trained_num_classes
-from mhla_gen.train.config import DiTRunConfig, load_config
-from mhla_gen.train.dit import DiTTask
+from mhla_gen.pipelines import SampleSettings
+from mhla_gen.train.config import load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class GenerateConfig:
-    """What to sample. ``model``: pipeline folder or hub id; ``transformer``: a saved (MHLA) transformer
-    folder used in place of the pipeline's; ``run_config``: DiT without ``model`` — a training run's
-    ``config.yaml``, whose own sampler (pixel space or VAE) is rebuilt; ``mhla``: MHLAConfig fields to
-    install fresh on a stock transformer."""
+    """What to sample. ``base``: a base record's name (``mhla_gen.bases``); ``model``: pipeline folder or
+    hub id; ``transformer``: a saved (MHLA) transformer folder used in place of the pipeline's;
+    ``run_config``: DiT without ``model`` — a training run's ``config.yaml``, whose own sampler (pixel space
+    or VAE) is rebuilt; ``mhla``: MHLAConfig fields to install fresh on a stock transformer."""
 
-    base: str = "dit"  # dit | sana | wan
+    base: str = "dit"  # dit | sana | wan | ... (mhla_gen.bases.BASES)
     output_dir: str = "samples/run"
     model: str | None = None
     transformer: str | None = None
     run_config: str | None = None
     mhla: dict | None = None
-    labels: list[int] | None = None  # DiT class ids (each repeated num_per_item times)
-    num_classes: int | None = None  # DiT: labels = 0..num_classes-1 when `labels` is not given
-    prompts: list[str] | None = None  # SANA / Wan
+    labels: list[int] | None = None  # class-conditional bases: class ids (each repeated num_per_item times)
+    num_classes: int | None = None  # labels = 0..num_classes-1 when `labels` is not given
+    prompts: list[str] | None = None  # text-conditional bases
     prompts_file: str | None = None  # one prompt per line (added after `prompts`)
     num_per_item: int = 1
     seed: int = 0
     steps: int = 50
     guidance_scale: float = 4.0
-    height: int = 512  # SANA / Wan pixels (DiT: the model's sample size)
+    height: int = 512  # pixels (DiT: the model's sample size)
     width: int = 512
-    num_frames: int = 81  # Wan
+    num_frames: int = 81  # video bases
     fps: int = 16
     negative_prompt: str | None = None
     max_sequence_length: int = 300
@@ -67,19 +67,20 @@ class GenerateConfig:
     extra: dict = field(default_factory=dict)  # passed to the pipeline call as-is
 
     def __post_init__(self):
-        if self.base not in ("dit", "sana", "wan"):
-            raise ValueError(f"base must be dit, sana or wan, got {self.base!r}")
+        if self.base not in BASES:
+            raise ValueError(f"base must be one of {sorted(BASES)}, got {self.base!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.base == "dit" and not (self.labels or self.num_classes):
-            raise ValueError("base=dit needs `labels` (a list of class ids) or `num_classes`")
-        if self.base != "dit" and not (self.prompts or self.prompts_file):
+        labels = self.record.class_conditional
+        if labels and not (self.labels or self.num_classes):
+            raise ValueError(f"base={self.base} needs `labels` (a list of class ids) or `num_classes`")
+        if not labels and not (self.prompts or self.prompts_file):
             raise ValueError(f"base={self.base} needs `prompts` or `prompts_file`")
-        if self.base == "dit" and not (self.model or self.run_config):
-            raise ValueError("base=dit needs `model` (a pipeline) or `run_config` (a training run's "
-                             "config.yaml)")
-        if self.base != "dit" and not self.model:
+        if not self.model and not self.record.sampler.load().from_run_config:
             raise ValueError(f"base={self.base} needs `model` (a pipeline folder or hub id)")
+        if not (self.model or self.run_config):
+            raise ValueError(f"base={self.base} needs `model` (a pipeline) or `run_config` (a training run's "
+                             "config.yaml)")
         for name in ("num_per_item", "steps", "batch_size", "height", "width", "num_frames", "fps",
                      "max_sequence_length"):
             if getattr(self, name) < 1:
@@ -90,6 +91,10 @@ class GenerateConfig:
             raise ValueError(f"labels must be class ids >= 0, got {self.labels}")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale must be >= 0, got {self.guidance_scale}")
+
+    @property
+    def record(self) -> Base:
+        return base_for(self.base)
 
 
 def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConfig:
@@ -109,11 +114,10 @@ def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
 
 
 def trained_classes(cfg: GenerateConfig) -> int | None:
-    """The classes the DiT to sample was trained on, where a record says (the training run's config, or
-    the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
-    if cfg.run_config:
-        return load_config(DiTRunConfig, cfg.run_config).model.num_classes
-    return trained_num_classes(cfg.transformer or Path(cfg.model) / "transformer")
+    """The classes a class-conditional model was trained on, where a record says (the training run's
+    config, or the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
+    folder = cfg.transformer or (Path(cfg.model) / "transformer" if cfg.model else None)
+    return cfg.record.sampler.load().trained_classes(folder, cfg.run_config)
 
 
 def config_hash(cfg: GenerateConfig) -> str:
@@ -124,7 +128,7 @@ def config_hash(cfg: GenerateConfig) -> str:
 
 def sample_items(cfg: GenerateConfig) -> list[dict]:
     """Every sample to generate: ``{"index", "seed", "label" | "prompt"}``, in a fixed order."""
-    if cfg.base == "dit":
+    if cfg.record.class_conditional:
         labels = cfg.labels or range(cfg.num_classes)
         conditions = [("label", int(c)) for c in labels]
     else:
@@ -138,60 +142,32 @@ def sample_items(cfg: GenerateConfig) -> list[dict]:
 
 
 class Sampler:
-    """``sampler(items) -> list of uint8 arrays``: (H, W, 3) images or (T, H, W, 3) videos."""
+    """``sampler(items) -> list of uint8 arrays``: (H, W, 3) images or (T, H, W, 3) videos, through the base
+    record's pipeline sampler."""
 
     def __init__(self, cfg: GenerateConfig, device: torch.device):
         self.cfg, self.device = cfg, device
+        self.sampler = cfg.record.sampler.load()
         dtype = DTYPES[cfg.dtype]
         mhla = MHLAConfig.from_dict(dict(cfg.mhla)) if cfg.mhla else None
-        if cfg.base == "dit" and cfg.model is None:
-            self.pipe = self._training_run_pipeline(mhla, dtype)
-        elif cfg.base == "dit":
-            self.pipe = load_dit_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
-            check_class_labels(self.pipe.transformer, [i["label"] for i in sample_items(cfg)],
-                               cfg.guidance_scale, trained_classes(cfg))
-        elif cfg.base == "sana":  # SANA / Wan pipelines import their text encoders: only when used
-            from mhla_gen.pipelines.sana import load_sana_pipeline
-
-            self.pipe = load_sana_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+        if cfg.model is None:  # a training run's own pipeline (DiT)
+            self.pipe = self.sampler.run_pipeline(cfg.run_config, cfg.transformer, mhla, dtype, device)
         else:
-            from mhla_gen.pipelines.wan import load_wan_pipeline
-
-            self.pipe = load_wan_pipeline(cfg.model, mhla, dtype, device, cfg.transformer)
+            self.pipe = self.sampler.load(cfg.model, mhla, dtype, device, cfg.transformer)
+            conditions = [item.get("label", item.get("prompt")) for item in sample_items(cfg)]
+            self.sampler.check_conditions(self.pipe, conditions, cfg.guidance_scale, trained_classes(cfg))
         self.pipe.set_progress_bar_config(disable=True)
-
-    def _training_run_pipeline(self, mhla, dtype):
-        """A DiT training run: its transformer (``transformer`` or the run's ``final/``) and its sampler."""
-        run_cfg = load_config(DiTRunConfig, self.cfg.run_config)
-        path = self.cfg.transformer or str(Path(self.cfg.run_config).parent / "final")
-        transformer = load_transformer(path, torch_dtype=dtype, device=self.device)
-        if mhla is not None:
-            raise ValueError("`mhla` is for stock transformers; a training run's transformer has its own")
-        task = DiTTask(run_cfg)
-        task.load_vae(self.device)  # a latent-space run decodes with its data's VAE
-        return task.pipeline(transformer).to(self.device)
+        self.settings = SampleSettings(
+            steps=cfg.steps, guidance=cfg.guidance_scale, height=cfg.height, width=cfg.width,
+            frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, output_type="np",
+            max_sequence_length=cfg.max_sequence_length, extra=dict(cfg.extra),
+        )
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[np.ndarray]:
-        cfg = self.cfg
         gens = [torch.Generator(self.device).manual_seed(item["seed"]) for item in items]
-        if cfg.base == "dit":
-            images = self.pipe(class_labels=[item["label"] for item in items],
-                               guidance_scale=cfg.guidance_scale, num_inference_steps=cfg.steps,
-                               generator=gens, output_type="np", **cfg.extra).images  # (B, H, W, C)
-        elif cfg.base == "sana":
-            images = self.pipe(prompt=[item["prompt"] for item in items],
-                               negative_prompt=cfg.negative_prompt or "", height=cfg.height,
-                               width=cfg.width, num_inference_steps=cfg.steps,
-                               guidance_scale=cfg.guidance_scale, generator=gens, output_type="np",
-                               use_resolution_binning=False, max_sequence_length=cfg.max_sequence_length,
-                               **cfg.extra).images
-        else:
-            images = self.pipe(prompt=[item["prompt"] for item in items],
-                               negative_prompt=cfg.negative_prompt, height=cfg.height, width=cfg.width,
-                               num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
-                               guidance_scale=cfg.guidance_scale, generator=gens, output_type="np",
-                               max_sequence_length=cfg.max_sequence_length, **cfg.extra).frames
+        conditions = [item["label"] if "label" in item else item["prompt"] for item in items]
+        images = self.sampler.sample(self.pipe, conditions, gens, self.settings)  # (B, [T,] H, W, C)
         arrays = (np.clip(np.asarray(images), 0, 1) * 255).round().astype(np.uint8)
         if arrays.shape[-1] == 1:  # grayscale (pixel-space digits) -> RGB, as Inception expects
             arrays = np.repeat(arrays, 3, axis=-1)
@@ -199,7 +175,7 @@ class Sampler:
 
 
 def sample_file(out: Path, cfg: GenerateConfig, index: int) -> Path:
-    return out / f"{index:06d}.{'mp4' if cfg.base == 'wan' else 'png'}"
+    return out / f"{index:06d}{cfg.record.sample_suffix}"
 
 
 def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
@@ -215,10 +191,16 @@ def write_sample(path: Path, array: np.ndarray, fps: int) -> Path:
     return tmp
 
 
+def listed_shards(out: Path) -> list[Path]:
+    """The per-process manifest shards in ``out`` that this script listed (never found by pattern)."""
+    names = [n for n in listed(out) or {} if n.startswith("manifest.") and n != "manifest.jsonl"]
+    return [out / n for n in sorted(set(names)) if (out / n).is_file()]
+
+
 def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> None:
     """Rank 0: merge the per-rank manifest shards into manifest.jsonl; write samples.npz for images."""
     records = {}
-    for shard in sorted(out.glob("manifest.*.jsonl")) + [out / "manifest.jsonl"]:
+    for shard in listed_shards(out) + [out / "manifest.jsonl"]:
         if shard.exists():
             for line in shard.read_text().splitlines():
                 record = json.loads(line)
@@ -228,22 +210,22 @@ def assemble(out: Path, cfg: GenerateConfig, items: list[dict], chash: str) -> N
         raise RuntimeError(f"samples {missing[:10]}... have no manifest record after generation")
     lines = "".join(json.dumps(records[item["index"]]) + "\n" for item in items)
     (out / "manifest.jsonl").write_text(lines)
-    for shard in out.glob("manifest.*.jsonl"):
+    for shard in listed_shards(out):  # the shards the processes listed when they created them
         shard.unlink()
-    if cfg.base != "wan":
+    if not cfg.record.video:
         from PIL import Image
 
         arr = np.stack([np.asarray(Image.open(sample_file(out, cfg, item["index"])).convert("RGB"))
                         for item in items])
         arrays = {"arr_0": arr}
-        if cfg.base == "dit":
+        if cfg.record.class_conditional:
             arrays["arr_1"] = np.asarray([item["label"] for item in items], dtype=np.int64)
         np.savez(out / "samples.npz", **arrays)
 
 
 def check_previous_run(out: Path, chash: str) -> None:
     """Refuse to resume into a folder generated with other settings."""
-    for manifest in [out / "manifest.jsonl", *out.glob("manifest.*.jsonl")]:
+    for manifest in [out / "manifest.jsonl", *listed_shards(out)]:
         if manifest.exists():
             for line in manifest.read_text().splitlines():
                 if json.loads(line)["config_hash"] != chash:
@@ -252,19 +234,50 @@ def check_previous_run(out: Path, chash: str) -> None:
                 break
 
 
+def check_model(cfg: GenerateConfig) -> None:
+    """What the sampler will load exists and is the right kind of folder (configs only, no weights), and
+    ``output_dir`` is apart from it: before the output folder is marked or its config written."""
+    model_setting = "model" if cfg.model else "run_config"
+    inputs = {"model": cfg.model, "transformer": cfg.transformer, "run_config": cfg.run_config,
+              "prompts_file": cfg.prompts_file}
+    check_apart(cfg.output_dir, "output_dir", inputs)
+    if cfg.run_config and not cfg.model:
+        load_config(cfg.record.run_config.load(), cfg.run_config)  # FileNotFoundError / ConfigError naming it
+        final = Path(cfg.transformer or Path(cfg.run_config).parent / "final")
+        if not (final / "config.json").is_file() and not (final / "mhla_lora.json").is_file():
+            setting = "transformer" if cfg.transformer else "run_config"
+            raise ConfigError(f"{setting}: {str(final)!r} holds no saved transformer (config.json); has the "
+                              f"run finished?")
+        return
+    local = Path(cfg.model).expanduser()
+    if local.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1:
+        if not (local / "model_index.json").is_file():
+            raise ConfigError(f"{model_setting}={cfg.model!r} is not a diffusers pipeline folder (no "
+                              f"model_index.json)")
+    if cfg.transformer is not None:
+        folder = Path(cfg.transformer).expanduser()
+        if not (folder / "config.json").is_file() and not (folder / "mhla_lora.json").is_file():
+            raise ConfigError(f"transformer={cfg.transformer!r} is not a saved transformer folder")
+    if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
+        raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
+
+
 def generate(cfg: GenerateConfig) -> Path:
     """Generate the missing samples of this process's shard; rank 0 assembles. Returns output_dir."""
     from accelerate import PartialState
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    if state_is_launched():
+        die_with_parent()  # a rank stops with its launcher
     state = PartialState()
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
     items = sample_items(cfg)
     owned(out, SAMPLES_FOLDER, "output_dir")  # every process: all raise
-    if cfg.base == "dit" and (num_classes := trained_classes(cfg)) is not None:  # before loading anything
+    if cfg.record.class_conditional and (num_classes := trained_classes(cfg)) is not None:  # before loading
         check_labels(cfg, num_classes)
+    check_model(cfg)  # before the folder is marked or its config.yaml written
     if state.is_main_process:
         claim(out, SAMPLES_FOLDER, "output_dir")
         check_previous_run(out, chash)
@@ -274,6 +287,8 @@ def generate(cfg: GenerateConfig) -> Path:
     mine = items[state.process_index :: state.num_processes]
     todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
     shard = out / f"manifest.{state.process_index}.jsonl"
+    if todo and not shard.exists():
+        record_files(out, shard.name, pending=True)  # listed before it exists: assemble deletes it by name
     if todo:
         sampler = Sampler(cfg, state.device)
         bar = tqdm(total=len(todo), desc=f"rank {state.process_index}",
@@ -292,7 +307,15 @@ def generate(cfg: GenerateConfig) -> Path:
     if state.is_main_process:
         assemble(out, cfg, items, chash)
     state.wait_for_everyone()
+    release(out)
     return out
+
+
+def state_is_launched() -> bool:
+    """Started by a multi-process launcher (torchrun / accelerate launch)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not main_rank()
 
 
 def main(argv=None) -> Path:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mhla_gen.cli import expand_path, run
-from mhla_gen.folders import check_file_target, file_record
+from mhla_gen.folders import check_apart, check_file_target, file_record
 from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
 from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
 from mhla_gen.train.io import atomic_write_text
@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
     if not folder.is_dir():
         raise FileNotFoundError(f"--videos {str(folder)!r} is not a folder")
     out = Path(args.out) if args.out else folder.with_name(f"{folder.name}.vbench.json")
-    check_file_target(out, "--out", METRICS_KIND, args.overwrite)  # before any work
+    out = check_file_target(out, "--out", METRICS_KIND, args.overwrite)  # before any work
+    check_apart(out, "--out", {"--videos": folder})
     if args.use_vbench:
         result = run_official_vbench(args, out)
         print(json.dumps(result, indent=2))

@@ -17,11 +17,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
-from .train.dit import DiTTask
-from .train.finetune import SanaTask, WanTask
-from .train.loop import TrainCallback, train
+if TYPE_CHECKING:  # the training stack is imported by the commands that train, not by every entry point
+    from .train.loop import TrainCallback
 
 # a user's mistake in settings, data or paths (ConfigError is a ValueError; FileNotFoundError,
 # PermissionError, IsADirectoryError and a read-only file system are OSErrors)
@@ -51,14 +50,6 @@ def expand_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
-# scripts/train_dit.py, finetune_sana.py, finetune_wan.py: config schema and task of each
-TRAIN_TASKS = {
-    "dit": (DiTRunConfig, DiTTask),
-    "sana": (SanaRunConfig, SanaTask),
-    "wan": (WanRunConfig, WanTask),
-}
-
-
 def parse_run_args(
     schema, description: str, default_config: str | None = None, argv: list[str] | None = None,
     parents: Sequence[argparse.ArgumentParser] = (),
@@ -80,32 +71,42 @@ def parse_run_args(
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # "Saving current state to ..."
     # (mhla_gen.train.checkpoint logs one line once a checkpoint is in place)
+    from .train.config import load_config
+
     return load_config(schema, args.config, args.overrides)
 
 
 def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
-    """``scripts/linearize.py``: ``--base dit|sana|wan`` picks the base model's config schema and task,
-    then stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
-    from .train.linearize import LINEARIZE_TASKS, TransferTask
+    """``scripts/linearize.py``: ``--base NAME`` picks the base record (its config schema and task), then
+    stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
+    from .bases import BASES
+    from .train.linearize import TransferTask, stage1_schema
+    from .train.loop import train
 
-    base = argparse.ArgumentParser(add_help=False)
-    base.add_argument("--base", choices=sorted(LINEARIZE_TASKS), default="dit",
-                      help="the model family: its config sections, data and conditioning (default: dit)")
-    schema, task_cls = LINEARIZE_TASKS[base.parse_known_args(argv)[0].base]
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--base", choices=sorted(n for n, b in BASES.items() if b.trains), default="dit",
+                        help="the model family: its config sections, data and conditioning (default: dit)")
+    base = BASES[parser.parse_known_args(argv)[0].base]
     description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
-    cfg = parse_run_args(schema, description, None, argv, parents=[base])
-    return train(cfg, TransferTask(cfg, task_cls(cfg)), callbacks)
+    cfg = parse_run_args(stage1_schema(base), description, None, argv, parents=[parser])
+    return train(cfg, TransferTask(cfg, base.task.load()(cfg)), callbacks)
 
 
 def train_main(
-    kind: str,
+    base: str,
     description: str,
     default_config: str | None = None,
     argv: list[str] | None = None,
     callbacks: Sequence[TrainCallback] = (),
 ) -> Path:
-    """The training scripts' ``main``: parse the command line into ``kind``'s config (``dit``, ``sana`` or
-    ``wan``), then :func:`~mhla_gen.train.loop.train` its task with ``callbacks``; returns ``final/``."""
-    schema, task_cls = TRAIN_TASKS[kind]
-    cfg = parse_run_args(schema, description, default_config, argv)
-    return train(cfg, task_cls(cfg), callbacks)
+    """The training scripts' ``main``: parse the command line into the run config of the base record named
+    ``base`` (``dit``, ``sana``, ``wan``, ...), then :func:`~mhla_gen.train.loop.train` its task with
+    ``callbacks``; returns ``final/``."""
+    from .bases import base_for
+    from .train.loop import train
+
+    record = base_for(base)
+    if not record.trains:
+        raise ValueError(f"base {base!r} has no training task yet (mhla_gen/bases/{base}.py: task=None)")
+    cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
+    return train(cfg, record.task.load()(cfg), callbacks)

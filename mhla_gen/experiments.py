@@ -37,15 +37,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .bases import base_for
 from .errors import ConfigError
 from .evidence import SAMPLE_SEED, DataScores
 from .folders import claim, file_record, owned
+from .loading import load_transformer
+from .locks import die_with_parent
 from .metrics.attention import attention_statistics, example_inputs
-from .serialization import load_transformer
 from .train.config import DiTRunConfig, load_config
 from .train.dit import DiTTask
 from .train.io import atomic_write_text, read_jsonl
-from .train.linearize import DiTLinearizeConfig, TransferTask
+from .train.linearize import TransferTask, stage1_schema
 from .train.loop import train
 from .validation_loss import bucket_means, triple_losses, validation_set
 
@@ -95,7 +97,7 @@ def stage1_report(job: Job) -> Path:
 def run_stage1(job: Job) -> dict:
     """The job's stage-1 run (``scripts/linearize.py``), unless its report exists; returns the report."""
     if not stage1_report(job).is_file():
-        cfg = load_config(DiTLinearizeConfig, job.config, [
+        cfg = load_config(stage1_schema(base_for("dit")), job.config, [
             *job.stage1, f"output_dir={job.stage1_dir}", f"seed={job.seed}", "resume=latest",
             "eval.fid_num_samples=0",
         ])
@@ -276,12 +278,13 @@ def _map(fn, jobs: list[Job], workers: int) -> None:
             fn(job)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with context.Pool(workers, initializer=_worker_init, maxtasksperchild=1) as pool:
+    with context.Pool(workers, initializer=_worker_init, initargs=(os.getpid(),), maxtasksperchild=1) as pool:
         for _ in pool.imap_unordered(fn, jobs):
             pass
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int | None = None) -> None:
+    die_with_parent(parent)  # Ctrl-C, SIGTERM or SIGKILL of the study: its workers stop too
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["TQDM_DISABLE"] = "1"  # progress bars of parallel workers would interleave
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Which files and folders are this project's, and the one rule every writer follows.
+"""Which files and folders are this project's, and the rules every writer follows (DESIGN.md §7).
 
 **A folder is ours only if we marked it.** A folder that mhla_gen creates (a training run's
 ``output_dir``, a latent or feature cache, a sample set, a model folder, a temporary ``.tmp-<name>``)
@@ -9,24 +9,37 @@ gets a marker file, ``.mhla_gen.json``, naming its *kind*. Names prove nothing: 
 * a folder marked with the same kind is ours: its files may be written and replaced;
 * a non-empty unmarked folder, a folder marked with another kind, or a file where a folder should be
   is refused with a :class:`ConfigError` naming the setting, before any work. A folder that an earlier
-  mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.adopt KIND FOLDER``.
+  mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.adopt KIND FOLDER``,
+  which proves its content (:mod:`mhla_gen.adopt`).
 
-A folder that is replaced *wholesale* (a cache rebuilt in a temporary sibling, a model folder) must in
-addition hold only entries a folder of its kind holds (:data:`KINDS`), so that a user's file put inside
-one of our folders is never deleted with it.
+**Delete only what you listed.** A writer removes or replaces only files its own listing names
+(``.mhla_gen.files.jsonl`` in the folder: relative path and byte size of each file it wrote,
+:func:`record_files` / :func:`seal`), never by pattern: :func:`remove_listed` leaves every other file
+alone, and a folder replaced *wholesale* (a cache rebuilt in a temporary sibling, a model folder) is
+refused by :func:`check_replaceable` when it holds a file its listing does not name (or a listed file
+whose size changed). A temporary ``.tmp-<name>`` folder is created empty and marked by the command that
+builds in it, so a leftover one of ours is removed as a whole.
+
+**Inputs and outputs apart.** :func:`check_apart` is the one check every entry point makes at start-up:
+no output folder is, contains or lies inside one of the command's inputs (teacher, start point, data,
+VAE, another run's cache, reference sets), compared as resolved real paths (symlinks followed).
+
+**One writer per folder.** :func:`claim` and :func:`fresh_temp` lock the folder they hand out
+(:mod:`mhla_gen.locks`); :func:`owned` refuses a folder another live command holds.
+
+**Recorded inputs cannot drift.** :func:`input_record` stores an input resolved and absolute with a
+fingerprint (sizes and a sampled hash of its weights); :func:`check_recorded` refuses one that moved or
+changed.
 
 **A single file is ours only if it carries our record**: JSON files written by the eval scripts hold
 ``{"mhla_gen": {"kind": ...}}`` and ``.npz`` files an array ``mhla_gen_kind`` (a record inside the file
 rather than a sidecar file beside it, so that it cannot be separated from the file it describes). An
 existing file without it is replaced only when the user says ``--overwrite``.
-
-:func:`check_apart` refuses an output that is, contains or lies inside an input (``--out`` = ``--data``
-would otherwise replace the data).
 """
 
 from __future__ import annotations
 
-import fnmatch
+import hashlib
 import json
 import logging
 import os
@@ -34,43 +47,27 @@ import shutil
 from pathlib import Path
 
 from .errors import ConfigError
+from .locks import LOCK, check_free, lock_folder, main_rank, release
 
 logger = logging.getLogger(__name__)
 
 MARKER = ".mhla_gen.json"
+LISTING = ".mhla_gen.files.jsonl"  # the files we wrote into a marked folder: {"name", "bytes"} per line
+BOOKKEEPING = frozenset({MARKER, LISTING, LOCK})  # our records, not content
 FILE_RECORD = "mhla_gen"  # key of the record in a JSON file; .npz: FILE_RECORD + "_kind"
 
-# kind -> what it is, and the entries (fnmatch patterns) a folder of that kind holds
-KINDS: dict[str, tuple[str, frozenset[str]]] = {
-    "run": (
-        "training run (output_dir)",
-        frozenset({"config.yaml", "metrics.jsonl", "checkpoints", "logs", "samples", "final", "cache",
-                   "attention_stats", ".tmp-*", ".config.yaml.*", ".metrics.jsonl.*"}),
-    ),
-    "latent_cache": (
-        "DiT latent cache", frozenset({"latents.npy", "labels.npy", "meta.json", "latents_trim.npy"})
-    ),
-    "feature_cache": ("SANA / Wan feature cache", frozenset({"items", "meta.json"})),
-    "teacher_data": (
-        "teacher-sampled training data",
-        frozenset({"latents.npy", "labels.npy", "meta.json", "parts", "[0-9]*.png", "[0-9]*.mp4",
-                   "[0-9]*.txt", ".[0-9]*.tmp.*"}),
-    ),
-    "samples": (
-        "evaluation sample set (eval/generate.py)",
-        frozenset({"config.yaml", "manifest.jsonl", "manifest.*.jsonl", "samples.npz",
-                   "[0-9][0-9][0-9][0-9][0-9][0-9].png", "[0-9][0-9][0-9][0-9][0-9][0-9].mp4",
-                   ".[0-9]*.tmp.png", ".[0-9]*.tmp.mp4", "metrics_*.json"}),
-    ),
-    "sample_outputs": ("scripts/sample.py output", frozenset({"*.png", "*.mp4"})),
-    "model": (
-        "transformer folder (save_pretrained)",
-        frozenset({"config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
-                   "mhla_lora.json"}),
-    ),
-    "attention_stats": ("attention statistics", frozenset({"attention_stats.json", "attention_stats.png"})),
-    "study": ("study (eval/study.py)", frozenset({"*"})),
-    "diffusers_tests": ("diffusers test export (scripts/diffusers_model_tests.py)", frozenset({"*"})),
+# kind -> what it is (python -m mhla_gen.adopt proves a folder's content per kind)
+KINDS: dict[str, str] = {
+    "run": "training run (output_dir)",
+    "latent_cache": "DiT latent cache",
+    "feature_cache": "SANA / Wan feature cache",
+    "teacher_data": "teacher-sampled training data",
+    "samples": "evaluation sample set (eval/generate.py)",
+    "sample_outputs": "scripts/sample.py output",
+    "model": "transformer folder (save_pretrained)",
+    "attention_stats": "attention statistics",
+    "study": "study (eval/study.py)",
+    "diffusers_tests": "diffusers test export (scripts/diffusers_model_tests.py)",
 }
 
 
@@ -78,27 +75,33 @@ def _resolved(path: str | Path) -> Path:
     return Path(path).expanduser().resolve()
 
 
+# ------------------------------------------------------------------------------ inputs and outputs
 def check_apart(
-    out: str | Path, out_setting: str, inputs: dict[str, str | Path | None], inside_ok: tuple[str, ...] = ()
+    out: str | Path, out_setting: str, inputs: dict[str, str | Path | None], inside_ok: tuple[str, ...] = (),
+    holds_ok: tuple[str, ...] = (),
 ) -> None:
-    """Raise ``ConfigError`` if ``out`` equals, contains or lies inside one of ``inputs`` (setting -> path);
-    lying inside is allowed for the settings in ``inside_ok`` (e.g. a cache inside the run folder)."""
+    """Raise ``ConfigError`` naming both settings if the output ``out`` is, contains or lies inside one
+    of ``inputs`` (setting -> local path; hub ids and absent paths cannot be harmed and are skipped).
+    Paths are compared resolved (``~`` expanded, symlinks followed). ``out`` may lie inside the inputs
+    named in ``inside_ok`` (a cache inside its run's output_dir) and hold those in ``holds_ok`` (a run
+    folder holding the cache it writes itself)."""
     target = _resolved(out)
     for setting, path in inputs.items():
-        if path is None or str(path) == "":
+        if path is None or str(path) == "" or not Path(path).expanduser().exists():
             continue
         other = _resolved(path)
         if target == other:
             relation = "is"
         elif other in target.parents and setting not in inside_ok:
             relation = "is inside"
-        elif target in other.parents:
+        elif target in other.parents and setting not in holds_ok:
             relation = "contains"
         else:
             continue
+        shown = f"{str(path)!r}" + (f" (= {str(other)!r})" if str(other) != str(path) else "")
         raise ConfigError(
-            f"{out_setting}={str(out)!r} {relation} {setting}={str(path)!r}: the output folder is "
-            f"replaced when rewritten, so it must be separate from the input; choose another folder"
+            f"{out_setting}={str(out)!r} {relation} {setting}={shown}, an input of this command: a command "
+            f"never writes where its inputs are; nothing was changed: choose another {out_setting}"
         )
 
 
@@ -120,7 +123,8 @@ def write_marker(folder: str | Path, kind: str, **record) -> None:
     (e.g. the classes a model was trained on)."""
     if kind not in KINDS:
         raise ValueError(f"unknown folder kind {kind!r}; known: {sorted(KINDS)}")
-    note = f"written by mhla_gen: this {KINDS[kind][0]} folder is managed by it (its files may be replaced)"
+    note = f"written by mhla_gen: this {KINDS[kind]} folder is managed by it (the files it lists may be " \
+        "replaced)"
     (Path(folder) / MARKER).write_text(json.dumps({"kind": kind, **record, "note": note}) + "\n")
 
 
@@ -128,22 +132,33 @@ def _listing(entries: list[str]) -> str:
     return ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
 
 
+def content(folder: str | Path) -> list[str]:
+    """The entries of ``folder`` besides our bookkeeping (marker, listing, lock), sorted."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name not in BOOKKEEPING)
+
+
 def owned(folder: str | Path, kind: str, setting: str) -> bool:
     """True when ``folder`` is a ``kind`` folder of ours, False when it is absent or empty (free to use).
 
     Raises:
-        ConfigError: naming ``setting``, for a file, a folder marked with another kind, or a non-empty
-            folder without our marker (whatever the names of its entries).
+        ConfigError: naming ``setting``, for a file, a symbolic link, a folder marked with another kind,
+            a non-empty folder without our marker (whatever the names of its entries), or a folder
+            another running command holds (its pid named).
     """
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
+    if folder.is_symlink():
+        raise ConfigError(
+            f"{setting}={str(folder)!r} is a symbolic link (to {str(folder.resolve())!r}); nothing was "
+            f"changed: give the folder itself, or a new path"
+        )
     if not folder.exists():
         return False
     if not folder.is_dir():
         raise ConfigError(f"{setting}={str(folder)!r} is a file, not a folder; choose another path")
-    entries = sorted(p.name for p in folder.iterdir())
-    if not entries:
-        return False
+    entries = content(folder)
     marker = read_marker(folder)
+    if not entries and marker is None:
+        return False
     if marker is None:
         raise ConfigError(
             f"{setting}={str(folder)!r} is not empty and was not written by mhla_gen (no {MARKER}; it holds "
@@ -153,34 +168,112 @@ def owned(folder: str | Path, kind: str, setting: str) -> bool:
     if marker.get("kind") != kind:
         raise ConfigError(
             f"{setting}={str(folder)!r} is a {marker.get('kind')} folder of mhla_gen, not a {kind} "
-            f"folder ({KINDS[kind][0]}); choose another folder"
+            f"folder ({KINDS[kind]}); choose another folder"
         )
+    if main_rank():  # the other ranks of a launch check while rank 0 holds the lock
+        check_free(folder, setting)
     return True
 
 
-def foreign_entries(folder: str | Path, kind: str) -> list[str]:
-    """Entries of ``folder`` that a ``kind`` folder does not hold (sorted names)."""
-    known = KINDS[kind][1]
-    return sorted(
-        p.name for p in Path(folder).iterdir()
-        if p.name != MARKER and not any(fnmatch.fnmatchcase(p.name, k) for k in known)
-    )
-
-
 def claim(folder: str | Path, kind: str, setting: str, **record) -> Path:
-    """Create ``folder`` (or accept it, see :func:`owned`) and mark it as a ``kind`` folder."""
-    folder = Path(folder)
+    """Create ``folder`` (or accept it, see :func:`owned`), mark it as a ``kind`` folder and hold its lock
+    (:func:`mhla_gen.locks.lock_folder`) until the command ends."""
+    folder = Path(folder).expanduser()
     was_ours = owned(folder, kind, setting)
     folder.mkdir(parents=True, exist_ok=True)
+    lock_folder(folder, setting)
     if not was_ours or record:
         kept = {k: v for k, v in (read_marker(folder) or {}).items() if k not in ("kind", "note")}
         write_marker(folder, kind, **{**kept, **record})
     return folder
 
 
+# ------------------------------------------------------------------------------------------ listings
+def _files(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` (relative posix path -> bytes), our bookkeeping left out."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if rel in BOOKKEEPING or path.is_dir():
+            continue
+        found[rel] = path.lstat().st_size
+    return found
+
+
+def record_files(folder: str | Path, *names: str, pending: bool = False) -> None:
+    """Add files of ``folder`` (relative names) to its listing, with their current size; ``pending``: a
+    name this command is about to write (listed before it exists, any size)."""
+    folder = Path(folder)
+    lines = "".join(
+        json.dumps({"name": name, "bytes": None if pending else (folder / name).stat().st_size}) + "\n"
+        for name in names
+    )
+    fd = os.open(folder / LISTING, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, lines.encode())  # one append: processes writing one folder do not interleave lines
+    finally:
+        os.close(fd)
+
+
+def listed(folder: str | Path) -> dict[str, int | None] | None:
+    """``{name: bytes}`` of the files ``folder``'s listing names (the last record of a name wins; None:
+    written but size unknown), or None when the folder has no listing."""
+    path = Path(folder) / LISTING
+    if not path.is_file():
+        return None
+    names: dict[str, int | None] = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            names[str(entry["name"])] = entry.get("bytes")
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line of a killed writer
+    return names
+
+
+def seal(folder: str | Path) -> None:
+    """List every file now in ``folder`` (a folder this command built from empty, e.g. a temporary sibling
+    before it is put in place): later commands may replace exactly these."""
+    folder = Path(folder)
+    (folder / LISTING).unlink(missing_ok=True)
+    files = _files(folder)
+    if files:
+        record_files(folder, *files)
+
+
+def unlisted(folder: str | Path) -> list[str]:
+    """Files under ``folder`` its listing does not name, or names with another size (relative paths)."""
+    names = listed(folder) or {}
+    return [rel for rel, size in _files(Path(folder)).items()
+            if rel not in names or names[rel] not in (None, size)]
+
+
+def remove_listed(folder: str | Path, setting: str) -> list[str]:
+    """Delete the files ``folder``'s listing names (those whose size still matches) and the folders they
+    leave empty; return what is left (entries of the user's), which the caller reports."""
+    folder = Path(folder)
+    names = listed(folder) or {}
+    for rel, size in names.items():
+        path = folder / rel
+        if path.is_file() and not path.is_symlink() and size in (None, path.stat().st_size):
+            path.unlink()
+    for rel in sorted({str(Path(r).parent) for r in names if Path(r).parent != Path(".")}, reverse=True):
+        try:
+            (folder / rel).rmdir()
+        except OSError:
+            pass  # not empty: it holds something we did not list
+    (folder / LISTING).unlink(missing_ok=True)
+    left = content(folder)
+    if left:
+        logger.warning("%s=%s: left untouched what mhla_gen did not write there: %s", setting, folder,
+                       _listing(left))
+    return left
+
+
+# ---------------------------------------------------------------------------- temporary siblings
 def temp_sibling(final: str | Path) -> Path:
     """``.tmp-<name>`` next to ``final``: where its replacement is built."""
-    final = Path(final)
+    final = Path(final).expanduser()
     return final.with_name(f".tmp-{final.name}")
 
 
@@ -192,73 +285,117 @@ def check_temp(final: str | Path, kind: str, setting: str) -> bool:
 
 
 def fresh_temp(final: str | Path, kind: str, setting: str) -> Path:
-    """An empty, marked sibling ``.tmp-<name>`` of ``final`` to build a replacement in.
+    """An empty, marked and locked sibling ``.tmp-<name>`` of ``final`` to build a replacement in.
 
-    A leftover temp folder of ours (an interrupted earlier run) is deleted and the command goes on; a
-    user's folder of that name is never touched (``ConfigError``)."""
+    A leftover temp folder of ours (an interrupted earlier run; it was created empty and marked by that
+    command) is deleted and the command goes on; a user's folder of that name is never touched
+    (``ConfigError``), nor one another running command builds in (its pid named)."""
     tmp = temp_sibling(final)
     if check_temp(final, kind, setting):
         logger.warning("removing %s, left by an interrupted earlier run", tmp)
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    write_marker(tmp, kind)
+    write_marker(tmp, kind, temporary=True)
+    lock_folder(tmp, f"{setting} (its temporary folder {tmp.name})")
     return tmp
 
 
-def check_replaceable(final: str | Path, kind: str, setting: str, vouched: bool = False) -> bool:
-    """Like :func:`owned`, and a ``kind`` folder of ours must also hold only entries of its kind (a
-    user's file inside it would be deleted with it). True when ``final`` exists and would be replaced.
-
-    ``vouched``: ``final`` is an entry of a folder of ours (a run's ``final/``), so that folder's marker
-    covers it even if it has none of its own (written before model folders were marked)."""
-    final = Path(final)
-    if vouched and final.is_dir() and read_marker(final) is None:
-        if not any(final.iterdir()):
-            return False
-    elif not owned(final, kind, setting):
+def check_replaceable(final: str | Path, kind: str, setting: str) -> bool:
+    """Like :func:`owned`, and a ``kind`` folder of ours must also hold only the files its listing names
+    (a user's file inside it would be deleted with it). True when ``final`` exists and would be replaced."""
+    final = Path(final).expanduser()
+    if not owned(final, kind, setting):
         return False
-    foreign = foreign_entries(final, kind)
+    if listed(final) is None and content(final):
+        raise ConfigError(
+            f"{setting}={str(final)!r} is a {KINDS[kind]} folder of mhla_gen without a list of the files it "
+            f"wrote (an earlier version); nothing was changed: list them with: python -m mhla_gen.adopt "
+            f"{kind} {final}, or choose another folder"
+        )
+    foreign = unlisted(final)
     if foreign:
         raise ConfigError(
-            f"{setting}={str(final)!r} is a {KINDS[kind][0]} folder of mhla_gen but also holds files it "
+            f"{setting}={str(final)!r} is a {KINDS[kind]} folder of mhla_gen but also holds files it "
             f"did not write ({_listing(foreign)}); it would be replaced as a whole: move those files first"
         )
     return True
 
 
-def replace_with(tmp: str | Path, final: str | Path, kind: str, setting: str, vouched: bool = False) -> Path:
-    """Put the finished ``tmp`` in place of ``final``, deleting the old ``final`` only if it is ours
-    (``vouched``: see :func:`check_replaceable`)."""
-    final = Path(final)
-    if check_replaceable(final, kind, setting, vouched):
-        shutil.rmtree(final)
-    elif final.is_dir():  # empty
+def replace_with(tmp: str | Path, final: str | Path, kind: str, setting: str) -> Path:
+    """Seal the finished ``tmp`` (list its files) and put it in place of ``final``, deleting the old
+    ``final`` only if it is ours and holds nothing but what it lists (:func:`check_replaceable`)."""
+    final = Path(final).expanduser()
+    seal(tmp)
+    if check_replaceable(final, kind, setting):
+        remove_listed(final, setting)
+        for leftover in (MARKER, LOCK):
+            (final / leftover).unlink(missing_ok=True)
+        final.rmdir()
+    elif final.is_dir():  # empty (or only a marker of ours)
+        for leftover in (MARKER, LOCK):
+            (final / leftover).unlink(missing_ok=True)
         final.rmdir()
     os.replace(tmp, final)
+    release(tmp)  # its lock (held on the folder, now at final) ends with the writing
     return final
 
 
-def adopt(folder: str | Path, kind: str) -> Path:
-    """Mark ``folder``, written by an mhla_gen without markers, as a ``kind`` folder (explicit, by the
-    user). Refuses a folder holding entries a ``kind`` folder does not hold."""
-    folder = Path(folder).expanduser()
-    if kind not in KINDS:
-        raise ConfigError(f"kind={kind!r} is not a folder kind of mhla_gen; choose one of {sorted(KINDS)}")
-    if not folder.is_dir():
-        raise FileNotFoundError(f"folder {str(folder)!r} does not exist")
-    marker = read_marker(folder)
-    if marker is not None:
-        if marker.get("kind") != kind:
-            raise ConfigError(f"{str(folder)!r} is already a {marker.get('kind')} folder of mhla_gen")
-        return folder
-    foreign = foreign_entries(folder, kind)
-    if foreign:
-        raise ConfigError(
-            f"{str(folder)!r} holds entries a {KINDS[kind][0]} folder does not ({_listing(foreign)}); "
-            f"not adopted"
-        )
-    write_marker(folder, kind, adopted=True)
-    return folder
+# ---------------------------------------------------------------------------------- recorded inputs
+WEIGHTS = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".json")  # what a model fingerprint reads
+_CHUNKS, _CHUNK = 16, 1 << 16  # sampled bytes per file: 16 x 64 KiB (a retrained model differs in each)
+
+
+def fingerprint(path: str | Path) -> dict:
+    """``{"bytes", "files", "sha256"}`` of a model file or folder: the names and sizes of its weight and
+    config files and a hash of ``_CHUNKS`` evenly spaced ``_CHUNK``-byte samples of each (whole small
+    files), so a moved, retrained or replaced model is noticed without reading gigabytes."""
+    path = _resolved(path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix in WEIGHTS and p.name not in BOOKKEEPING
+    )
+    digest, total = hashlib.sha256(), 0
+    for file in files:
+        size = file.stat().st_size
+        total += size
+        digest.update(f"{file.relative_to(path).as_posix() if file != path else file.name}:{size}\n".encode())
+        with open(file, "rb") as f:
+            if size <= _CHUNKS * _CHUNK:
+                digest.update(f.read())
+                continue
+            for k in range(_CHUNKS):
+                f.seek(k * (size - _CHUNK) // (_CHUNKS - 1))
+                digest.update(f.read(_CHUNK))
+    return {"bytes": total, "files": len(files), "sha256": digest.hexdigest()}
+
+
+def input_record(source: str | Path | None) -> dict | None:
+    """How an input is recorded with what it made: a local path resolved and absolute with its
+    :func:`fingerprint`, or a hub id as given (None for None)."""
+    if source is None or str(source) == "":
+        return None
+    local = Path(source).expanduser()
+    if not local.exists():
+        return {"hub": str(source)}
+    return {"path": str(local.resolve()), **fingerprint(local)}
+
+
+def check_recorded(record: dict | None, what: str, fix: str) -> str:
+    """The path of the input ``record`` (:func:`input_record`) describes, after checking it is still
+    there and unchanged; ``ConfigError`` naming ``what`` and the way out ``fix`` otherwise."""
+    if not isinstance(record, dict) or not ("path" in record or "hub" in record):
+        raise ConfigError(f"{what} is recorded without its resolved path and fingerprint (written by an "
+                          f"earlier mhla_gen); {fix}")
+    if "hub" in record:
+        return record["hub"]
+    path = Path(record["path"])
+    if not path.exists():
+        raise ConfigError(f"{what} {record['path']!r} no longer exists (moved or deleted); {fix}")
+    now = fingerprint(path)
+    if any(now[k] != record.get(k) for k in ("bytes", "files", "sha256")):
+        was = f"{record.get('bytes')} bytes, hash {str(record.get('sha256'))[:12]}"
+        raise ConfigError(f"{what} {record['path']!r} has changed since it was recorded (its weights differ: "
+                          f"{was} -> {now['bytes']} bytes, hash {now['sha256'][:12]}); {fix}")
+    return record["path"]
 
 
 # -------------------------------------------------------------------------------------- single files

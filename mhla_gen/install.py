@@ -2,10 +2,10 @@
 
 ``install_mhla(transformer, cfg)`` swaps the processor of the selected self-attention layers for the
 base model's MHLA processor (an ``nn.Module``, so its parameters live in ``transformer.state_dict()``
-and ``save_pretrained`` writes them; its class, found by ``processors.processor_class_for``, says which
-layers those are and how each call's grid reaches it), adds the hooks that hand each layer the token
-grid of its own call (``processors/grid.py``) plus a forward pre-hook that checks the latent against the
-blocks before any work, and records the config in two places:
+and ``save_pretrained`` writes them; its class, from the model's base record (``bases.base_for_model``),
+says which layers those are and how each call's grid reaches it), adds the hooks that hand each layer
+the token grid of its own call (``processors/grid.py``) plus a forward pre-hook that checks the latent
+against the blocks before any work, and records the config in two places:
 
 - ``transformer.mhla_config``: the :class:`MHLAConfig` object;
 - ``transformer.config["mhla"]``: its dict, registered with diffusers' ``register_to_config`` so that
@@ -21,8 +21,9 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
+from .bases import base_for_model
 from .config import MHLAConfig
-from .processors import MHLAProcessor, processor_class_for
+from .processors import MHLAProcessor
 from .processors.grid import check_grid, latent_from_call
 
 CONFIG_KEY = "mhla"
@@ -55,7 +56,7 @@ def _check_latent(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
     A module-level function that looks everything up on ``transformer`` (no closure), so a
     ``copy.deepcopy`` of the model (e.g. an EMA copy) keeps working hooks.
     """
-    grid = processor_class_for(transformer).latent_grid(transformer, latent_from_call(args, kwargs))
+    grid = base_for_model(transformer).processor.latent_grid(transformer, latent_from_call(args, kwargs))
     check_grid(grid, transformer.mhla_config.blocks)
 
 
@@ -94,7 +95,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
     """
     if not isinstance(cfg, MHLAConfig):
         raise ValueError(f"cfg must be an MHLAConfig, got {type(cfg).__name__}")
-    processor_cls = processor_class_for(transformer)
+    processor_cls = base_for_model(transformer).processor
     if len(cfg.blocks) != processor_cls.grid_ndim:
         raise ValueError(
             f"{type(transformer).__name__} has a {processor_cls.grid_ndim}D token grid but MHLA blocks "
@@ -128,7 +129,7 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     """
     if not is_mhla_installed(transformer):
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}")
-    processor_cls = processor_class_for(transformer)
+    processor_cls = base_for_model(transformer).processor
     for attn in processor_cls.self_attention(transformer):
         if isinstance(attn.processor, MHLAProcessor):
             processor = processor_cls.stock_processor()

@@ -38,8 +38,8 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
+from .bases import base_for_class_name
 from .install import CONFIG_KEY, is_mhla_installed, mhla_parameters
-from .processors import processor_class_for_name
 from .serialization import load_mhla_parameters, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    processor_cls = processor_class_for_name(manifest["class_name"])
+    processor_cls = base_for_class_name(manifest["class_name"]).processor
     if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
         logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
     base = base or manifest["base"]

@@ -30,9 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .bases import base_for_class_name, base_for_model
 from .config import MHLAConfig
 from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters
-from .processors import processor_class_for, processor_class_for_name
 
 METADATA_CONFIG_KEY = "mhla_config"
 METADATA_BASE_KEY = "mhla_base"
@@ -94,7 +94,7 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
     mhla = config.pop(CONFIG_KEY, None)
-    processor_cls = processor_class_for_name(config.get("_class_name"))
+    processor_cls = base_for_class_name(config.get("_class_name")).processor
 
     # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
     with init_empty_weights(include_buffers=False):
@@ -107,16 +107,6 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
     if device is not None:
         model = model.to(device)
     return model.eval()
-
-
-def __getattr__(name: str):
-    """``mhla_gen.serialization.load_transformer``, the name's home before :mod:`mhla_gen.loading`,
-    still works. Looked up on use: ``loading`` imports this module, so importing it here would be a cycle."""
-    if name == "load_transformer":
-        from .loading import load_transformer
-
-        return load_transformer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -156,7 +146,7 @@ def save_mhla_parameters(transformer: nn.Module, file) -> None:
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}; nothing to save")
     metadata = {
         METADATA_CONFIG_KEY: json.dumps(transformer.mhla_config.to_dict()),
-        METADATA_BASE_KEY: processor_class_for(transformer).base_name,
+        METADATA_BASE_KEY: base_for_model(transformer).processor.base_name,
     }
     state, sharded = _gathered_mhla_state(transformer)
     writer = not sharded or torch.distributed.get_rank() == 0
@@ -190,7 +180,7 @@ def load_mhla_parameters(transformer: nn.Module, file) -> nn.Module:
     the same config. The pretrained (non-MHLA) weights are untouched. Returns ``transformer``.
     """
     cfg = read_mhla_config(file)
-    base = processor_class_for(transformer).base_name
+    base = base_for_model(transformer).processor.base_name
     with safe_open(Path(file), framework="pt") as f:
         saved_base = (f.metadata() or {}).get(METADATA_BASE_KEY, base)
     if saved_base != base:

@@ -34,9 +34,10 @@ import dataclasses
 import torch
 from torch import nn
 
+from .bases import base_for_model
 from .config import MHLAConfig
 from .install import install_mhla
-from .processors import MHLAProcessor, processor_class_for
+from .processors import MHLAProcessor
 
 TRAINABLE = ("mhla", "mhla+qk", "all")
 
@@ -49,7 +50,7 @@ def relative_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor
 
 def converted_layers(transformer: nn.Module) -> dict[int, nn.Module]:
     """``{layer index: attention module}`` of the self-attention layers that run MHLA."""
-    layers = processor_class_for(transformer).self_attention(transformer)
+    layers = base_for_model(transformer).processor.self_attention(transformer)
     return {i: attn for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)}
 
 
@@ -70,7 +71,7 @@ class TransferHooks:
         self.layers = converted_layers(transformer)
         if not self.layers:
             raise ValueError("no MHLA layers to train: install MHLA on the layers to convert first")
-        stock = processor_class_for(transformer).stock_processor
+        stock = base_for_model(transformer).processor.stock_processor
         self.teachers: dict[int, nn.Module | object] = {}
         for index, attn in self.layers.items():
             if trainable == "mhla":  # same projections: the stock processor on the same module
@@ -175,7 +176,7 @@ def finalize(transformer: nn.Module, softmax_layers: list[int]) -> nn.Module:
     kept = [i for i in trained if i not in softmax_layers]
     cfg: MHLAConfig = transformer.mhla_config
     install_mhla(transformer, dataclasses.replace(cfg, layers=cfg.layers if kept == list(trained) else kept))
-    layers = processor_class_for(transformer).self_attention(transformer)
+    layers = base_for_model(transformer).processor.self_attention(transformer)
     for i in kept:
         layers[i].processor.load_state_dict(trained[i])
     return transformer

@@ -17,7 +17,15 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.convert_wan import convert_wan_checkpoint
-from mhla_gen.folders import check_apart, check_replaceable, check_temp, fresh_temp, replace_with
+from mhla_gen.folders import (
+    check_apart,
+    check_replaceable,
+    check_temp,
+    fresh_temp,
+    input_record,
+    replace_with,
+    write_marker,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,6 +57,7 @@ def main(argv=None) -> None:
     )
     tmp = fresh_temp(args.out, "model", "--out")  # save_pretrained only ever sees a folder of its own
     transformer.save_pretrained(tmp)
+    write_marker(tmp, "model", converted_from=input_record(args.checkpoint))  # recorded, resolved
     replace_with(tmp, args.out, "model", "--out")
     cfg = transformer.mhla_config
     layers = "all" if cfg.layers is None else cfg.layers

@@ -1,11 +1,11 @@
-"""Run diffusers' own model test suites for DiT, SANA and Wan, stock and with MHLA installed.
+"""Run diffusers' own model test suites of every base (DiT, SANA, Wan), stock and with MHLA installed.
 
 diffusers' tests are not part of the pip package and are not vendored here. This script copies the
 few files they need out of a diffusers git checkout (or bare git dir) into ``--out``, adds a pytest
-plugin that wraps ``__init__`` of ``DiTTransformer2DModel`` / ``SanaTransformer2DModel`` /
-``WanTransformer3DModel`` so every model the tests build (constructors, ``from_config``,
-``from_pretrained``) gets MHLA with CPE and gate in every layer, runs each suite twice (stock, MHLA)
-and prints pass / fail / skip counts plus every test whose outcome differs.
+plugin that wraps ``__init__`` of every base's transformer class (``DiTTransformer2DModel``,
+``SanaTransformer2DModel``, ``WanTransformer3DModel``, ...) so every model the tests build
+(constructors, ``from_config``, ``from_pretrained``) gets MHLA with CPE and gate in every layer, runs
+each suite twice (stock, MHLA) and prints pass / fail / skip counts plus every test whose outcome differs.
 
     python scripts/diffusers_model_tests.py --diffusers PATH/to/diffusers [--rev v0.42.1] [--out DIR]
 
@@ -21,14 +21,13 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from mhla_gen.bases import BASES
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
-from mhla_gen.folders import claim
+from mhla_gen.folders import check_apart, claim
 
-SUITES = {
-    "dit": "tests/models/transformers/test_models_dit_transformer2d.py",
-    "sana": "tests/models/transformers/test_models_transformer_sana.py",
-    "wan": "tests/models/transformers/test_models_transformer_wan.py",
-}
+# each base record's diffusers test suite (Base.diffusers_tests)
+SUITES = {name: base.diffusers_tests for name, base in BASES.items() if base.diffusers_tests}
 SUPPORT = [
     "tests/__init__.py",
     "tests/conftest.py",
@@ -38,19 +37,18 @@ SUPPORT = [
     "tests/models/transformers/__init__.py",
 ]
 
-PLUGIN = '''"""Every DiT / SANA / Wan transformer built in the run gets MHLA (CPE 3, gate) in every layer."""
+PLUGIN = '''"""Every base's transformer built in the run gets MHLA (CPE 3, gate) in every layer."""
 import functools
 
 import torch
-from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
 
 from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.bases import BASES
 from mhla_gen.processors.base import MHLAProcessor
 
 CONFIGS = {
-    DiTTransformer2DModel: MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
-    SanaTransformer2DModel: MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
-    WanTransformer3DModel: MHLAConfig(blocks=(2, 2, 2), cpe_kernel=3, gate=True),
+    base.transformer_class: MHLAConfig(blocks=(2,) * base.grid.ndim, cpe_kernel=3, gate=True)
+    for base in BASES.values()
 }
 for cls, cfg in CONFIGS.items():
     def __init__(self, *args, _original=cls.__init__, _cfg=cfg, **kwargs):
@@ -106,14 +104,16 @@ def outcomes(xml: Path) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--diffusers", type=Path, required=True, help="diffusers git checkout or bare git dir"
+        "--diffusers", type=expand_path, required=True, help="diffusers git checkout or bare git dir"
     )
     parser.add_argument(
         "--rev", default="HEAD", help="diffusers revision, ideally the installed version's tag"
     )
-    parser.add_argument("--out", type=Path, default=Path("/tmp/difftests"))
+    parser.add_argument("--out", type=expand_path, default="/tmp/difftests")
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     args = parser.parse_args()
+    args.diffusers, args.out = Path(args.diffusers), Path(args.out)
+    check_apart(args.out, "--out", {"--diffusers": args.diffusers})
     claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
     export(args.diffusers, args.rev, args.out)
     env = {**os.environ, "PYTHONPATH": str(args.out), "HF_HUB_OFFLINE": "1"}

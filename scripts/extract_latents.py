@@ -16,6 +16,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 from mhla_gen.errors import ConfigError
+from mhla_gen.folders import input_record
 
 
 def positive_int(text: str) -> int:
@@ -51,9 +52,14 @@ def main(argv=None):
     from diffusers import AutoencoderKL
 
     # before any work: --out must not overlap --data nor hold files of its own
-    check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data})
+    check_cache_target(LATENT_CACHE, args.out, "--out", {"--data": args.data, "--vae": args.vae})
     dataset = ClassFolderDataset(args.data, args.resolution, "--data")
     try:
+        config = AutoencoderKL.load_config(args.vae, subfolder=args.vae_subfolder)
+        factor = 2 ** (len(config["block_out_channels"]) - 1)  # the VAE's downsampling
+        if args.resolution % factor:
+            raise ConfigError(f"--resolution {args.resolution} is not a multiple of the VAE's downsampling "
+                              f"factor {factor}: the latents would not cover the image exactly")
         vae = AutoencoderKL.from_pretrained(args.vae, subfolder=args.vae_subfolder)
     except OSError as err:
         raise ConfigError(f"--vae {args.vae!r} cannot be loaded: {err}") from None
@@ -67,6 +73,8 @@ def main(argv=None):
     meta = {
         "vae": str(Path(args.vae).resolve()) if Path(args.vae).exists() else args.vae,  # checked by train_dit
         "vae_subfolder": args.vae_subfolder,
+        "vae_record": input_record(args.vae),  # resolved, with a fingerprint of its weights
+        "data": str(Path(args.data).resolve()),
         "resolution": args.resolution,
         "scaling_factor": vae.config.scaling_factor,
         "classes": dataset.classes,

@@ -9,7 +9,9 @@
 
 ``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;
 ``--transformer`` an MHLA transformer saved with ``save_pretrained`` (default: ``--model``'s own).
-Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 per prompt for Wan.
+Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 per prompt for video bases.
+What each base takes (labels or prompts, sizes) and how its pipeline is called is its record's
+(``mhla_gen.bases``; the sampling call: ``mhla_gen.pipelines.<base>``).
 ``--out`` must be new, empty or a folder this script wrote; files of an earlier call with the same names
 are replaced only with ``--overwrite``.
 """
@@ -23,14 +25,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from mhla_gen.bases import BASES, base_for
 from mhla_gen.cli import expand_path, run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import claim, owned
-from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline, trained_num_classes
+from mhla_gen.folders import check_apart, claim, owned
+from mhla_gen.pipelines import SampleSettings
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
-WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,21 +43,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--model", required=True, type=expand_path,
                         help="diffusers pipeline folder or hub id")
-    parser.add_argument("--base", required=True, choices=["dit", "sana", "wan"])
+    parser.add_argument("--base", required=True, choices=sorted(BASES))
     parser.add_argument("--transformer", default=None, type=expand_path,
                         help="saved MHLA transformer folder (e.g. run/final)")
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="install fresh MHLA with these blocks into a stock transformer (untrained)")
-    parser.add_argument("--labels", type=int, nargs="+", default=None, help="DiT class labels")
-    parser.add_argument("--prompt", nargs="+", default=None, help="SANA / Wan prompts")
+    parser.add_argument("--labels", type=int, nargs="+", default=None,
+                        help="class labels (class-conditional bases: DiT)")
+    parser.add_argument("--prompt", nargs="+", default=None, help="prompts (text-conditional bases)")
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--height", type=int, default=None,
-                        help="pixels (default: the model's size for DiT and SANA, 480 x 832 for Wan)")
+                        help="pixels (default: the model's size for images, 480 x 832 for Wan)")
     parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--frames", type=int, default=81, help="Wan video length")
+    parser.add_argument("--frames", type=int, default=81, help="video length (video bases)")
     parser.add_argument("--fps", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -65,13 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replace files of an earlier call with the same names in --out")
     args = parser.parse_args(argv)
 
-    if args.base == "dit" and not args.labels:
-        parser.error("--base dit needs --labels (class ids)")
-    if args.base != "dit" and not args.prompt:
+    base = base_for(args.base)
+    if base.class_conditional and not args.labels:
+        parser.error(f"--base {args.base} needs --labels (class ids)")
+    if not base.class_conditional and not args.prompt:
         parser.error(f"--base {args.base} needs --prompt")
-    if args.base == "dit" and args.prompt:
-        parser.error("DiT is class-conditional: use --labels, not --prompt")
-    if args.base != "dit" and args.labels:
+    if base.class_conditional and args.prompt:
+        parser.error(f"--base {args.base} is class-conditional: use --labels, not --prompt")
+    if not base.class_conditional and args.labels:
         parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -106,113 +110,65 @@ def image_grid(images: list[Image.Image], max_cols: int = 8) -> Image.Image:
     return grid
 
 
-def sample_dit(args, mhla, dtype) -> list[Image.Image]:
-    pipe = load_dit_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
-    check_class_labels(pipe.transformer, args.labels, args.guidance, trained_classes(args))
-    if args.height is not None or args.width is not None:
-        # DiTPipeline draws latents of transformer.config.sample_size; DiT's unpatchify needs squares
-        height, width = args.height or args.width, args.width or args.height
-        scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        multiple = scale * pipe.transformer.config.patch_size
-        if height != width or height % multiple:
-            raise ValueError(
-                f"DiT samples square images whose side is a multiple of {multiple} (VAE x patch); "
-                f"got {height}x{width}"
-            )
-        pipe.transformer.register_to_config(sample_size=height // scale)
+def settings(args) -> SampleSettings:
+    return SampleSettings(steps=args.steps, guidance=args.guidance, height=args.height, width=args.width,
+                          frames=args.frames, negative_prompt=args.negative_prompt)
+
+
+def conditions(args) -> list:
+    """The class labels or prompts to sample."""
+    return args.labels if base_for(args.base).class_conditional else args.prompt
+
+
+def load(args, mhla, dtype):
+    """The base's pipeline (its record's sampler), its labels checked, its size fitted."""
+    sampler = base_for(args.base).sampler.load()
+    pipe = sampler.load(args.model, mhla, dtype, args.device, args.transformer)
+    sampler.check_conditions(pipe, conditions(args), args.guidance, trained_classes(args))
+    return sampler, pipe, sampler.fit_size(pipe, settings(args))
+
+
+def sample_images(args, mhla, dtype) -> list[Image.Image]:
+    sampler, pipe, fitted = load(args, mhla, dtype)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    return pipe(
-        class_labels=args.labels,
-        guidance_scale=args.guidance,
-        num_inference_steps=args.steps,
-        generator=generator,
-    ).images
+    return sampler.sample(pipe, conditions(args), generator, fitted)
 
 
-def sample_sana(args, mhla, dtype) -> list[Image.Image]:
-    from mhla_gen.pipelines.sana import load_sana_pipeline  # imports the text encoder: only when used
-
-    pipe = load_sana_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
-    size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
-    generator = torch.Generator(args.device).manual_seed(args.seed)
-    return pipe(
-        prompt=args.prompt,
-        negative_prompt=[args.negative_prompt] * len(args.prompt),
-        height=args.height or size,
-        width=args.width or size,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        generator=generator,
-        use_resolution_binning=False,
-    ).images
-
-
-def sample_wan(args, mhla, dtype, out: Path) -> list[Path]:
+def sample_videos(args, mhla, dtype, out: Path) -> list[Path]:
+    """One MP4 per prompt, prompt ``i`` with seed ``seed + i``."""
     from diffusers.utils import export_to_video
 
-    from mhla_gen.pipelines.wan import load_wan_pipeline  # imports the text encoder: only when used
-
-    pipe = load_wan_pipeline(args.model, mhla, dtype, args.device, transformer_path=args.transformer)
-    height, width = check_wan_size(args, pipe)
+    sampler, pipe, fitted = load(args, mhla, dtype)
     paths = []
     for i, prompt in enumerate(args.prompt):
         generator = torch.Generator(args.device).manual_seed(args.seed + i)
-        frames = pipe(
-            prompt=prompt,
-            negative_prompt=args.negative_prompt,
-            height=height,
-            width=width,
-            num_frames=args.frames,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            generator=generator,
-        ).frames[0]
+        frames = sampler.sample(pipe, [prompt], generator, fitted)[0]
         path = out / output_names(args)[i]
         paths.append(Path(export_to_video(frames, str(path), fps=args.fps)))
     return paths
 
 
-def check_wan_size(args, pipe) -> tuple[int, int]:
-    """``(height, width)`` for Wan (default 480 x 832), refused when the VAE and patch cannot tile it or
-    its token grid exceeds the model's rotary table (``rope_max_seq_len``)."""
-    height, width = args.height or WAN_DEFAULT_SIZE[0], args.width or WAN_DEFAULT_SIZE[1]
-    config = pipe.transformer.config
-    _, ph, pw = config.patch_size
-    spatial = pipe.vae_scale_factor_spatial
-    for name, value, patch in (("height", height, ph), ("width", width, pw)):
-        if value % (spatial * patch):
-            raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} (VAE {spatial}x, "
-                              f"patch {patch})")
-        if value // (spatial * patch) > config.rope_max_seq_len:
-            raise ConfigError(
-                f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
-                f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len={config.rope_max_seq_len}; "
-                f"pass a smaller --height/--width"
-            )
-    if (args.frames - 1) % pipe.vae_scale_factor_temporal:
-        raise ConfigError(f"--frames {args.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
-    return height, width
-
-
 def trained_classes(args) -> int | None:
-    """The classes the DiT was trained on, where its folder records them (training runs do)."""
-    return trained_num_classes(args.transformer or Path(args.model) / "transformer")
+    """The classes a class-conditional model was trained on, where its folder records them."""
+    sampler = base_for(args.base).sampler.load()
+    return sampler.trained_classes(args.transformer or Path(args.model) / "transformer")
 
 
 def check_labels(args) -> None:
-    """DiT labels against the classes the model was trained on, before anything is loaded."""
-    num_classes = trained_classes(args) if args.base == "dit" else None
+    """Labels against the classes the model was trained on, before anything is loaded."""
+    num_classes = trained_classes(args) if args.labels else None
     bad = [label for label in args.labels or [] if num_classes is not None and not 0 <= label < num_classes]
     if bad:
         raise ConfigError(f"--labels {bad}: the model was trained on classes 0..{num_classes - 1}")
 
 
 def output_names(args) -> list[str]:
-    """The files this call writes into ``--out``: one MP4 per prompt (Wan), or one PNG per image and
+    """The files this call writes into ``--out``: one MP4 per prompt (video), or one PNG per image and
     the grid."""
-    if args.base == "wan":
-        return [f"wan_seed{args.seed + i}_{i:02d}.mp4" for i in range(len(args.prompt))]
-    names = args.labels if args.base == "dit" else range(len(args.prompt))
+    base = base_for(args.base)
+    if base.video:
+        return [f"{base.name}_seed{args.seed + i}_{i:02d}.mp4" for i in range(len(args.prompt))]
+    names = args.labels if base.class_conditional else range(len(args.prompt))
     images = [f"{args.base}_seed{args.seed}_{i:02d}_{name}.png" for i, name in enumerate(names)]
     return [*images, f"{args.base}_seed{args.seed}_grid.png"]
 
@@ -221,6 +177,7 @@ def prepare_out(args) -> Path:
     """Claim ``--out`` (new, empty or written by this script) and refuse to replace earlier samples with
     the same names unless ``--overwrite``: before any model is loaded."""
     out = Path(args.out)
+    check_apart(out, "--out", {"--model": args.model, "--transformer": args.transformer})
     owned(out, OUTPUT_KIND, "--out")
     existing = [name for name in output_names(args) if (out / name).exists()]
     if existing and not args.overwrite:
@@ -241,11 +198,11 @@ def main(argv=None) -> None:
     check_labels(args)
     out = prepare_out(args)
 
-    if args.base == "wan":
-        for path in sample_wan(args, mhla, dtype, out):
+    if base_for(args.base).video:
+        for path in sample_videos(args, mhla, dtype, out):
             print(f"wrote {path}")
         return
-    images = sample_dit(args, mhla, dtype) if args.base == "dit" else sample_sana(args, mhla, dtype)
+    images = sample_images(args, mhla, dtype)
     *names, grid_name = output_names(args)
     for image, name in zip(images, names):
         image.save(out / name)

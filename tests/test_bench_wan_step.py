@@ -1,4 +1,4 @@
-"""scripts/bench_wan_step.py (issue 13's Wan2.1-1.3B denoising-step benchmark) end to end on a tiny Wan,
+"""benchmarks/bench_wan_step.py (issue 13's Wan2.1-1.3B denoising-step benchmark) end to end on a tiny Wan,
 plus its full-size config and presets checked on the meta device (no weights, no compute). Timings are not
 checked: they belong to the script's own GPU run."""
 
@@ -22,7 +22,7 @@ TINY_ARGS = ["--tiny", "--frames", "5", "--height", "32", "--width", "48", "--ba
 
 
 def load_script():
-    path = ROOT / "scripts" / "bench_wan_step.py"
+    path = ROOT / "benchmarks" / "bench_wan_step.py"
     spec = importlib.util.spec_from_file_location("scripts_bench_wan_step", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -49,7 +49,7 @@ def test_tiny_run_prints_the_three_variants(bench, capsys, tmp_path):
     report = bench.main([*TINY_ARGS, "--out", str(out_file)])
     out = capsys.readouterr().out
     assert "token grid (2, 2, 3)" in out and "dtype fp32" in out and f"torch {torch.__version__}" in out
-    assert "Command: `python scripts/bench_wan_step.py --tiny --frames 5" in out
+    assert "Command: `python benchmarks/bench_wan_step.py --tiny --frames 5" in out
     rows = _table_rows(out)
     assert list(rows) == ["stock", "mhla-hybrid", "mhla"]
     # MHLA / softmax layers (the tiny model has 3; the hybrid keeps layer 0 softmax, as i % 3 == 0)

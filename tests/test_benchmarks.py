@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -111,7 +111,7 @@ def test_bench_attention_writes_rows(tmp_path):
     """A subprocess: on CPU the script measures memory in a spawned child, which must import it by path."""
     out = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--device", "cpu", "--repeats", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--device", "cpu", "--repeats", "1",
          "--sizes", "64", "--blocks", "1", "4", "--heads", "2", "--dim", "8", "--threads", "1",
          "--out", str(out)],
         check=True, timeout=300,
@@ -160,7 +160,7 @@ def test_bench_attention_peak_memory_ignores_kept_memory_tunables():
     env = {**os.environ,
            "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"}
     result = subprocess.run(
-        [sys.executable, "-c", _PEAK_SNIPPET, str(ROOT / "scripts" / "bench_attention.py")],
+        [sys.executable, "-c", _PEAK_SNIPPET, str(ROOT / "benchmarks" / "bench_attention.py")],
         env=env, check=True, timeout=120, capture_output=True, text=True,
     )
     assert 95 < float(result.stdout.split()[-1]) < 110

@@ -18,9 +18,10 @@ def schema_for(path: Path):
     """The config class a YAML is for: its name's first word (``dit``, ``sana``, ``wan``); stage-1 configs
     live in configs/linearize/."""
     if path.parent.name == "linearize":
-        from mhla_gen.train.linearize import LINEARIZE_TASKS
+        from mhla_gen.bases import base_for
+        from mhla_gen.train.linearize import stage1_schema
 
-        return LINEARIZE_TASKS[path.stem.split("_")[0]][0]
+        return stage1_schema(base_for(path.stem.split("_")[0]))
     return SCHEMAS[path.stem.split("_")[0]]
 
 
@@ -161,3 +162,15 @@ def test_training_yamls_list_only_deviations(path):
         if default == value or (isinstance(default, (list, tuple)) and list(default) == value):
             repeated.append(key)
     assert not repeated, f"{path.name} repeats defaults: {repeated}"
+
+
+def test_one_start_key_for_every_base():
+    """``model.init_from`` names the transformer to start from for every base; SANA / Wan's old
+    ``model.transformer`` maps onto it with a warning, and the two may not disagree."""
+    for schema in (DiTRunConfig, SanaRunConfig, WanRunConfig):
+        assert load_config(schema, None, ["model.init_from=runs/x/final"]).model.init_from == "runs/x/final"
+    with pytest.warns(FutureWarning, match="model.transformer is now model.init_from"):
+        cfg = load_config(SanaRunConfig, None, ["model.transformer=runs/x/final"])
+    assert (cfg.model.init_from, cfg.model.transformer) == ("runs/x/final", None)
+    with pytest.raises(ValueError, match="model.transformer='a'.*model.init_from='b' disagree"):
+        load_config(WanRunConfig, None, ["model.transformer=a", "model.init_from=b"])

@@ -24,7 +24,7 @@ from mhla_gen.convert_wan import (
     original_to_diffusers_key,
 )
 from mhla_gen.install import install_mhla, mhla_processors
-from mhla_gen.serialization import load_transformer
+from mhla_gen.loading import load_transformer
 from mhla_gen.testing_wan import TEXT_DIM, TINY_WAN_CONFIG, tiny_wan_transformer
 
 RELEASE_BLOCKS = (3, 5, 10)

@@ -7,14 +7,9 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters, uninstall_mhla
-from mhla_gen.processors import (
-    PROCESSOR_CLASSES,
-    DiTMHLAProcessor,
-    SanaMHLAProcessor,
-    WanMHLAProcessor,
-    processor_class_for,
-    processor_class_for_name,
-)
+from mhla_gen.bases import BASES as BASE_RECORDS
+from mhla_gen.bases import base_for_class_name, base_for_model
+from mhla_gen.processors import DiTMHLAProcessor, SanaMHLAProcessor, WanMHLAProcessor
 from mhla_gen.processors.base import MHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import sana_forward as sana_call
@@ -131,9 +126,9 @@ def test_unsupported_model_raises():
 )
 def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
     model = factory()
-    assert processor_cls in PROCESSOR_CLASSES
-    assert processor_class_for(model) is processor_cls
-    assert processor_class_for_name(type(model).__name__) is processor_cls
+    assert processor_cls in [base.processor for base in BASE_RECORDS.values()]
+    assert base_for_model(model).processor is processor_cls
+    assert base_for_class_name(type(model).__name__).processor is processor_cls
     stock = type(processor_cls.stock_processor())  # what a fresh model's self-attention layers run
     layers = processor_cls.self_attention(model)
     assert [type(attn.processor) for attn in layers] == [stock] * model.config.num_layers
@@ -142,7 +137,7 @@ def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
 def test_unsupported_class_name_raises():
     supported = r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'WanTransformer3DModel'\]"
     with pytest.raises(ValueError, match=rf"model class 'UNet2DModel'; supported models: {supported}"):
-        processor_class_for_name("UNet2DModel")
+        base_for_class_name("UNet2DModel")
 
 
 @pytest.mark.parametrize("factory, call", BASES)

@@ -115,7 +115,7 @@ def sana_setup(tmp_path_factory):
 
 def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sana_setup, tmp_path):
     """SANA's teacher is its global linear attention: with uniform mixing (eps / M) the converted model
-    starts at zero error; the folder then feeds finetune_sana.py's model.transformer and the pipeline."""
+    starts at zero error; the folder then feeds finetune_sana.py's model.init_from and the pipeline."""
     from mhla_gen.pipelines.sana import load_sana_pipeline
 
     common = ["--config", TINY["sana"], f"model.pretrained={sana_setup / 'ckpt'}",
@@ -125,7 +125,7 @@ def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sa
     report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
     assert max(report["errors_before"].values()) < 1e-10
     run_inprocess("finetune_sana.py", *common, f"output_dir={tmp_path / 's2'}",
-                  f"model.transformer={tmp_path / 's1' / 'final'}", "train.distill.attention_weight=1")
+                  f"model.init_from={tmp_path / 's1' / 'final'}", "train.distill.attention_weight=1")
     pipe = load_sana_pipeline(sana_setup / "ckpt", transformer_path=tmp_path / "s2" / "final")
     assert pipe.transformer.mhla_config.mixing_init == "uniform"
     assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "s2"))

@@ -40,7 +40,7 @@ def reference_run(tmp_path_factory):
 
 def test_run_writes_everything(reference_run):
     from mhla_gen import MHLAConfig
-    from mhla_gen.serialization import load_transformer
+    from mhla_gen.loading import load_transformer
     from mhla_gen.train.config import DiTRunConfig, load_config
 
     out = reference_run
@@ -318,7 +318,7 @@ def test_restart_refused_where_it_would_mix_runs(reference_run, tmp_path):
 
     shutil.copytree(reference_run, tmp_path / "done")
     shutil.rmtree(tmp_path / "done" / "checkpoints")  # a finished run whose checkpoints were deleted
-    with pytest.raises(ConfigError, match="finished run .*resume=none"):
+    with pytest.raises(ConfigError, match="finished run .*choose another output_dir"):
         train(tmp_path / "done", "train.max_steps=6")
     shutil.copytree(reference_run, tmp_path / "old")  # checkpoints 4 and 5 would outlive a fresh start
     with pytest.raises(ConfigError, match=r"later checkpoints \['checkpoint_4', 'checkpoint_5'\]"):
@@ -510,3 +510,24 @@ def test_final_weights_are_written_before_the_final_sampling(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="sampler broke"):
         train(tmp_path, "train.max_steps=1")
     assert (tmp_path / "final" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_validate_leaves_the_config_alone_and_run_config_records_the_saved_mhla(tmp_path):
+    """Starting from a folder saved with MHLA: validate() changes nothing in the config; the attention
+    the run trains (the saved MHLA) is what run_config() (config.yaml) records."""
+    import copy
+
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    saved = DiTTask(load_config(DiTRunConfig, TINY, ["mhla.blocks=[1,2]", "mhla.layers=[1]"]))
+    saved.build_transformer().save_pretrained(tmp_path / "start")
+    cfg = load_config(DiTRunConfig, TINY, [f"model.init_from={tmp_path / 'start'}", "model.attention=linear"])
+    before = copy.deepcopy(cfg)
+    task = DiTTask(cfg)
+    task.validate()
+    assert cfg == before
+    resolved = task.run_config()
+    assert resolved.model.attention == "mhla"
+    assert resolved.mhla.blocks == (1, 2) and resolved.mhla.layers == [1]
+    assert task.start.saved == resolved.mhla and task.start.teacher() is None  # a trained MHLA, no teacher

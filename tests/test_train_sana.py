@@ -49,7 +49,7 @@ def finetune(setup, out, *overrides):
 def test_finetune_all_weights_checkpoint_resume(sana_setup, tmp_path):
     """Accumulation 2 (global batch 2 = 2 micro-batches of 1): 2 steps, then resume=latest to 3, ends with
     exactly the weights of an uninterrupted 3-step run."""
-    from mhla_gen.serialization import load_transformer
+    from mhla_gen.loading import load_transformer
 
     run = tmp_path / "run"
     accumulate = "train.gradient_accumulation_steps=2"

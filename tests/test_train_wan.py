@@ -45,7 +45,7 @@ def finetune(setup, out, *overrides):
 
 def test_finetune_hybrid_checkpoint_resume(wan_setup, tmp_path):
     """Accumulation 2: 2 steps, then resume=latest to 3, equals an uninterrupted 3-step run exactly."""
-    from mhla_gen.serialization import load_transformer
+    from mhla_gen.loading import load_transformer
 
     run = tmp_path / "run"
     common = ("train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2")

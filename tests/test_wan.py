@@ -11,8 +11,8 @@ from diffusers.utils import export_to_video
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla, mhla_processors, uninstall_mhla
 from mhla_gen.layout import BlockLayout
+from mhla_gen.loading import load_transformer
 from mhla_gen.processors.wan import WanMHLAProcessor, wan_token_grid
-from mhla_gen.serialization import load_transformer
 from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
 
 GRID, BLOCKS = (3, 3, 5), (2, 2, 3)  # every axis splits unevenly

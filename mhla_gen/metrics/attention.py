@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from ..analysis import attention_matrix, attention_rank, row_entropy
-from ..processors import MHLAProcessor, processor_class_for
+from ..bases import base_for_model
+from ..processors import MHLAProcessor
 from ..processors.grid import latent_from_call
 
 
 def self_attention_layers(transformer: nn.Module) -> list[nn.Module]:
     """The self-attention modules in depth order (via the base model's MHLA processor class)."""
-    return processor_class_for(transformer).self_attention(transformer)
+    return base_for_model(transformer).processor.self_attention(transformer)
 
 
 def layer_kind(attn: nn.Module) -> str:
@@ -57,7 +58,8 @@ def capture_qk(transformer: nn.Module):
     grid: dict = {}  # the token grid of the first forward (the grid every MHLA layer of that call uses)
 
     def save_grid(model, args, kwargs):
-        grid.setdefault("grid", processor_class_for(model).latent_grid(model, latent_from_call(args, kwargs)))
+        latent = latent_from_call(args, kwargs)
+        grid.setdefault("grid", base_for_model(model).processor.latent_grid(model, latent))
 
     handles = [transformer.register_forward_pre_hook(save_grid, with_kwargs=True)]
     for index, attn in enumerate(self_attention_layers(transformer)):
@@ -159,20 +161,19 @@ def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = No
 
     gen = torch.Generator().manual_seed(seed)
     cfg = transformer.config
-    base = processor_class_for(transformer).base_name
+    base = base_for_model(transformer)
     size = size or cfg.get("sample_size") or 8
-    spatial = (frames, size, size) if base == "wan" else (size, size)
+    spatial = (frames, size, size) if base.video else (size, size)
     shape = (batch, cfg.in_channels, *spatial)
     noise = torch.randn(shape, generator=gen)
     t = torch.full((batch,), timestep, dtype=torch.long)
     x = noise if images is None else DDPMScheduler().add_noise(images[:batch], noise, t)
     param = next(transformer.parameters())
     x = x.to(param.device, param.dtype)
-    if base == "dit":
+    if base.class_conditional:
         if labels is None:
             labels = torch.arange(batch) % min(cfg.num_embeds_ada_norm, 10)
         labels = labels[:batch].to(param.device)
         return {"hidden_states": x, "timestep": t.to(param.device), "class_labels": labels}
-    text_dim = cfg.caption_channels if base == "sana" else cfg.text_dim
-    text = torch.randn(batch, 8, text_dim, generator=gen).to(param.device, param.dtype)
+    text = torch.randn(batch, 8, cfg[base.text_dim], generator=gen).to(param.device, param.dtype)
     return {"hidden_states": x, "encoder_hidden_states": text, "timestep": t.to(param.device, param.dtype)}

@@ -1,11 +1,14 @@
 """Inference assembly: one module per base model, each returning a stock diffusers pipeline whose
-transformer runs MHLA self-attention (``load_dit_pipeline``, ``load_sana_pipeline``, ``load_wan_pipeline``).
+transformer runs MHLA self-attention (``load_dit_pipeline``, ``load_sana_pipeline``, ``load_wan_pipeline``)
+and saying how to call it (a :class:`PipelineSampler` subclass, named by the base record's ``sampler``).
 
 A plain subpackage of mhla_gen (``from mhla_gen.pipelines.dit import load_dit_pipeline``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,3 +60,64 @@ def load_pipeline_transformer(
         if not is_mhla_installed(transformer):
             install_mhla(transformer, mhla)
     return transformer
+
+
+@dataclass
+class SampleSettings:
+    """How to sample, for every base (a base reads the fields it has: DiT has no size or prompts).
+    ``None``: the pipeline's own default (the key is not passed)."""
+
+    steps: int = 20
+    guidance: float = 4.0
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None  # video bases
+    negative_prompt: str | None = None
+    max_sequence_length: int | None = None
+    output_type: str | None = None  # None: the pipeline's default (PIL images, numpy video frames)
+    extra: dict = field(default_factory=dict)  # passed to the pipeline call as-is
+
+    def optional(self, **names: str) -> dict:
+        """``{pipeline keyword: value}`` of the settings that are set, ``names`` mapping keyword -> field."""
+        values = {key: getattr(self, name) for key, name in names.items()}
+        return {key: value for key, value in values.items() if value is not None}
+
+
+class PipelineSampler:
+    """How a base's stock diffusers pipeline is loaded with an MHLA transformer and called (one subclass
+    per base, next to its loader; the base record's ``sampler`` names it).
+
+    Attributes:
+        from_run_config: :meth:`run_pipeline` can rebuild the pipeline of a training run's config.
+    """
+
+    from_run_config = False
+
+    @classmethod
+    def load(cls, path_or_id, mhla: MHLAConfig | None, torch_dtype: torch.dtype, device, transformer_path):
+        """The pipeline of ``path_or_id`` with its MHLA transformer (:func:`load_pipeline_transformer`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def run_pipeline(cls, run_config, transformer_path, mhla, torch_dtype, device):
+        """The pipeline of a training run (its ``config.yaml``), where the base can rebuild one."""
+        raise NotImplementedError(f"{cls.__name__} samples pipelines only (from_run_config=False)")
+
+    @classmethod
+    def trained_classes(cls, folder, run_config=None) -> int | None:
+        """The classes a class-conditional model was trained on, where a record says; None otherwise."""
+        return None
+
+    @classmethod
+    def check_conditions(cls, pipe, conditions: Sequence, guidance: float, num_classes: int | None) -> None:
+        """Refuse conditions the loaded model cannot sample (ValueError naming them); nothing by default."""
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """``settings`` with the base's default size filled in, checked against the model (ConfigError)."""
+        return settings
+
+    @classmethod
+    def sample(cls, pipe, conditions: Sequence, generator, settings: SampleSettings):
+        """One pipeline call for ``conditions`` (class ids or prompts): its ``images`` or ``frames``."""
+        raise NotImplementedError

@@ -18,10 +18,11 @@ import torch
 from diffusers import DiTPipeline, DiTTransformer2DModel
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
 from mhla_gen.folders import read_marker
 from mhla_gen.train.config import DiTRunConfig, load_config
 
-from . import load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, load_pipeline_transformer
 
 DIT_NULL_CLASS = 1000  # hard-coded in DiTPipeline.__call__
 
@@ -94,3 +95,62 @@ def check_class_labels(
             f"model has num_embeds_ada_norm={table}; sample with guidance_scale <= 1 or train with "
             f"{DIT_NULL_CLASS} classes"
         )
+
+
+class DiTSampler(PipelineSampler):
+    """``DiTPipeline``: class labels, one square size (the model's ``sample_size``)."""
+
+    from_run_config = True
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_dit_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
+
+    @classmethod
+    def run_pipeline(cls, run_config, transformer_path, mhla, torch_dtype, device):
+        """A DiT training run: its transformer (``transformer_path`` or the run's ``final/``) and the run's
+        own sampler (pixel space or its VAE)."""
+        from mhla_gen.loading import load_transformer
+        from mhla_gen.train.dit import DiTTask
+
+        run_cfg = load_config(DiTRunConfig, run_config)
+        path = transformer_path or str(Path(run_config).parent / "final")
+        transformer = load_transformer(path, torch_dtype=torch_dtype, device=device)
+        if mhla is not None:
+            raise ValueError("`mhla` is for stock transformers; a training run's transformer has its own")
+        task = DiTTask(run_cfg)
+        task.load_vae(device)  # a latent-space run decodes with its data's VAE
+        return task.pipeline(transformer).to(device)
+
+    @classmethod
+    def trained_classes(cls, folder, run_config=None) -> int | None:
+        if run_config:
+            return load_config(DiTRunConfig, run_config).model.num_classes
+        return trained_num_classes(folder)
+
+    @classmethod
+    def check_conditions(cls, pipe, conditions, guidance, num_classes) -> None:
+        check_class_labels(pipe.transformer, list(conditions), guidance, num_classes)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """A given height / width becomes the transformer's ``sample_size`` (DiTPipeline draws latents of
+        that size; DiT's unpatchify needs squares)."""
+        if settings.height is None and settings.width is None:
+            return settings
+        height, width = settings.height or settings.width, settings.width or settings.height
+        scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        multiple = scale * pipe.transformer.config.patch_size
+        if height != width or height % multiple:
+            raise ConfigError(
+                f"DiT samples square images whose side is a multiple of {multiple} (VAE x patch); "
+                f"got {height}x{width}"
+            )
+        pipe.transformer.register_to_config(sample_size=height // scale)
+        return settings
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        return pipe(class_labels=list(conditions), guidance_scale=settings.guidance,
+                    num_inference_steps=settings.steps, generator=generator,
+                    **settings.optional(output_type="output_type"), **settings.extra).images

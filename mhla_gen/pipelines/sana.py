@@ -10,12 +10,14 @@ or an exact resolution you want MHLA to run at); heights and widths must be mult
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from diffusers import SanaPipeline, SanaTransformer2DModel
 
 from mhla_gen.config import MHLAConfig
 
-from . import load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, load_pipeline_transformer
 
 
 def load_sana_pipeline(
@@ -43,3 +45,25 @@ def load_sana_pipeline(
     )
     pipe = SanaPipeline.from_pretrained(path_or_id, transformer=transformer, dtype=torch_dtype)
     return pipe.to(device) if device is not None else pipe
+
+
+class SanaSampler(PipelineSampler):
+    """``SanaPipeline``: prompts, any size (resolution binning off: MHLA runs at the size asked for)."""
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_sana_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """Height and width default to the model's own size."""
+        size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
+        return dataclasses.replace(settings, height=settings.height or size, width=settings.width or size)
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        optional = settings.optional(max_sequence_length="max_sequence_length", output_type="output_type")
+        return pipe(prompt=list(conditions), negative_prompt=settings.negative_prompt or "",
+                    height=settings.height, width=settings.width, num_inference_steps=settings.steps,
+                    guidance_scale=settings.guidance, generator=generator, use_resolution_binning=False,
+                    **optional, **settings.extra).images

@@ -14,12 +14,17 @@ Three ways to get the MHLA transformer, in this order:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
 
-from . import load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, load_pipeline_transformer
+
+WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
 
 def load_wan_pipeline(
@@ -52,3 +57,42 @@ def load_wan_pipeline(
     vae = AutoencoderKLWan.from_pretrained(path_or_id, subfolder="vae", dtype=vae_dtype)
     pipe = WanPipeline.from_pretrained(path_or_id, transformer=transformer, vae=vae, dtype=torch_dtype)
     return pipe.to(device) if device is not None else pipe
+
+
+class WanSampler(PipelineSampler):
+    """``WanPipeline``: prompts, videos of ``frames`` frames (4k + 1)."""
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_wan_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """``(height, width)`` (default 480 x 832), refused when the VAE and patch cannot tile it or its token
+        grid exceeds the model's rotary table (``rope_max_seq_len``); frames must be 4k + 1."""
+        height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
+        config = pipe.transformer.config
+        _, ph, pw = config.patch_size
+        spatial = pipe.vae_scale_factor_spatial
+        for name, value, patch in (("height", height, ph), ("width", width, pw)):
+            if value % (spatial * patch):
+                raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} "
+                                  f"(VAE {spatial}x, patch {patch})")
+            if value // (spatial * patch) > config.rope_max_seq_len:
+                raise ConfigError(
+                    f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
+                    f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len="
+                    f"{config.rope_max_seq_len}; pass a smaller --height/--width"
+                )
+        if settings.frames is not None and (settings.frames - 1) % pipe.vae_scale_factor_temporal:
+            raise ConfigError(f"--frames {settings.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+        return dataclasses.replace(settings, height=height, width=width)
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        optional = settings.optional(num_frames="frames", max_sequence_length="max_sequence_length",
+                                     output_type="output_type")
+        return pipe(prompt=list(conditions), negative_prompt=settings.negative_prompt,
+                    height=settings.height, width=settings.width, num_inference_steps=settings.steps,
+                    guidance_scale=settings.guidance, generator=generator, **optional,
+                    **settings.extra).frames

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +24,9 @@ from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_con
 from ..lora import check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
+# data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
+DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher")
+CAPTION_SOURCES = ("folder", "teacher")
 
 
 T = TypeVar("T")
@@ -201,10 +205,8 @@ class DiTDataConfig:
     teacher_labels: list[int] | None = None  # default: every class, in turn
 
     def __post_init__(self):
-        if self.source not in ("folder", "latents", "digits", "shapes", "teacher"):
-            raise ValueError(
-                f"data.source must be folder, latents, digits, shapes or teacher, got {self.source!r}"
-            )
+        if self.source not in DIT_SOURCES:
+            raise ValueError(f"data.source must be one of {', '.join(DIT_SOURCES)}, got {self.source!r}")
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
         if self.source == "teacher" and self.teacher_samples < 1:
@@ -274,11 +276,21 @@ class FinetuneModelConfig:
     revision: str | None = None
     dtype: str = "float32"  # weights of the frozen parts (text encoder, VAE): float32 | bfloat16 | float16
     # a saved transformer folder to start from instead of the checkpoint's own (e.g. the stage-1 folder of
-    # scripts/linearize.py); init_attention as in DiT's model section
-    transformer: str | None = None
+    # scripts/linearize.py): the same key as DiT's; init_attention as in DiT's model section
+    init_from: str | None = None
     init_attention: str = "saved"
+    transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
 
     def __post_init__(self):
+        if self.transformer is not None:
+            if self.init_from not in (None, self.transformer):
+                raise ValueError(
+                    f"model.transformer={self.transformer!r} (the old name of model.init_from) and "
+                    f"model.init_from={self.init_from!r} disagree; set model.init_from only"
+                )
+            warnings.warn("model.transformer is now model.init_from (the same key for every base); "
+                          "using it as model.init_from", FutureWarning, stacklevel=2)
+            self.init_from, self.transformer = self.transformer, None
         if self.attention not in ATTENTION_TYPES:
             raise ValueError(f"model.attention must be one of {ATTENTION_TYPES}, got {self.attention!r}")
         if self.init_attention not in ("saved", "fresh"):
@@ -328,8 +340,8 @@ class CaptionDataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
-        if self.source not in ("folder", "teacher"):
-            raise ValueError(f"data.source must be folder or teacher, got {self.source!r}")
+        if self.source not in CAPTION_SOURCES:
+            raise ValueError(f"data.source must be one of {', '.join(CAPTION_SOURCES)}, got {self.source!r}")
         if self.source == "teacher" and (self.teacher_samples < 1 or not self.prompts_file):
             raise ValueError(
                 "data.source=teacher needs data.prompts_file (one prompt per line) and data.teacher_samples "

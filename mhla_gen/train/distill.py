@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..processors import MHLAProcessor, processor_class_for
+from ..bases import base_for_model
+from ..processors import MHLAProcessor
 from ..transfer import relative_error
 
 
@@ -24,7 +25,7 @@ class _LayerOutputs:
     """Forward hooks keeping the output of the chosen self-attention layers of ``model``."""
 
     def __init__(self, model: nn.Module, indices: list[int]):
-        layers = processor_class_for(model).self_attention(model)
+        layers = base_for_model(model).processor.self_attention(model)
         self.outputs: dict[int, torch.Tensor] = {}
         self.handles = [layers[i].register_forward_hook(self._keep(i)) for i in indices]
 
@@ -51,7 +52,7 @@ class Distiller:
     def __init__(self, teacher: nn.Module, student: nn.Module, output_weight: float, attention_weight: float):
         self.teacher = teacher.eval().requires_grad_(False)
         self.output_weight, self.attention_weight = output_weight, attention_weight
-        layers = processor_class_for(student).self_attention(student)
+        layers = base_for_model(student).processor.self_attention(student)
         mhla = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
         if attention_weight > 0 and not mhla:
             raise ValueError("train.distill.attention_weight > 0 but the model has no MHLA layers")

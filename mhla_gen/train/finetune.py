@@ -8,6 +8,7 @@ training loop only runs the transformer. Samples go through the stock ``SanaPipe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,25 +21,18 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
-from ..data.images import require_dir
 from ..data.latents import FEATURE_CACHE, check_cache_target
-from ..data.teacher import TEACHER_DATA, read_prompts, write_teacher_captioned
-from ..folders import owned
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
-from .attention import (
-    attention_mhla_config,
-    check_mhla_layers,
-    install_attention,
-    load_start_transformer,
-    load_teacher,
-    start_attention,
-)
+from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
+from .caption_sources import CAPTION_SOURCES
 from .config import ConfigError
 from .loop import TrainTask
 from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
+from .start import StartPoint
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +40,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class FlowFinetuneTask(TrainTask):
-    """Shared SANA / Wan fine-tuning. Subclasses set the pipeline/transformer classes and the encoders."""
+    """Shared SANA / Wan fine-tuning. Subclasses name their base record (:attr:`base`: transformer and
+    pipeline classes, video or image) and fill in the encoders and the sampling call."""
 
-    pipeline_cls_name = ""
-    transformer_cls_name = ""
+    base: Base
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -57,6 +51,16 @@ class FlowFinetuneTask(TrainTask):
             raise ValueError("model.pretrained is required: a diffusers checkpoint folder or hub id")
         self.frozen = None  # setup(): the pipeline minus its transformer (text encoder, VAE, scheduler)
         self._raw = None  # the captioned dataset, listed once (validation counts it, the cache reads it)
+        self.source = CAPTION_SOURCES[cfg.data.source](self)
+        self.start = StartPoint.resolve(cfg.model.init_from)
+
+    @property
+    def transformer_cls(self) -> type:
+        return self.base.transformer_class
+
+    @property
+    def pipeline_cls_name(self) -> str:
+        return self.base.pipeline_class
 
     # ---------------------------------------------------------------------------------- model
     def signature(self) -> dict:
@@ -69,22 +73,45 @@ class FlowFinetuneTask(TrainTask):
             "mhla": mhla.to_dict() if mhla is not None else None,
             # None (not absent) otherwise, so checkpoints written before LoRA existed still match
             "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
-            "transformer": self.cfg.model.transformer,  # likewise None before model.transformer existed
+            # likewise None without a start point (the key's name before model.init_from)
+            "transformer": self.start.ref,
         }
 
     def attention(self) -> tuple[str, MHLAConfig]:
         """``(model.attention, mhla)`` this run trains: as configured, or the MHLA that
-        ``model.transformer`` was saved with (``model.init_attention=saved``, see :func:`start_attention`)."""
+        ``model.init_from`` was saved with (``model.init_attention=saved``,
+        see :meth:`StartPoint.attention`)."""
         m = self.cfg.model
-        folder = m.transformer
-        return start_attention(m.attention, self.cfg.mhla, folder, m.init_attention, "model.transformer")
+        return self.start.attention(m.attention, self.cfg.mhla, m.init_attention)
+
+    def run_config(self):
+        """The config with the attention this run trains and the distillation teacher it uses (what
+        ``config.yaml`` records)."""
+        attention, mhla = self.attention()
+        model = dataclasses.replace(self.cfg.model, attention=attention)
+        train = self.cfg.train
+        if train.distill.enabled:
+            train = dataclasses.replace(train, distill=dataclasses.replace(train.distill,
+                                                                           teacher=self.distill_source()))
+        return dataclasses.replace(self.cfg, model=model, mhla=mhla, train=train)
+
+    def distill_source(self) -> str:
+        """``train.distill.teacher``, else ``model.pretrained``."""
+        return self.cfg.train.distill.teacher or self.cfg.model.pretrained
+
+    def conversion_teacher(self) -> tuple[str, Path | None]:
+        """``(reference, local transformer folder or None)`` of the model stage 1 converts: the start
+        point, else ``model.pretrained``'s own transformer."""
+        if self.start:
+            return self.start.ref, self.start.folder
+        folder = Path(self.cfg.model.pretrained) / "transformer"
+        return self.cfg.model.pretrained, folder if folder.is_dir() else None
 
     def build_transformer(self) -> nn.Module:
-        cls = getattr(diffusers, self.transformer_cls_name)
+        cls = self.transformer_cls
         m = self.cfg.model
-        if m.transformer is not None:  # a saved transformer to start from (e.g. a stage-1 folder)
-            attention, mhla = self.attention()
-            transformer = load_start_transformer(cls, m.transformer, attention, mhla, m.init_attention)
+        if self.start:  # a saved transformer to start from (e.g. a stage-1 folder)
+            transformer = self.start.load(cls, *self.attention(), m.init_attention)
         else:
             transformer = cls.from_pretrained(
                 m.pretrained, subfolder="transformer", revision=m.revision, dtype=torch.float32
@@ -120,8 +147,7 @@ class FlowFinetuneTask(TrainTask):
         )
         pipe.set_progress_bar_config(disable=True)
         self.frozen = pipe.to(accelerator.device)
-        if self.cfg.data.source == "teacher":
-            self._sample_teacher(accelerator.device)
+        self.source.prepare(accelerator.device)
 
     @property
     def shift(self) -> float:
@@ -147,6 +173,9 @@ class FlowFinetuneTask(TrainTask):
         except OSError as err:
             raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
 
+    def _transformer_config(self) -> dict:
+        return self._component_config(self.transformer_cls.__name__, "transformer")
+
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """The transformer's token grid for ``data.*`` sizes; ConfigError when they do not tile."""
         raise NotImplementedError
@@ -160,11 +189,10 @@ class FlowFinetuneTask(TrainTask):
                 f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
-        transformer = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
+        transformer = self._start_config() or self._transformer_config()
         vae = self._component_config(index["vae"][1], "vae")
         grid = self.token_grid(transformer, vae)
-        self.cfg.model.attention, self.cfg.mhla = self.attention()  # config.yaml records what the run trains
-        mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        mhla = attention_mhla_config(*self.attention())
         fits = mhla is None or (len(mhla.blocks) == len(grid) and all(map(int.__le__, mhla.blocks, grid)))
         if not fits:
             raise ConfigError(
@@ -173,12 +201,10 @@ class FlowFinetuneTask(TrainTask):
                 + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
             )
         check_mhla_layers(mhla, transformer["num_layers"])
+        if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
+            logger.info("distillation teacher: %s", self.distill_source())
         data = self.cfg.data
-        if data.source == "teacher":  # data.path is sampled at setup: it must be ours to write
-            owned(data.path, TEACHER_DATA, "data.path")
-            read_prompts(data.prompts_file)
-        else:
-            require_dir(data.path, "data.path")
+        self.source.validate()
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
@@ -187,27 +213,39 @@ class FlowFinetuneTask(TrainTask):
             inside_ok=("output_dir",),
         )
 
+    def inputs(self) -> dict[str, str | None]:
+        """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
+        m, data = self.cfg.model, self.cfg.data
+        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from, "data.path": data.path,
+                 "data.prompts_file": data.prompts_file, "data.cache_dir": data.cache_dir}
+        if self.cfg.train.distill.enabled:
+            found["train.distill.teacher"] = self.distill_source()
+        return found
+
+    def written_inside(self) -> tuple[str, ...]:
+        """The cache (and data sampled from the teacher) may live in the run folder: the run writes them."""
+        return ("data.cache_dir", "data.path") if self.cfg.data.source == "teacher" else ("data.cache_dir",)
+
     def depth(self) -> int:
-        """Transformer blocks of the model trained (``model.transformer``'s or the checkpoint's)."""
-        config = self._start_config() or self._component_config(self.transformer_cls_name, "transformer")
+        """Transformer blocks of the model trained (``model.init_from``'s or the checkpoint's)."""
+        config = self._start_config() or self._transformer_config()
         return config["num_layers"]
 
     def _start_config(self) -> dict | None:
-        """``model.transformer``'s ``config.json`` (None when unset): it must be a full transformer folder of
+        """``model.init_from``'s ``config.json`` (None when unset): it must be a full transformer folder of
         this model family."""
-        folder = self.cfg.model.transformer
-        if folder is None:
+        if not self.start:
             return None
-        config = Path(folder) / "config.json"
+        ref, folder = self.start.ref, self.start.folder or Path(self.start.ref)
         if is_lora_folder(folder):
-            raise ConfigError(f"model.transformer={folder!r} is a LoRA folder; start from a full transformer "
+            raise ConfigError(f"model.init_from={ref!r} is a LoRA folder; start from a full transformer "
                               f"folder, or from its base with train.trainable=lora")
-        if not config.is_file():
-            raise ConfigError(f"model.transformer={folder!r} is not a transformer folder (no config.json)")
-        loaded = json.loads(config.read_text())
-        if loaded.get("_class_name") != self.transformer_cls_name:
-            raise ConfigError(f"model.transformer={folder!r} is a {loaded.get('_class_name')}, not a "
-                              f"{self.transformer_cls_name}")
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model.init_from={ref!r} is not a transformer folder (no config.json)")
+        loaded = json.loads((folder / "config.json").read_text())
+        name = self.transformer_cls.__name__
+        if loaded.get("_class_name") != name:
+            raise ConfigError(f"model.init_from={ref!r} is a {loaded.get('_class_name')}, not a {name}")
         return loaded
 
     def _check_multiple(self, multiple: int, why: str) -> None:
@@ -225,15 +263,16 @@ class FlowFinetuneTask(TrainTask):
         raise NotImplementedError
 
     def listed_dataset(self) -> Dataset:
-        """:meth:`raw_dataset`, listed once."""
+        """:meth:`raw_dataset`, listed once (again after :meth:`forget_listing`)."""
         if self._raw is None:
             self._raw = self.raw_dataset()
         return self._raw
 
+    def forget_listing(self) -> None:
+        self._raw = None
+
     def count_items(self) -> int:
-        if self.cfg.data.source == "teacher":  # not sampled yet
-            return self.cfg.data.teacher_samples
-        return len(self.listed_dataset())
+        return self.source.count_items()
 
     # ----------------------------------------------------------------------------- teacher data
     suffix = ".png"  # what a teacher sample is saved as
@@ -244,26 +283,6 @@ class FlowFinetuneTask(TrainTask):
 
     def save_sample(self, sample, path: Path) -> None:
         sample.save(path)
-
-    def _sample_teacher(self, device) -> None:
-        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
-        stock pipeline) into ``data.path``, resumable (:func:`write_teacher_captioned`)."""
-        d, m = self.cfg.data, self.cfg.model
-        teacher = getattr(diffusers, self.transformer_cls_name).from_pretrained(
-            m.pretrained, subfolder="transformer", revision=m.revision, dtype=DTYPES[m.dtype]
-        )
-        pipe = self.pipeline(teacher.to(device))
-        fingerprint = {
-            "pretrained": m.pretrained, "prompts": read_prompts(d.prompts_file), "count": d.teacher_samples,
-            "size": [d.height, d.width, d.num_frames if self.name == "wan" else 1],
-            "steps": self.cfg.log.sample_steps, "guidance": self.cfg.log.guidance_scale,
-            "seed": self.cfg.seed,
-        }
-        sample = lambda prompt, i: self.teacher_sample(pipe, prompt, self.cfg.seed * 100_003 + i)
-        prompts = fingerprint["prompts"]
-        write_teacher_captioned(sample, self.save_sample, d.path, prompts, d.teacher_samples, self.suffix,
-                                fingerprint)
-        self._raw = None  # listed again, with the samples
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         """One raw item -> ``{"latents": (C, ...), "prompt_embeds": (L, D), ...}`` for the cache."""
@@ -282,7 +301,7 @@ class FlowFinetuneTask(TrainTask):
             "files": [str(p) for p in raw.paths],
             "height": data.height,
             "width": data.width,
-            "num_frames": data.num_frames if self.name == "wan" else None,
+            "num_frames": data.num_frames if self.base.video else None,
             "max_sequence_length": data.max_sequence_length,
         }
         inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
@@ -312,8 +331,7 @@ class FlowFinetuneTask(TrainTask):
 
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
-        cls = getattr(diffusers, self.transformer_cls_name)
-        return load_teacher(cls, self.cfg.train.distill.teacher or self.cfg.model.pretrained)
+        return load_teacher(self.transformer_cls, self.distill_source())
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
@@ -325,8 +343,7 @@ class FlowFinetuneTask(TrainTask):
 
 class SanaTask(FlowFinetuneTask):
     name = "sana"
-    pipeline_cls_name = "SanaPipeline"
-    transformer_cls_name = "SanaTransformer2DModel"
+    base = base_for("sana")
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """``(H / (f p), W / (f p))``: DC-AE factor f, patch p; SanaPipeline also wants multiples of 32."""
@@ -391,8 +408,7 @@ class SanaTask(FlowFinetuneTask):
 
 class WanTask(FlowFinetuneTask):
     name = "wan"
-    pipeline_cls_name = "WanPipeline"
-    transformer_cls_name = "WanTransformer3DModel"
+    base = base_for("wan")
     suffix = ".mp4"
 
     def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:

@@ -15,13 +15,15 @@ reproduce the frozen teacher layer's output from the teacher's own input. It run
    end-to-end error most (``hybrid.rank_by=layer_error``: whose own error stays largest); a list keeps
    those layers, null none; :func:`mhla_gen.transfer.finalize`;
 3. ``final/``: the converted transformer, which ``load_transformer``, the pipelines and the training
-   scripts (``model.init_from`` / ``model.transformer``) read; its marker records the teacher;
+   scripts (``model.init_from``) read; its marker records the teacher;
 4. ``output_dir/transfer.json`` (errors, chosen layers, cost: steps, wall time, FLOPs in teacher-forward
    equivalents) and ``output_dir/transfer_errors.png``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -33,14 +35,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from ..bases import Base
 from ..flops import count_flops
-from ..folders import file_record
+from ..folders import file_record, input_record
 from ..install import uninstall_mhla
 from ..transfer import TRAINABLE, TransferHooks, converted_layers, end_to_end_errors, finalize, hardest_layers
 from .attention import attention_mhla_config, saved_mhla
-from .config import ConfigError, DiTRunConfig, SanaRunConfig, TrainConfig, WanRunConfig
-from .dit import DiTTask
-from .finetune import SanaTask, WanTask
+from .config import ConfigError, TrainConfig
 from .io import atomic_write_text, read_jsonl
 from .loop import TrainTask
 from .randomness import StepRandom
@@ -95,26 +96,14 @@ class Stage1Sections:
     hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
-@dataclass
-class DiTLinearizeConfig(Stage1Sections, DiTRunConfig):
-    output_dir: str = "runs/linearize_dit"
-
-
-@dataclass
-class SanaLinearizeConfig(Stage1Sections, SanaRunConfig):
-    output_dir: str = "runs/linearize_sana"
-
-
-@dataclass
-class WanLinearizeConfig(Stage1Sections, WanRunConfig):
-    output_dir: str = "runs/linearize_wan"
-
-
-LINEARIZE_TASKS = {  # --base -> (config schema, base task)
-    "dit": (DiTLinearizeConfig, DiTTask),
-    "sana": (SanaLinearizeConfig, SanaTask),
-    "wan": (WanLinearizeConfig, WanTask),
-}
+@functools.cache
+def stage1_schema(base: Base) -> type:
+    """The stage-1 config of a base: its run config (``base.run_config``) plus :class:`Stage1Sections`
+    (whose ``train`` defaults win), with ``output_dir`` ``runs/linearize_<name>``."""
+    run_config = base.run_config.load()
+    name = f"{run_config.__name__.removesuffix('RunConfig')}LinearizeConfig"
+    output_dir = ("output_dir", str, field(default=f"runs/linearize_{base.name}"))
+    return dataclasses.make_dataclass(name, [output_dir], bases=(Stage1Sections, run_config))
 
 
 def parse_softmax_layers(value, converted: list[int]) -> tuple[int | None, list[int]]:
@@ -122,6 +111,13 @@ def parse_softmax_layers(value, converted: list[int]) -> tuple[int | None, list[
     against the ``converted`` layers (at least one must stay MHLA)."""
     if value is None:
         return None, []
+    if not isinstance(value, (str, list, tuple)) or (
+        not isinstance(value, str) and not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        raise ConfigError(
+            f"hybrid.softmax_layers must be null, auto:K or a list of layer indices (integers), got "
+            f"{value!r}"
+        )
     if isinstance(value, str):
         head, _, k = value.partition(":")
         if head != "auto" or not k.strip().isdigit():
@@ -148,37 +144,36 @@ class TransferTask(TrainTask):
 
     name = "linearize"
 
-    def __init__(self, cfg, base: TrainTask):
+    def __init__(self, cfg, inner: TrainTask):
         super().__init__(cfg)
-        self.base = base
-        self.collate_fn = base.collate_fn
+        self.inner = inner  # the base model's own task: data, noising, conditioning
+        self.collate_fn = inner.collate_fn
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
 
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
-        """Where the frozen teacher comes from (recorded in ``final/``'s marker)."""
-        m = self.cfg.model
-        return str(getattr(m, "init_from", None) or getattr(m, "transformer", None) or m.pretrained)
+        """Where the frozen teacher comes from: a local folder resolved and absolute, or a hub id (recorded
+        in ``final/``'s marker with its fingerprint, :func:`~mhla_gen.folders.input_record`)."""
+        source = str(self.inner.conversion_teacher()[0])
+        local = Path(source).expanduser()
+        return str(local.resolve()) if local.exists() else source
 
-    def teacher_folder(self) -> Path | None:
-        """The local folder of the teacher's transformer (None for a hub id)."""
-        m = self.cfg.model
-        if isinstance(self.cfg, DiTRunConfig):
-            return self.base.init_folder()
-        folder = Path(m.transformer) if m.transformer else Path(m.pretrained) / "transformer"
-        return folder if folder.is_dir() else None
+    def inputs(self) -> dict[str, str | None]:
+        return self.inner.inputs()
+
+    def written_inside(self) -> tuple[str, ...]:
+        return self.inner.written_inside()
 
     def validate(self) -> None:
         """The base task's checks, a teacher with its own (stock) attention, an MHLA student, and the
         hybrid and stage-1 settings; all before any work."""
         cfg = self.cfg
-        if isinstance(cfg, DiTRunConfig) and not cfg.model.init_from:
-            raise ConfigError("model.init_from is required: the pretrained DiT to convert (the teacher)")
-        if saved_mhla(self.teacher_folder()) is not None:
+        teacher, folder = self.inner.conversion_teacher()
+        if saved_mhla(folder) is not None:
             raise ConfigError(
-                f"the teacher {self.teacher()!r} already runs MHLA; stage 1 needs a model with its own "
+                f"the teacher {str(teacher)!r} already runs MHLA; stage 1 needs a model with its own "
                 f"attention (softmax for DiT and Wan, SANA's linear attention)"
             )
         if cfg.model.attention == "softmax":
@@ -188,25 +183,28 @@ class TransferTask(TrainTask):
                 "stage 1 trains what transfer.trainable says, with its own objective: leave train.trainable "
                 "and train.distill at their defaults"
             )
-        self.base.validate()
+        self.inner.validate()
         parse_softmax_layers(cfg.hybrid.softmax_layers, self.converted_indices())
+
+    def run_config(self):
+        return self.inner.run_config()
 
     def converted_indices(self) -> list[int]:
         """The layers stage 1 converts: ``mhla.layers`` (all when null) of the base model's depth."""
-        mhla = attention_mhla_config(self.cfg.model.attention, self.cfg.mhla)
+        mhla = attention_mhla_config(*self.inner.attention())
         if mhla.layers is not None:
             return sorted(mhla.layers)
-        return list(range(self.base.depth()))
+        return list(range(self.inner.depth()))
 
     def count_items(self) -> int | None:
-        return self.base.count_items()
+        return self.inner.count_items()
 
     def signature(self) -> dict:
-        return {**self.base.signature(), "transfer": self.cfg.transfer.trainable}
+        return {**self.inner.signature(), "transfer": self.cfg.transfer.trainable}
 
     # -------------------------------------------------------------------------------------- model
     def build_transformer(self) -> nn.Module:
-        transformer = self.base.build_transformer()
+        transformer = self.inner.build_transformer()
         self.hooks = TransferHooks(transformer, self.cfg.transfer.trainable)
         return transformer
 
@@ -220,22 +218,22 @@ class TransferTask(TrainTask):
 
     def setup(self, accelerator) -> None:
         self.device = accelerator.device
-        self.base.setup(accelerator)
+        self.inner.setup(accelerator)
 
     def build_dataset(self, accelerator) -> Dataset:
-        self.dataset = self.base.build_dataset(accelerator)
+        self.dataset = self.inner.build_dataset(accelerator)
         return self.dataset
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """The mean over converted layers of each layer's relative error against the teacher layer."""
-        inputs, _ = self.base.model_inputs(batch, rnd)
+        inputs, _ = self.inner.model_inputs(batch, rnd)
         model(**inputs, return_dict=False)
         return torch.stack(list(self.hooks.pop_errors().values())).mean()
 
     def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
         if self.hooks is not None and self.hooks.handles:  # hooked: the model computes the teacher
             return [], 1
-        return self.base.sample_images(transformer)
+        return self.inner.sample_images(transformer)
 
     # ------------------------------------------------------------------------------------ the end
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
@@ -251,7 +249,7 @@ class TransferTask(TrainTask):
         chosen = end_to_end_errors(transformer, self.hooks, self.eval_inputs(), softmax, each=False)["chosen"]
         self.hooks.remove()
         finalize(transformer, softmax)
-        self.base.save_final(transformer, folder)
+        self.inner.save_final(transformer, folder)
         self.report = {
             "teacher": self.teacher(), "trainable": self.cfg.transfer.trainable,
             "hybrid": self.cfg.hybrid.softmax_layers, "softmax_layers": softmax,
@@ -267,7 +265,8 @@ class TransferTask(TrainTask):
         plot_errors(before, after, softmax, out / "transfer_errors.png")
 
     def model_record(self) -> dict:
-        return {**self.base.model_record(), "teacher": self.teacher(), "stage": "attention transfer"}
+        return {**self.inner.model_record(), "teacher": self.teacher(),
+                "teacher_record": input_record(self.teacher()), "stage": "attention transfer"}
 
     def finish(self, transformer: nn.Module, accelerator) -> dict:
         r = self.report
@@ -277,7 +276,7 @@ class TransferTask(TrainTask):
             "end_to_end_before": r["end_to_end_before"], "end_to_end_final": r["end_to_end_final"],
             "teacher_forward_equivalents": r["teacher_forward_equivalents"],
         }
-        return {**summary, **self.base.finish(transformer, accelerator)}
+        return {**summary, **self.inner.finish(transformer, accelerator)}
 
     # -------------------------------------------------------------------------------- measurements
     def eval_inputs(self) -> list[dict]:
@@ -286,7 +285,7 @@ class TransferTask(TrainTask):
         (``held_out_dataset``: the shapes), else the dataset's first items (the noise and timesteps are
         still ones training never draws)."""
         size = self.cfg.train.global_batch_size // self.cfg.train.gradient_accumulation_steps
-        held_out = getattr(self.base, "held_out_dataset", lambda: None)()
+        held_out = getattr(self.inner, "held_out_dataset", lambda: None)()
         dataset = held_out if held_out is not None else self.dataset
         batches = []
         for i in range(self.cfg.transfer.eval_batches):
@@ -294,7 +293,7 @@ class TransferTask(TrainTask):
             batch = (self.collate_fn or default_collate)(items)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             rnd = StepRandom(self.cfg.seed + 7919, i, size, device=self.device)
-            batches.append(self.base.model_inputs(batch, rnd)[0])
+            batches.append(self.inner.model_inputs(batch, rnd)[0])
         return batches
 
     @torch.no_grad()
@@ -311,7 +310,7 @@ class TransferTask(TrainTask):
     def initial_errors(self) -> tuple[dict[int, float], float]:
         """:meth:`layer_errors` of the model stage 1 started from (MHLA at its init) and its end-to-end
         error (the plain conversion's output against the teacher's)."""
-        fresh = self.base.build_transformer().to(self.device).eval()
+        fresh = self.inner.build_transformer().to(self.device).eval()
         hooks = TransferHooks(fresh, "mhla")
         errors = self.layer_errors(fresh, hooks)
         end = end_to_end_errors(fresh, hooks, self.eval_inputs(), each=False)["all_mhla"]
@@ -329,7 +328,7 @@ class TransferTask(TrainTask):
 
         step_flops = count_flops(stage1_step)
         transformer.zero_grad(set_to_none=True)
-        teacher = self.base.build_transformer().to(self.device).eval()
+        teacher = self.inner.build_transformer().to(self.device).eval()
         uninstall_mhla(teacher)
         with torch.no_grad():
             teacher_flops = count_flops(lambda: teacher(**inputs, return_dict=False))

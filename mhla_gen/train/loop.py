@@ -49,7 +49,18 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..folders import check_replaceable, check_temp, claim, fresh_temp, owned, replace_with, write_marker
+from ..folders import (
+    check_apart,
+    check_replaceable,
+    check_temp,
+    claim,
+    fresh_temp,
+    input_record,
+    owned,
+    replace_with,
+    write_marker,
+)
+from ..locks import release
 from ..lora import lora_training_parameters
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
@@ -78,7 +89,23 @@ class TrainTask:
 
     def validate(self) -> None:
         """Check every setting the run uses, also those needed only at the end (sampling, evaluation),
-        before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files."""
+        before any work; raise :class:`ConfigError` naming the setting. Cheap: reads configs, lists files.
+        It does not change the config (:meth:`run_config` says what the run resolved)."""
+
+    def run_config(self) -> RunConfig:
+        """The config as this run resolved it (e.g. the MHLA a start point was saved with): what
+        ``config.yaml`` records. The config itself by default."""
+        return self.cfg
+
+    def inputs(self) -> dict[str, str | None]:
+        """Every input the run reads, setting -> local path or hub id (start points, teachers, data, VAE):
+        ``output_dir`` must be apart from each (:func:`~mhla_gen.folders.check_apart`), and the run's
+        marker records each resolved, with a fingerprint for models."""
+        return {}
+
+    def written_inside(self) -> tuple[str, ...]:
+        """Input settings that may lie inside ``output_dir`` (things the run itself writes there)."""
+        return ()
 
     def count_items(self) -> int | None:
         """How many training items the data holds, from a listing (before any cache is built); None
@@ -178,16 +205,19 @@ class Run:
 def train(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Path:
     """Run ``task`` with ``cfg`` (stages in the module docstring); returns ``output_dir/final``."""
     run = start_run(cfg, task, callbacks)
-    build(run)
-    run_steps(run)
-    return finish(run)
+    try:
+        build(run)
+        run_steps(run)
+        return finish(run)
+    finally:
+        release(run.out)  # the output folder's lock (mhla_gen.locks); an exit of any kind also ends it
 
 
 # ---------------------------------------------------------- 1. start_run: settings, checks, output folder
 def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Run:
     """The Accelerator, every check (raising before anything is written), where the run starts, then
     ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
@@ -198,6 +228,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     check_world_size(accelerator)
     local_batch = local_batch_size(cfg.train, accelerator.num_processes)
     task.validate()  # everything the run uses, before any work
+    check_apart(out, "output_dir", task.inputs(), holds_ok=task.written_inside())  # never where an input is
     check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, cfg.train.global_batch_size)
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
@@ -213,8 +244,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         torch.backends.cuda.matmul.allow_tf32 = True
     set_seed(cfg.seed)  # same on every process: identical initial weights
     if accelerator.is_main_process:
-        prepare_output_dir(out, step)
-        atomic_write_text(out / "config.yaml", config_to_yaml(cfg))  # before step 0
+        prepare_output_dir(out, step, recorded_inputs(task))
+        atomic_write_text(out / "config.yaml", config_to_yaml(task.run_config()))  # before step 0
         ckpt.remove_partial(out)
     accelerator.wait_for_everyone()
     return Run(
@@ -261,8 +292,7 @@ def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
     if resume_from is None and cfg.resume == "latest" and (out / "final").exists():
         raise ConfigError(
             f"resume=latest: output_dir={str(out)!r} holds a finished run (final/) but no checkpoint to "
-            f"continue from; pass resume=none to train again from step 0 in this folder (its "
-            f"metrics.jsonl, logs and final/ are replaced), or choose another output_dir"
+            f"continue from; nothing was changed: choose another output_dir for the new run"
         )
     newer = [p.name for p in ckpt.list_checkpoints(out) if ckpt.checkpoint_step(p) > start]
     if newer:
@@ -287,15 +317,29 @@ def check_batch_fits(items: int | None, per_micro_step: int, global_batch: int) 
 def check_run_folder(out: Path) -> None:
     """``output_dir`` must be new, empty or a run folder of ours, and its ``final/`` (replaced at the end)
     must hold nothing but a saved model; ``ConfigError`` otherwise, before any work."""
-    if owned(out, RUN_FOLDER, "output_dir"):
-        check_replaceable(out / "final", "model", "output_dir (its final/)", vouched=True)
+    if owned(out, RUN_FOLDER, "output_dir"):  # final/ unmarked or a symlink: foreign, refused
+        check_replaceable(out / "final", "model", "output_dir (its final/)")
         check_temp(out / "final", "model", "output_dir (its final/)")
 
 
-def prepare_output_dir(out: Path, start: int) -> None:
-    """Main process: claim ``out`` as a run folder and keep only the ``metrics.jsonl`` rows up to
-    ``start`` (the rows after it are written again by this run)."""
-    claim(out, RUN_FOLDER, "output_dir")
+DATA_SETTINGS = ("data.path", "data.cache_dir", "data.prompts_file")  # recorded by path, not fingerprinted
+
+
+def recorded_inputs(task: TrainTask) -> dict:
+    """``{setting: input_record}`` of the task's inputs: resolved absolute paths, models fingerprinted."""
+    return {
+        setting: ({"path": str(Path(path).expanduser().resolve())} if setting in DATA_SETTINGS
+                  else input_record(path))
+        for setting, path in task.inputs().items() if path
+    }
+
+
+def prepare_output_dir(out: Path, start: int, inputs: dict | None = None) -> None:
+    """Main process: claim (and lock) ``out`` as a run folder recording the run's ``inputs``, and keep
+    only the ``metrics.jsonl`` rows up to ``start`` (the rows after it are written again by this run)."""
+    claim(out, RUN_FOLDER, "output_dir", **({"inputs": inputs} if inputs else {}))
+    if inputs:
+        logger.info("inputs: %s", "; ".join(f"{k}={v.get('path', v.get('hub'))}" for k, v in inputs.items()))
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         records = read_jsonl(metrics)
@@ -583,7 +627,7 @@ def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
     tmp = fresh_temp(final, "model", "output_dir (its final/)")
     task.save_final(model, tmp)
     write_marker(tmp, "model", **task.model_record())
-    replace_with(tmp, final, "model", "output_dir (its final/)", vouched=True)
+    replace_with(tmp, final, "model", "output_dir (its final/)")
 
 
 class _ema_weights:

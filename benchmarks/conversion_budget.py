@@ -1,6 +1,6 @@
 """What converting a pretrained model to MHLA costs, from the model shapes (no GPU, no weights).
 
-    python scripts/conversion_budget.py
+    python benchmarks/conversion_budget.py
 
 For DiT-XL/2 at 256 px, SANA-600M at 1024 px and Wan2.1-1.3B at 480x832x81, built on the ``meta``
 device (shapes only), torch's ``FlopCounterMode`` counts the floating-point operations of

@@ -1,8 +1,8 @@
 """One Wan2.1-T2V-1.3B denoising step with stock attention, the MHLA hybrid and MHLA in every layer.
 
-    python scripts/bench_wan_step.py --device cuda --dtype bf16          # the issue-13 run (480p, 81 frames)
-    python scripts/bench_wan_step.py --device cuda --dtype bf16 --compile
-    python scripts/bench_wan_step.py --tiny --frames 5 --height 32 --width 48 --batch 1   # CPU smoke run
+    python benchmarks/bench_wan_step.py --device cuda --dtype bf16      # the issue-13 run (480p, 81 frames)
+    python benchmarks/bench_wan_step.py --device cuda --dtype bf16 --compile
+    python benchmarks/bench_wan_step.py --tiny --frames 5 --height 32 --width 48 --batch 1   # CPU smoke run
 
 Issue 13's goal: a whole Wan-1.3B 480p denoising step (random weights, bf16, on CUDA) at least 2.2x
 faster with MHLA (``mhla`` below) than with stock attention. No GPU result exists yet: no GPU was lent
@@ -55,13 +55,13 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import diffusers
 import torch
 from diffusers import WanTransformer3DModel
 
 from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.install import is_mhla_installed, mhla_processors
@@ -112,12 +112,12 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing_wan.TINY_WAN_CONFIG (tests)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--out", type=expand_path, default=None, help="also write the results as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
     if args.out is not None:  # before any timing (mhla_gen.folders)
-        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
+        args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)  # ~ expanded
 
     if args.frames < 1 or (args.frames - 1) % VAE_TIME:
         parser.error(f"--frames must be 4k+1 (Wan's VAE keeps the first frame, then 4 per latent frame), "
@@ -330,7 +330,8 @@ def markdown(report: dict, command: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    command = shlex.join(["python", "scripts/bench_wan_step.py", *(sys.argv[1:] if argv is None else argv)])
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "benchmarks/bench_wan_step.py", *given])
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

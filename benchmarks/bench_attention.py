@@ -38,14 +38,14 @@ numbers are the same under that setting.
 
 Example (the README table; CPU fp32, B=1, 4 heads, d=64):
 
-    python scripts/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
+    python benchmarks/bench_attention.py --device cpu --dtype fp32 --repeats 5 \
         --sizes 1024 4096 16384 --blocks 4 16 64 256 --skip-sdpa-above 4096 --out bench.json
 
 Grids (``--grids GRID:BLOCKS ...``): linear attention and MHLA on each listed token grid, all timed side
 by side, with MHLA's time per token against the first case's. The README's uneven-grid table (the Wan
 480p latent grid against an evenly divisible one, Wan-1.3B heads, CPU fp32):
 
-    python scripts/bench_attention.py --device cpu --heads 12 --dim 128 --repeats 5 \
+    python benchmarks/bench_attention.py --device cpu --heads 12 --dim 128 --repeats 5 \
         --grids 21x30x50:3x5x10 21x30x52:3x5x10
 
 Model shapes (``--shapes``; the default on CUDA): the attention layers of the real models, batch 2 (CFG),
@@ -59,7 +59,7 @@ MHLA cannot avoid: forward q, k, v read and the output written (4 tensors); forw
 v and the output gradient read and dq, dk, dv written (11 tensors). It is printed as a fraction of a
 measured device-to-device copy (1 GiB, read + write):
 
-    python scripts/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
+    python benchmarks/bench_attention.py --device cuda --dtype bf16 --out bench_cuda.json
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
+from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.train.io import atomic_write_text
@@ -588,7 +589,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
     parser.add_argument("--no-sdpa", action="store_true", help="leave SDPA out entirely")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--out", type=expand_path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
@@ -602,8 +603,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.out is not None:  # before hours of timing (mhla_gen.folders)
-        check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
+    if args.out is not None:  # before hours of timing (mhla_gen.folders); the checked path is the written one
+        args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,10 +1,10 @@
 """Whole-model throughput of a DiT with softmax, global linear and MHLA self-attention.
 
-    python scripts/bench_models.py                      # DiT-S/2 shapes, depth 12, 256/1024/4096 tokens
-    python scripts/bench_models.py --depth 4 --reps 5 --threads 2
-    python scripts/bench_models.py --device cuda --dtype bf16 --batch 32
-    python scripts/bench_models.py --depth 4 --tokens 256 --batch 1 --attention-breakdown
-    python scripts/bench_models.py --depth 4 --tokens 256 1024 --compile   # eager vs torch.compile
+    python benchmarks/bench_models.py                      # DiT-S/2 shapes, depth 12, 256/1024/4096 tokens
+    python benchmarks/bench_models.py --depth 4 --reps 5 --threads 2
+    python benchmarks/bench_models.py --device cuda --dtype bf16 --batch 32
+    python benchmarks/bench_models.py --depth 4 --tokens 256 --batch 1 --attention-breakdown
+    python benchmarks/bench_models.py --depth 4 --tokens 256 1024 --compile   # eager vs torch.compile
 
 The model is ``DiTTransformer2DModel`` with DiT-S/2 shapes (hidden 384 = 6 heads x 64, patch 2, 4 latent
 channels; ``--heads`` / ``--head-dim`` change the split, e.g. SANA's head dim 32 as 12 x 32); ``--depth``

@@ -1,0 +1,19 @@
+"""DiT: class-conditional image diffusion (diffusers ``DiTTransformer2DModel`` + ``DiTPipeline``)."""
+
+from ..processors.dit import DiTMHLAProcessor
+from .record import Base, Ref, TokenGrid
+
+BASE = Base(
+    name="dit",
+    processor=DiTMHLAProcessor,
+    pipeline_class="DiTPipeline",
+    grid=TokenGrid(ndim=2),
+    conditioning="labels",
+    objective="ddpm",
+    data_sources=("folder", "latents", "digits", "teacher"),
+    run_config=Ref("mhla_gen.train.config:DiTRunConfig"),
+    task=Ref("mhla_gen.train.dit:DiTTask"),
+    sampler=Ref("mhla_gen.pipelines.dit:DiTSampler"),
+    converter_config="configs/linearize/dit_xl2_256.yaml",
+    diffusers_tests="tests/models/transformers/test_models_dit_transformer2d.py",
+)

@@ -1,0 +1,126 @@
+"""The record of a base model family: everything mhla_gen needs to know about DiT, SANA, Wan, ...
+
+One :class:`Base` per family, one module per record (``bases/dit.py``, ...), listed once in
+``bases/__init__.py``. Every "which base" question (install, save/load, sampling, evaluation, training,
+conversion) asks a record; nothing else compares base names. ``docs/extending.md`` walks through the fields.
+
+The record holds the MHLA processor class itself (processors sit below every other layer of the package)
+and names the upper layers (run config, training task, pipeline sampler) as ``module:attribute``
+references (:class:`Ref`), imported on first use: importing a record loads no training or pipeline code,
+so ``python -m mhla_gen.adopt`` stays light and no import cycle runs through the records.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..processors.base import MHLAProcessor
+
+CONDITIONING = ("labels", "captions", "captions+image")
+OBJECTIVES = ("ddpm", "flow")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """``"package.module:attribute"``, imported by :meth:`load` (like a ``pyproject`` entry point)."""
+
+    path: str
+
+    def load(self) -> Any:
+        module, _, attribute = self.path.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """How a latent maps to the token grid MHLA tiles (the processor computes it: ``latent_grid``).
+
+    Attributes:
+        ndim: 2 (images: ``(H / p, W / p)``) or 3 (video: ``(F / pt, H / ph, W / pw)``); the rank of
+            ``MHLAConfig.blocks``.
+        patch: the transformer config key holding the patch size (an int, or ``(pt, ph, pw)``).
+        rope: where rotary position enters the self-attention (``none``, or the processor's options).
+    """
+
+    ndim: int
+    patch: str = "patch_size"
+    rope: str = "none"
+
+
+@dataclass(frozen=True)
+class Base:
+    """What mhla_gen knows about one base model family.
+
+    Attributes:
+        name: the key users write (``--base NAME``, ``base=NAME``); also recorded in MHLA files.
+        processor: the :class:`MHLAProcessor` subclass for its self-attention; its ``model_cls`` is the
+            diffusers transformer class.
+        pipeline_class: the stock diffusers pipeline that samples it (a ``diffusers`` attribute name).
+        grid: the token grid (:class:`TokenGrid`).
+        conditioning: ``labels`` (class ids), ``captions`` (text prompts) or ``captions+image``.
+        objective: ``ddpm`` (DiT's learned-sigma DDPM) or ``flow`` (rectified flow matching).
+        data_sources: the ``data.source`` values its training task reads.
+        sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
+        run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
+            task yet, the base samples, installs, saves and loads only).
+        task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
+        converter_config: the stage-1 config (``scripts/linearize.py --base NAME``) for its real size
+            (None without a training task).
+        text_dim: the transformer config key of the caption-embedding width (None without captions).
+        diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
+            run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).
+    """
+
+    name: str
+    processor: type[MHLAProcessor]
+    pipeline_class: str
+    grid: TokenGrid
+    conditioning: str
+    objective: str
+    data_sources: tuple[str, ...]
+    sampler: Ref
+    run_config: Ref | None = None
+    task: Ref | None = None
+    converter_config: str | None = None
+    text_dim: str | None = None
+    diffusers_tests: str | None = None
+
+    def __post_init__(self):
+        if self.conditioning not in CONDITIONING:
+            raise ValueError(f"Base {self.name}: conditioning must be one of {CONDITIONING}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"Base {self.name}: objective must be one of {OBJECTIVES}")
+        if self.grid.ndim != self.processor.grid_ndim:
+            raise ValueError(f"Base {self.name}: grid.ndim={self.grid.ndim} but its processor's is "
+                             f"{self.processor.grid_ndim}")
+
+    @property
+    def transformer_class(self) -> type:
+        """The diffusers transformer class (the processor's ``model_cls``)."""
+        return self.processor.model_cls
+
+    @property
+    def video(self) -> bool:
+        """Whether samples are videos (3D token grid): MP4 files, frame counts."""
+        return self.grid.ndim == 3
+
+    @property
+    def class_conditional(self) -> bool:
+        return self.conditioning == "labels"
+
+    @property
+    def sample_suffix(self) -> str:
+        """The file suffix of one sample: ``.mp4`` (video) or ``.png``."""
+        return ".mp4" if self.video else ".png"
+
+    @property
+    def trains(self) -> bool:
+        """Whether a training task (and so fine-tuning and stage-1 conversion) exists for this base."""
+        return self.task is not None and self.run_config is not None
+
+    def matches(self, config: dict) -> bool:
+        """Whether a transformer ``config.json`` of :attr:`transformer_class` is this base (records that
+        share a transformer class, e.g. Wan variants, tell theirs apart here; the first match wins)."""
+        return True

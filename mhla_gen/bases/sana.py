@@ -1,0 +1,20 @@
+"""SANA: text-to-image with linear attention (diffusers ``SanaTransformer2DModel`` + ``SanaPipeline``)."""
+
+from ..processors.sana import SanaMHLAProcessor
+from .record import Base, Ref, TokenGrid
+
+BASE = Base(
+    name="sana",
+    processor=SanaMHLAProcessor,
+    pipeline_class="SanaPipeline",
+    grid=TokenGrid(ndim=2),
+    conditioning="captions",
+    objective="flow",
+    data_sources=("folder", "teacher"),
+    run_config=Ref("mhla_gen.train.config:SanaRunConfig"),
+    task=Ref("mhla_gen.train.finetune:SanaTask"),
+    sampler=Ref("mhla_gen.pipelines.sana:SanaSampler"),
+    converter_config="configs/linearize/sana_600m_1024.yaml",
+    text_dim="caption_channels",
+    diffusers_tests="tests/models/transformers/test_models_transformer_sana.py",
+)

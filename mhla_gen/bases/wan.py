@@ -1,0 +1,20 @@
+"""Wan2.1 text-to-video (diffusers ``WanTransformer3DModel`` + ``WanPipeline``): 3D tokens, 3D RoPE."""
+
+from ..processors.wan import WanMHLAProcessor
+from .record import Base, Ref, TokenGrid
+
+BASE = Base(
+    name="wan",
+    processor=WanMHLAProcessor,
+    pipeline_class="WanPipeline",
+    grid=TokenGrid(ndim=3, rope="3d rope: before_phi (default) | after_phi_numerator (mhla.wan_rope)"),
+    conditioning="captions",
+    objective="flow",
+    data_sources=("folder", "teacher"),
+    run_config=Ref("mhla_gen.train.config:WanRunConfig"),
+    task=Ref("mhla_gen.train.finetune:WanTask"),
+    sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),
+    converter_config="configs/linearize/wan_1_3b_480p.yaml",
+    text_dim="text_dim",
+    diffusers_tests="tests/models/transformers/test_models_transformer_wan.py",
+)
