@@ -114,6 +114,7 @@ def test_every_record_resolves(name):
     if base.trains:
         assert issubclass(base.run_config.load(), RunConfig)
         assert issubclass(base.task.load(), TrainTask)
+    if base.converter_config is not None:
         assert (ROOT / base.converter_config).is_file()
     assert base_for_class_name(base.transformer_class.__name__).transformer_class is base.transformer_class
     import diffusers
@@ -129,6 +130,16 @@ def test_every_data_source_is_a_class():
 
     assert tuple(DIT_SOURCES) == config.DIT_SOURCES == base_for("dit").data_sources
     assert tuple(CAPTION_SOURCES) == config.CAPTION_SOURCES == base_for("wan").data_sources
+
+
+def test_a_transformer_subclass_finds_its_base():
+    """A subclass of a base's transformer (e.g. one registered for diffusers loading) is that base."""
+    from mhla_gen.testing import tiny_dit
+
+    dit = type(tiny_dit())
+    subclass = type("MyDiTTransformer", (dit,), {})
+    assert base_for_class_name("MyDiTTransformer") is base_for("dit")
+    assert base_for_model(subclass.from_config(tiny_dit().config)) is base_for("dit")
 
 
 def test_lookups_name_what_is_supported():
