@@ -29,7 +29,7 @@ ATTENTION_TYPES = ("softmax", "linear", "mhla")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
-DIT_SOURCES = ("folder", "latents", "digits", "teacher", "hf")
+DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
 CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
 
 
@@ -207,7 +207,8 @@ class DiTModelConfig:
 @dataclass
 class DiTDataConfig:
     """``source``: ``folder`` (ImageNet-style class folders), ``latents`` (a cache written by
-    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space) or ``teacher``
+    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space), ``shapes`` (drawn
+    mirror-symmetric coloured shapes, RGB pixel space: mhla_gen.data.shapes) or ``teacher``
     (``teacher_samples`` samples of ``teacher_labels`` drawn from ``teacher`` through DiTPipeline with
     ``log.sample_steps`` / ``log.guidance_scale`` into ``path``, then read like a latent cache)."""
 

@@ -3,8 +3,9 @@
 Each source checks its own settings (:meth:`DiTSource.validate`, before any work), says what the model
 input is (channels and size), how many items there are, and builds the dataset. ``folder``: ImageNet-style
 class folders, VAE-encoded on the fly; ``latents``: a cache of ``scripts/extract_latents.py``; ``digits``:
-scikit-learn's digits in pixel space; ``teacher``: samples of a teacher DiT, drawn at setup into a cache;
-``hf``: a ``datasets`` dataset with an image and an integer class column (:mod:`mhla_gen.data.hf_datasets`).
+scikit-learn's digits in pixel space; ``shapes``: drawn coloured shapes in pixel space (mhla_gen.data.shapes);
+``teacher``: samples of a teacher DiT, drawn at setup into a cache; ``hf``: a ``datasets`` dataset with an
+image and an integer class column (:mod:`mhla_gen.data.hf_datasets`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from torch.utils.data import Dataset
 
-from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
 from ..data.hf_datasets import HFClassImages
 from ..data.images import class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
@@ -98,6 +99,10 @@ class DiTSource:
 
     def prepare(self, device) -> None:
         """Work before the dataset is read (after the VAE is loaded); nothing by default."""
+
+    def held_out(self) -> Dataset | None:
+        """Items training never reads (stage 1 measures on them), if the source has any."""
+        return None
 
 
 class ClassFolderSource(DiTSource):
@@ -256,6 +261,35 @@ class DigitsSource(DiTSource):
         return _DigitsDataset(self.data.resolution)
 
 
+class ShapesSource(DiTSource):
+    """Mirror-symmetric coloured shapes drawn in code (:mod:`mhla_gen.data.shapes`), RGB, pixel space; a
+    held-out draw for stage 1's measurements."""
+
+    name = "shapes"
+    pixel_space = True
+
+    def inputs(self) -> dict[str, str | None]:
+        return {}  # drawn in code
+
+    def validate(self) -> None:
+        try:
+            shapes.check_shapes_data(self.data.resolution, self.cfg.model.num_classes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def channels_and_size(self) -> tuple[int, int]:
+        return 3, self.data.resolution
+
+    def count_items(self) -> int:
+        return shapes.TRAIN_ITEMS
+
+    def dataset(self) -> Dataset:
+        return shapes.ShapesDataset(self.data.resolution)
+
+    def held_out(self) -> Dataset:
+        return shapes.ShapesDataset(self.data.resolution, 256, seed=shapes.HELD_OUT_SEED)
+
+
 class TeacherSource(DiTSource):
     """``data.teacher_samples`` samples of a teacher DiT (``data.teacher``, else what ``model.init_from``
     converts), drawn through ``DiTPipeline`` into ``data.path`` at setup and read like a latent cache."""
@@ -335,6 +369,7 @@ class TeacherSource(DiTSource):
 
 DIT_SOURCES: dict[str, type[DiTSource]] = {
     source.name: source
-    for source in (ClassFolderSource, LatentCacheSource, DigitsSource, TeacherSource, HFClassSource)
+    for source in (ClassFolderSource, LatentCacheSource, DigitsSource, ShapesSource, TeacherSource,
+                   HFClassSource)
 }
 """``data.source`` -> its class (a new source: a class above and a line here)."""
