@@ -306,3 +306,22 @@ def test_cuda_matches_cpu_exact_start_and_bf16():
     half = _run(model.cuda().to(torch.bfloat16), half_inputs)
     assert torch.isfinite(half).all()
     torch.testing.assert_close(half.float().cpu(), reference, rtol=0.1, atol=0.1)
+
+
+def test_record_sampler_samples_the_tiny_pipeline(tmp_path):
+    """The base record's sampler (what scripts/sample.py and eval/generate.py call): load, size, sample."""
+    from mhla_gen.bases import base_for
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.pipelines import SampleSettings
+
+    tiny_sana_video_pipeline(_model(MHLAConfig(blocks=(1, 2, 2)))).save_pretrained(tmp_path / "pipe")
+    sampler = base_for("sana-video").sampler.load()
+    pipe = sampler.load(tmp_path / "pipe", None, torch.float32, None, None)
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn1.processor, SanaVideoMHLAProcessor)
+    with pytest.raises(ConfigError, match="--height 48 is not a multiple of 32"):
+        sampler.fit_size(pipe, SampleSettings(height=48, width=64))
+    settings = sampler.fit_size(pipe, SampleSettings(steps=2, height=32, width=64, frames=5, output_type="np",
+                                                     max_sequence_length=8,
+                                                     extra={"complex_human_instruction": None}))
+    frames = sampler.sample(pipe, ["a cat runs"], torch.Generator().manual_seed(0), settings)
+    assert frames.shape == (1, 5, 32, 64, 3)
