@@ -39,7 +39,7 @@ import torch
 
 from .bases import base_for
 from .errors import ConfigError
-from .evidence import SAMPLE_SEED, DataScores
+from .evidence import SAMPLE_SEED, DataScores, interval
 from .folders import claim, file_record, owned
 from .loading import load_transformer
 from .locks import die_with_parent
@@ -293,16 +293,6 @@ def _worker_init(parent: int | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ summaries
-def interval(values: list[float], level: float = 0.95) -> dict:
-    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    n = len(x)
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max()), "ci": half, "n": n}
-
-
 def summarize(records: list[dict], metric: str) -> dict[tuple[str, int], dict]:
     """``{(arm, step): interval over seeds of metric}``."""
     groups: dict[tuple[str, int], list[float]] = {}
