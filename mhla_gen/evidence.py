@@ -96,6 +96,16 @@ def _real_features(source: str, resolution: int) -> np.ndarray:
     return extract_features(DataScores(source, resolution).extractor(), _real(source, resolution)[0])["pool"]
 
 
+def interval(values: list[float], level: float = 0.95) -> dict:
+    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max()), "ci": half, "n": n}
+
+
 def fid_bootstrap(real: np.ndarray, fake: np.ndarray, draws: int = 50, seed: int = 0) -> dict:
     """The FID of ``fake`` ``(N, F)`` against ``real`` features, over ``draws`` resamples of the fake
     rows with replacement: ``{"sd", "values"}`` (the sampling noise of one evaluation)."""

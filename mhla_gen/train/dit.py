@@ -251,10 +251,6 @@ class DiTTask(TrainTask):
     def build_dataset(self, accelerator) -> Dataset:
         return self.source.dataset()
 
-    def held_out_dataset(self) -> Dataset | None:
-        """Images training never sees (stage 1's measurements): the shapes have a held-out draw."""
-        return self.source.held_out()
-
     def _clean_input(self, batch: dict, rnd) -> torch.Tensor:
         """x0 ``(B, C, h, w)``: flipped per sample (seeded), VAE-encoded when training in latent space."""
         flip = (rnd.rand() < 0.5) & self.cfg.data.hflip  # (B,) bool, drawn even when flips are off

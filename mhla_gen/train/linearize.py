@@ -282,11 +282,12 @@ class TransferTask(TrainTask):
     # -------------------------------------------------------------------------------- measurements
     def eval_inputs(self) -> list[dict]:
         """``transfer.eval_batches`` fixed batches of model inputs, noised with a seed of their own: the
-        same for every measurement of the run. Images: the base task's held-out set when it has one
-        (``held_out_dataset``: the shapes), else the dataset's first items (the noise and timesteps are
+        same for every measurement of the run. Images: the data source's held-out set when it has one
+        (``DiTSource.held_out``: the shapes), else the dataset's first items (the noise and timesteps are
         still ones training never draws)."""
         size = self.cfg.train.global_batch_size // self.cfg.train.gradient_accumulation_steps
-        held_out = getattr(self.inner, "held_out_dataset", lambda: None)()
+        source = getattr(self.inner, "source", None)  # a DiT's data source (train/dit_sources.py)
+        held_out = source.held_out() if hasattr(source, "held_out") else None
         dataset = held_out if held_out is not None else self.dataset
         batches = []
         for i in range(self.cfg.transfer.eval_batches):
