@@ -7,6 +7,7 @@ from .install import install_mhla, mhla_parameters, uninstall_mhla
 from .layout import BlockLayout
 from .loading import load_transformer
 from .mixing import MixingMatrix, clamp_mixing_, locality_init
+from .models import MHLADiTTransformer2DModel, MHLASanaTransformer2DModel, MHLAWanTransformer3DModel
 from .ops import MHLADecodeState, mhla_attention, mhla_decode_step
 from .serialization import load_mhla_parameters, save_mhla_parameters
 
@@ -16,6 +17,9 @@ __all__ = [
     "BlockLayout",
     "ConvPositionEncoding",
     "MHLAConfig",
+    "MHLADiTTransformer2DModel",
+    "MHLASanaTransformer2DModel",
+    "MHLAWanTransformer3DModel",
     "MHLADecodeState",
     "MixingMatrix",
     "OutputGate",

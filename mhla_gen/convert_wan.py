@@ -44,7 +44,7 @@ from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file
 
 from .config import MHLAConfig
-from .install import install_mhla
+from .install import install_mhla, stock_class_name
 
 # module paths outside the blocks: original -> diffusers (each followed by ".weight" / ".bias")
 TOP_MODULES = {
@@ -257,7 +257,7 @@ def read_transformer_config(config) -> dict:
                 f"no Wan transformer config at {path} (tried {[str(p) for p in candidates]})"
             )
         cfg = json.loads(found.read_text())
-    class_name = cfg.get("_class_name", WanTransformer3DModel.__name__)
+    class_name = stock_class_name(cfg.get("_class_name", WanTransformer3DModel.__name__))
     if class_name != WanTransformer3DModel.__name__:
         raise ValueError(f"config is for {class_name}, not {WanTransformer3DModel.__name__}")
     cfg.pop("mhla", None)  # a config taken from an MHLA folder: the checkpoint decides MHLA here

@@ -170,16 +170,6 @@ def min_effect(metric: str, reference_mean: float) -> float:
     return size * abs(reference_mean) if kind == "relative" else size
 
 
-def interval(values: list[float], level: float = 0.95) -> dict:
-    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    n = len(x)
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max()), "ci": half, "n": n}
-
-
 def compare(records: list[dict], arm: str, other: str, metric: str, step: int, sampling_sd: float = math.nan
             ) -> dict:
     """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have: mean, 95 %

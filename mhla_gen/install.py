@@ -11,8 +11,11 @@ against the blocks before any work, and records the config in two places:
 - ``transformer.config["mhla"]``: its dict, registered with diffusers' ``register_to_config`` so that
   ``transformer.save_pretrained(d)`` writes it into ``d/config.json`` (read back by ``load_transformer``).
 
-A folder saved this way is not loadable by the stock ``from_pretrained`` (it would drop the MHLA
-weights with a warning): use :func:`mhla_gen.load_transformer`.
+``install_mhla`` also turns the model into the MHLA subclass of its class (``DiTTransformer2DModel`` ->
+``mhla_gen.models.MHLADiTTransformer2DModel``, registered here by :mod:`mhla_gen.models`), so
+``save_pretrained`` writes that class name and diffusers' own loaders (``DiffusionPipeline.from_pretrained``,
+``AutoModel``) rebuild the model with its MHLA; ``uninstall_mhla`` turns it back into the stock class. A
+bare stock class's ``from_pretrained`` on such a folder drops the MHLA weights (docs/diffusers.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,37 @@ from .processors import MHLAProcessor
 from .processors.grid import check_grid, latent_from_call
 
 CONFIG_KEY = "mhla"
+
+MHLA_MODEL_CLASSES: dict[type, type] = {}
+"""``{stock diffusers class: its MHLA subclass}``, filled by :mod:`mhla_gen.models` (one line per base)."""
+
+
+def register_mhla_class(stock_cls: type, mhla_cls: type) -> None:
+    """Make ``install_mhla`` turn instances of exactly ``stock_cls`` into ``mhla_cls`` (and back)."""
+    MHLA_MODEL_CLASSES[stock_cls] = mhla_cls
+
+
+def stock_class_name(class_name: str | None) -> str | None:
+    """The stock diffusers class name for a ``config.json["_class_name"]``: ``MHLADiTTransformer2DModel``
+    -> ``DiTTransformer2DModel``; any other name unchanged."""
+    for stock_cls, mhla_cls in MHLA_MODEL_CLASSES.items():
+        if class_name == mhla_cls.__name__:
+            return stock_cls.__name__
+    return class_name
+
+
+def _set_model_class(transformer: nn.Module, mhla: bool) -> None:
+    """Swap ``transformer``'s class between the stock class and its MHLA subclass (same instance state).
+
+    Only exact registered classes are swapped: a class wrapped around the model by someone else (e.g.
+    FSDP2's ``fully_shard`` subclass) is left alone, and such a model saves under that class's name.
+    """
+    if mhla and type(transformer) in MHLA_MODEL_CLASSES:
+        transformer.__class__ = MHLA_MODEL_CLASSES[type(transformer)]
+    elif not mhla:
+        stock = {m: s for s, m in MHLA_MODEL_CLASSES.items()}.get(type(transformer))
+        if stock is not None:
+            transformer.__class__ = stock
 
 
 def is_mhla_installed(transformer: nn.Module) -> bool:
@@ -119,6 +153,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         *processor_cls.grid_hooks(transformer),
     ]
     transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
+    _set_model_class(transformer, mhla=True)
     return transformer
 
 
@@ -140,7 +175,32 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     for name in ("_mhla_hooks", "mhla_config"):
         delattr(transformer, name)
     transformer._internal_dict = FrozenDict({k: v for k, v in transformer.config.items() if k != CONFIG_KEY})
+    _set_model_class(transformer, mhla=False)
     return transformer
+
+
+def check_mhla_consistent(transformer: nn.Module, action: str = "saving") -> None:
+    """ValueError naming ``uninstall_mhla`` unless the processors that run are the ones ``config["mhla"]``
+    describes: an MHLA processor of that config in exactly the configured layers, stock elsewhere.
+
+    A processor replaced behind ``install_mhla``'s back (``attn.set_processor``, diffusers'
+    ``set_attn_processor``) would otherwise be saved as a folder that claims MHLA and does not load.
+    """
+    cfg = transformer.mhla_config
+    layers = base_for_model(transformer).processor.self_attention(transformer)
+    wanted = set(_selected_layers(cfg, len(layers)))
+    wrong = [
+        i for i, attn in enumerate(layers)
+        if isinstance(attn.processor, MHLAProcessor) != (i in wanted)
+        or (i in wanted and attn.processor.cfg != cfg)
+    ]
+    if wrong:
+        raise ValueError(
+            f"{action} refused: self-attention layers {wrong} of this {type(transformer).__name__} do "
+            f"not run the MHLA its config records (blocks {list(cfg.blocks)}, layers {cfg.layers}); their "
+            "processors were replaced outside install_mhla. Call mhla_gen.uninstall_mhla(transformer) to go "
+            "back to stock attention (then set processors freely), or install_mhla again"
+        )
 
 
 @torch.no_grad()

@@ -14,13 +14,17 @@ the dispatch here needs to know about LoRA folders.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .install import is_mhla_installed
 from .lora import is_lora_folder, load_lora_mhla
 from .serialization import load_saved_transformer
+
+logger = logging.getLogger(__name__)
 
 
 def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:
@@ -37,8 +41,9 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, 
         base: LoRA + MHLA folders only: the pretrained checkpoint (folder or hub id) to take the base
             weights from instead of the one recorded in the folder. Ignored for full folders.
     Returns:
-        the diffusers model (``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or
-        ``WanTransformer3DModel``) in eval mode.
+        the diffusers model in eval mode: with MHLA its ``mhla_gen.models`` class
+        (``MHLADiTTransformer2DModel`` etc., a subclass of the stock one), else the stock class; logs (INFO)
+        what it loaded.
     Raises:
         FileNotFoundError: missing folder, ``config.json`` or weights.
         ValueError: unsupported model class, or weights whose keys do not match (all listed).
@@ -48,4 +53,7 @@ def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, 
         raise FileNotFoundError(f"transformer folder {folder} does not exist")
     if is_lora_folder(folder):
         return load_lora_mhla(folder, base=base, torch_dtype=torch_dtype, device=device)
-    return load_saved_transformer(folder, torch_dtype=torch_dtype, device=device)
+    model = load_saved_transformer(folder, torch_dtype=torch_dtype, device=device)
+    what = f"MHLA {model.mhla_config.to_dict()}" if is_mhla_installed(model) else "stock attention (no MHLA)"
+    logger.info("loaded %s from %s: %s", type(model).__name__, folder, what)
+    return model

@@ -11,15 +11,27 @@ is not an adapter weight, so it freezes the MHLA parameters of an ``install_mhla
 - :func:`lora_training_parameters` is the parameter selection of a LoRA + MHLA run: it sets
   ``requires_grad`` on the adapter and the MHLA parameters and off everywhere else, whatever happened
   before (e.g. a plain ``add_adapter`` after ``install_mhla``).
-- :func:`save_lora_mhla` writes a folder with the adapter in diffusers' ``save_lora_adapter`` format
-  (``pytorch_lora_weights.safetensors``, its ``LoraConfig`` in the metadata), the MHLA parameters
-  (``mhla.safetensors``, :func:`mhla_gen.save_mhla_parameters`) and ``mhla_lora.json`` naming the pretrained
-  checkpoint the base weights come from. :func:`mhla_gen.load_transformer` reads such a folder back
-  (:func:`load_lora_mhla`): base weights, then MHLA, then the adapter.
+- :func:`save_lora_mhla` writes a folder with the adapter in diffusers' pipeline LoRA format
+  (``pytorch_lora_weights.safetensors``: ``transformer.``-prefixed keys, its ``LoraConfig`` in the metadata,
+  what ``SanaPipeline.save_lora_weights`` writes) plus the MHLA parameters in the same file (keys
+  ``transformer.mhla_with_lora.<parameter>``, the MHLA config under :data:`MHLA_MARKER` in the metadata),
+  the MHLA parameters again in ``mhla.safetensors`` (:func:`mhla_gen.save_mhla_parameters`) and
+  ``mhla_lora.json`` naming the pretrained checkpoint the base weights come from.
+  :func:`mhla_gen.load_transformer` reads such a folder back (:func:`load_lora_mhla`): base weights, then
+  MHLA, then the adapter.
 
-With stock diffusers only, the same folder loads as ``transformer = <Model>.from_pretrained(base,
-subfolder="transformer")``, ``load_mhla_parameters(transformer, "final/mhla.safetensors")``,
-``transformer.load_lora_adapter("final", prefix=None, weight_name="pytorch_lora_weights.safetensors")``.
+diffusers' own ``pipe.load_lora_weights(folder)`` hands the file to ``pipe.transformer.load_lora_adapter``:
+
+- an MHLA transformer (``mhla_gen.models`` class, e.g. after :func:`load_lora_weights` or ``install_mhla``
+  with the folder's config) loads the adapter AND the MHLA parameters (:class:`MHLALoraMixin`);
+- a stock transformer fails loudly before anything is changed: the :data:`MHLA_MARKER` metadata entry is
+  no ``LoraConfig`` field, so diffusers raises ``TypeError: LoraConfig class could not be instantiated``
+  caused by "unexpected keyword argument" naming the marker, which names the right call,
+  :func:`load_lora_weights`.
+
+``unload_lora_weights`` / ``fuse_lora`` / ``set_adapters`` act on the low-rank adapter only: the MHLA
+parameters loaded with it are the model's attention weights from then on (``fuse_lora()`` followed by
+``unload_lora_weights()`` keeps exactly the LoRA + MHLA model).
 """
 
 from __future__ import annotations
@@ -31,16 +43,28 @@ import numbers
 from pathlib import Path
 
 import torch
+from diffusers.loaders.lora_base import LoraBaseMixin, _fetch_state_dict
 from diffusers.loaders.peft import PeftAdapterMixin
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from .bases import base_for_class_name
-from .install import CONFIG_KEY, is_mhla_installed, mhla_parameters
-from .serialization import load_mhla_parameters, save_mhla_parameters
+from .bases import base_for_class_name, base_for_model
+from .config import MHLAConfig
+from .install import (
+    CONFIG_KEY,
+    MHLA_MODEL_CLASSES,
+    install_mhla,
+    is_mhla_installed,
+    mhla_parameters,
+    mhla_state_dict,
+    stock_class_name,
+    uninstall_mhla,
+)
+from .serialization import load_mhla_parameters, read_mhla_config, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +72,15 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")  # every attention la
 ADAPTER_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 MHLA_WEIGHTS = "mhla.safetensors"
 MANIFEST = "mhla_lora.json"
-_FORMAT = "mhla_gen.lora/1"
+_FORMAT = "mhla_gen.lora/2"  # /2: adapter keys prefixed "transformer." and the MHLA parameters inside
+_FORMATS = ("mhla_gen.lora/1", _FORMAT)  # /1: unprefixed adapter keys (save_lora_adapter), read still
+ADAPTER_PREFIX = "transformer"  # diffusers' pipeline LoRA files: the component the keys belong to
+MHLA_ENTRY = "mhla_with_lora"  # adapter-file keys <prefix>.mhla_with_lora.<MHLA parameter> ("lora" in
+# every key is what diffusers' load_lora_weights checks)
+MHLA_MARKER = "mhla (MHLA LoRA: load it with mhla_gen.lora.load_lora_weights(pipe, folder))"
+"""Adapter-metadata key holding the MHLA config: not a ``LoraConfig`` field, so a stock transformer's
+``load_lora_adapter`` raises a TypeError that shows this text instead of loading without MHLA."""
+_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 
 
 def check_lora_settings(rank, alpha, rank_name: str = "rank", alpha_name: str = "alpha") -> None:
@@ -145,6 +177,17 @@ def is_lora_folder(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def _adapter_file_state(transformer: nn.Module, adapter_name: str) -> tuple[dict, dict]:
+    """``(state, metadata)`` of the adapter file, unprefixed: the LoRA weights and ``LoraConfig`` of
+    ``adapter_name``, plus the MHLA parameters and config when MHLA is installed."""
+    state = dict(get_peft_model_state_dict(transformer, adapter_name=adapter_name))
+    metadata = transformer.peft_config[adapter_name].to_dict()
+    if is_mhla_installed(transformer):
+        state.update({f"{MHLA_ENTRY}.{k}": v for k, v in mhla_state_dict(transformer).items()})
+        metadata[MHLA_MARKER] = transformer.mhla_config.to_dict()
+    return state, metadata
+
+
 def save_lora_mhla(
     transformer: nn.Module,
     folder,
@@ -169,20 +212,31 @@ def save_lora_mhla(
         raise ValueError("base must name the pretrained checkpoint the adapter was trained on")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    transformer.save_lora_adapter(str(folder), adapter_name=adapter_name, weight_name=ADAPTER_WEIGHTS)
+    state, metadata = _adapter_file_state(transformer, adapter_name)
+    # diffusers' own writer of pipeline LoRA files (what SanaPipeline.save_lora_weights calls)
+    LoraBaseMixin.write_lora_layers(
+        state_dict=LoraBaseMixin.pack_weights(state, ADAPTER_PREFIX),
+        save_directory=str(folder),
+        is_main_process=True,
+        weight_name=ADAPTER_WEIGHTS,
+        save_function=None,
+        safe_serialization=True,
+        lora_adapter_metadata=LoraBaseMixin.pack_weights(metadata, ADAPTER_PREFIX),
+    )
     mhla_file = None
     if is_mhla_installed(transformer):
         mhla_file = MHLA_WEIGHTS
         save_mhla_parameters(transformer, folder / mhla_file)
     manifest = {
         "format": _FORMAT,
-        "class_name": type(transformer).__name__,
+        "class_name": base_for_model(transformer).transformer_class.__name__,  # the base's (stock) class
         "base": str(Path(base).resolve()) if Path(base).is_dir() else base,
         "subfolder": subfolder,
         "revision": revision,
         "base_config": _base_config(transformer),
         "adapter_name": adapter_name,
         "adapter_weights": ADAPTER_WEIGHTS,
+        "adapter_prefix": ADAPTER_PREFIX,
         "mhla_weights": mhla_file,
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, default=list))
@@ -194,9 +248,50 @@ def read_manifest(folder) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (not a folder written by save_lora_mhla)")
     manifest = json.loads(path.read_text())
-    if manifest.get("format") != _FORMAT:
-        raise ValueError(f"{path}: unknown format {manifest.get('format')!r}, expected {_FORMAT!r}")
+    if manifest.get("format") not in _FORMATS:
+        raise ValueError(f"{path}: unknown format {manifest.get('format')!r}, expected one of {_FORMATS}")
     return manifest
+
+
+def lora_mhla_config(folder) -> MHLAConfig | None:
+    """The MHLA config a LoRA + MHLA folder's adapter needs (None: a LoRA without MHLA), read from the
+    adapter file's metadata (or, for a format-1 folder, from ``mhla.safetensors``)."""
+    folder = Path(folder)
+    adapter = folder / ADAPTER_WEIGHTS
+    if not adapter.is_file():
+        raise FileNotFoundError(f"{adapter} does not exist (not a LoRA folder written by save_lora_mhla)")
+    with safe_open(adapter, framework="pt") as f:
+        metadata = json.loads((f.metadata() or {}).get(_METADATA_KEY, "{}"))
+    for key in (f"{ADAPTER_PREFIX}.{MHLA_MARKER}", MHLA_MARKER):
+        if key in metadata:
+            return MHLAConfig.from_dict(metadata[key])
+    if (folder / MHLA_WEIGHTS).is_file():
+        return read_mhla_config(folder / MHLA_WEIGHTS)
+    return None
+
+
+def load_lora_weights(pipe, folder, adapter_name: str | None = None, **kwargs):
+    """diffusers' ``pipe.load_lora_weights(folder)`` for a LoRA + MHLA folder: install the folder's MHLA
+    into the pipeline's transformer first when it has none (re-registered, so a later
+    ``pipe.save_pretrained`` names the MHLA class), then load adapter and MHLA parameters. Returns ``pipe``.
+
+    ``load_into_transformer_2=True`` (Wan2.2) targets ``pipe.transformer_2``. A transformer with another
+    MHLA config is refused by its ``load_lora_adapter`` (ValueError naming both configs).
+    """
+    name = "transformer_2" if kwargs.get("load_into_transformer_2") else "transformer"
+    transformer = getattr(pipe, name)
+    cfg = lora_mhla_config(folder)
+    if cfg is not None and not is_mhla_installed(transformer):
+        install_mhla(transformer, cfg)
+        pipe.register_modules(**{name: transformer})
+    pipe.load_lora_weights(str(folder), adapter_name=adapter_name, **kwargs)
+    return pipe
+
+
+def _base_model_class(stock_cls: type, base: str, subfolder, revision) -> type:
+    """The class that loads ``base``'s transformer whole: its MHLA class when saved with MHLA."""
+    config = stock_cls.load_config(base, subfolder=subfolder, revision=revision)
+    return MHLA_MODEL_CLASSES.get(stock_cls, stock_cls) if CONFIG_KEY in config else stock_cls
 
 
 def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | None = None, device=None):
@@ -214,7 +309,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    processor_cls = base_for_class_name(manifest["class_name"]).processor
+    processor_cls = base_for_class_name(stock_class_name(manifest["class_name"])).processor
     if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
         logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
     base = base or manifest["base"]
@@ -223,9 +318,8 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} (listed in {folder / MANIFEST}) does not exist")
 
-    model = processor_cls.model_cls.from_pretrained(
-        base, subfolder=manifest["subfolder"], revision=manifest["revision"]
-    )
+    where = dict(subfolder=manifest["subfolder"], revision=manifest["revision"])
+    model = _base_model_class(processor_cls.model_cls, base, **where).from_pretrained(base, **where)
     recorded, found = (
         json.loads(json.dumps(manifest["base_config"])),
         json.loads(json.dumps(_base_config(model))),
@@ -237,23 +331,106 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
             + ", ".join(f"{k} ({found.get(k)!r} vs trained on {recorded.get(k)!r})" for k in diffs)
         )
     if manifest["mhla_weights"]:
-        load_mhla_parameters(model, folder / manifest["mhla_weights"])
-    adapter = manifest["adapter_name"]
+        mhla_file = folder / manifest["mhla_weights"]
+        if is_mhla_installed(model) and model.mhla_config != read_mhla_config(mhla_file):
+            uninstall_mhla(model)  # the run replaced the base's MHLA (init_attention=fresh)
+        load_mhla_parameters(model, mhla_file)
+    adapter, prefix = manifest["adapter_name"], manifest.get("adapter_prefix")
     model.load_lora_adapter(
-        str(folder), prefix=None, weight_name=manifest["adapter_weights"], adapter_name=adapter
+        str(folder), prefix=prefix, weight_name=manifest["adapter_weights"], adapter_name=adapter
     )
-
-    # diffusers only warns about adapter keys it could not place: check the adapter arrived whole
-    saved = load_file(folder / manifest["adapter_weights"])
-    loaded = get_peft_model_state_dict(model, adapter_name=adapter)
-    missing, unexpected = sorted(set(loaded) - set(saved)), sorted(set(saved) - set(loaded))
-    if missing or unexpected or any(not torch.equal(loaded[k], saved[k].to(loaded[k].dtype)) for k in saved):
-        raise ValueError(
-            f"LoRA adapter in {folder} does not match the model: missing keys {missing}, "
-            f"unexpected keys {unexpected}"
-        )
+    _check_adapter_arrived(model, folder / manifest["adapter_weights"], adapter, prefix)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
     if device is not None:
         model = model.to(device)
+    logger.info("loaded %s from %s: base %s, %s, LoRA adapter %r", type(model).__name__, folder, base,
+                f"MHLA {model.mhla_config.to_dict()}" if is_mhla_installed(model) else "no MHLA", adapter)
     return model.eval()
+
+
+def _check_adapter_arrived(model: nn.Module, file: Path, adapter: str, prefix: str | None) -> None:
+    """diffusers only warns about adapter keys it could not place: check the adapter arrived whole."""
+    saved = load_file(file)
+    if prefix:
+        saved = {k.removeprefix(f"{prefix}."): v for k, v in saved.items() if k.startswith(f"{prefix}.")}
+    saved = {k: v for k, v in saved.items() if not k.startswith(f"{MHLA_ENTRY}.")}
+    loaded = get_peft_model_state_dict(model, adapter_name=adapter)
+    missing, unexpected = sorted(set(loaded) - set(saved)), sorted(set(saved) - set(loaded))
+    if missing or unexpected or any(not torch.equal(loaded[k], saved[k].to(loaded[k].dtype)) for k in saved):
+        raise ValueError(
+            f"LoRA adapter in {file.parent} does not match the model: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
+
+
+def _split_mhla_entries(state: dict, metadata: dict | None, prefix: str | None):
+    """``(MHLA parameters, MHLA config or None, LoRA state, LoRA metadata)`` of an adapter file's contents
+    (keys as in the file, ``prefix``-ed or not)."""
+    head = f"{prefix}." if prefix else ""
+    entry = f"{head}{MHLA_ENTRY}."
+    mhla = {k.removeprefix(entry): v for k, v in state.items() if k.startswith(entry)}
+    state = {k: v for k, v in state.items() if not k.startswith(entry)}
+    cfg = None
+    if metadata is not None and f"{head}{MHLA_MARKER}" in metadata:
+        metadata = dict(metadata)
+        cfg = MHLAConfig.from_dict(metadata.pop(f"{head}{MHLA_MARKER}"))
+    return mhla, cfg, state, metadata
+
+
+class MHLALoraMixin:
+    """``load_lora_adapter`` of the MHLA transformer classes (:mod:`mhla_gen.models`): a LoRA + MHLA
+    adapter file's MHLA parameters load with its adapter (also through ``pipe.load_lora_weights``)."""
+
+    def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap=False,
+                          **kwargs):
+        """diffusers' ``load_lora_adapter``; an adapter saved with MHLA must match this model's MHLA
+        config, and its MHLA parameters replace this model's once the adapter has loaded.
+
+        Raises:
+            ValueError: another MHLA config, MHLA parameters that do not fit, or MHLA parameters that
+                would replace those other loaded adapters run with (``unload_lora_weights`` first).
+        """
+        source = pretrained_model_name_or_path_or_dict
+        if isinstance(source, dict):
+            state, metadata = dict(source), kwargs.pop("metadata", None)
+        else:  # diffusers' own reader (files, folders, hub ids), with the same hub arguments
+            hub = {k: kwargs.pop(k, None) for k in ("weight_name", "use_safetensors", "local_files_only",
+                                                   "cache_dir", "proxies", "token", "revision", "subfolder")}
+            state, metadata = _fetch_state_dict(
+                source, force_download=kwargs.pop("force_download", False), allow_pickle=False,
+                user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
+                metadata=kwargs.pop("metadata", None), **hub,
+            )
+        mhla, cfg, state, metadata = _split_mhla_entries(state, metadata, prefix)
+        if cfg is not None and cfg != self.mhla_config:
+            raise ValueError(
+                f"this LoRA was trained with MHLA {cfg.to_dict()}, but this {type(self).__name__} runs MHLA "
+                f"{self.mhla_config.to_dict()}: uninstall_mhla and install_mhla(transformer, "
+                "mhla_gen.lora.lora_mhla_config(folder)) first"
+            )
+        self._check_mhla_entries(mhla, kwargs.get("adapter_name"), hotswap)
+        super().load_lora_adapter(state, prefix=prefix, hotswap=hotswap, metadata=metadata, **kwargs)
+        if mhla:
+            with torch.no_grad():
+                for name, param in mhla_parameters(self).items():
+                    param.copy_(mhla[name].to(param.dtype))
+
+    def _check_mhla_entries(self, mhla: dict, adapter_name, hotswap: bool) -> None:
+        if not mhla:
+            return
+        params = mhla_parameters(self)
+        missing, unexpected = sorted(set(params) - set(mhla)), sorted(set(mhla) - set(params))
+        wrong = [n for n, p in params.items() if n in mhla and mhla[n].shape != p.shape]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"the adapter's MHLA parameters do not fit this {type(self).__name__}: missing keys "
+                f"{missing}, unexpected keys {unexpected}, wrong shapes {wrong}"
+            )
+        others = set(getattr(self, "peft_config", {})) - ({adapter_name} if hotswap else set())
+        differ = any(not torch.equal(mhla[n].to(p.device, p.dtype), p) for n, p in params.items())
+        if others and differ:
+            raise ValueError(
+                f"this adapter's MHLA parameters would replace the ones the loaded adapters {sorted(others)} "
+                "run with: unload_lora_weights() (or delete_adapters) first"
+            )

@@ -32,7 +32,7 @@ from torch import nn
 
 from .bases import base_for_class_name, base_for_model
 from .config import MHLAConfig
-from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters
+from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters, stock_class_name
 
 METADATA_CONFIG_KEY = "mhla_config"
 METADATA_BASE_KEY = "mhla_base"
@@ -94,7 +94,7 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
     mhla = config.pop(CONFIG_KEY, None)
-    processor_cls = base_for_class_name(config.get("_class_name")).processor
+    processor_cls = base_for_class_name(stock_class_name(config.get("_class_name"))).processor
 
     # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
     with init_empty_weights(include_buffers=False):

@@ -7,6 +7,7 @@ A plain subpackage of mhla_gen (``from mhla_gen.pipelines.dit import load_dit_pi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,11 @@ import torch
 from torch import nn
 
 from mhla_gen.config import MHLAConfig
-from mhla_gen.install import install_mhla, is_mhla_installed
+from mhla_gen.install import CONFIG_KEY, MHLA_MODEL_CLASSES, install_mhla, is_mhla_installed, stock_class_name
 from mhla_gen.loading import load_transformer
 from mhla_gen.serialization import saved_with_mhla
+
+logger = logging.getLogger(__name__)
 
 
 def load_pipeline_transformer(
@@ -34,7 +37,10 @@ def load_pipeline_transformer(
     1. ``transformer_path``: a folder written by ``transformer.save_pretrained`` (e.g. ``runs/x/final``),
        or a LoRA + MHLA folder (``train.trainable=lora`` runs), applied to ``path_or_id``'s transformer;
     2. ``path_or_id/<subfolder>`` when that local folder was saved with MHLA (a whole saved pipeline);
-    3. otherwise the stock pretrained transformer (local folder or hub id) with ``mhla`` installed fresh.
+    3. otherwise the pretrained transformer (local folder or hub id; through its MHLA class when its
+       config records MHLA) with ``mhla`` installed fresh when it has none.
+
+    Logs (INFO) which transformer it loaded and the MHLA it runs.
 
     Raises:
         ValueError: the saved transformer is another model class, or ``mhla`` differs from the MHLA it
@@ -46,11 +52,13 @@ def load_pipeline_transformer(
         if torch_dtype is not None and transformer.dtype != torch_dtype:  # no no-op cast: diffusers warns
             transformer = transformer.to(torch_dtype)
     else:
-        transformer = model_cls.from_pretrained(path_or_id, subfolder=subfolder, dtype=torch_dtype)
+        config = model_cls.load_config(path_or_id, subfolder=subfolder)
+        cls = MHLA_MODEL_CLASSES.get(model_cls, model_cls) if CONFIG_KEY in config else model_cls
+        transformer = cls.from_pretrained(path_or_id, subfolder=subfolder, dtype=torch_dtype)
     if not isinstance(transformer, model_cls):
         raise ValueError(
-            f"the transformer at {saved} is a {type(transformer).__name__}, not a {model_cls.__name__} "
-            "(wrong base model for this pipeline?)"
+            f"the transformer at {saved} is a {stock_class_name(type(transformer).__name__)}, not a "
+            f"{model_cls.__name__} (wrong base model for this pipeline?)"
         )
     if mhla is not None:
         if is_mhla_installed(transformer) and transformer.mhla_config != mhla:
@@ -61,6 +69,9 @@ def load_pipeline_transformer(
             )
         if not is_mhla_installed(transformer):
             install_mhla(transformer, mhla)
+    logger.info("pipeline transformer: %s from %s, %s", type(transformer).__name__, saved if saved.is_dir()
+                else path_or_id, f"MHLA {transformer.mhla_config.to_dict()}" if is_mhla_installed(transformer)
+                else "stock attention (no MHLA)")
     return transformer
 
 

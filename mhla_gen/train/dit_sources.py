@@ -24,6 +24,7 @@ from ..data.images import class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
 from ..folders import check_apart, input_record
+from ..install import stock_class_name
 from .attention import load_teacher
 from .dit_model import identity_vae, make_sampler
 from .loop import TrainTask
@@ -304,7 +305,7 @@ class TeacherSource(DiTSource):
             config = DiTTransformer2DModel.load_config(source, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"data.teacher={source!r} cannot be loaded: {err}") from None
-        if config.get("_class_name") != "DiTTransformer2DModel":
+        if stock_class_name(config.get("_class_name")) != "DiTTransformer2DModel":
             raise ConfigError(f"data.teacher={source!r} is a {config.get('_class_name')}, not a DiT")
         return config
 

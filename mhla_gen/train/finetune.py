@@ -25,6 +25,7 @@ from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..install import stock_class_name
 from ..lora import add_lora, is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
@@ -247,7 +248,7 @@ class FlowFinetuneTask(TrainTask):
             raise ConfigError(f"model.init_from={ref!r} is not a transformer folder (no config.json)")
         loaded = json.loads((folder / "config.json").read_text())
         name = self.transformer_cls.__name__
-        if loaded.get("_class_name") != name:
+        if stock_class_name(loaded.get("_class_name")) != name:
             raise ConfigError(f"model.init_from={ref!r} is a {loaded.get('_class_name')}, not a {name}")
         return loaded
 

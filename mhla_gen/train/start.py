@@ -17,6 +17,7 @@ from torch import nn
 from ..config import MHLAConfig
 from ..errors import ConfigError
 from ..folders import check_recorded, read_marker
+from ..install import stock_class_name
 from .attention import install_attention, load_start_transformer, saved_mhla, start_attention
 
 SETTING = "model.init_from"
@@ -84,7 +85,7 @@ class StartPoint:
             config = cls.load_config(self.ref, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"{SETTING}={self.ref!r} cannot be loaded: {err}") from None
-        if config.get("_class_name") != cls.__name__:
+        if stock_class_name(config.get("_class_name")) != cls.__name__:
             raise ConfigError(f"{SETTING}={self.ref!r} is a {config.get('_class_name')}, not a {what}")
         return config
 

@@ -1,0 +1,132 @@
+"""MHLA transformer classes that diffusers' own loaders find: one subclass of each stock transformer.
+
+``install_mhla`` turns a ``DiTTransformer2DModel`` into a :class:`MHLADiTTransformer2DModel` (same instance,
+``__class__`` swapped; ``uninstall_mhla`` swaps it back), so what ``save_pretrained`` writes names the MHLA
+class: ``config.json["_class_name"]`` is ``MHLADiTTransformer2DModel`` and a pipeline's ``model_index.json``
+entry is ``["mhla_gen.models", "MHLADiTTransformer2DModel"]``. diffusers resolves such an entry from the
+module (already imported: diffusers 0.42 imports no library a repository names, so ``import mhla_gen``
+first), and the class's ``from_pretrained`` / ``from_config`` build the model with the MHLA of
+``config["mhla"]`` installed before the weights load. So these load a saved MHLA model exactly as
+:func:`mhla_gen.load_transformer` does::
+
+    import mhla_gen  # registers the classes below with diffusers' loaders
+    pipe = DiffusionPipeline.from_pretrained(folder)                     # or DiTPipeline.from_pretrained
+    transformer = AutoModel.from_pretrained(folder, subfolder="transformer")
+    transformer = MHLADiTTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+
+The MHLA classes add three guards to the stock behaviour:
+
+- ``save_pretrained`` refuses a model whose processors no longer match ``config["mhla"]``
+  (:func:`mhla_gen.install.check_mhla_consistent`), whoever replaced them;
+- ``set_attn_processor`` (SANA, Wan: diffusers' ``AttentionMixin``) refuses to replace or add MHLA
+  processors, naming ``uninstall_mhla``;
+- ``load_lora_adapter`` (SANA, Wan: ``PeftAdapterMixin``) also loads the MHLA parameters that a LoRA + MHLA
+  adapter file carries (:class:`mhla_gen.lora.MHLALoraMixin`), so ``pipe.load_lora_weights(folder)`` works.
+
+A new base is one line at the end of this file: ``MHLAFooModel = mhla_model_class(FooModel)`` (Wan2.2's
+``transformer_2`` and Wan I2V are ``WanTransformer3DModel`` too: nothing to add).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import ClassVar
+
+from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
+from diffusers.loaders.peft import PeftAdapterMixin
+from diffusers.models.attention import AttentionMixin
+from diffusers.models.modeling_utils import ModelMixin
+
+from .config import MHLAConfig
+from .install import (
+    check_mhla_consistent,
+    install_mhla,
+    mhla_processors,
+    register_mhla_class,
+)
+from .lora import MHLALoraMixin
+from .processors import MHLAProcessor
+
+
+class MHLAModelMixin:
+    """What every MHLA transformer class adds to its stock class (``stock_cls``): MHLA from the config,
+    and a ``save_pretrained`` that refuses processors which disagree with the config."""
+
+    stock_cls: ClassVar[type]
+
+    @functools.wraps(ModelMixin.save_pretrained)  # keeps the signature: DiffusionPipeline inspects it
+    def save_pretrained(self, *args, **kwargs):
+        check_mhla_consistent(self, "save_pretrained")
+        return super().save_pretrained(*args, **kwargs)
+
+
+class MHLAAttentionMixin:
+    """``set_attn_processor`` that keeps MHLA processors where they are (diffusers' ``AttentionMixin``)."""
+
+    def set_attn_processor(self, processor):
+        """diffusers' ``set_attn_processor``, refused (model untouched) when it would replace an installed
+        MHLA processor or put an MHLA processor anywhere else; other processors change as usual."""
+        new = processor if isinstance(processor, dict) else dict.fromkeys(self.attn_processors, processor)
+        installed = mhla_processors(self)  # {"...attn1.processor": processor}, the keys diffusers uses
+        touched = set(installed) | {name for name, p in new.items() if isinstance(p, MHLAProcessor)}
+        changed = sorted(name for name in touched if new.get(name) is not installed.get(name))
+        if changed:
+            raise ValueError(
+                f"set_attn_processor would replace or add MHLA processors at {changed} of this "
+                f"{type(self).__name__}: call mhla_gen.uninstall_mhla(transformer) first to go back to stock "
+                "attention (then set processors freely), or install_mhla with other layers"
+            )
+        return super().set_attn_processor(processor)
+
+
+def _init_with_mhla(stock_cls: type):
+    """``__init__`` of the MHLA subclass: the stock ``__init__``, then ``install_mhla`` from ``mhla`` (without
+    ``mhla`` the instance becomes the stock class). Its signature is the stock one plus ``mhla``
+    (diffusers' ``from_config`` reads the init keys from it)."""
+
+    def __init__(self, *args, mhla: dict | MHLAConfig | None = None, **kwargs):
+        stock_cls.__init__(self, *args, **kwargs)
+        if mhla is None:  # a stock config (e.g. MHLA class.from_pretrained(stock folder)): a stock model,
+            self.__class__ = stock_cls  # as the class always says whether MHLA runs
+        else:
+            install_mhla(self, mhla if isinstance(mhla, MHLAConfig) else MHLAConfig.from_dict(dict(mhla)))
+
+    signature = inspect.signature(stock_cls.__init__)
+    params = list(signature.parameters.values())
+    keyword = inspect.Parameter("mhla", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    __init__.__signature__ = signature.replace(parameters=[*params[:at], keyword, *params[at:]])
+    return __init__
+
+
+def mhla_model_class(stock_cls: type) -> type:
+    """``MHLA<stock name>``: the MHLA subclass of a stock diffusers transformer class, registered with
+    ``install_mhla`` (which swaps a model's class to it) and living in this module (where diffusers'
+    ``model_index.json`` entry ``["mhla_gen.models", name]`` finds it)."""
+    mixins = [MHLAModelMixin]
+    if issubclass(stock_cls, AttentionMixin):
+        mixins.append(MHLAAttentionMixin)
+    if issubclass(stock_cls, PeftAdapterMixin):
+        mixins.append(MHLALoraMixin)
+    name = f"MHLA{stock_cls.__name__}"
+    doc = (f"diffusers' ``{stock_cls.__name__}`` with MHLA self-attention from ``config['mhla']`` "
+           "(see :mod:`mhla_gen.models`).")
+    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc, "stock_cls": stock_cls,
+                 "__init__": _init_with_mhla(stock_cls)}
+    cls = type(name, (*mixins, stock_cls), namespace)
+    register_mhla_class(stock_cls, cls)
+    return cls
+
+
+MHLADiTTransformer2DModel = mhla_model_class(DiTTransformer2DModel)
+MHLASanaTransformer2DModel = mhla_model_class(SanaTransformer2DModel)
+MHLAWanTransformer3DModel = mhla_model_class(WanTransformer3DModel)
+
+__all__ = [
+    "MHLADiTTransformer2DModel",
+    "MHLAModelMixin",
+    "MHLASanaTransformer2DModel",
+    "MHLAWanTransformer3DModel",
+    "mhla_model_class",
+]

@@ -1,0 +1,177 @@
+"""LoRA + MHLA the diffusers way (issue 41, item 2): ``pipe.load_lora_weights(final)`` of a
+``train.trainable=lora`` result (``save_lora_mhla``) loads adapter AND MHLA parameters into an MHLA
+transformer, with outputs equal to ``load_transformer(final)`` under diffusers' set_adapters / unload /
+fuse calls; on a stock transformer it fails loudly, naming ``mhla_gen.lora.load_lora_weights``, before
+changing anything. Tiny SANA and Wan (diffusers has no DiT LoRA)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import DiTPipeline, SanaPipeline, WanPipeline
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_lora import BASES
+
+from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, save_mhla_parameters
+from mhla_gen.lora import (
+    ADAPTER_WEIGHTS,
+    MANIFEST,
+    MHLA_MARKER,
+    MHLA_WEIGHTS,
+    add_lora,
+    load_lora_weights,
+    lora_mhla_config,
+    lora_training_parameters,
+    save_lora_mhla,
+)
+from mhla_gen.models import MHLASanaTransformer2DModel, MHLAWanTransformer3DModel
+
+PIPELINES = {
+    "sana": (SanaPipeline, MHLASanaTransformer2DModel),
+    "wan": (WanPipeline, MHLAWanTransformer3DModel),
+}
+EPS = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module", params=["sana", "wan"])
+def lora_run(request, tmp_path_factory):
+    """``(name, root, forward)``: ``root/pretrained`` the stock pipeline, ``root/final`` a trained LoRA +
+    MHLA folder, ``root/final2`` the same adapter with other MHLA parameters."""
+    factory, cfg, forward, make_pipeline = BASES[request.param]
+    root = tmp_path_factory.mktemp(f"lora_{request.param}")
+    model = factory()
+    make_pipeline(transformer=model).save_pretrained(root / "pretrained")
+    install_mhla(model, cfg)
+    add_lora(model, rank=4, alpha=8, init_lora_weights=False)
+    opt = torch.optim.SGD(lora_training_parameters(model), lr=0.1)
+    forward(model).square().mean().backward()
+    opt.step()  # LoRA and MHLA move off their inits
+    save_lora_mhla(model.eval(), root / "final", base=str(root / "pretrained"))
+    with torch.no_grad():
+        for p in mhla_parameters(model).values():
+            p.mul_(0.5)
+    save_lora_mhla(model, root / "final2", base=str(root / "pretrained"))
+    return request.param, root, torch.no_grad()(forward)
+
+
+def stock_pipe(name, root):
+    return PIPELINES[name][0].from_pretrained(root / "pretrained")
+
+
+def test_adapter_file_is_a_diffusers_pipeline_lora_with_the_mhla_inside(lora_run):
+    name, root, _ = lora_run
+    with safe_open(root / "final" / ADAPTER_WEIGHTS, framework="pt") as f:
+        keys, metadata = list(f.keys()), json.loads(f.metadata()["lora_adapter_metadata"])
+    assert keys and all(k.startswith("transformer.") and "lora" in k for k in keys)
+    mhla_keys = [k for k in keys if k.startswith("transformer.mhla_with_lora.")]
+    assert len(mhla_keys) == len(mhla_parameters(load_transformer(root / "final")))
+    assert metadata[f"transformer.{MHLA_MARKER}"] == BASES[name][1].to_dict()
+    assert (metadata["transformer.r"], metadata["transformer.lora_alpha"]) == (4, 8)
+    assert lora_mhla_config(root / "final") == BASES[name][1]
+
+
+def test_stock_transformer_refuses_loudly_and_stays_untouched(lora_run):
+    name, root, forward = lora_run
+    pipe = stock_pipe(name, root)
+    before = forward(pipe.transformer)
+    with pytest.raises(TypeError) as raised:
+        pipe.load_lora_weights(root / "final")
+    assert "mhla_gen.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
+    assert not getattr(pipe.transformer, "peft_config", None)
+    assert torch.equal(forward(pipe.transformer), before)
+
+
+def test_load_lora_weights_and_diffusers_calls_equal_load_transformer(lora_run):
+    name, root, forward = lora_run
+    reference = load_transformer(root / "final")  # its adapter is named "default"
+    expected = forward(reference)
+    pipe = load_lora_weights(stock_pipe(name, root), root / "final")
+    assert type(pipe.transformer) is PIPELINES[name][1]
+    assert pipe.config.transformer == ("mhla_gen.models", PIPELINES[name][1].__name__)  # re-registered
+    assert torch.equal(forward(pipe.transformer), expected)
+    (adapter,) = pipe.get_active_adapters()
+
+    pipe.set_adapters([adapter], adapter_weights=[0.5])
+    reference.set_adapters(["default"], weights=[0.5])
+    assert torch.equal(forward(pipe.transformer), forward(reference))
+    pipe.set_adapters([adapter], adapter_weights=[1.0])
+    reference.set_adapters(["default"], weights=[1.0])
+
+    pipe.unload_lora_weights()  # the low-rank adapter goes; the MHLA parameters stay (docs/diffusers.md)
+    reference.unload_lora()
+    assert not getattr(pipe.transformer, "peft_config", None)
+    assert torch.equal(forward(pipe.transformer), forward(reference))
+
+    pipe.load_lora_weights(root / "final")  # diffusers' own call, now that the transformer runs MHLA
+    assert torch.equal(forward(pipe.transformer), expected)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # fused: the LoRA + MHLA model without adapter layers
+    # fused (W + sBA)x and unfused Wx + sB(Ax) differ by float32 rounding of short sums in a few layers
+    atol = 100 * EPS * expected.abs().max()
+    torch.testing.assert_close(forward(pipe.transformer), expected, rtol=0, atol=atol)
+
+
+def test_mhla_params_of_another_adapter_or_config_are_refused(lora_run):
+    name, root, forward = lora_run
+    pipe = stock_pipe(name, root)
+    install_mhla(pipe.transformer, lora_mhla_config(root / "final"))
+    pipe.load_lora_weights(root / "final", adapter_name="first")
+    expected = forward(pipe.transformer)
+    with pytest.raises(ValueError, match=r"\['first'\] run with: unload_lora_weights\(\) .*first"):
+        pipe.load_lora_weights(root / "final2", adapter_name="second")
+    assert pipe.get_list_adapters()["transformer"] == ["first"]
+    assert torch.equal(forward(pipe.transformer), expected)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(root / "final2", adapter_name="second")
+    assert torch.equal(forward(pipe.transformer), forward(load_transformer(root / "final2")))
+
+    other = stock_pipe(name, root)
+    cfg = lora_mhla_config(root / "final")
+    install_mhla(other.transformer, MHLAConfig.from_dict({**cfg.to_dict(), "gate": not cfg.gate}))
+    with pytest.raises(ValueError, match=r"this LoRA was trained with MHLA .*lora_mhla_config\(folder\)"):
+        other.load_lora_weights(root / "final")
+    assert not getattr(other.transformer, "peft_config", None)
+
+
+def test_format_1_folder_still_loads(tmp_path):
+    """Folders written before the adapter file carried the MHLA (unprefixed save_lora_adapter keys)."""
+    factory, cfg, forward, make_pipeline = BASES["sana"]
+    model = factory()
+    make_pipeline(transformer=model).save_pretrained(tmp_path / "pretrained")
+    install_mhla(model, cfg)
+    add_lora(model, rank=4, alpha=8, init_lora_weights=False)
+    final = tmp_path / "final"
+    model.save_lora_adapter(str(final), weight_name=ADAPTER_WEIGHTS)
+    save_mhla_parameters(model, final / MHLA_WEIGHTS)
+    save_lora_mhla(model, tmp_path / "new", base=str(tmp_path / "pretrained"))
+    manifest = json.loads((tmp_path / "new" / MANIFEST).read_text())
+    manifest.pop("adapter_prefix")
+    (final / MANIFEST).write_text(json.dumps({**manifest, "format": "mhla_gen.lora/1"}))
+    with torch.no_grad():
+        assert torch.equal(forward(load_transformer(final)), forward(model.eval()))
+    assert lora_mhla_config(final) == cfg
+
+
+def test_dit_has_no_diffusers_lora_loader():
+    assert not hasattr(DiTPipeline, "load_lora_weights")
+
+
+def test_damaged_mhla_entries_name_the_keys(lora_run, tmp_path):
+    name, root, _ = lora_run
+    from safetensors.torch import load_file
+
+    with safe_open(root / "final" / ADAPTER_WEIGHTS, framework="pt") as f:
+        metadata = f.metadata()
+    state = load_file(root / "final" / ADAPTER_WEIGHTS)
+    dropped = next(k for k in sorted(state) if k.startswith("transformer.mhla_with_lora."))
+    del state[dropped]
+    (tmp_path / "bad").mkdir()
+    save_file(state, tmp_path / "bad" / ADAPTER_WEIGHTS, metadata=metadata)
+    pipe = stock_pipe(name, root)
+    install_mhla(pipe.transformer, lora_mhla_config(root / "final"))
+    param = dropped.split("mhla_with_lora.")[1]
+    with pytest.raises(ValueError, match=r"missing keys \['" + param.replace(".", r"\.")):
+        pipe.load_lora_weights(tmp_path / "bad")
