@@ -3,7 +3,9 @@ different ways, each arm with the same stage-2 budget and data, on the embedded 
 
     python eval/adaptation.py                               # both grids, 3 seeds (teachers trained first)
     python eval/adaptation.py --teachers-from runs/study    # the study's seed-0 softmax / linear runs
-    python eval/adaptation.py --quick                       # seconds: a smoke test
+    python eval/adaptation.py --data shapes                 # the drawn shapes at 256 tokens
+    python eval/adaptation.py --quick                       # CI-sized: about 10 min of 2 cores
+    python eval/adaptation.py --smoke                       # seconds: a smoke test
 
 Teachers: DiTs of the study's size (eval/study.py) trained on the digits with softmax and with linear
 attention (cached under OUT/teachers by their settings, or taken from a finished study). Arms (stage 2 =
@@ -40,6 +42,7 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
+from mhla_gen.evidence import compare, fmt_comparison
 from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
 from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
@@ -50,20 +53,34 @@ from mhla_gen.train.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "dit_digits.yaml")
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)  # eval/study.py's
-QUICK_MODEL = dict(hidden_size=16, depth=2, heads=2, patch_size=2)
+TINY_MODEL = dict(hidden_size=16, depth=2, heads=2, patch_size=2)
 GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler steps
     "64": dict(resolution=16, blocks=(2, 2), teacher_steps=1500, stage1_steps=200, steps=400, batch=32,
                fid_samples=500, sample_steps=20),
     "256": dict(resolution=32, blocks=(4, 4), teacher_steps=1200, stage1_steps=150, steps=300, batch=32,
                 fid_samples=300, sample_steps=10),
-    "quick": dict(resolution=8, blocks=(2, 2), teacher_steps=4, stage1_steps=2, steps=4, batch=8,
-                  fid_samples=20, sample_steps=2),
+    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=1200, stage1_steps=150,
+                       steps=300, batch=32, fid_samples=300, sample_steps=10),
+    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), teacher_steps=1200, stage1_steps=150,
+                        steps=300, batch=16, fid_samples=200, sample_steps=10),
+    # --quick: CI-sized (about 10 min of 2 cores)
+    "quick": dict(resolution=16, blocks=(2, 2), teacher_steps=200, stage1_steps=50, steps=100, batch=32,
+                  fid_samples=200, sample_steps=10),
+    "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=200, stage1_steps=40,
+                         steps=80, batch=32, fid_samples=200, sample_steps=10),
+    # --smoke: seconds (the tests)
+    "smoke": dict(resolution=8, blocks=(2, 2), teacher_steps=4, stage1_steps=2, steps=4, batch=8,
+                  fid_samples=20, sample_steps=2, tiny=True, val_triples=32),
+    "shapes-smoke": dict(data="shapes", resolution=32, blocks=(2, 2), teacher_steps=4, stage1_steps=2,
+                         steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True, patch=8,
+                         val_triples=32),
 }
 STAGE1 = ("model.attention=mhla", "train.ema_decay=0")  # final/ and its errors: the trained weights
 
 
 def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
-    """The arms of one grid (the hybrid and linear-teacher arms at 64 tokens only, see the docstring)."""
+    """The arms of one grid (the hybrid and linear-teacher arms at 64 tokens only, see the docstring;
+    the stage-2 schedules on every grid)."""
     soft, lin = "model.init_from=@softmax", "model.init_from=@linear"
     distill = ("train.distill.output_weight=1", "train.distill.attention_weight=1")
     main = [
@@ -73,8 +90,18 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("mhla-stage1", (), stage1=(soft, *STAGE1)),
         Arm("mhla-stage1-distill", distill, stage1=(soft, *STAGE1)),
         Arm("mhla-stage1-all", (), stage1=(soft, *STAGE1, "transfer.trainable=all")),
+        Arm("mhla-stage1-qk", (), stage1=(soft, *STAGE1, "transfer.trainable=mhla+qk")),
     ]
-    if grid == "256":
+    schedules = [  # stage 2 from the same stage 1 as mhla-stage1 (and plain conversion without warm-up)
+        Arm("mhla-plain-no-warmup", (soft, "model.attention=mhla", "train.lr_warmup_steps=0"), "schedule"),
+        Arm("stage2-no-warmup", ("train.lr_warmup_steps=0",), "schedule", stage1=(soft, *STAGE1)),
+        Arm("stage2-low-lr", ("train.learning_rate=3e-4",), "schedule", stage1=(soft, *STAGE1)),
+        Arm("stage2-from-stage1-ema", (), "schedule", stage1=(soft, *STAGE1[:-1], "train.ema_decay=0.99")),
+        Arm("stage2-output-distill", ("train.distill.output_weight=1",), "schedule", stage1=(soft, *STAGE1)),
+        Arm("stage2-mhla-only", ("train.trainable=mhla",), "schedule", stage1=(soft, *STAGE1)),
+    ]
+    main += schedules
+    if grid.split("-")[-1] != "64" and grid not in ("smoke", "quick"):
         return main
     fresh = (lin, "model.init_attention=fresh", "model.attention=mhla")
     return main + [
@@ -88,12 +115,19 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
 
 
 def base_overrides(grid: dict, model: dict) -> list[str]:
+    """The grid's data, model and batch; the schedule is the config's (configs/dit_digits.yaml: 50 warm-up
+    steps, as the documented stage-2 command runs) unless an arm says otherwise."""
     return [
-        f"data.resolution={grid['resolution']}", f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
+        f"data.source={grid.get('data', 'digits')}", f"data.resolution={grid['resolution']}",
+        f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
         *(f"model.{k}={v}" for k, v in model.items()), f"train.global_batch_size={grid['batch']}",
-        "train.lr_warmup_steps=0", f"log.every={max(1, grid['steps'] // 20)}", "log.trackers=[]",
+        f"log.every={max(1, grid['steps'] // 20)}", "log.trackers=[]",
         "log.num_samples=1", f"log.sample_steps={grid['sample_steps']}",
     ]
+
+
+def grid_model(grid: dict) -> dict:
+    return dict(TINY_MODEL, patch_size=grid.get("patch", 2)) if grid.get("tiny") else MODEL
 
 
 def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed: int = 0) -> Path:
@@ -109,8 +143,9 @@ def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed:
     return folder / "final"
 
 
-QUICK_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1-distill", "hybrid-auto",
+SMOKE_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1-distill", "hybrid-auto",
               "mhla-from-linear-uniform")
+QUICK_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1", "mhla-stage1-qk", "stage2-no-warmup")
 
 
 def plan(args) -> list:
@@ -118,16 +153,33 @@ def plan(args) -> list:
     jobs = []
     for name in args.grids:
         grid = dict(GRIDS[name], **({"steps": args.steps} if args.steps else {}))
-        model = QUICK_MODEL if name == "quick" else MODEL
+        model = grid_model(grid)
         teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")}
-        wanted = args.arms or (QUICK_ARMS if name == "quick" else None)
+        default = {"smoke": SMOKE_ARMS, "quick": QUICK_ARMS}.get(name.split("-")[-1])
+        wanted = args.arms or default
         chosen = [with_teachers(arm, teachers, grid) for arm in arms(name, 1e-6, np.prod(grid["blocks"]))
                   if wanted is None or arm.name in wanted]
-        extra = {"grid": name, "tokens": (grid["resolution"] // 2) ** 2}
+        extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
-                          grid["fid_samples"], extra)
+                          grid["fid_samples"], extra, grid.get("val_triples", 512))
+        if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
+            scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
+            budget = grid["teacher_steps"] + grid["steps"]
+            jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
+                              grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
+                              grid.get("val_triples", 512))
     return jobs
+
+
+def compute(record: dict, teacher_steps: int) -> float:
+    """Training compute up to ``record`` in forwards of the model on one batch (teacher-forward
+    equivalents; a training step is about 3: forward and backward): the teacher's training, stage 1
+    (its measured cost) and stage 2 for a conversion arm; the steps alone for the from-scratch arm."""
+    if record["arm"] == "mhla-scratch":
+        return 3.0 * record["step"]
+    stage1 = record.get("stage1", {}).get("teacher_forward_equivalents", 0.0)
+    return 3.0 * teacher_steps + stage1 + 3.0 * record["step"]
 
 
 def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
@@ -145,6 +197,7 @@ def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Pa
         path = Path(args.teachers_from) / name / "runs" / attention / "seed0" / "final"
         if not path.is_dir():
             raise ConfigError(f"--teachers-from {args.teachers_from}: no {path} (run eval/study.py first)")
+        check_apart(args.out, "--out", {f"--teachers-from (its {attention} teacher)": path})
         return path
     if args.report_only:  # the folder the teacher was (or would be) trained in
         return Path(args.out) / "teachers" / f"{name}-{attention}" / "final"
@@ -181,54 +234,161 @@ def within(stats: dict, arm: str, target: float, steps: list[int]) -> str:
 
 def grid_report(records: list[dict], grid: str) -> str:
     recs = [r for r in records if r["grid"] == grid]
-    stats, acc = summarize(recs, "fid_digits"), summarize(recs, "label_accuracy")
+    stats, acc = summarize(recs, "fid"), summarize(recs, "label_accuracy")
     steps = sorted({r["step"] for r in recs})
     arms_ = list(dict.fromkeys(r["arm"] for r in recs))
     target = stats[("softmax-continued", 0)]["mean"] if ("softmax-continued", 0) in stats else np.nan
-    lines = [f"**{recs[0]['tokens']} tokens**: digits-FID (mean ± 95 % t-interval over the seeds) along "
+    r0 = recs[0]
+    lines = [f"**{r0['tokens']} tokens, {r0.get('data', 'digits')}**: FID (mean ± 95 % t-interval over the "
+             f"seeds, {r0['fid_samples']} samples from the same noise and labels in every arm and seed) "
+             "along "
              f"stage 2; the softmax teacher's FID is {target:.1f} (softmax-continued at step 0)", "",
              "| arm | seeds | " + " | ".join(f"step {s}" for s in steps) + " | label acc (end) | first step "
-             "within 10 % of the teacher | stage 1: teacher-forward equivalents, wall s |",
-             "|---|---|" + "---|" * (len(steps) + 3)]
+             "within 10 % of the teacher | stage 1: teacher-forward equivalents, wall s | stage 1: "
+             "end-to-end error plain → final |",
+             "|---|---|" + "---|" * (len(steps) + 4)]
     for arm in arms_:
         s1 = next((r["stage1"] for r in recs if r["arm"] == arm and "stage1" in r), None)
         cost = f"{s1['teacher_forward_equivalents']:.0f}, {s1['wall_seconds']:.0f}" if s1 else "—"
+        e2e = (f"{s1['end_to_end_before']:.3f} → {s1['end_to_end_final']:.3f}"
+               if s1 and "end_to_end_final" in s1 else "—")
         cells = [fmt(stats[(arm, s)]) for s in steps]
         lines.append(f"| {arm} | {stats[(arm, steps[-1])]['n']} | " + " | ".join(cells)
                      + f" | {fmt(acc[(arm, steps[-1])], 3)} | "
-                     f"{within(stats, arm, target, steps)} | {cost} |")
+                     f"{within(stats, arm, target, steps)} | {cost} | {e2e} |")
+    return "\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + decisions(recs, steps)
+
+
+def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
+    stats = summarize(recs, "val_loss")
+    lines = [f"Validation loss on {recs[0].get('val_triples', '—')} fixed held-out triples (mean ± 95 % "
+             "t-interval):", "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "|---|" + "---|" * len(steps)]
+    for arm in arms_:
+        lines.append(f"| {arm} | " + " | ".join(fmt(stats[(arm, s)], 4) for s in steps) + " |")
+    return "\n".join(lines) + "\n"
+
+
+DECISIONS = [  # (question, arm, other)
+    ("stage 1's head start", "mhla-stage1", "mhla-plain"),
+    ("stage 1 on q/k too", "mhla-stage1-qk", "mhla-stage1"),
+    ("stage 1 on every parameter", "mhla-stage1-all", "mhla-stage1"),
+    ("distillation in stage 2", "mhla-stage1-distill", "mhla-stage1"),
+    ("MHLA vs linear conversion", "mhla-plain", "linear-plain"),
+    ("stage 2 without warm-up", "stage2-no-warmup", "mhla-stage1"),
+    ("plain conversion without warm-up", "mhla-plain-no-warmup", "mhla-plain"),
+    ("stage 2 at a lower peak LR", "stage2-low-lr", "mhla-stage1"),
+    ("stage 2 from the stage-1 EMA", "stage2-from-stage1-ema", "mhla-stage1"),
+    ("stage 2 with output distillation only", "stage2-output-distill", "mhla-stage1"),
+    ("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1"),
+]
+
+
+def decisions(recs: list[dict], steps: list[int]) -> str:
+    """Each question as a paired comparison (same seed, data order and sample noise) at a quarter of the
+    stage-2 budget and at its end: interval, verdict, minimum detectable difference (MDD)."""
+    quarter, last = max(1, steps[-1] // 4), steps[-1]
+    quarter = min(steps, key=lambda s: abs(s - quarter))
+    arms_ = {r["arm"] for r in recs}
+    lines = ["Paired comparisons (first minus second; lower is better for both; resolved = the 95 % "
+             "interval "
+             "excludes 0, bounded = it lies within ± 10 % of the second arm's FID / 2 % of its validation "
+             "loss; MDD = the difference these seeds detect with 80 % power):", "",
+             f"| question | comparison | seeds | FID at step {quarter} | FID at step {last} | "
+             "val loss at step "
+             f"{quarter} | val loss at step {last} |", "|---|---|---|---|---|---|---|"]
+    for question, a, b in DECISIONS:
+        if a in arms_ and b in arms_:
+            cells = [compare(recs, a, b, m, s) for m in ("fid", "val_loss") for s in (quarter, last)]
+            text = [fmt_comparison(c, 4 if i > 1 else 1) for i, c in enumerate(cells)]
+            lines.append(f"| {question} | {a} − {b} | {cells[0]['n']} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(records: list[dict], grid: str, path: Path) -> None:
+    """FID and validation loss along stage 2 per arm: mean over seeds, band = 95 % t-interval (min–max
+    with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     recs = [r for r in records if r["grid"] == grid]
-    stats = summarize(recs, "fid_digits")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for arm in dict.fromkeys(r["arm"] for r in recs):
-        steps = sorted(s for a, s in stats if a == arm)
-        ax.plot(steps, [stats[(arm, s)]["mean"] for s in steps], marker="o", label=arm)
-        low, high = ([stats[(arm, s)][k] for s in steps] for k in ("min", "max"))
-        ax.fill_between(steps, low, high, alpha=0.12)
-    if ("softmax-continued", 0) in stats:
-        ax.axhline(stats[("softmax-continued", 0)]["mean"], color="gray", linestyle=":", label="teacher")
-    ax.set(xlabel="stage-2 step", ylabel="digits-FID", yscale="log",
-           title=f"{recs[0]['tokens']} tokens: conversion arms (mean over seeds, band = min–max)")
-    ax.legend(fontsize=6)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("fid", "val_loss")):
+        stats = summarize(recs, metric)
+        for arm in dict.fromkeys(r["arm"] for r in recs):
+            steps = sorted(s for a, s in stats if a == arm)
+            mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+            half = np.array([stats[(arm, s)]["ci"] for s in steps])
+            low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
+                [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
+            ax.plot(steps, mean, marker="o", label=arm)
+            ax.fill_between(steps, low, high, alpha=0.12)
+        if ("softmax-continued", 0) in stats:
+            ax.axhline(stats[("softmax-continued", 0)]["mean"], color="gray", linestyle=":", label="teacher")
+        ax.set(xlabel="stage-2 step", ylabel=metric, yscale="log")
+    axes[0].set_title(f"{recs[0]['tokens']} tokens, {recs[0].get('data', 'digits')}: mean, band = 95 % CI",
+                      fontsize=9)
+    axes[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def select_grids(args) -> list[str]:
+    """The GRIDS keys of this call (--quick / --smoke also set the seeds and jobs)."""
+    key = (lambda n: n if args.data == "digits" else f"{args.data}-{n}")
+    if args.quick or args.smoke:
+        args.seeds = min(args.seeds, 2 if args.quick else 1)
+        args.jobs = args.jobs if args.quick else 1
+        return [key("quick" if args.quick else "smoke")]
+    names = args.grids or (["64", "256"] if args.data == "digits" else ["256"])
+    missing = [n for n in names if key(n) not in GRIDS]
+    if missing:
+        raise ConfigError(f"--grids {' '.join(missing)} is not a grid of --data {args.data} "
+                          f"(digits: 64 256; shapes: 256 1024)")
+    return [key(n) for n in names]
+
+
+def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path) -> str:
+    """FID against total training compute (:func:`compute`) for the from-scratch arm and the conversion
+    arms, mean over seeds with a 95 % band; returns a markdown paragraph pointing at the plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if r["grid"] == grid]
+    stats = summarize(recs, "fid")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm in ("mhla-scratch", "softmax-continued", "mhla-plain", "mhla-stage1"):
+        steps = sorted(s for a, s in stats if a == arm)
+        if not steps:
+            continue
+        first = {s: next(r for r in recs if r["arm"] == arm and r["step"] == s) for s in steps}
+        x = [compute(first[s], teacher_steps) for s in steps]
+        mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+        half = np.nan_to_num(np.array([stats[(arm, s)]["ci"] for s in steps]))
+        ax.plot(x, mean, marker="o", label=arm)
+        ax.fill_between(x, mean - half, mean + half, alpha=0.12)
+    ax.set(xlabel="training compute (forwards of one batch; teacher + stage 1 + stage 2)", ylabel="FID",
+           yscale="log", title=f"{recs[0]['tokens']} tokens: convert vs from scratch at equal compute")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return (f"Quality against compute (conversion arms start after the teacher's {teacher_steps} steps): "
+            f"[{path.name}]({path.name})\n")
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=expand_path, default="runs/adaptation")
-    parser.add_argument("--grids", nargs="+", choices=["64", "256"], default=["64", "256"])
+    parser.add_argument("--data", choices=["digits", "shapes"], default="digits")
+    parser.add_argument("--grids", nargs="+", choices=["64", "256", "1024"], default=None,
+                        help="token counts (default: 64 256 for digits, 256 for shapes)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     parser.add_argument("--steps", type=int, default=None, help="stage-2 budget (default: per grid)")
@@ -237,21 +397,24 @@ def main(argv=None) -> list[dict]:
                         help="a finished eval/study.py folder: its seed-0 softmax and linear runs")
     parser.add_argument("--report-only", action="store_true",
                         help="tables and plots from the runs finished so far; train nothing")
-    parser.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
+    parser.add_argument("--scratch", action="store_true",
+                        help="also MHLA trained from scratch for the teacher's plus stage 2's steps (equal "
+                             "compute: the curve of quality against teacher-forward equivalents)")
+    parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
+    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
         raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
-    if args.quick:
-        args.grids, args.seeds, args.jobs = ["quick"], min(args.seeds, 1), 1
+    args.grids = select_grids(args)
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
-    if args.teachers_from is not None:
-        check_apart(args.out, "--out", {"--teachers-from": args.teachers_from})
     command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     start = time.perf_counter()
     records = study_records(args.out, plan(args), args.jobs, args.report_only)
+    for r in records:  # records of earlier versions name the digits' FID only
+        r.setdefault("fid", r.get("fid_digits"))
     minutes = (time.perf_counter() - start) / 60
     core_hours = sum(r.get("segment_seconds", 0) for r in records) / 3600
     how = ("tables from the runs finished so far" if args.report_only
@@ -260,8 +423,12 @@ def main(argv=None) -> list[dict]:
             f"{torch.__version__}; stage 2 and its evaluations summed over all runs: {core_hours:.1f} "
             "core-hours\n"]
     for grid in args.grids:
-        text.append(grid_report(records, grid))
-        plot_curves(records, grid, args.out / f"curves_{grid}.png")
+        stage2 = [r for r in records if r["grid"] == grid and r["arm"] != "mhla-scratch"]
+        text.append(grid_report(stage2, grid))
+        plot_curves(stage2, grid, args.out / f"curves_{grid}.png")
+        if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
+            text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
+                                     args.out / f"compute_{grid}.png"))
     atomic_write_text(args.out / "adaptation.md", "\n".join(text))
     atomic_write_text(args.out / "adaptation.json", json.dumps(
         {"command": command, "records": records, **file_record("study")}, indent=1))

@@ -238,7 +238,8 @@ def check_model(cfg: GenerateConfig) -> None:
     """What the sampler will load exists and is the right kind of folder (configs only, no weights), and
     ``output_dir`` is apart from it: before the output folder is marked or its config written."""
     model_setting = "model" if cfg.model else "run_config"
-    inputs = {"model": cfg.model, "transformer": cfg.transformer, "run_config": cfg.run_config,
+    final = cfg.transformer or (str(Path(cfg.run_config).parent / "final") if cfg.run_config else None)
+    inputs = {"model": cfg.model, "transformer": final, "run_config": cfg.run_config,
               "prompts_file": cfg.prompts_file}
     check_apart(cfg.output_dir, "output_dir", inputs)
     if cfg.run_config and not cfg.model:

@@ -3,7 +3,9 @@ curves and the paper's MHLA ablations; tables and plots for the README.
 
     python eval/study.py                              # both grids, 3 seeds, ablations (see --help)
     python eval/study.py --grids 256 --seeds 5 --jobs 2
-    python eval/study.py --quick                      # seconds: a smoke test of the whole pipeline
+    python eval/study.py --data shapes --grids 256    # the drawn shapes (content at 256 / 1024 tokens)
+    python eval/study.py --quick                      # CI-sized: about 10 min of 2 cores
+    python eval/study.py --smoke                      # seconds: a smoke test of the whole pipeline
 
 Every arm is one DiT of the same size trained with the same data, budget and seeds by
 ``mhla_gen.train.loop.train`` (configs/dit_digits.yaml + the overrides below); only the attention (or
@@ -14,8 +16,10 @@ attention, as SANA's. Grids:
 * ``256``: 32x32 px digits, patch 2 -> a 16x16 token grid, MHLA blocks 4x4 (16 blocks of 16 tokens,
   the paper's DiT-S/2 setting).
 
-Each (arm, seed) is evaluated at 1/4, 1/2 and all of the budget (digits-FID of samples drawn with the
-seed, label accuracy, training loss, attention rank / entropy), through ``mhla_gen.experiments`` (the
+Each (arm, seed) is evaluated at 1/4, 1/2 and all of the budget (FID of samples drawn from the same
+noise and labels in every arm and seed, with its bootstrap spread; label accuracy; the shapes' exact
+properties; the validation loss on fixed held-out triples; training loss; attention rank / entropy;
+mhla_gen.evidence), through ``mhla_gen.experiments`` (the
 runner shared with eval/adaptation.py: resumable, parallel). Ablations (256 tokens, against plain MHLA
 with the same seeds): uniform vs locality mixing init, fixed vs learnable mixing (paper Tab. 7a), CPE
 and the output gate (App. F.2). Throughput of the three attentions is timed separately, side by side in
@@ -39,7 +43,8 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
-from mhla_gen.experiments import Arm, make_jobs, paired, study_records, summarize
+from mhla_gen.evidence import DataScores, compare, fmt_comparison, sampling_sd
+from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
 from mhla_gen.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -49,12 +54,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "dit_digits.yaml")
 
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)
-GRIDS = {  # token count -> data and budget (sized for about an hour of 2 CPU cores per grid, see README)
+GRIDS = {  # grid -> data and budget (sized for about an hour of 2 CPU cores per grid, see README)
     "64": dict(resolution=16, blocks=(2, 2), steps=1500, batch=32, fid_samples=1000, sample_steps=20),
     "256": dict(resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500, sample_steps=10),
-    "quick": dict(resolution=8, blocks=(2, 2), steps=4, batch=8, fid_samples=20, sample_steps=2),
+    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500,
+                       sample_steps=10),
+    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), steps=1200, batch=16, fid_samples=300,
+                        sample_steps=10),
+    # --quick: CI-sized (about 10 min of 2 cores): the main arms, 2 seeds, no ablations
+    "quick": dict(resolution=16, blocks=(2, 2), steps=300, batch=32, fid_samples=300, sample_steps=10),
+    "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), steps=200, batch=32, fid_samples=200,
+                         sample_steps=10),
+    # --smoke: seconds, a tiny model (the tests)
+    "smoke": dict(resolution=8, blocks=(2, 2), steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True,
+                  val_triples=32),
+    "shapes-smoke": dict(data="shapes", resolution=32, blocks=(2, 2), steps=4, batch=8, fid_samples=20,
+                         sample_steps=2, tiny=True, patch=8, val_triples=32),
 }
-QUICK_MODEL = dict(hidden_size=16, depth=1, heads=2, patch_size=2)
+TINY_MODEL = dict(hidden_size=16, depth=1, heads=2, patch_size=2)
 MAIN_ARMS = [Arm("softmax", ("model.attention=softmax",)), Arm("linear", ("model.attention=linear",)),
              Arm("mhla", ("model.attention=mhla",))]
 ABLATIONS = [  # each against plain MHLA, same seeds
@@ -65,10 +82,20 @@ ABLATIONS = [  # each against plain MHLA, same seeds
 ]
 
 
+def grid_key(data: str, name: str) -> str:
+    """The GRIDS key (and folder under --out) of grid ``name`` of ``data``: digits keep the bare name."""
+    return name if data == "digits" else f"{data}-{name}"
+
+
+def grid_model(grid: dict) -> dict:
+    return dict(TINY_MODEL, patch_size=grid.get("patch", 2)) if grid.get("tiny") else MODEL
+
+
 def base_overrides(grid: dict, model: dict) -> list[str]:
     steps = grid["steps"]
     return [
-        f"data.resolution={grid['resolution']}", f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
+        f"data.source={grid.get('data', 'digits')}", f"data.resolution={grid['resolution']}",
+        f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
         *(f"model.{k}={v}" for k, v in model.items()),
         f"train.global_batch_size={grid['batch']}", f"train.lr_warmup_steps={min(50, steps // 10)}",
         f"log.every={max(1, steps // 30)}", "log.trackers=[]", "log.num_samples=1",
@@ -84,17 +111,17 @@ def plan(args) -> list:
     """Every job of the study (both grids, all arms and seeds)."""
     jobs = []
     for name in args.grids:
-        chosen = {"steps": args.steps, "fid_samples": args.fid_samples}
+        chosen = {"steps": args.steps, "fid_samples": args.fid_samples, "val_triples": args.val_triples}
         grid = dict(GRIDS[name], **{k: v for k, v in chosen.items() if v})
-        model = QUICK_MODEL if name == "quick" else MODEL
+        model = grid_model(grid)
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
         jobs += make_jobs(args.out / name, CONFIG, base, MAIN_ARMS, seeds, eval_steps(grid["steps"]),
-                          grid["fid_samples"], extra)
-        if name in ("256", "quick") and not args.no_ablations:  # compared at the end of the budget only
+                          grid["fid_samples"], extra, grid.get("val_triples", 512))
+        if name.split("-")[-1] in ("256", "smoke") and not args.no_ablations:  # at the end of the budget
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
             jobs += make_jobs(args.out / name, CONFIG, base, ABLATIONS, ablation_seeds, [grid["steps"]],
-                              grid["fid_samples"], extra)
+                              grid["fid_samples"], extra, grid.get("val_triples", 512))
     return jobs
 
 
@@ -134,57 +161,92 @@ def fmt(s: dict, digits: int = 2) -> str:
     return f"{s['mean']:.{digits}f}{ci} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
 
 
-METRICS = ("fid_digits", "label_accuracy", "loss", "attention_rank", "attention_entropy")
+METRICS = ("fid", "fid_bootstrap_sd", "val_loss", "label_accuracy", "loss", "attention_rank",
+           "attention_entropy")
+SHAPES_METRICS = ("all_correct", "count_accuracy", "colour_accuracy", "symmetric_rate")
 
 
-def grid_tables(records: list[dict], grid: str) -> str:
-    """The final-step table, the FID curves and the paired comparisons of one grid, as markdown."""
+def grid_tables(records: list[dict], grid: str, out: Path) -> str:
+    """The final-step table, the curves and the paired comparisons of one grid, as markdown."""
     recs = [r for r in records if r["grid"] == grid]
     last = max(r["step"] for r in recs)
     arms = list(dict.fromkeys(r["arm"] for r in recs))
-    stats = {m: summarize(recs, m) for m in METRICS}
+    shapes = recs[0].get("data") == "shapes"
+    stats = {m: summarize(recs, m) for m in METRICS + (SHAPES_METRICS if shapes else ())}
     r0 = recs[0]
-    seeds = stats["fid_digits"][(arms[0], last)]["n"]
-    head = (f"**{r0['tokens']} tokens**: mean ± 95 % t-interval over {seeds} seeds (min–max; fewer where the "
-            f"seeds column says so), at step "
-            f"{last}; attention rank of {r0['attention_tokens']}, row entropy of at most "
-            f"{r0['max_entropy']:.2f} nats")
-    return "\n".join([head, "", final_table(stats, arms, last), curve_table(recs, stats),
-                      paired_table(recs, arms, last)])
+    seeds = stats["fid"][(arms[0], last)]["n"]
+    head = (f"**{r0['tokens']} tokens, {r0.get('data', 'digits')}**: mean ± 95 % t-interval over {seeds} "
+            f"seeds (min–max; fewer where the seeds column says so), at step {last}; FID on "
+            f"{r0['fid_samples']} samples (the same noise and labels for every arm and seed), validation "
+            f"loss on {r0.get('val_triples', '—')} fixed held-out triples; attention rank of "
+            f"{r0['attention_tokens']}, row entropy of at most {r0['max_entropy']:.2f} nats")
+    return "\n".join([head, "", final_table(stats, arms, last, shapes), curve_table(recs, stats, "fid"),
+                      curve_table(recs, stats, "val_loss"), paired_table(recs, arms, last, out)])
 
 
-def final_table(stats: dict, arms: list[str], last: int) -> str:
-    lines = ["| arm | seeds | FID ↓ | label acc ↑ | loss | attn rank | row entropy |",
-             "|---|---|---|---|---|---|---|"]
+def final_table(stats: dict, arms: list[str], last: int, shapes: bool) -> str:
+    names = ["FID ↓", "FID sampling sd", "val loss ↓", "label acc ↑", "train loss", "attn rank",
+             "row entropy"]
+    metrics, digits = list(METRICS), [2, 2, 4, 3, 4, 1, 3]
+    if shapes:
+        names[4:4] = ["all 3 properties ↑", "count ↑", "colour ↑", "symmetric ↑"]
+        metrics[4:4], digits[4:4] = SHAPES_METRICS, [3, 3, 3, 3]
+    lines = ["| arm | seeds | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for arm in arms:
-        cells = [fmt(stats[m][(arm, last)], d) for m, d in zip(METRICS, (2, 3, 4, 1, 3))]
-        lines.append(f"| {arm} | {stats['fid_digits'][(arm, last)]['n']} | " + " | ".join(cells) + " |")
+        cells = [fmt(stats[m][(arm, last)], d) for m, d in zip(metrics, digits)]
+        lines.append(f"| {arm} | {stats['fid'][(arm, last)]['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def curve_table(recs: list[dict], stats: dict) -> str:
-    """FID at every evaluation step, for the arms evaluated along training (the main arms)."""
+def curve_table(recs: list[dict], stats: dict, metric: str) -> str:
+    """``metric`` at every evaluation step, for the arms evaluated along training (the main arms)."""
     steps = sorted({r["step"] for r in recs})
-    arms = [a for a in dict.fromkeys(r["arm"] for r in recs)
-            if all((a, s) in stats["fid_digits"] for s in steps)]
-    lines = ["FID along training:", "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |",
+    arms = [a for a in dict.fromkeys(r["arm"] for r in recs) if all((a, s) in stats[metric] for s in steps)]
+    lines = [f"{metric} along training:", "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |",
              "|---|" + "---|" * len(steps)]
+    digits = 4 if metric == "val_loss" else 2
     for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join(fmt(stats["fid_digits"][(arm, s)]) for s in steps) + " |")
+        lines.append(f"| {arm} | " + " | ".join(fmt(stats[metric][(arm, s)], digits) for s in steps) + " |")
     return "\n".join(lines) + "\n"
 
 
-def paired_table(recs: list[dict], arms: list[str], last: int) -> str:
-    """Per-seed differences (same data order, noise and sample seeds in both arms) at the last step."""
+def comparisons(arms: list[str]) -> list[tuple[str, str]]:
     ablations = [(a, "mhla") for a in arms if a.startswith("mhla") and a != "mhla"]
-    lines = [f"Paired by seed, at step {last} (first minus second):", "",
-             "| comparison | FID difference | seeds with lower FID | label acc difference |",
-             "|---|---|---|---|"]
-    for a, b in [("mhla", "softmax"), ("mhla", "linear"), *ablations]:
-        if a in arms and b in arms:
-            fid, acc = (paired(recs, a, b, m, last) for m in ("fid_digits", "label_accuracy"))
-            lines.append(f"| {a} − {b} | {fmt(fid)} | {fid['negative']} of {fid['n']} | {fmt(acc, 3)} |")
+    pairs = [("mhla", "softmax"), ("mhla", "linear"), *ablations]
+    return [(a, b) for a, b in pairs if a in arms and b in arms]
+
+
+def paired_table(recs: list[dict], arms: list[str], last: int, out: Path) -> str:
+    """Paired by seed (same data order and training noise; the same sample noise and labels in every arm
+    and seed) at the last step: interval, verdict and minimum detectable difference (MDD) of each metric,
+    and the FID difference's own sampling noise (paired bootstrap over the samples of one seed)."""
+    quality = "all_correct" if recs[0].get("data") == "shapes" else "label_accuracy"
+    lines = [f"Paired by seed, at step {last} (first minus second; verdict: resolved = the 95 % interval "
+             "excludes 0, bounded = it lies within ± the minimum effect: 10 % of the second arm's FID, "
+             "2 % of "
+             "its validation loss, 0.05 of a rate; MDD = the difference these seeds detect with 80 % power):",
+             "", "| comparison | seeds | FID difference | FID sampling sd of one sample set | "
+             "val-loss difference "
+             f"| {quality} difference |", "|---|---|---|---|---|---|"]
+    for a, b in comparisons(arms):
+        fid = compare(recs, a, b, "fid", last, feature_noise(recs, a, b, last, out))
+        val, acc = compare(recs, a, b, "val_loss", last), compare(recs, a, b, quality, last)
+        sd = "—" if np.isnan(fid["sampling_sd"]) else f"{fid['sampling_sd']:.2f}"
+        lines.append(f"| {a} − {b} | {fid['n']} | {fmt_comparison(fid)} | {sd} | {fmt_comparison(val, 4)} | "
+                     f"{fmt_comparison(acc, 3)} |")
     return "\n".join(lines) + "\n"
+
+
+def feature_noise(recs: list[dict], a: str, b: str, step: int, out: Path) -> float:
+    """The paired bootstrap spread of ``FID(a) - FID(b)`` at ``step``, averaged over the seeds."""
+    r0 = recs[0]
+    if "data" not in r0:  # records of an earlier version: no sample features kept
+        return float("nan")
+    seeds = sorted({r["seed"] for r in recs if r["arm"] == a and r["step"] == step}
+                   & {r["seed"] for r in recs if r["arm"] == b and r["step"] == step})
+    files = {s: tuple(str(out / r0["grid"] / "results" / arm / f"seed{s}" / f"step{step:07d}_features.npz")
+                      for arm in (a, b)) for s in seeds}
+    return sampling_sd(files, DataScores(r0["data"], r0["resolution"]).real_features())
 
 
 def throughput_table(rows: dict[int, dict]) -> str:
@@ -198,23 +260,29 @@ def throughput_table(rows: dict[int, dict]) -> str:
 
 
 def plot_curves(records: list[dict], grid: str, path: Path) -> None:
+    """FID and validation loss along training per main arm: mean over seeds, band = 95 % t-interval
+    (min–max with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     recs = [r for r in records if r["grid"] == grid and r["group"] == "main"]
-    stats = summarize(recs, "fid_digits")
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for arm in dict.fromkeys(r["arm"] for r in recs):
-        steps = sorted(s for a, s in stats if a == arm)
-        mean = [stats[(arm, s)]["mean"] for s in steps]
-        ax.plot(steps, mean, marker="o", label=arm)
-        low, high = ([stats[(arm, s)][k] for s in steps] for k in ("min", "max"))
-        ax.fill_between(steps, low, high, alpha=0.15)
-    ax.set(xlabel="training step", ylabel="digits-FID (lower is better)", yscale="log",
-           title=f"{recs[0]['tokens']} tokens: mean over seeds, band = min–max")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, metric, label in zip(axes, ("fid", "val_loss"), ("FID (lower is better)", "validation loss")):
+        stats = summarize(recs, metric)
+        for arm in dict.fromkeys(r["arm"] for r in recs):
+            steps = sorted(s for a, s in stats if a == arm)
+            mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+            half = np.array([stats[(arm, s)]["ci"] for s in steps])
+            low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
+                [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
+            ax.plot(steps, mean, marker="o", label=arm)
+            ax.fill_between(steps, low, high, alpha=0.15)
+        ax.set(xlabel="training step", ylabel=label, yscale="log")
+    axes[0].set_title(f"{recs[0]['tokens']} tokens, {recs[0].get('data', 'digits')}: mean, band = 95 % CI",
+                      fontsize=9)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -234,8 +302,8 @@ def plot_samples(records: list[dict], grid: str, out: Path, path: Path) -> None:
     for ax, r in zip(np.atleast_1d(axes), recs):
         samples = np.load(out / grid / "results" / r["arm"] / "seed0" / f"step{last:07d}_samples.npy")
         rows = [np.concatenate(list(samples[i::10][:10]), axis=0) for i in range(min(10, len(samples)))]
-        ax.imshow(np.concatenate(rows, axis=1), cmap="gray", vmin=0, vmax=255)
-        ax.set_title(f"{r['arm']}: FID {r['fid_digits']:.1f}", fontsize=9)
+        ax.imshow(np.concatenate(rows, axis=1), cmap="gray", vmin=0, vmax=255)  # (rows, cols[, 3])
+        ax.set_title(f"{r['arm']}: FID {r['fid']:.1f}", fontsize=9)
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -249,7 +317,7 @@ def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
             f"torch {torch.__version__}; training and evaluation summed over all runs: "
             f"{sum(r.get('segment_seconds', 0) for r in records) / 3600:.1f} core-hours\n"]
     for grid in args.grids:
-        text.append(grid_tables(records, grid))
+        text.append(grid_tables(records, grid, args.out))
         plot_curves(records, grid, args.out / f"curves_{grid}.png")
         plot_samples(records, grid, args.out, args.out / f"samples_{grid}.png")
     if speed:
@@ -263,34 +331,58 @@ def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
     return report
 
 
+def select_grids(args) -> list[str]:
+    """The GRIDS keys of this call (--quick / --smoke also set seeds, jobs, ablations, throughput)."""
+    if args.quick or args.smoke:
+        mode = "quick" if args.quick else "smoke"
+        args.seeds, args.no_throughput = min(args.seeds, 2), True
+        args.jobs, args.no_ablations = (args.jobs, True) if args.quick else (1, args.no_ablations)
+        return [grid_key(args.data, mode)]
+    names = args.grids or (["64", "256"] if args.data == "digits" else ["256"])
+    keys = [grid_key(args.data, n) for n in names]
+    missing = [n for n, k in zip(names, keys) if k not in GRIDS]
+    if missing:
+        raise ConfigError(f"--grids {' '.join(missing)} is not a grid of --data {args.data} "
+                          f"(digits: 64 256; shapes: 256 1024)")
+    return keys
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=expand_path, default="runs/study")
-    parser.add_argument("--grids", nargs="+", choices=["64", "256"], default=["64", "256"])
+    parser.add_argument("--data", choices=["digits", "shapes"], default="digits",
+                        help="digits (8x8 upsampled; grids 64, 256) or shapes (drawn; grids 256, 1024)")
+    parser.add_argument("--grids", nargs="+", choices=["64", "256", "1024"], default=None,
+                        help="token counts (default: 64 256 for digits, 256 for shapes)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     parser.add_argument("--steps", type=int, default=None, help="training budget (default: per grid)")
     parser.add_argument("--fid-samples", type=int, default=None)
+    parser.add_argument("--val-triples", type=int, default=None,
+                        help="fixed held-out (image, timestep, noise) triples of the validation loss (512)")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--report-only", action="store_true",
                         help="tables and plots from the runs finished so far; train nothing")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps, 2 seeds (a smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized (about 10 min of 2 cores): main arms, 2 seeds, a short budget")
+    parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, 4 steps, 2 seeds")
     args = parser.parse_args(argv)
-    for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples"):
+    for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.quick:
-        args.grids, args.seeds, args.jobs, args.no_throughput = ["quick"], min(args.seeds, 2), 1, True
+    args.grids = select_grids(args)
     args.out = Path(args.out)
     args.command = "python eval/study.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # a line per file of every checkpoint
     start = time.perf_counter()
     records = study_records(args.out, plan(args), args.jobs, args.report_only)
+    for r in records:  # records of earlier versions name the digits' FID only
+        r.setdefault("fid", r.get("fid_digits"))
     speed = {} if args.no_throughput else {n: throughput(n) for n in (64, 256, 1024, 4096)}
     print(write_report(args, records, speed, time.perf_counter() - start))
     return records

@@ -1,4 +1,4 @@
-"""Run arms x seeds of a DiT-on-digits experiment, evaluate checkpoints along the way, summarise.
+"""Run arms x seeds of a DiT experiment (digits or shapes), evaluate checkpoints along the way, summarise.
 
 One way to run the project's studies (``eval/study.py``: softmax / linear / MHLA and the ablations;
 ``eval/adaptation.py``: converting a trained model): every *arm* is a list of config overrides on top of
@@ -13,11 +13,13 @@ Resumable at that grain: a point whose JSON exists is never recomputed, a killed
 the newest checkpoint of each run. Pairs run in parallel worker processes (``jobs``; one torch thread
 each: these models are small, one thread per process uses 2 cores better than 2 threads per run).
 
-Evaluation (:func:`evaluate_point`): digits-FID of ``fid_samples`` samples drawn with the run's seed
-(features of the digits CNN, :func:`mhla_gen.metrics.digits_extractor`), label accuracy of the samples
-under that CNN, the training loss logged at that step, and the mean attention rank / row entropy over
-layers. Summaries (:func:`summarize`, :func:`paired`) give mean, min-max and a 95 % t-interval over
-seeds, and per-seed paired differences between arms.
+Evaluation (:func:`evaluate_point`, scores from :mod:`mhla_gen.evidence`): FID of ``fid_samples``
+samples (digits CNN or shapes CNN features) with its bootstrap spread, label accuracy, the shapes' exact
+properties, the validation loss on fixed held-out triples (:mod:`mhla_gen.validation_loss`), the
+training loss logged at that step, and the mean attention rank / row entropy over layers. Every arm and
+seed samples from the same noise and labels (common random numbers), so differences between arms are
+paired per sample set. Summaries (:func:`summarize`, :func:`paired`) give mean, min-max and a 95 %
+t-interval over seeds, and per-seed paired differences between arms.
 """
 
 from __future__ import annotations
@@ -36,18 +38,18 @@ import numpy as np
 import torch
 
 from .bases import base_for
-from .data.digits import digits_tensors
 from .errors import ConfigError
+from .evidence import SAMPLE_SEED, DataScores, interval
 from .folders import claim, file_record, owned
 from .loading import load_transformer
 from .locks import die_with_parent
-from .metrics import digits_extractor, extract_features, fid_from_features
 from .metrics.attention import attention_statistics, example_inputs
 from .train.config import DiTRunConfig, load_config
 from .train.dit import DiTTask
 from .train.io import atomic_write_text, read_jsonl
 from .train.linearize import TransferTask, stage1_schema
 from .train.loop import train
+from .validation_loss import bucket_means, triple_losses, validation_set
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class Job:
     extra: dict = field(default_factory=dict)  # copied into every result record
     stage1: list[str] | None = None  # linearize overrides (without output_dir / seed)
     stage1_dir: str = ""  # where that stage-1 run lives (shared by the jobs with the same stage 1 and seed)
+    val_triples: int = 512  # fixed held-out (image, timestep, noise) triples of the validation loss
 
 
 def result_path(job: Job, step: int) -> Path:
@@ -104,11 +107,13 @@ def run_stage1(job: Job) -> dict:
 
 
 def stage1_summary(report: dict) -> dict:
-    """What a result record keeps of its stage-1 report: cost and the mean layer error before / after."""
+    """What a result record keeps of its stage-1 report: cost, the mean layer error before / after and
+    the end-to-end output error of the plain conversion and of the final stage-1 model."""
     keys = ("steps", "wall_seconds", "teacher_forward_equivalents", "softmax_layers")
     return {**{k: report[k] for k in keys},
             "error_before": float(np.mean(list(report["errors_before"].values()))),
-            "error_after": float(np.mean(list(report["errors_after"].values())))}
+            "error_after": float(np.mean(list(report["errors_after"].values()))),
+            **{k: report[k] for k in ("end_to_end_before", "end_to_end_final") if k in report}}
 
 
 def run_job(job: Job) -> list[dict]:
@@ -133,7 +138,8 @@ def run_job(job: Job) -> list[dict]:
             record["stage1"] = stage1_summary(json.loads(stage1_report(job).read_text()))
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**record, **file_record(RESULT_KIND)}, indent=1))
-        logger.info("%s seed %d step %d: FID %.2f", job.arm, job.seed, step, record["fid_digits"])
+        logger.info("%s seed %d step %d: FID %.2f, val loss %.4f", job.arm, job.seed, step, record["fid"],
+                    record["val_loss"])
         records.append(record)
     return records
 
@@ -159,30 +165,36 @@ def _reset_accelerate() -> None:
 
 @torch.no_grad()
 def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> dict:
-    """FID, label accuracy, logged loss and attention statistics of ``transformer`` (default: the run's
-    ``final/``) at ``step``; the first 100 samples (ten of each class) are kept beside the result as
-    ``step<n>_samples.npy``."""
+    """Scores of ``transformer`` (default: the run's ``final/``) at ``step``: FID with its bootstrap spread,
+    label accuracy (and the shapes' exact properties), the validation loss on fixed held-out triples,
+    the logged training loss and attention statistics. Samples come from one seed and one label list
+    for every arm and seed (common random numbers, :data:`mhla_gen.evidence.SAMPLE_SEED`); the first
+    100 (ten of each class) are kept as ``step<n>_samples.npy``, the sample features and per-triple
+    validation losses as ``step<n>_features.npz`` (for paired bootstraps between arms)."""
     transformer = transformer if transformer is not None else load_transformer(Path(job.run_dir) / "final")
+    task, scores = DiTTask(cfg), DataScores(cfg.data.source, cfg.data.resolution)
     labels = [i % cfg.model.num_classes for i in range(job.fid_samples)]
     start = time.perf_counter()
-    fake = DiTTask(cfg).generate(transformer, labels, seed=10_000 + job.seed, output_type="pt").cpu()
+    fake = task.generate(transformer, labels, seed=SAMPLE_SEED, output_type="pt").cpu()  # (N, C, R, R)
     sample_seconds = time.perf_counter() - start
-    keep = (fake[:100, 0].numpy() * 255).round().astype(np.uint8)  # (<=100, R, R)
+    keep = (fake[:100].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)  # (<=100, R, R, C)
     result_path(job, step).parent.mkdir(parents=True, exist_ok=True)
-    np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep)
-    extractor = digits_extractor()
-    real, _ = digits_tensors(cfg.data.resolution)
-    fake_f, real_f = extract_features(extractor, fake), extract_features(extractor, real)
-    accuracy = (torch.from_numpy(fake_f["logits"]).argmax(-1) == torch.tensor(labels)).double().mean().item()
+    np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep[..., 0] if
+            keep.shape[-1] == 1 else keep)
+    sample_scores, features = scores.score(fake, labels)
+    held, held_labels = scores.held_out()
+    triples = validation_set(held, held_labels, job.val_triples, task.scheduler.config.num_train_timesteps)
+    losses = triple_losses(transformer, task.scheduler, triples)
+    np.savez(result_path(job, step).with_name(f"step{step:07d}_features.npz"), pool=features, val=losses)
     metrics = Path(job.run_dir) / "metrics.jsonl"
     records = read_jsonl(metrics) if metrics.is_file() else []  # none before the first step
     logged = [r for r in records if "loss" in r and r["step"] <= step]
     window = [r["loss"] for r in logged[-5:]]  # the last few logged losses: one batch is noisy
-    stats = attention_summary(transformer, cfg.data.resolution, job.seed)
+    stats = attention_summary(transformer, scores, job.seed)
     return {
-        "arm": job.arm, "seed": job.seed, "step": step, **job.extra,
-        "fid_digits": fid_from_features(real_f["pool"], fake_f["pool"]),
-        "label_accuracy": accuracy,
+        "arm": job.arm, "seed": job.seed, "step": step, **job.extra, "data": cfg.data.source,
+        "resolution": cfg.data.resolution,
+        **sample_scores, **bucket_means(losses),
         "loss": float(np.mean(window)) if window else math.nan,
         "attention_rank": stats["rank"], "attention_tokens": stats["tokens"],
         "attention_entropy": stats["entropy"], "max_entropy": stats["max_entropy"],
@@ -190,15 +202,15 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
         * cfg.train.global_batch_size,
         "sample_images_per_s": len(labels) / sample_seconds,
         "parameters": sum(p.numel() for p in transformer.parameters()),
-        "fid_samples": job.fid_samples,
+        "fid_samples": job.fid_samples, "val_triples": job.val_triples, "sample_seed": SAMPLE_SEED,
     }
 
 
-def attention_summary(transformer, resolution: int, seed: int) -> dict:
-    """Rank and row entropy of the self-attention maps, averaged over layers, on 4 real digits at t=500."""
-    images, labels = digits_tensors(resolution)
+def attention_summary(transformer, scores: DataScores, seed: int) -> dict:
+    """Rank and row entropy of the self-attention maps, averaged over layers, on 4 real images at t=500."""
+    images, labels = scores.real()
     pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:4]
-    kwargs = example_inputs(transformer, 4, resolution, timestep=500, images=images[pick] * 2 - 1,
+    kwargs = example_inputs(transformer, 4, scores.resolution, timestep=500, images=images[pick] * 2 - 1,
                             labels=labels[pick], seed=seed)
     stats = attention_statistics(transformer, lambda: transformer(**kwargs))
     return {"rank": float(np.mean([s["rank"] for s in stats])), "tokens": stats[0]["tokens"],
@@ -207,7 +219,7 @@ def attention_summary(transformer, resolution: int, seed: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- running
 def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: list[int], steps: list[int],
-              fid_samples: int, extra: dict | None = None) -> list[Job]:
+              fid_samples: int, extra: dict | None = None, val_triples: int = 512) -> list[Job]:
     """One job per (arm, seed), its folders under ``out`` (``out`` itself must be ours, see
     :func:`run_jobs`)."""
     jobs = []
@@ -215,7 +227,7 @@ def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: l
         for seed in seeds:
             run, results = (str(out / part / arm.name / f"seed{seed}") for part in ("runs", "results"))
             job = Job(arm.name, seed, config, [*base, *arm.overrides], sorted(steps), run, results,
-                      fid_samples, {"group": arm.group, **(extra or {})})
+                      fid_samples, {"group": arm.group, **(extra or {})}, val_triples=val_triples)
             if arm.stage1 is not None:
                 job.stage1 = [*base, *arm.stage1]
                 job.stage1_dir = str(out / "stage1" / _key(arm.stage1) / f"seed{seed}")
@@ -281,28 +293,18 @@ def _worker_init(parent: int | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ summaries
-def interval(values: list[float], level: float = 0.95) -> dict:
-    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    n = len(x)
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max()), "ci": half, "n": n}
-
-
 def summarize(records: list[dict], metric: str) -> dict[tuple[str, int], dict]:
     """``{(arm, step): interval over seeds of metric}``."""
     groups: dict[tuple[str, int], list[float]] = {}
-    for r in records:
-        groups.setdefault((r["arm"], r["step"]), []).append(r[metric])
+    for r in records:  # records of earlier versions lack the newer metrics: NaN
+        groups.setdefault((r["arm"], r["step"]), []).append(r.get(metric, math.nan))
     return {key: interval(values) for key, values in sorted(groups.items())}
 
 
 def paired(records: list[dict], arm: str, other: str, metric: str, step: int) -> dict:
     """Per-seed differences ``arm - other`` of ``metric`` at ``step`` (the same seed draws the same data
     order, noise and samples in both), their interval, and how many seeds favour each side."""
-    by_seed = {(r["arm"], r["seed"]): r[metric] for r in records if r["step"] == step}
+    by_seed = {(r["arm"], r["seed"]): r.get(metric, math.nan) for r in records if r["step"] == step}
     seeds = sorted(s for a, s in by_seed if a == arm and (other, s) in by_seed)
     diffs = [by_seed[(arm, s)] - by_seed[(other, s)] for s in seeds]
     return {**interval(diffs), "per_seed": dict(zip(seeds, diffs)), "negative": sum(d < 0 for d in diffs)}

@@ -12,9 +12,10 @@ gets a marker file, ``.mhla_gen.json``, naming its *kind*. Names prove nothing: 
   mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.adopt KIND FOLDER``,
   which proves its content (:mod:`mhla_gen.adopt`).
 
-**Delete only what you listed.** A writer removes or replaces only files its own listing names
-(``.mhla_gen.files.jsonl`` in the folder: relative path and byte size of each file it wrote,
-:func:`record_files` / :func:`seal`), never by pattern: :func:`remove_listed` leaves every other file
+**Delete only what you listed.** A writer removes or replaces only files its own listing names (relative
+path and byte size of each file it wrote: the marker's ``files`` for a folder built whole, :func:`seal`;
+the journal ``.mhla_gen.files.jsonl`` of a writer that adds files one by one, :func:`record_files`),
+never by pattern: :func:`remove_listed` leaves every other file
 alone, and a folder replaced *wholesale* (a cache rebuilt in a temporary sibling, a model folder) is
 refused by :func:`check_replaceable` when it holds a file its listing does not name (or a listed file
 whose size changed). A temporary ``.tmp-<name>`` folder is created empty and marked by the command that
@@ -216,12 +217,14 @@ def record_files(folder: str | Path, *names: str, pending: bool = False) -> None
 
 
 def listed(folder: str | Path) -> dict[str, int | None] | None:
-    """``{name: bytes}`` of the files ``folder``'s listing names (the last record of a name wins; None:
-    written but size unknown), or None when the folder has no listing."""
+    """``{name: bytes}`` of the files ``folder``'s listing names: the marker's ``files`` (a sealed folder)
+    and the journal of an incremental writer (the last record of a name wins; None: written, size
+    unknown), or None when the folder has neither."""
     path = Path(folder) / LISTING
+    sealed = (read_marker(folder) or {}).get("files")
     if not path.is_file():
-        return None
-    names: dict[str, int | None] = {}
+        return dict(sealed) if isinstance(sealed, dict) else None
+    names: dict[str, int | None] = dict(sealed) if isinstance(sealed, dict) else {}
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
@@ -233,12 +236,12 @@ def listed(folder: str | Path) -> dict[str, int | None] | None:
 
 def seal(folder: str | Path) -> None:
     """List every file now in ``folder`` (a folder this command built from empty, e.g. a temporary sibling
-    before it is put in place): later commands may replace exactly these."""
+    before it is put in place) in its marker (``files``): later commands may replace exactly these."""
     folder = Path(folder)
     (folder / LISTING).unlink(missing_ok=True)
-    files = _files(folder)
-    if files:
-        record_files(folder, *files)
+    record = read_marker(folder) or {}
+    kept = {k: v for k, v in record.items() if k not in ("kind", "note", "files", "temporary")}
+    write_marker(folder, record["kind"], **kept, files=_files(folder))
 
 
 def unlisted(folder: str | Path) -> list[str]:
@@ -263,6 +266,10 @@ def remove_listed(folder: str | Path, setting: str) -> list[str]:
         except OSError:
             pass  # not empty: it holds something we did not list
     (folder / LISTING).unlink(missing_ok=True)
+    record = read_marker(folder)
+    if record is not None and "files" in record:
+        write_marker(folder, record["kind"], **{k: v for k, v in record.items() if k not in ("kind", "note",
+                                                                                          "files")})
     left = content(folder)
     if left:
         logger.warning("%s=%s: left untouched what mhla_gen did not write there: %s", setting, folder,
@@ -326,6 +333,7 @@ def replace_with(tmp: str | Path, final: str | Path, kind: str, setting: str) ->
     ``final`` only if it is ours and holds nothing but what it lists (:func:`check_replaceable`)."""
     final = Path(final).expanduser()
     seal(tmp)
+    (Path(tmp) / LOCK).unlink(missing_ok=True)  # the lock stays held (open descriptor) until release
     if check_replaceable(final, kind, setting):
         remove_listed(final, setting)
         for leftover in (MARKER, LOCK):

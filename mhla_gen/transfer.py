@@ -22,7 +22,8 @@ teacher is a frozen copy of each converted attention module (not of the model), 
 
 After training, :func:`finalize` removes the hooks and, for a hybrid model, puts the stock attention
 back in the layers chosen to stay softmax (:func:`hardest_layers`: the ``K`` with the largest remaining
-error), keeping every trained MHLA layer's weights.
+error, or the largest end-to-end gain when kept, :func:`end_to_end_errors`), keeping every trained MHLA
+layer's weights.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class TransferHooks:
                 teacher.set_processor(stock())
                 self.teachers[index] = teacher
         self.trainable = trainable
+        self.stock = stock()
+        self.student_layers: set[int] | None = None  # end-to-end mode (see end_to_end_errors)
         self.errors: dict[int, torch.Tensor] = {}
         self.handles = [
             attn.register_forward_hook(self._hook(i), with_kwargs=True) for i, attn in self.layers.items()
@@ -87,6 +90,8 @@ class TransferHooks:
 
     def _hook(self, index: int):
         def hook(attn, args, kwargs, student):
+            if self.student_layers is not None:  # the converted model itself: no teacher in the path
+                return None if index in self.student_layers else self.stock(attn, *args, **kwargs)
             with torch.no_grad():
                 teacher_out = self.teacher_output(index, attn, args, kwargs)
             self.errors[index] = relative_error(student, teacher_out)
@@ -125,6 +130,36 @@ class TransferHooks:
         for handle in self.handles:
             handle.remove()
         self.handles, self.teachers = [], {}
+
+
+@torch.no_grad()
+def end_to_end_errors(transformer: nn.Module, hooks: TransferHooks, batches: list[dict],
+                      chosen: list[int] | None = None, each: bool = True) -> dict:
+    """What the converted model's output misses of the teacher's, on ``batches`` of model inputs: the
+    relative error of the whole model's output with every converted layer running MHLA (``all_mhla``),
+    with each layer ``i`` alone put back to stock attention (``keep_softmax[i]``: what :func:`finalize`
+    makes of a hybrid with ``softmax_layers=[i]``) and, if given, with the ``chosen`` layers put back
+    (``chosen``); ``each=False`` skips the per-layer ones. The teacher's output is the hooked forward's
+    (every layer returns the teacher's)."""
+    def output(inputs):
+        out = transformer(**inputs, return_dict=False)[0]
+        hooks.pop_errors()
+        return out
+
+    teacher = [output(inputs) for inputs in batches]
+    layers = sorted(hooks.layers)
+
+    def error(softmax: list[int]) -> float:
+        hooks.student_layers = {j for j in layers if j not in softmax}
+        try:
+            return float(sum(relative_error(output(x), t) for x, t in zip(batches, teacher)) / len(batches))
+        finally:
+            hooks.student_layers = None
+
+    result = {"all_mhla": error([]), "keep_softmax": {i: error([i]) for i in layers} if each else {}}
+    if chosen is not None:
+        result["chosen"] = error(chosen)
+    return result
 
 
 def hardest_layers(errors: dict[int, float], k: int) -> list[int]:

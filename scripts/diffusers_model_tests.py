@@ -58,16 +58,16 @@ for cls, cfg in CONFIGS.items():
     cls.__init__ = functools.wraps(cls.__init__)(__init__)
 
 CALLS = [0]
-_attend = MHLAProcessor.attend
+_layout = MHLAProcessor.layout  # every MHLA processor calls it once per call (its block layout)
 
 
-def _counting_attend(self, *args, **kwargs):
+def _counting_layout(self, *args, **kwargs):
     if not torch.compiler.is_compiling():  # a counter in the graph would make dynamo recompile
         CALLS[0] += 1
-    return _attend(self, *args, **kwargs)
+    return _layout(self, *args, **kwargs)
 
 
-MHLAProcessor.attend = _counting_attend
+MHLAProcessor.layout = _counting_layout
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -116,7 +116,9 @@ def main() -> None:
     check_apart(args.out, "--out", {"--diffusers": args.diffusers})
     claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
     export(args.diffusers, args.rev, args.out)
-    env = {**os.environ, "PYTHONPATH": str(args.out), "HF_HUB_OFFLINE": "1"}
+    # the exported tests first, then the caller's PYTHONPATH (a checkout of mhla_gen it points at)
+    pythonpath = os.pathsep.join(p for p in (str(args.out), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
     for suite in args.suites:
         runs = {}
         for mode in ("stock", "mhla"):

@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from mhla_gen.train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
+from mhla_gen.train.finetune_sana_video import SanaVideoRunConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SCHEMAS = {"dit": DiTRunConfig, "sana": SanaRunConfig, "wan": WanRunConfig}
+SCHEMAS = {"dit": DiTRunConfig, "sana": SanaRunConfig, "wan": WanRunConfig, "sana-video": SanaVideoRunConfig}
 TRAINING_YAMLS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("accelerate", "eval"))
 
 

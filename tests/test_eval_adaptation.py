@@ -1,4 +1,4 @@
-"""eval/adaptation.py --quick: teachers trained, conversion arms (plain, stage 1 + distillation, hybrid,
+"""eval/adaptation.py --smoke: teachers trained, conversion arms (plain, stage 1 + distillation, hybrid,
 from a linear teacher) run on the shared runner and evaluated from step 0 on; resumable."""
 
 import importlib.util
@@ -23,8 +23,8 @@ def load_adaptation():
 
 def test_adaptation_quick(tmp_path, monkeypatch):
     module = load_adaptation()
-    records = module.main(["--quick", "--out", str(tmp_path)])
-    expected = {(a, s) for a in module.QUICK_ARMS for s in (0, 1, 2, 4)}
+    records = module.main(["--smoke", "--out", str(tmp_path)])
+    expected = {(a, s) for a in module.SMOKE_ARMS for s in (0, 1, 2, 4)}
     assert {(r["arm"], r["step"]) for r in records} == expected
     stage1 = {r["arm"]: r["stage1"] for r in records if "stage1" in r}
     assert set(stage1) == {"mhla-stage1-distill", "hybrid-auto"}
@@ -33,18 +33,20 @@ def test_adaptation_quick(tmp_path, monkeypatch):
     assert all(s["teacher_forward_equivalents"] > 0 for s in stage1.values())
     at0 = {r["arm"]: r["fid_digits"] for r in records if r["step"] == 0}
     assert at0["softmax-continued"] > 0 and all(v > 0 for v in at0.values())
-    assert (tmp_path / "adaptation.md").read_text().count("\n| ") == 1 + len(module.QUICK_ARMS)
-    assert (tmp_path / "curves_quick.png").stat().st_size > 0
+    blocks = (tmp_path / "adaptation.md").read_text().split("\n\n")  # the FID table, then val loss, decisions
+    fid_table = "\n" + next(b for b in blocks if b.startswith("| arm | seeds |"))
+    assert fid_table.count("\n| ") == 1 + len(module.SMOKE_ARMS)
+    assert (tmp_path / "curves_smoke.png").stat().st_size > 0
     assert json.loads((tmp_path / "adaptation.json").read_text())["records"] == records
 
     calls = []
     monkeypatch.setattr(experiments, "train", lambda cfg, task: calls.append(cfg.output_dir))
-    assert module.main(["--quick", "--out", str(tmp_path)]) == records and calls == []  # nothing redone
-    assert module.main(["--quick", "--out", str(tmp_path), "--report-only"]) == records and calls == []
+    assert module.main(["--smoke", "--out", str(tmp_path)]) == records and calls == []  # nothing redone
+    assert module.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == records and calls == []
 
 
 def test_adaptation_refuses_a_missing_study(tmp_path):
     from mhla_gen.errors import ConfigError
 
     with pytest.raises(ConfigError, match="run eval/study.py first"):
-        load_adaptation().main(["--quick", "--out", str(tmp_path / "a"), "--teachers-from", str(tmp_path)])
+        load_adaptation().main(["--smoke", "--out", str(tmp_path / "a"), "--teachers-from", str(tmp_path)])

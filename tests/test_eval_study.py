@@ -1,4 +1,4 @@
-"""eval/study.py --quick and the runner behind it (mhla_gen.experiments): arms x seeds trained, evaluated
+"""eval/study.py --smoke and the runner behind it (mhla_gen.experiments): arms x seeds trained, evaluated
 along training, summarised with intervals and paired differences; resumable."""
 
 import importlib.util
@@ -27,7 +27,7 @@ def load_study():
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    return out, load_study().main(["--quick", "--out", str(out)])
+    return out, load_study().main(["--smoke", "--out", str(out)])
 
 
 def test_study_quick_arms_seeds_steps_and_files(quick):
@@ -46,7 +46,7 @@ def test_study_quick_arms_seeds_steps_and_files(quick):
     for arm in ("softmax", "linear", "mhla", "mhla+gate"):
         assert f"\n| {arm} | " in table
     assert "| mhla − softmax |" in table and "| mhla-fixed-mixing − mhla |" in table
-    assert (out / "curves_quick.png").stat().st_size > 0 and (out / "samples_quick.png").stat().st_size > 0
+    assert (out / "curves_smoke.png").stat().st_size > 0 and (out / "samples_smoke.png").stat().st_size > 0
     assert json.loads((out / "study.json").read_text())["records"] == records
 
 
@@ -57,10 +57,10 @@ def test_study_resumes_only_what_is_missing(quick, monkeypatch):
     original = experiments.train
     counting = lambda cfg, task: calls.append(cfg.output_dir) or original(cfg, task)
     monkeypatch.setattr(experiments, "train", counting)
-    assert load_study().main(["--quick", "--out", str(out)]) == records and calls == []
-    (out / "quick" / "results" / "mhla" / "seed1" / "step0000004.json").unlink()  # as if killed there
-    again = load_study().main(["--quick", "--out", str(out)])
-    assert calls == [str(out / "quick" / "runs" / "mhla" / "seed1")]
+    assert load_study().main(["--smoke", "--out", str(out)]) == records and calls == []
+    (out / "smoke" / "results" / "mhla" / "seed1" / "step0000004.json").unlink()  # as if killed there
+    again = load_study().main(["--smoke", "--out", str(out)])
+    assert calls == [str(out / "smoke" / "runs" / "mhla" / "seed1")]
     before = next(r for r in records if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
     after = next(r for r in again if (r["arm"], r["seed"], r["step"]) == ("mhla", 1, 4))
     assert after["fid_digits"] == before["fid_digits"]  # the same weights and samples as the first time
@@ -72,11 +72,11 @@ def test_study_report_only_reads_finished_runs(quick, monkeypatch, tmp_path):
     out, records = quick
     calls = []
     monkeypatch.setattr(experiments, "train", lambda cfg, task: calls.append(cfg.output_dir))
-    missing = out / "quick" / "results" / "mhla" / "seed1" / "step0000002.json"
+    missing = out / "smoke" / "results" / "mhla" / "seed1" / "step0000002.json"
     kept = missing.read_text()
     missing.unlink()  # mhla seed 1 is still running
     try:
-        again = load_study().main(["--quick", "--out", str(out), "--report-only", "--ablation-seeds", "1"])
+        again = load_study().main(["--smoke", "--out", str(out), "--report-only", "--ablation-seeds", "1"])
     finally:
         missing.write_text(kept)
     assert calls == []
@@ -84,11 +84,11 @@ def test_study_report_only_reads_finished_runs(quick, monkeypatch, tmp_path):
     assert {r["seed"] for r in again if r["group"] == "ablation"} == {0}
     assert "\n| mhla | 1 | " in (out / "study.md").read_text()  # the seeds column
     with pytest.raises(ConfigError, match="no finished run"):
-        load_study().main(["--quick", "--out", str(tmp_path / "empty"), "--report-only"])
+        load_study().main(["--smoke", "--out", str(tmp_path / "empty"), "--report-only"])
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("user file")
     with pytest.raises(ConfigError, match="--out"):
-        load_study().main(["--quick", "--out", str(tmp_path / "mine"), "--report-only"])
+        load_study().main(["--smoke", "--out", str(tmp_path / "mine"), "--report-only"])
 
 
 def test_intervals_and_paired_differences():
@@ -101,3 +101,38 @@ def test_intervals_and_paired_differences():
     p = paired(records, "x", "y", "fid", 10)
     assert p["per_seed"] == {0: -1.0, 1: 1.0, 2: -2.0} and p["negative"] == 2
     assert p["mean"] == pytest.approx(-2 / 3)
+
+
+def test_every_arm_and_seed_is_scored_on_the_same_noise_and_triples(tmp_path):
+    """Common random numbers: the evaluation of one model does not depend on the run's seed (samples,
+    labels, validation triples), so paired differences between arms and seeds measure the models."""
+    from mhla_gen.experiments import Job, evaluate_point
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    study = load_study()
+    grid = study.GRIDS["shapes-smoke"]
+    cfg = load_config(DiTRunConfig, study.CONFIG, study.base_overrides(grid, study.grid_model(grid)))
+    model = DiTTask(cfg).build_transformer().eval()
+    scores = []
+    for seed in (0, 1):
+        job = Job("mhla", seed, study.CONFIG, [], [1], str(tmp_path / f"run{seed}"),
+                  str(tmp_path / f"r{seed}"), fid_samples=20, val_triples=16)
+        scores.append(evaluate_point(job, cfg, 1, model))
+    for key in ("fid", "val_loss", "all_correct", "colour_accuracy", "symmetry_error"):
+        assert scores[0][key] == scores[1][key], key
+    assert scores[0]["data"] == "shapes" and math.isfinite(scores[0]["val_loss"])
+    assert scores[0]["fid_bootstrap_sd"] > 0 and 0 <= scores[0]["all_correct"] <= 1
+
+
+def test_study_on_the_shapes(tmp_path):
+    records = load_study().main(["--smoke", "--data", "shapes", "--seeds", "1", "--no-ablations",
+                                 "--out", str(tmp_path)])
+    assert {(r["arm"], r["step"]) for r in records} == {(a, t) for a in ("softmax", "linear", "mhla")
+                                                       for t in (1, 2, 4)}
+    assert all(r["grid"] == "shapes-smoke" and r["tokens"] == 16 for r in records)
+    table = (tmp_path / "study.md").read_text()
+    assert "| all 3 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
+    assert (tmp_path / "shapes-smoke" / "results" / "mhla" / "seed0" / "step0000004_features.npz").is_file()
+    with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
+        load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])

@@ -11,9 +11,11 @@ from mhla_gen.bases import BASES as BASE_RECORDS
 from mhla_gen.bases import base_for_class_name, base_for_model
 from mhla_gen.processors import DiTMHLAProcessor, SanaMHLAProcessor, WanMHLAProcessor
 from mhla_gen.processors.base import MHLAProcessor
+from mhla_gen.processors.sana_video import SanaVideoMHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import sana_forward as sana_call
 from mhla_gen.testing import tiny_dit, tiny_sana
+from mhla_gen.testing_video import tiny_sana_video
 from mhla_gen.testing_wan import tiny_wan_transformer
 
 BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
@@ -122,7 +124,12 @@ def test_unsupported_model_raises():
 
 @pytest.mark.parametrize(
     "factory, processor_cls",
-    [(tiny_dit, DiTMHLAProcessor), (tiny_sana, SanaMHLAProcessor), (tiny_wan_transformer, WanMHLAProcessor)],
+    [
+        (tiny_dit, DiTMHLAProcessor),
+        (tiny_sana, SanaMHLAProcessor),
+        (tiny_wan_transformer, WanMHLAProcessor),
+        (tiny_sana_video, SanaVideoMHLAProcessor),
+    ],
 )
 def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
     model = factory()
@@ -135,7 +142,10 @@ def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
 
 
 def test_unsupported_class_name_raises():
-    supported = r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'WanTransformer3DModel'\]"
+    supported = (
+        r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'SanaVideoTransformer3DModel', "
+        r"'WanTransformer3DModel'\]"
+    )
     with pytest.raises(ValueError, match=rf"model class 'UNet2DModel'; supported models: {supported}"):
         base_for_class_name("UNet2DModel")
 

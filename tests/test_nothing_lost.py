@@ -82,6 +82,15 @@ def test_finetune_sana_refuses_an_output_dir_holding_model_transformer(tmp_path)
             run, match="contains model.init_from")
 
 
+def test_generate_into_the_run_it_samples_is_refused(teacher_run):
+    """generate with output_dir = the training run (or its final/) would replace the run's config.yaml."""
+    run = teacher_run / "teacher"
+    generate = load_script("eval/generate.py").main
+    for target in (run, run / "final"):
+        refused(lambda t: generate(["base=dit", f"run_config={run / 'config.yaml'}", "labels=[0]", "steps=1",
+                                    f"output_dir={t}"]), target, run, match=r"output_dir=.* (contains|is) ")
+
+
 def test_the_finished_run_hint_does_not_suggest_losing_it(teacher_run, tmp_path):
     """resume=latest on a finished run without checkpoints: the hint must not say resume=none."""
     import shutil
@@ -382,6 +391,7 @@ def test_bench_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkey
 # --------------------------------------------------------------- 8. every entry point, writer and input
 ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/marks what it writes
     "scripts/train_dit.py": "train", "scripts/finetune_sana.py": "train", "scripts/finetune_wan.py": "train",
+    "scripts/finetune_sana_video.py": "train",
     "scripts/linearize.py": "train", "scripts/sample.py": "check_apart", "scripts/extract_latents.py":
     "check_cache_target", "scripts/convert_wan_mhla.py": "check_apart", "scripts/diffusers_model_tests.py":
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
@@ -421,7 +431,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
         assert "fnmatch" not in source, f"{rel}: no deletion or ownership by pattern"
 
 
-@pytest.mark.parametrize("base", ["dit", "sana", "wan", "linearize"])
+@pytest.mark.parametrize("base", ["dit", "sana", "wan", "sana-video", "linearize"])
 def test_every_input_setting_is_checked_apart_and_recorded(base):
     """Every path-like setting of every run config is an input the task reports (TrainTask.inputs):
     the loop checks output_dir against it and records it resolved in the run's marker."""
@@ -449,7 +459,7 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
         for part in parts[:-1]:
             target = getattr(target, part)
         setattr(target, parts[-1], f"/nonexistent/{setting}")
-    cfg.data.source = "teacher" if base in ("sana", "wan") else "latents"
+    cfg.data.source = "teacher" if base in ("sana", "wan", "sana-video") else "latents"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
     task = TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)

@@ -114,6 +114,7 @@ def test_every_record_resolves(name):
     if base.trains:
         assert issubclass(base.run_config.load(), RunConfig)
         assert issubclass(base.task.load(), TrainTask)
+    if base.converter_config is not None:
         assert (ROOT / base.converter_config).is_file()
     assert base_for_class_name(base.transformer_class.__name__).transformer_class is base.transformer_class
     import diffusers
@@ -131,10 +132,21 @@ def test_every_data_source_is_a_class():
     assert tuple(CAPTION_SOURCES) == config.CAPTION_SOURCES == base_for("wan").data_sources
 
 
+def test_a_transformer_subclass_finds_its_base():
+    """A subclass of a base's transformer (e.g. one registered for diffusers loading) is that base."""
+    from mhla_gen.testing import tiny_dit
+
+    dit = type(tiny_dit())
+    subclass = type("MyDiTTransformer", (dit,), {})
+    assert base_for_class_name("MyDiTTransformer") is base_for("dit")
+    assert base_for_model(subclass.from_config(tiny_dit().config)) is base_for("dit")
+
+
 def test_lookups_name_what_is_supported():
     import torch
 
-    with pytest.raises(ValueError, match=r"unknown base 'unet'; supported bases: \['dit', 'sana', 'wan'\]"):
+    supported = r"\['dit', 'sana', 'sana-video', 'wan'\]"
+    with pytest.raises(ValueError, match=rf"unknown base 'unet'; supported bases: {supported}"):
         base_for("unet")
     with pytest.raises(ValueError, match="MHLA does not support Linear"):
         base_for_model(torch.nn.Linear(2, 2))

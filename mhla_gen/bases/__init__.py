@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import dit, sana, wan
+from . import dit, sana, sana_video, wan
 from .record import Base, Ref, TokenGrid
 
-BASES: dict[str, Base] = {base.name: base for base in (dit.BASE, sana.BASE, wan.BASE)}
+BASES: dict[str, Base] = {base.name: base for base in (dit.BASE, sana.BASE, wan.BASE, sana_video.BASE)}
 """Every supported base, by name; where several share a transformer class, the first listed that
 ``matches`` a model's config answers for it."""
 
@@ -36,11 +36,17 @@ def base_for_model(transformer: nn.Module) -> Base:
     raise ValueError(f"MHLA does not support {type(transformer).__name__}; supported models: {_supported()}")
 
 
+def _class_names(cls: type) -> set[str]:
+    """``cls``'s name and those of its subclasses defined so far (a transformer subclass registered for
+    diffusers loading names itself in ``config.json``)."""
+    return {cls.__name__}.union(*(_class_names(sub) for sub in cls.__subclasses__()))
+
+
 def base_for_class_name(class_name: str, config: dict | None = None) -> Base:
     """The record for a diffusers class name, as written in ``config.json["_class_name"]`` (``config``:
     the rest of that file, for records that share a class)."""
     for base in BASES.values():
-        if base.transformer_class.__name__ == class_name and base.matches(config or {}):
+        if class_name in _class_names(base.transformer_class) and base.matches(config or {}):
             return base
     raise ValueError(f"MHLA does not support model class {class_name!r}; supported models: {_supported()}")
 

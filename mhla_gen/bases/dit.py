@@ -10,7 +10,7 @@ BASE = Base(
     grid=TokenGrid(ndim=2),
     conditioning="labels",
     objective="ddpm",
-    data_sources=("folder", "latents", "digits", "teacher"),
+    data_sources=("folder", "latents", "digits", "shapes", "teacher", "hf"),
     run_config=Ref("mhla_gen.train.config:DiTRunConfig"),
     task=Ref("mhla_gen.train.dit:DiTTask"),
     sampler=Ref("mhla_gen.pipelines.dit:DiTSampler"),

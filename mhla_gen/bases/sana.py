@@ -10,7 +10,7 @@ BASE = Base(
     grid=TokenGrid(ndim=2),
     conditioning="captions",
     objective="flow",
-    data_sources=("folder", "teacher"),
+    data_sources=("folder", "teacher", "hf", "shards"),
     run_config=Ref("mhla_gen.train.config:SanaRunConfig"),
     task=Ref("mhla_gen.train.finetune:SanaTask"),
     sampler=Ref("mhla_gen.pipelines.sana:SanaSampler"),

@@ -13,13 +13,14 @@ from .images import _SkippingDataset, check_size, read_captions, require_dir, re
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".gif")
 
 
-def read_frames(path: str | Path, num_frames: int) -> list[Image.Image]:
-    """The first ``num_frames`` RGB frames of a video. Raises ValueError if it is shorter."""
+def read_frames(path, num_frames: int) -> list[Image.Image]:
+    """The first ``num_frames`` RGB frames of a video (a path, or a binary file object such as a tar
+    member's or a dataset cell's bytes). Raises ValueError if it is shorter."""
     frames: list[Image.Image] = []
     try:
         import av
 
-        with av.open(str(path)) as container:
+        with av.open(path if hasattr(path, "read") else str(path)) as container:
             for frame in container.decode(video=0):
                 frames.append(frame.to_image())
                 if len(frames) == num_frames:
@@ -27,13 +28,21 @@ def read_frames(path: str | Path, num_frames: int) -> list[Image.Image]:
     except ImportError:  # PyAV missing: imageio (+ ffmpeg) reads the same files
         import imageio.v3 as iio
 
-        for i, arr in enumerate(iio.imiter(str(path))):
+        source = path.read() if hasattr(path, "read") else str(path)
+        for i, arr in enumerate(iio.imiter(source)):
             if i == num_frames:
                 break
             frames.append(Image.fromarray(np.asarray(arr)[..., :3]))
     if len(frames) < num_frames:
         raise ValueError(f"{path} has {len(frames)} frames, need {num_frames}")
     return frames
+
+
+def frames_to_tensor(frames: list[Image.Image], height: int, width: int) -> torch.Tensor:
+    """Frames resized to cover ``height`` x ``width`` and centre-cropped -> ``(3, F, H, W)`` in [-1, 1]."""
+    frames = [resize_center_crop(f.convert("RGB"), height, width) for f in frames]
+    arr = np.stack([np.asarray(f, dtype=np.float32) for f in frames]) / 127.5 - 1.0  # (F, H, W, 3)
+    return torch.from_numpy(arr).permute(3, 0, 1, 2).contiguous()
 
 
 class CaptionedVideoFolder(_SkippingDataset):

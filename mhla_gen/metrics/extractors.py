@@ -139,7 +139,8 @@ def digits_extractor(cache_path: str | os.PathLike | None = None, seed: int = 0)
         with safe_open(str(path), "pt") as f:
             accuracy = float((f.metadata() or {}).get("test_accuracy", "nan"))
     else:
-        model, accuracy = train_digits_cnn(seed)
+        with torch.enable_grad():  # callers may hold no_grad (an evaluation)
+            model, accuracy = train_digits_cnn(seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")  # atomic: parallel test workers may race
         metadata = {"test_accuracy": f"{accuracy:.6f}", "seed": str(seed)}

@@ -29,12 +29,14 @@ def load_pipeline_transformer(
     mhla: MHLAConfig | None = None,
     torch_dtype: torch.dtype | None = None,
     transformer_path=None,
+    subfolder: str = "transformer",
 ) -> nn.Module:
-    """The transformer of a pipeline, with MHLA, found in this order:
+    """The transformer of a pipeline (``subfolder``: ``transformer_2`` for Wan2.2's low-noise expert), with
+    MHLA, found in this order:
 
     1. ``transformer_path``: a folder written by ``transformer.save_pretrained`` (e.g. ``runs/x/final``),
        or a LoRA + MHLA folder (``train.trainable=lora`` runs), applied to ``path_or_id``'s transformer;
-    2. ``path_or_id/transformer`` when that local folder was saved with MHLA (a whole saved pipeline);
+    2. ``path_or_id/<subfolder>`` when that local folder was saved with MHLA (a whole saved pipeline);
     3. otherwise the pretrained transformer (local folder or hub id; through its MHLA class when its
        config records MHLA) with ``mhla`` installed fresh when it has none.
 
@@ -44,15 +46,15 @@ def load_pipeline_transformer(
         ValueError: the saved transformer is another model class, or ``mhla`` differs from the MHLA it
             was saved with (installing would throw the trained MHLA weights away; pass ``mhla=None``).
     """
-    saved = Path(transformer_path) if transformer_path is not None else Path(path_or_id) / "transformer"
+    saved = Path(transformer_path) if transformer_path is not None else Path(path_or_id) / subfolder
     if transformer_path is not None or saved_with_mhla(saved):
         transformer = load_transformer(saved, base=path_or_id)  # base: LoRA folders only
         if torch_dtype is not None and transformer.dtype != torch_dtype:  # no no-op cast: diffusers warns
             transformer = transformer.to(torch_dtype)
     else:
-        config = model_cls.load_config(path_or_id, subfolder="transformer")
+        config = model_cls.load_config(path_or_id, subfolder=subfolder)
         cls = MHLA_MODEL_CLASSES.get(model_cls, model_cls) if CONFIG_KEY in config else model_cls
-        transformer = cls.from_pretrained(path_or_id, subfolder="transformer", dtype=torch_dtype)
+        transformer = cls.from_pretrained(path_or_id, subfolder=subfolder, dtype=torch_dtype)
     if not isinstance(transformer, model_cls):
         raise ValueError(
             f"the transformer at {saved} is a {stock_class_name(type(transformer).__name__)}, not a "

@@ -1,15 +1,24 @@
-"""A stock diffusers ``WanPipeline`` whose transformer runs MHLA self-attention.
+"""Stock diffusers Wan pipelines whose transformers run MHLA self-attention: ``WanPipeline`` (Wan2.1 T2V,
+Wan2.2 T2V-A14B with its two experts, Wan2.2 TI2V-5B) and ``WanImageToVideoPipeline`` (Wan2.1 I2V, Wan2.2
+I2V-A14B, TI2V-5B from an image).
 
     pipe = load_wan_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", transformer_path="runs/wan-mhla/final")
     frames = pipe("a cat surfing", height=480, width=832, num_frames=81).frames[0]
 
-Three ways to get the MHLA transformer, in this order:
+    # Wan2.2 A14B: transformer (high noise, t >= boundary_ratio * 1000) and transformer_2 (low noise)
+    pipe = load_wan_pipeline("Wan-AI/Wan2.2-T2V-A14B-Diffusers", transformer_path="runs/high/final",
+                             transformer_2_path="runs/low/final")
 
-1. ``transformer_path``: a folder written by ``transformer.save_pretrained`` after ``install_mhla``
-   (fine-tuning output, or ``scripts/convert_wan_mhla.py`` for the released checkpoint);
-2. ``path_or_id/transformer`` when that local folder was saved with MHLA (a whole saved pipeline);
-3. otherwise the stock pretrained transformer, with ``mhla`` installed fresh (untrained mixing: a
-   starting point for fine-tuning, not a sampler that will produce good videos).
+Three ways to get each MHLA transformer, in this order (``pipelines.load_pipeline_transformer``):
+
+1. ``transformer_path`` / ``transformer_2_path``: a folder written by ``transformer.save_pretrained`` after
+   ``install_mhla`` (fine-tuning output, or ``scripts/convert_wan_mhla.py`` for the released checkpoint);
+2. ``path_or_id/transformer`` (``/transformer_2``) when that local folder was saved with MHLA;
+3. otherwise the stock pretrained transformer, with ``mhla`` (``mhla_2``) installed fresh (untrained
+   mixing: a starting point for fine-tuning, not a sampler that will produce good videos).
+
+MHLA replaces the video self-attention (``attn1``) only; the cross-attention (``attn2``: text, and the
+I2V models' CLIP image features) stays stock.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers import DiffusionPipeline, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
@@ -25,6 +34,44 @@ from mhla_gen.errors import ConfigError
 from . import PipelineSampler, SampleSettings, load_pipeline_transformer
 
 WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
+
+EXPERTS = ("transformer", "transformer_2")
+"""The component names of Wan2.2's two experts (high noise, low noise); Wan2.1 has the first only."""
+
+
+def has_component(path_or_id, name: str) -> bool:
+    """Whether the pipeline's ``model_index.json`` names a (non-null) component ``name``."""
+    library, _ = DiffusionPipeline.load_config(path_or_id).get(name, (None, None))
+    return library is not None
+
+
+def load_wan_experts(
+    path_or_id, mhla=None, mhla_2=None, torch_dtype=None, transformer_path=None, transformer_2_path=None
+) -> dict[str, WanTransformer3DModel]:
+    """``{"transformer": ..., "transformer_2": ...}`` with MHLA in each (the second only when the pipeline
+    has one, or ``transformer_2_path`` is given). ``mhla_2`` defaults to ``mhla``; pass another config to
+    choose the second expert's hybrid layers (or blocks) on their own."""
+    experts = {
+        "transformer": load_pipeline_transformer(
+            WanTransformer3DModel, path_or_id, mhla, torch_dtype, transformer_path
+        )
+    }
+    if transformer_2_path is not None or has_component(path_or_id, "transformer_2"):
+        experts["transformer_2"] = load_pipeline_transformer(
+            WanTransformer3DModel,
+            path_or_id,
+            mhla if mhla_2 is None else mhla_2,
+            torch_dtype,
+            transformer_2_path,
+            subfolder="transformer_2",
+        )
+    return experts
+
+
+def _load(pipeline_cls, path_or_id, mhla, mhla_2, torch_dtype, device, paths, dtypes):
+    experts = load_wan_experts(path_or_id, mhla, mhla_2, torch_dtype, *paths)
+    pipe = pipeline_cls.from_pretrained(path_or_id, **experts, dtype={"default": torch_dtype, **dtypes})
+    return pipe.to(device) if device is not None else pipe
 
 
 def load_wan_pipeline(
@@ -34,29 +81,47 @@ def load_wan_pipeline(
     device=None,
     transformer_path=None,
     vae_dtype: torch.dtype = torch.float32,
+    mhla_2: MHLAConfig | None = None,
+    transformer_2_path=None,
 ) -> WanPipeline:
-    """Load a ``WanPipeline`` with an MHLA transformer.
+    """Load a ``WanPipeline`` with MHLA transformers (both experts of a Wan2.2 A14B pipeline).
 
     Args:
         path_or_id: a diffusers Wan pipeline folder or hub id (text encoder, tokenizer, VAE, scheduler).
         mhla: MHLA to install on a stock transformer. Must be None (or equal) when the transformer was
             saved with MHLA: a fresh install would throw the trained MHLA weights away.
-        torch_dtype: dtype of the transformer and text encoder.
+        torch_dtype: dtype of the transformers and text encoder.
         device: where to move the pipeline (None: stay on CPU).
         transformer_path: a saved MHLA transformer folder to use instead of ``path_or_id/transformer``.
         vae_dtype: the Wan VAE is usually run in float32, as the Wan examples in diffusers do.
+        mhla_2, transformer_2_path: the same for Wan2.2's low-noise expert ``transformer_2``
+            (``mhla_2`` None: ``mhla``).
     Returns:
-        the pipeline; ``pipe.transformer.mhla_config`` tells which MHLA it runs (None: stock softmax).
+        the pipeline; ``pipe.transformer.mhla_config`` (and ``pipe.transformer_2``'s) tells which MHLA it
+        runs (absent: stock softmax).
     Raises:
-        ValueError: ``mhla`` conflicts with the MHLA the transformer was saved with, or the saved
-            transformer is not a ``WanTransformer3DModel``.
+        ValueError: ``mhla`` conflicts with the MHLA a transformer was saved with, or a saved transformer is
+            not a ``WanTransformer3DModel``.
     """
-    transformer = load_pipeline_transformer(
-        WanTransformer3DModel, path_or_id, mhla, torch_dtype, transformer_path
-    )
-    vae = AutoencoderKLWan.from_pretrained(path_or_id, subfolder="vae", dtype=vae_dtype)
-    pipe = WanPipeline.from_pretrained(path_or_id, transformer=transformer, vae=vae, dtype=torch_dtype)
-    return pipe.to(device) if device is not None else pipe
+    paths = (transformer_path, transformer_2_path)
+    return _load(WanPipeline, path_or_id, mhla, mhla_2, torch_dtype, device, paths, {"vae": vae_dtype})
+
+
+def load_wan_i2v_pipeline(
+    path_or_id,
+    mhla: MHLAConfig | None = None,
+    torch_dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    transformer_path=None,
+    vae_dtype: torch.dtype = torch.float32,
+    mhla_2: MHLAConfig | None = None,
+    transformer_2_path=None,
+) -> WanImageToVideoPipeline:
+    """Load a ``WanImageToVideoPipeline`` with MHLA transformers; arguments as :func:`load_wan_pipeline`.
+    The CLIP image encoder (Wan2.1 I2V) runs in float32, as diffusers' Wan I2V example loads it."""
+    paths = (transformer_path, transformer_2_path)
+    dtypes = {"vae": vae_dtype, "image_encoder": torch.float32}
+    return _load(WanImageToVideoPipeline, path_or_id, mhla, mhla_2, torch_dtype, device, paths, dtypes)
 
 
 class WanSampler(PipelineSampler):

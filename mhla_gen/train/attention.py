@@ -97,15 +97,16 @@ def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_a
     return transformer.train()
 
 
-def load_teacher(cls, source: str) -> nn.Module:
+def load_teacher(cls, source: str, subfolder: str = "transformer") -> nn.Module:
     """A frozen teacher transformer: a local transformer folder (saved with or without MHLA), a pipeline
-    folder (its ``transformer/``), or a hub id (its ``transformer`` subfolder)."""
+    folder (its ``subfolder``), or a hub id (its ``subfolder``: ``transformer_2`` for Wan2.2's low-noise
+    expert)."""
     path = Path(source)
     if path.is_dir():
-        folder = path / "transformer" if (path / "transformer").is_dir() else path
+        folder = path / subfolder if (path / subfolder).is_dir() else path
         teacher = load_transformer(folder)
     else:
-        teacher = cls.from_pretrained(source, subfolder="transformer")
+        teacher = cls.from_pretrained(source, subfolder=subfolder)
     if not isinstance(teacher, cls):
         raise ConfigError(
             f"train.distill teacher {source!r} is a {type(teacher).__name__}, not a {cls.__name__}"

@@ -2,7 +2,8 @@
 
 ``folder``: images or videos with captions in ``data.path`` (``metadata.jsonl`` or a ``.txt`` per item);
 ``teacher``: ``data.teacher_samples`` samples of the prompts in ``data.prompts_file`` drawn from
-``model.pretrained`` at setup into ``data.path``, then read as a folder.
+``model.pretrained`` at setup into ``data.path``, then read as a folder; ``hf``: a ``datasets`` dataset
+(:mod:`mhla_gen.data.hf_datasets`); ``shards``: webdataset-style tar shards (:mod:`mhla_gen.data.shards`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch.utils.data import Dataset
 
+from ..data.hf_datasets import HFCaptionedImages, HFCaptionedVideos
 from ..data.images import require_dir
+from ..data.shards import TarShardDataset, input_folder, list_shards
 from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
 from .loop import TrainTask
 
@@ -33,6 +37,14 @@ class CaptionSource:
 
     def prepare(self, device) -> None:
         """Work at setup, once the frozen pipeline is loaded; nothing by default."""
+
+    def raw_dataset(self) -> Dataset | None:
+        """The captioned items, listed; None: the task reads ``data.path`` as a folder."""
+        return None
+
+    def input_path(self) -> str | None:
+        """The folder this source reads (outputs and caches must lie apart from it)."""
+        return self.data.path
 
 
 class CaptionedFolderSource(CaptionSource):
@@ -77,7 +89,45 @@ class CaptionTeacherSource(CaptionSource):
         task.forget_listing()  # listed again, with the samples
 
 
+class CaptionedHFSource(CaptionSource):
+    """A ``datasets`` dataset: ``data.path`` a save_to_disk folder, a load_dataset folder or a hub name,
+    ``data.split``, ``data.image_column`` (SANA) / ``data.video_column`` (Wan) and ``data.caption_column``;
+    loaded and its columns checked when the task lists it (count_items, before any work)."""
+
+    name = "hf"
+
+    def validate(self) -> None:
+        if not self.data.path:
+            raise FileNotFoundError("data.source=hf needs data.path: a saved dataset, a folder or a hub name")
+
+    def raw_dataset(self) -> Dataset:
+        d = self.data
+        if self.task.base.video:
+            columns = d.video_column, d.caption_column
+            return HFCaptionedVideos(d.path, d.split, *columns, d.num_frames, d.height, d.width)
+        return HFCaptionedImages(d.path, d.split, d.image_column, d.caption_column, d.height, d.width)
+
+
+class TarShardSource(CaptionSource):
+    """webdataset-style tar shards: ``data.path`` a folder of ``.tar`` files or a glob; ``key.jpg|png|mp4``
+    + ``key.txt`` per item."""
+
+    name = "shards"
+
+    def validate(self) -> None:
+        list_shards(self.data.path or "", "data.path")
+
+    def raw_dataset(self) -> Dataset:
+        d = self.data
+        frames = d.num_frames if self.task.base.video else None
+        return TarShardDataset(d.path, d.height, d.width, num_frames=frames)
+
+    def input_path(self) -> str | None:
+        return input_folder(self.data.path)
+
+
 CAPTION_SOURCES: dict[str, type[CaptionSource]] = {
-    source.name: source for source in (CaptionedFolderSource, CaptionTeacherSource)
+    source.name: source
+    for source in (CaptionedFolderSource, CaptionTeacherSource, CaptionedHFSource, TarShardSource)
 }
 """``data.source`` -> its class."""

@@ -24,9 +24,13 @@ from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_con
 from ..lora import check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
+# diffusers.optimization.SchedulerType names train.lr_scheduler takes (piecewise_constant wants step rules
+# counted in scheduler calls, which Accelerate multiplies by the process count: not offered)
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
-DIT_SOURCES = ("folder", "latents", "digits", "teacher")
-CAPTION_SOURCES = ("folder", "teacher")
+DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
+CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
 
 
 T = TypeVar("T")
@@ -70,6 +74,11 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     lr_warmup_steps: int = 0
+    # diffusers.optimization.get_scheduler: constant | constant_with_warmup | linear | cosine |
+    # cosine_with_restarts | polynomial; the decaying ones reach their end at train.max_steps
+    lr_scheduler: str = "constant_with_warmup"
+    lr_num_cycles: int = 1  # cosine_with_restarts: hard restarts
+    lr_power: float = 1.0  # polynomial: the decay's power
     max_grad_norm: float = 0.0  # 0 = no clipping (DiT does not clip); the norm is logged either way
     mixed_precision: str = "no"  # no | fp16 | bf16
     gradient_checkpointing: bool = False
@@ -90,6 +99,12 @@ class TrainConfig:
             self.mixed_precision = "no"
         if self.mixed_precision not in ("no", "fp16", "bf16"):
             raise ValueError(f"train.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"train.lr_scheduler must be one of {list(LR_SCHEDULERS)} (diffusers' "
+                             f"get_scheduler names), got {self.lr_scheduler!r}")
+        if self.lr_num_cycles < 1 or self.lr_power <= 0:
+            raise ValueError(f"train.lr_num_cycles must be >= 1 and train.lr_power > 0, got "
+                             f"{self.lr_num_cycles} and {self.lr_power}")
         if self.trainable not in ("all", "mhla", "lora"):
             raise ValueError(f"train.trainable must be all, mhla or lora, got {self.trainable!r}")
         check_lora_settings(self.lora_rank, self.lora_alpha, "train.lora_rank", "train.lora_alpha")
@@ -118,7 +133,7 @@ class LogConfig:
     """Logging and periodic samples."""
 
     every: int = 100  # optimizer steps between metrics.jsonl / tracker records
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's: tensorboard, wandb
     sample_every: int = 0  # steps between sample grids (0 = only after the last step)
     num_samples: int = 8
     sample_steps: int = 50  # denoising steps of the sampling pipeline
@@ -130,6 +145,9 @@ class LogConfig:
                 raise ValueError(f"log.{name} must be >= {low}, got {getattr(self, name)}")
         if self.guidance_scale < 0:
             raise ValueError(f"log.guidance_scale must be >= 0, got {self.guidance_scale}")
+        unknown = [name for name in self.trackers if name not in TRACKERS]
+        if unknown:
+            raise ValueError(f"log.trackers: unknown {unknown}; Accelerate's trackers are {list(TRACKERS)}")
 
 
 @dataclass
@@ -189,7 +207,8 @@ class DiTModelConfig:
 @dataclass
 class DiTDataConfig:
     """``source``: ``folder`` (ImageNet-style class folders), ``latents`` (a cache written by
-    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space) or ``teacher``
+    scripts/extract_latents.py), ``digits`` (the embedded sklearn digits, pixel space), ``shapes`` (drawn
+    mirror-symmetric coloured shapes, RGB pixel space: mhla_gen.data.shapes) or ``teacher``
     (``teacher_samples`` samples of ``teacher_labels`` drawn from ``teacher`` through DiTPipeline with
     ``log.sample_steps`` / ``log.guidance_scale`` into ``path``, then read like a latent cache)."""
 
@@ -202,6 +221,11 @@ class DiTDataConfig:
     teacher: str | None = None  # data.source=teacher: the DiT to sample (default: what init_from converts)
     teacher_samples: int = 0
     teacher_labels: list[int] | None = None  # default: every class, in turn
+    # data.source=hf: a datasets dataset (save_to_disk folder, load_dataset folder or hub name) with an image
+    # and an integer class column (mhla_gen.data.hf_datasets)
+    split: str = "train"
+    image_column: str = "image"
+    label_column: str = "label"
 
     def __post_init__(self):
         if self.source not in DIT_SOURCES:
@@ -278,9 +302,14 @@ class FinetuneModelConfig:
     # scripts/linearize.py): the same key as DiT's; init_attention as in DiT's model section
     init_from: str | None = None
     init_attention: str = "saved"
+    # which of the pipeline's transformers this run trains: Wan2.2 A14B has two experts, ``transformer``
+    # (high noise, σ >= the pipeline's boundary_ratio) and ``transformer_2`` (low noise, σ below it)
+    expert: str = "transformer"
     transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
 
     def __post_init__(self):
+        if self.expert not in ("transformer", "transformer_2"):
+            raise ValueError(f"model.expert must be transformer or transformer_2, got {self.expert!r}")
         if self.transformer is not None:
             if self.init_from not in (None, self.transformer):
                 raise ValueError(
@@ -332,6 +361,12 @@ class CaptionDataConfig:
     source: str = "folder"
     prompts_file: str | None = None  # data.source=teacher: one prompt per line
     teacher_samples: int = 0
+    # data.source=hf: a datasets dataset (mhla_gen.data.hf_datasets); data.source=shards: webdataset-style tar
+    # shards, key.jpg/png/mp4 + key.txt (mhla_gen.data.shards); data.path names either
+    split: str = "train"
+    image_column: str = "image"  # SANA
+    video_column: str = "video"  # Wan
+    caption_column: str = "text"
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "max_sequence_length"):

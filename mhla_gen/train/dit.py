@@ -18,6 +18,7 @@ import torch
 from diffusers import AutoencoderKL, DDPMScheduler, DiTPipeline, DiTTransformer2DModel
 from torch import nn
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
 from ..config import MHLAConfig
 from ..data import digits_tensors
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 class DiTTask(TrainTask):
     name = "dit"
+    fsdp_units = ("BasicTransformerBlock", "CombinedTimestepLabelEmbeddings")  # FSDP2 (train.distributed)
+    fsdp_shared = ("CombinedTimestepLabelEmbeddings",)  # block 0's embedder: the forward calls it outside
 
     def __init__(self, cfg: DiTRunConfig):
         super().__init__(cfg)
@@ -291,9 +294,9 @@ class DiTTask(TrainTask):
         )
 
     @torch.no_grad()
-    def generate(self, transformer, labels: list[int], seed: int, output_type: str = "pil"):
+    def generate(self, transformer, labels: list[int], seed: int, output_type: str = "pil", progress=False):
         pipe = self.pipeline(transformer)
-        pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(disable=not progress, desc="sample grid", leave=False)
         return pipe(
             class_labels=labels,
             guidance_scale=self.cfg.log.guidance_scale,
@@ -310,7 +313,7 @@ class DiTTask(TrainTask):
         classes = min(self.cfg.model.num_classes, 10)
         per_class = max(1, self.cfg.log.num_samples)
         labels = [c for c in range(classes) for _ in range(per_class)]
-        return self.generate(transformer, labels, seed=self.cfg.seed), per_class
+        return self.generate(transformer, labels, seed=self.cfg.seed, progress=True), per_class
 
     def finish(self, transformer, accelerator) -> dict:
         """FID (digits feature extractor) between generated and real digits, for the digits source."""
@@ -327,7 +330,7 @@ class DiTTask(TrainTask):
                     seed=self.cfg.seed + 1 + i,
                     output_type="pt",
                 ).cpu()
-                for i in range(0, len(labels), ev.fid_batch_size)
+                for i in tqdm(range(0, len(labels), ev.fid_batch_size), desc="FID samples", unit="batch")
             ]
         )  # (N, 1, R, R) in [0, 1]
         real, _ = digits_tensors(self.cfg.data.resolution)

@@ -3,7 +3,9 @@
 Each source checks its own settings (:meth:`DiTSource.validate`, before any work), says what the model
 input is (channels and size), how many items there are, and builds the dataset. ``folder``: ImageNet-style
 class folders, VAE-encoded on the fly; ``latents``: a cache of ``scripts/extract_latents.py``; ``digits``:
-scikit-learn's digits in pixel space; ``teacher``: samples of a teacher DiT, drawn at setup into a cache.
+scikit-learn's digits in pixel space; ``shapes``: drawn coloured shapes in pixel space (mhla_gen.data.shapes);
+``teacher``: samples of a teacher DiT, drawn at setup into a cache; ``hf``: a ``datasets`` dataset with an
+image and an integer class column (:mod:`mhla_gen.data.hf_datasets`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from torch.utils.data import Dataset
 
-from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors
+from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
+from ..data.hf_datasets import HFClassImages
 from ..data.images import class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
@@ -98,6 +101,10 @@ class DiTSource:
     def prepare(self, device) -> None:
         """Work before the dataset is read (after the VAE is loaded); nothing by default."""
 
+    def held_out(self) -> Dataset | None:
+        """Items training never reads (stage 1 measures on them), if the source has any."""
+        return None
+
 
 class ClassFolderSource(DiTSource):
     """``data.path/<class>/<image>``: images resized to ``data.resolution``, encoded on the fly."""
@@ -136,6 +143,32 @@ class ClassFolderSource(DiTSource):
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
         if self._dataset is None:
             self._dataset = ClassFolderDataset(self.data.path, self.data.resolution, "data.path")
+        return self._dataset
+
+
+class HFClassSource(DiTSource):
+    """A ``datasets`` dataset (``data.path``: a save_to_disk folder, a load_dataset folder or a hub name;
+    ``data.split``) with ``data.image_column`` and ``data.label_column``: cropped like class folders,
+    encoded on the fly; the label column's class count must be ``model.num_classes``."""
+
+    name = "hf"
+
+    def __init__(self, task: TrainTask):
+        super().__init__(task)
+        self._dataset = None
+
+    def validate(self) -> None:
+        super().validate()
+        found, want = self.dataset().num_classes, self.cfg.model.num_classes
+        if found != want:
+            raise ConfigError(f"model.num_classes={want} but data.path={self.data.path!r} has {found} "
+                              f"classes (its {self.data.label_column!r} column)")
+
+    def dataset(self) -> Dataset:
+        """Loaded (and its columns checked) once: validation counts it, training reads it."""
+        if self._dataset is None:
+            d = self.data
+            self._dataset = HFClassImages(d.path, d.split, d.image_column, d.label_column, d.resolution)
         return self._dataset
 
 
@@ -229,6 +262,35 @@ class DigitsSource(DiTSource):
         return _DigitsDataset(self.data.resolution)
 
 
+class ShapesSource(DiTSource):
+    """Mirror-symmetric coloured shapes drawn in code (:mod:`mhla_gen.data.shapes`), RGB, pixel space; a
+    held-out draw for stage 1's measurements."""
+
+    name = "shapes"
+    pixel_space = True
+
+    def inputs(self) -> dict[str, str | None]:
+        return {}  # drawn in code
+
+    def validate(self) -> None:
+        try:
+            shapes.check_shapes_data(self.data.resolution, self.cfg.model.num_classes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def channels_and_size(self) -> tuple[int, int]:
+        return 3, self.data.resolution
+
+    def count_items(self) -> int:
+        return shapes.TRAIN_ITEMS
+
+    def dataset(self) -> Dataset:
+        return shapes.ShapesDataset(self.data.resolution)
+
+    def held_out(self) -> Dataset:
+        return shapes.ShapesDataset(self.data.resolution, 256, seed=shapes.HELD_OUT_SEED)
+
+
 class TeacherSource(DiTSource):
     """``data.teacher_samples`` samples of a teacher DiT (``data.teacher``, else what ``model.init_from``
     converts), drawn through ``DiTPipeline`` into ``data.path`` at setup and read like a latent cache."""
@@ -307,6 +369,8 @@ class TeacherSource(DiTSource):
 
 
 DIT_SOURCES: dict[str, type[DiTSource]] = {
-    source.name: source for source in (ClassFolderSource, LatentCacheSource, DigitsSource, TeacherSource)
+    source.name: source
+    for source in (ClassFolderSource, LatentCacheSource, DigitsSource, ShapesSource, TeacherSource,
+                   HFClassSource)
 }
 """``data.source`` -> its class (a new source: a class above and a line here)."""

@@ -31,6 +31,7 @@ from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
 from .caption_sources import CAPTION_SOURCES
 from .config import ConfigError
+from .experts import check_expert, in_expert_range, pipeline_with
 from .loop import TrainTask
 from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
 from .start import StartPoint
@@ -76,6 +77,7 @@ class FlowFinetuneTask(TrainTask):
             "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
             # likewise None without a start point (the key's name before model.init_from)
             "transformer": self.start.ref,
+            "expert": None if self.cfg.model.expert == "transformer" else self.cfg.model.expert,
         }
 
     def attention(self) -> tuple[str, MHLAConfig]:
@@ -105,7 +107,7 @@ class FlowFinetuneTask(TrainTask):
         point, else ``model.pretrained``'s own transformer."""
         if self.start:
             return self.start.ref, self.start.folder
-        folder = Path(self.cfg.model.pretrained) / "transformer"
+        folder = Path(self.cfg.model.pretrained) / self.cfg.model.expert
         return self.cfg.model.pretrained, folder if folder.is_dir() else None
 
     def build_transformer(self) -> nn.Module:
@@ -115,7 +117,7 @@ class FlowFinetuneTask(TrainTask):
             transformer = self.start.load(cls, *self.attention(), m.init_attention)
         else:
             transformer = cls.from_pretrained(
-                m.pretrained, subfolder="transformer", revision=m.revision, dtype=torch.float32
+                m.pretrained, subfolder=self.cfg.model.expert, revision=m.revision, dtype=torch.float32
             )
             install_attention(transformer, m.attention, self.cfg.mhla)
         if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
@@ -131,7 +133,7 @@ class FlowFinetuneTask(TrainTask):
             transformer,
             folder,
             self.cfg.model.pretrained,
-            subfolder="transformer",
+            subfolder=self.cfg.model.expert,
             revision=self.cfg.model.revision,
         )
 
@@ -142,7 +144,7 @@ class FlowFinetuneTask(TrainTask):
         cls = getattr(diffusers, self.pipeline_cls_name)
         pipe = cls.from_pretrained(
             self.cfg.model.pretrained,
-            transformer=None,
+            **{self.cfg.model.expert: None},  # a Wan2.2 expert's run keeps the other one (samples)
             revision=self.cfg.model.revision,
             dtype=DTYPES[self.cfg.model.dtype],
         )
@@ -175,7 +177,7 @@ class FlowFinetuneTask(TrainTask):
             raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
 
     def _transformer_config(self) -> dict:
-        return self._component_config(self.transformer_cls.__name__, "transformer")
+        return self._component_config(self.transformer_cls.__name__, self.cfg.model.expert)
 
     def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
         """The transformer's token grid for ``data.*`` sizes; ConfigError when they do not tile."""
@@ -190,6 +192,7 @@ class FlowFinetuneTask(TrainTask):
                 f"model.pretrained={self.cfg.model.pretrained!r} is a {index.get('_class_name')} checkpoint, "
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
+        check_expert(index, self.cfg.model.expert, self.cfg.model.pretrained)
         transformer = self._start_config() or self._transformer_config()
         vae = self._component_config(index["vae"][1], "vae")
         grid = self.token_grid(transformer, vae)
@@ -204,20 +207,20 @@ class FlowFinetuneTask(TrainTask):
         check_mhla_layers(mhla, transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
             logger.info("distillation teacher: %s", self.distill_source())
-        data = self.cfg.data
         self.source.validate()
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
             "data.cache_dir",
-            {"data.path": data.path, "output_dir": self.cfg.output_dir},
+            {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
 
     def inputs(self) -> dict[str, str | None]:
         """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
         m, data = self.cfg.model, self.cfg.data
-        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from, "data.path": data.path,
+        found = {"model.pretrained": m.pretrained, "model.init_from": m.init_from,
+                 "data.path": self.source.input_path(),
                  "data.prompts_file": data.prompts_file, "data.cache_dir": data.cache_dir}
         if self.cfg.train.distill.enabled:
             found["train.distill.teacher"] = self.distill_source()
@@ -305,7 +308,7 @@ class FlowFinetuneTask(TrainTask):
             "num_frames": data.num_frames if self.base.video else None,
             "max_sequence_length": data.max_sequence_length,
         }
-        inputs = {"data.path": data.path, "output_dir": self.cfg.output_dir}
+        inputs = {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir}
         build_feature_cache(
             raw, self.encode, cache_dir, fingerprint, "data.cache_dir", inputs, inside_ok=("output_dir",)
         )
@@ -321,6 +324,7 @@ class FlowFinetuneTask(TrainTask):
         x0 = batch["latents"].float()
         f = self.cfg.flow
         sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
+        sigmas = in_expert_range(sigmas, self.frozen.config.get("boundary_ratio"), self.cfg.model.expert)
         noise = rnd.randn(*x0.shape[1:])
         T = self.frozen.scheduler.config.num_train_timesteps
         return {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}, (x0, noise)
@@ -332,14 +336,11 @@ class FlowFinetuneTask(TrainTask):
 
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
-        return load_teacher(self.transformer_cls, self.distill_source())
+        return load_teacher(self.transformer_cls, self.distill_source(), self.cfg.model.expert)
 
     # -------------------------------------------------------------------------------- samples
-    def pipeline(self, transformer):
-        cls = type(self.frozen)
-        pipe = cls(**{**self.frozen.components, "transformer": transformer})
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+    def pipeline(self, transformer, progress: bool = False):
+        return pipeline_with(self.frozen, self.cfg.model.expert, transformer, progress)
 
 
 class SanaTask(FlowFinetuneTask):
@@ -357,7 +358,8 @@ class SanaTask(FlowFinetuneTask):
         return d.height // (factor * patch), d.width // (factor * patch)
 
     def raw_dataset(self) -> Dataset:
-        return CaptionedImageFolder(self.cfg.data.path, self.cfg.data.height, self.cfg.data.width)
+        d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
+        return listed if listed is not None else CaptionedImageFolder(d.path, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         pipe = self.frozen
@@ -393,7 +395,7 @@ class SanaTask(FlowFinetuneTask):
 
     def sample_images(self, transformer) -> tuple[list, int]:
         data = self.cfg.data
-        images = self.pipeline(transformer)(
+        images = self.pipeline(transformer, progress=True)(
             prompt=list(data.sample_prompts),
             height=data.height,
             width=data.width,
@@ -444,8 +446,8 @@ class WanTask(FlowFinetuneTask):
         return frames // pt, d.height // (spatial * ph), d.width // (spatial * pw)
 
     def raw_dataset(self) -> Dataset:
-        d = self.cfg.data
-        return CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
+        d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
+        return listed if listed is not None else CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
 
     def encode(self, item: dict) -> dict[str, torch.Tensor]:
         pipe = self.frozen
@@ -463,10 +465,10 @@ class WanTask(FlowFinetuneTask):
         )
         return {"latents": latents[0], "prompt_embeds": embeds[0].float()}
 
-    def sample_images(self, transformer) -> tuple[list, int]:
-        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+    def generate_videos(self, transformer) -> np.ndarray:
+        """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""
         d = self.cfg.data
-        frames = self.pipeline(transformer)(
+        return self.pipeline(transformer, progress=True)(
             prompt=list(d.sample_prompts),
             height=d.height,
             width=d.width,
@@ -476,8 +478,11 @@ class WanTask(FlowFinetuneTask):
             generator=torch.Generator(transformer.device).manual_seed(self.cfg.seed),
             max_sequence_length=d.max_sequence_length,
             output_type="np",
-        ).frames  # (B, F, H, W, 3) in [0, 1]
-        frames = np.asarray(frames)
+        ).frames
+
+    def sample_images(self, transformer) -> tuple[list, int]:
+        """One row per prompt: up to 8 evenly spaced frames of the generated video."""
+        frames = np.asarray(self.generate_videos(transformer))  # (B, F, H, W, 3) in [0, 1]
         pick = np.unique(np.linspace(0, frames.shape[1] - 1, min(8, frames.shape[1])).round().astype(int))
         images = [
             Image.fromarray((frames[b, f] * 255).round().astype(np.uint8))

@@ -8,9 +8,12 @@ reproduce the frozen teacher layer's output from the teacher's own input. It run
 ``config.yaml`` / ``metrics.jsonl`` the same way. At the end (:meth:`TransferTask.save_final`):
 
 1. each converted layer's relative error on ``transfer.eval_batches`` held-out batches, for the trained
-   layers and for the layers at their init;
-2. ``hybrid.softmax_layers``: ``auto:K`` keeps stock attention in the K layers whose error stays largest
-   (a list keeps those layers; null keeps none); :func:`mhla_gen.transfer.finalize`;
+   layers and for the layers at their init, and the end-to-end number beside them: the converted
+   model's output error against the teacher's on the same inputs (plain conversion, after stage 1, with
+   each layer alone kept softmax, and the final model; :func:`mhla_gen.transfer.end_to_end_errors`);
+2. ``hybrid.softmax_layers``: ``auto:K`` keeps stock attention in the K layers whose keeping lowers the
+   end-to-end error most (``hybrid.rank_by=layer_error``: whose own error stays largest); a list keeps
+   those layers, null none; :func:`mhla_gen.transfer.finalize`;
 3. ``final/``: the converted transformer, which ``load_transformer``, the pipelines and the training
    scripts (``model.init_from``) read; its marker records the teacher;
 4. ``output_dir/transfer.json`` (errors, chosen layers, cost: steps, wall time, FLOPs in teacher-forward
@@ -36,7 +39,7 @@ from ..bases import Base
 from ..flops import count_flops
 from ..folders import file_record, input_record
 from ..install import uninstall_mhla
-from ..transfer import TRAINABLE, TransferHooks, converted_layers, finalize, hardest_layers
+from ..transfer import TRAINABLE, TransferHooks, converted_layers, end_to_end_errors, finalize, hardest_layers
 from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, TrainConfig
 from .io import atomic_write_text, read_jsonl
@@ -66,10 +69,18 @@ class TransferConfig:
 
 @dataclass
 class HybridConfig:
-    """``softmax_layers``: null (every converted layer stays MHLA), ``auto:K`` (the K converted layers with
-    the largest stage-1 error keep the teacher's attention), or a list of layer indices."""
+    """``softmax_layers``: null (every converted layer stays MHLA), ``auto:K`` (K converted layers keep the
+    teacher's attention), or a list of layer indices. ``rank_by`` orders layers for ``auto:K``:
+    ``end_to_end`` (by how much the converted model's output error against the teacher's drops when that
+    layer alone stays softmax, on held-out inputs) or ``layer_error`` (by the layer's own stage-1 error,
+    the cheaper proxy)."""
 
     softmax_layers: Any = None
+    rank_by: str = "end_to_end"
+
+    def __post_init__(self):
+        if self.rank_by not in ("end_to_end", "layer_error"):
+            raise ValueError(f"hybrid.rank_by must be end_to_end or layer_error, got {self.rank_by!r}")
 
 
 def _stage1_train() -> TrainConfig:
@@ -137,6 +148,7 @@ class TransferTask(TrainTask):
         super().__init__(cfg)
         self.inner = inner  # the base model's own task: data, noising, conditioning
         self.collate_fn = inner.collate_fn
+        self.fsdp_units, self.fsdp_shared = inner.fsdp_units, inner.fsdp_shared  # the model's FSDP2 units
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
@@ -229,9 +241,13 @@ class TransferTask(TrainTask):
         """Errors before / after, the hybrid choice, the converted model in ``folder``, the report."""
         after = self.layer_errors(transformer, self.hooks)
         cost = self.cost(transformer)
-        before = self.initial_errors()
+        before, end_before = self.initial_errors()
         k, fixed = parse_softmax_layers(self.cfg.hybrid.softmax_layers, sorted(after))
-        softmax = hardest_layers(after, k) if k is not None else fixed
+        end = end_to_end_errors(transformer, self.hooks, self.eval_inputs())
+        gains = {i: end["all_mhla"] - e for i, e in end["keep_softmax"].items()}
+        ranking = gains if self.cfg.hybrid.rank_by == "end_to_end" else after
+        softmax = hardest_layers(ranking, k) if k is not None else fixed
+        chosen = end_to_end_errors(transformer, self.hooks, self.eval_inputs(), softmax, each=False)["chosen"]
         self.hooks.remove()
         finalize(transformer, softmax)
         self.inner.save_final(transformer, folder)
@@ -241,6 +257,9 @@ class TransferTask(TrainTask):
             "mhla_layers": sorted(converted_layers(transformer)),
             "errors_before": {str(i): before[i] for i in sorted(before)},
             "errors_after": {str(i): after[i] for i in sorted(after)}, **cost,
+            "end_to_end_before": end_before, "end_to_end_after": end["all_mhla"], "end_to_end_final": chosen,
+            "end_to_end_keep_softmax": {str(i): e for i, e in end["keep_softmax"].items()},
+            "rank_by": self.cfg.hybrid.rank_by,
         }
         out = Path(self.cfg.output_dir)
         atomic_write_text(out / REPORT, json.dumps({**self.report, **file_record(REPORT_KIND)}, indent=1))
@@ -255,18 +274,24 @@ class TransferTask(TrainTask):
         summary = {
             "transfer_error_before": float(np.mean(list(r["errors_before"].values()))),
             "transfer_error_after": float(np.mean(list(r["errors_after"].values()))),
+            "end_to_end_before": r["end_to_end_before"], "end_to_end_final": r["end_to_end_final"],
             "teacher_forward_equivalents": r["teacher_forward_equivalents"],
         }
         return {**summary, **self.inner.finish(transformer, accelerator)}
 
     # -------------------------------------------------------------------------------- measurements
     def eval_inputs(self) -> list[dict]:
-        """``transfer.eval_batches`` fixed batches of model inputs (the dataset's first items, noised with
-        a seed of their own): the same for every measurement of the run."""
+        """``transfer.eval_batches`` fixed batches of model inputs, noised with a seed of their own: the
+        same for every measurement of the run. Images: the data source's held-out set when it has one
+        (``DiTSource.held_out``: the shapes), else the dataset's first items (the noise and timesteps are
+        still ones training never draws)."""
         size = self.cfg.train.global_batch_size // self.cfg.train.gradient_accumulation_steps
+        source = getattr(self.inner, "source", None)  # a DiT's data source (train/dit_sources.py)
+        held_out = source.held_out() if hasattr(source, "held_out") else None
+        dataset = held_out if held_out is not None else self.dataset
         batches = []
         for i in range(self.cfg.transfer.eval_batches):
-            items = [self.dataset[(i * size + j) % len(self.dataset)] for j in range(size)]
+            items = [dataset[(i * size + j) % len(dataset)] for j in range(size)]
             batch = (self.collate_fn or default_collate)(items)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             rnd = StepRandom(self.cfg.seed + 7919, i, size, device=self.device)
@@ -284,12 +309,15 @@ class TransferTask(TrainTask):
                 totals[i] = totals.get(i, 0.0) + e.item() / len(batches)
         return totals
 
-    def initial_errors(self) -> dict[int, float]:
-        """:meth:`layer_errors` of the model stage 1 started from (MHLA at its init)."""
+    def initial_errors(self) -> tuple[dict[int, float], float]:
+        """:meth:`layer_errors` of the model stage 1 started from (MHLA at its init) and its end-to-end
+        error (the plain conversion's output against the teacher's)."""
         fresh = self.inner.build_transformer().to(self.device).eval()
-        errors = self.layer_errors(fresh, TransferHooks(fresh, "mhla"))
+        hooks = TransferHooks(fresh, "mhla")
+        errors = self.layer_errors(fresh, hooks)
+        end = end_to_end_errors(fresh, hooks, self.eval_inputs(), each=False)["all_mhla"]
         del fresh
-        return errors
+        return errors, end
 
     def cost(self, transformer: nn.Module) -> dict:
         """Steps and wall time of stage 1 (from ``metrics.jsonl``), and its FLOPs in forwards of the

@@ -23,8 +23,11 @@ and TensorBoard hides the events past it (``SummaryWriter(purge_step=start + 1)`
 a folder this project marked as a run (:mod:`mhla_gen.folders`): any other non-empty folder is refused,
 and ``final/`` is written in a temporary sibling and put in place when complete.
 
-FSDP is decided once (:attr:`Run.fsdp`): EMA is refused at start-up, sample grids are skipped while
-training, and :func:`finish` gathers the full weights into a fresh ``task.build_transformer()``.
+FSDP is decided once (:attr:`Run.fsdp`, :mod:`mhla_gen.train.distributed`): the task names its FSDP2
+units, the EMA follows the shards (:class:`GatheredEMA`), sample grids are skipped while training, and
+:func:`finish` gathers the full (EMA) weights into a fresh ``task.build_transformer()``. DeepSpeed and
+launches that would silently run one process are refused at start-up. What people see of a run (summary,
+trackers, schedule) is in :mod:`mhla_gen.train.tracking`.
 """
 
 from __future__ import annotations
@@ -40,9 +43,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, skip_first_batches
-from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
+from accelerate.utils import ProjectConfiguration, set_seed
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -67,8 +68,10 @@ from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
 from .config import ConfigError, RunConfig, TrainConfig, config_to_dict, config_to_yaml
 from .distill import Distiller
+from .distributed import GatheredEMA, check_launcher, check_world_size, is_sharded, set_fsdp_units
 from .io import append_jsonl, atomic_write_text, read_jsonl
 from .randomness import StepRandom
+from .tracking import check_trackers, log_grid, make_lr_scheduler, run_summary, tracker_init_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,10 @@ class TrainTask:
 
     name = "task"
     collate_fn = None
+    # FSDP2 (TRANSFORMER_BASED_WRAP without fsdp_transformer_layer_cls_to_wrap): the classes wrapped as
+    # units (empty: the model's _no_split_modules), and those always wrapped (called outside their block)
+    fsdp_units: tuple[str, ...] = ()
+    fsdp_shared: tuple[str, ...] = ()
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -190,7 +197,7 @@ class Run:
     accelerator: Accelerator
     out: Path  # output_dir
     local_batch: int  # items per process per micro-step
-    fsdp: bool  # sharded parameters: no EMA, no sample grids while training, final weights gathered
+    fsdp: bool  # sharded parameters: sharded EMA, no sample grids while training, final weights gathered
     resume_from: Path | None  # the checkpoint this run continues from
     step: int
     callbacks: Sequence[TrainCallback] = ()
@@ -199,7 +206,7 @@ class Run:
     lr_scheduler: object = None
     loader: DataLoader | None = None
     params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones, after prepare
-    ema: EMAModel | None = None
+    ema: GatheredEMA | None = None
 
 
 def train(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Path:
@@ -218,6 +225,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     """The Accelerator, every check (raising before anything is written), where the run starts, then
     ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
     out = Path(cfg.output_dir).expanduser()
+    check_launcher()  # DeepSpeed: refused before Accelerate starts it
+    check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
@@ -234,11 +243,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     if resume_from is not None:
         ckpt.check_signature(resume_from, task.signature())
     check_run_folder(out)  # every process: all raise, none waits
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    if fsdp and cfg.train.ema_decay > 0:
-        raise ConfigError(
-            "train.ema_decay > 0 is not supported under FSDP (sharded parameters); set train.ema_decay=0"
-        )
+    fsdp = is_sharded(accelerator)
 
     if cfg.train.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -252,19 +257,6 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         cfg=cfg, task=task, accelerator=accelerator, out=out, local_batch=local_batch, fsdp=fsdp,
         resume_from=resume_from, step=step, callbacks=tuple(callbacks),
     )
-
-
-def check_world_size(accelerator) -> None:
-    """Fail fast when the launcher started several processes that Accelerate does not join into one job
-    (they would each train alone, as rank 0, into the same output_dir)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1 and accelerator.num_processes == 1:
-        raise ConfigError(
-            f"WORLD_SIZE={world} but Accelerate sees a single process ({accelerator.distributed_type}): "
-            f"each process would train alone into the same output_dir. On CPU, launch with "
-            f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {world} scripts/<script>.py ...` (gloo); "
-            f"the DDP and FSDP launch configs need one GPU per process"
-        )
 
 
 def local_batch_size(tc: TrainConfig, num_processes: int) -> int:
@@ -356,8 +348,9 @@ def prepare_output_dir(out: Path, start: int, inputs: dict | None = None) -> Non
 
 # ----------------------------------------------------------------------- 2. build: model, optimizer, data
 def build(run: Run) -> None:
-    """Transformer (trainable parameters chosen), optimizer and LR warm-up, EMA, the task's frozen parts
-    and data, all prepared by Accelerate; then the checkpoint's state when resuming, and the trackers."""
+    """Transformer (trainable parameters chosen), optimizer and LR schedule, the task's frozen parts and
+    data, all prepared by Accelerate; the EMA of the prepared (maybe sharded) parameters; then the
+    checkpoint's state when resuming, the run summary and the trackers."""
     cfg, tc, accelerator, task = run.cfg, run.cfg.train, run.accelerator, run.task
     transformer = task.build_transformer()
     if tc.gradient_checkpointing:
@@ -368,11 +361,7 @@ def build(run: Run) -> None:
         params, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
         weight_decay=tc.weight_decay,
     )
-    # Accelerate steps a prepared scheduler once per process per step, hence the factor (as in diffusers)
-    lr_scheduler = get_scheduler(
-        "constant_with_warmup", optimizer, num_warmup_steps=tc.lr_warmup_steps * accelerator.num_processes
-    )
-    run.ema = EMAModel(params, decay=tc.ema_decay) if tc.ema_decay > 0 else None  # not under FSDP
+    lr_scheduler = make_lr_scheduler(tc, optimizer, accelerator.num_processes)
     with accelerator.main_process_first():
         task.setup(accelerator)
         if tc.distill.enabled:
@@ -382,23 +371,36 @@ def build(run: Run) -> None:
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
+    summary = run_summary(cfg, task.name, transformer, len(dataset), accelerator, run.local_batch, run.step,
+                          _distributed(run))  # before prepare: shards would count 1/N
+    if run.fsdp:
+        units = set_fsdp_units(accelerator, list(task.fsdp_units), list(task.fsdp_shared))
+        summary += "\n  fsdp units     " + (", ".join(units) if units else "the model's _no_split_modules")
     run.transformer, run.optimizer, run.loader, run.lr_scheduler = accelerator.prepare(
         transformer, optimizer, loader, lr_scheduler
     )
-    run.params = [p for p in run.transformer.parameters() if p.requires_grad]  # prepared (maybe wrapped)
-    if run.ema is not None:
-        run.ema.to(accelerator.device)
+    run.params = [p for p in run.transformer.parameters() if p.requires_grad]  # prepared (maybe sharded)
+    if tc.ema_decay > 0:  # of the prepared parameters: under FSDP each rank averages its own shards
+        run.ema = GatheredEMA(run.params, decay=tc.ema_decay)
         accelerator.register_for_checkpointing(run.ema)
 
     if run.resume_from is not None:
         accelerator.load_state(str(run.resume_from))
         logger.info("resumed from %s at step %d", run.resume_from, run.step)
+    if accelerator.is_main_process:
+        logger.info("%s", summary)
     if accelerator.is_main_process and cfg.log.trackers:
-        accelerator.init_trackers(  # purge_step: TensorBoard hides older events from the next step on
-            task.name,
-            config=_flat(config_to_dict(cfg)),
-            init_kwargs={"tensorboard": {"purge_step": run.step + 1}},
+        accelerator.init_trackers(
+            task.name, config=_flat(config_to_dict(cfg)), init_kwargs=tracker_init_kwargs(run.out, run.step)
         )
+
+
+def _distributed(run: Run) -> str:
+    """How the run is spread, e.g. ``8 processes (FSDP), cuda:0`` or ``1 process, cpu``."""
+    accelerator = run.accelerator
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    n = accelerator.num_processes
+    return f"{n} process{'es' if n > 1 else ''}" + (f" ({kind})" if n > 1 else "") + f", {accelerator.device}"
 
 
 def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
@@ -548,27 +550,31 @@ class _Meter:
         return record
 
 
-def sample(run: Run) -> None:
-    """Main process: a sample grid of the current weights (the EMA ones where kept) into
-    ``samples/step_<step>.png``; skipped under FSDP, where no process holds the whole model."""
+def sample(run: Run, final: nn.Module | None = None, at_end: bool = False) -> None:
+    """Main process: a sample grid of the current weights (the EMA ones where kept; at the end: ``final``,
+    the main process's full model) into ``samples/step_<step>.png`` and the trackers; skipped under FSDP
+    while training, where no process holds the whole model."""
     accelerator = run.accelerator
-    if run.fsdp:
+    if run.fsdp and not at_end:
         logger.warning("sample grids are skipped under FSDP (sharded weights); sample from final/")
         return
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(run.transformer)
-        with _ema_weights(run.ema, run.params):
+        logger.info("sampling the grid of step %d (%d denoising steps)", run.step, run.cfg.log.sample_steps)
+        model = final if at_end else accelerator.unwrap_model(run.transformer)
+        with _ema_weights(None if at_end else run.ema, run.params):  # (finish swapped them in itself)
             model.eval()
             images, columns = run.task.sample_images(model)
-            model.train()
-        save_image_grid(images, columns, run.out / "samples" / f"step_{run.step:07d}.png")
+            model.train(not at_end)
+        grid = save_image_grid(images, columns, run.out / "samples" / f"step_{run.step:07d}.png")
+        if grid is not None:
+            log_grid(accelerator, grid, run.step)
     accelerator.wait_for_everyone()
 
 
-def save_image_grid(images: list, columns: int, path: Path) -> None:
-    """Tile PIL images into one PNG (written through a temp file)."""
+def save_image_grid(images: list, columns: int, path: Path) -> Image.Image | None:
+    """Tile PIL images into one PNG (written through a temp file); returns the grid (None: no images)."""
     if not images:
-        return
+        return None
     w, h = images[0].size
     rows = math.ceil(len(images) / columns)
     grid = Image.new(images[0].mode, (columns * w, rows * h))
@@ -578,33 +584,40 @@ def save_image_grid(images: list, columns: int, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp.png")
     grid.save(tmp)
     os.replace(tmp, path)
+    return grid
 
 
 # ----------------------------------------------------------------- 4. finish: final/, samples, evaluation
 def finish(run: Run) -> Path:
     """``final/`` (EMA weights where kept), then the last sample grid (a failure there cannot lose the
-    trained weights), then ``task.finish``'s metrics; returns ``output_dir/final``."""
+    trained weights), then ``task.finish``'s metrics; returns ``output_dir/final``. The EMA weights stay
+    swapped in (every process) until the end: under FSDP gathering them is a collective."""
     accelerator, final = run.accelerator, run.out / "final"
     accelerator.wait_for_everyone()
-    model = _full_model(run)  # None outside the main process
-    if accelerator.is_main_process:
-        with _ema_weights(run.ema, run.params):
+    with _ema_weights(run.ema, run.params):
+        model = _full_model(run)  # None outside the main process
+        if accelerator.is_main_process:
             model.eval()
             save_final_folder(run.task, model, final)
-    accelerator.wait_for_everyone()
-    sample(run)
-    if accelerator.is_main_process:
-        with _ema_weights(run.ema, run.params):
-            model.eval()
-            metrics = run.task.finish(model, accelerator)
-        if metrics:  # printed first: a failing write cannot lose them
-            shown = (f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-            print(" ".join(shown), flush=True)
-            append_jsonl(run.out / "metrics.jsonl", {"step": run.step, **metrics})
-            accelerator.log(metrics, step=run.step)
+        accelerator.wait_for_everyone()
+        sample(run, model, at_end=True)
+        if accelerator.is_main_process:
+            logger.info("end-of-run evaluation (%s)", run.task.name)
+            _record_final_metrics(run, run.task.finish(model.eval(), accelerator))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
+
+
+def _record_final_metrics(run: Run, metrics: dict) -> None:
+    """Main process: print ``task.finish``'s metrics first (a failing write cannot lose them), then
+    ``metrics.jsonl`` and the trackers."""
+    if not metrics:
+        return
+    shown = (f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    print(" ".join(shown), flush=True)
+    append_jsonl(run.out / "metrics.jsonl", {"step": run.step, **metrics})
+    run.accelerator.log(metrics, step=run.step)
 
 
 def _full_model(run: Run) -> nn.Module | None:
@@ -618,7 +631,7 @@ def _full_model(run: Run) -> nn.Module | None:
         return None
     model = run.task.build_transformer()
     model.load_state_dict(state_dict)
-    return model
+    return model.to(run.accelerator.device)  # where the task's frozen parts are (end-of-run sampling)
 
 
 def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:

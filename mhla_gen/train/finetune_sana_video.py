@@ -1,0 +1,103 @@
+"""Flow-matching fine-tuning of pretrained SANA-Video into MHLA (``scripts/finetune_sana_video.py``), and the
+base task of its stage-1 conversion (``scripts/linearize.py --base sana-video``).
+
+SANA-Video is Wan's data and latents (videos, the Wan VAE, 4k + 1 frames) with SANA's text side (Gemma2,
+an attention mask on the caption, ``complex_human_instruction`` off as in SANA fine-tuning) and its own
+pipeline (``SanaVideoPipeline``: ``frames=``, sizes in multiples of 32, resolution binning off). Its
+attention is global linear attention with RoPE on the numerator, so MHLA with ``mhla.mixing_init=uniform``
+and ``mhla.eps=1e-15 / M`` starts exactly at the checkpoint (``processors/sana_video.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..bases import base_for
+from .config import CaptionDataConfig, ConfigError, FinetuneModelConfig, FlowMatchingConfig, RunConfig
+from .finetune import WanTask
+
+
+@dataclass
+class SanaVideoRunConfig(RunConfig):
+    output_dir: str = "runs/sana_video"
+    model: FinetuneModelConfig = field(default_factory=FinetuneModelConfig)
+    data: CaptionDataConfig = field(
+        default_factory=lambda: CaptionDataConfig(height=480, width=832, max_sequence_length=300)
+    )
+    flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.data.num_frames - 1) % 4:
+            raise ValueError(f"data.num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.data.num_frames}")
+
+
+class SanaVideoTask(WanTask):
+    """:class:`WanTask` with SANA-Video's transformer, pipeline, text encoder and sampling call."""
+
+    name = "sana-video"
+    base = base_for("sana-video")
+
+    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
+        """Wan's grid; ``SanaVideoPipeline`` also wants heights and widths in multiples of 32, and the
+        latents normalised with the Wan VAE's statistics (the only VAE this task encodes with)."""
+        if "latents_mean" not in vae or "z_dim" not in vae:
+            raise ConfigError(
+                f"model.pretrained={self.cfg.model.pretrained!r}: this task encodes with a Wan VAE "
+                "(AutoencoderKLWan, SANA-Video 480p); other VAEs are not supported"
+            )
+        spatial = vae.get("scale_factor_spatial", 8)
+        _, ph, pw = transformer["patch_size"]
+        multiple = math.lcm(32, spatial * ph, spatial * pw)
+        self._check_multiple(multiple, "SanaVideoPipeline needs multiples of 32")
+        return super().token_grid(transformer, vae)
+
+    def encode(self, item: dict) -> dict[str, torch.Tensor]:
+        """Wan VAE latents (normalised as ``SanaVideoPipeline`` decodes them) and Gemma2 caption features
+        with their attention mask."""
+        pipe = self.frozen
+        vae = pipe.vae
+        video = item["pixels"][None].to(vae.device, vae.dtype)  # (1, 3, F, H, W) in [-1, 1]
+        z = vae.encode(video).latent_dist.mode()
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+        embeds, mask, _, _ = pipe.encode_prompt(
+            item["caption"],
+            do_classifier_free_guidance=False,
+            device=vae.device,
+            complex_human_instruction=None,
+            max_sequence_length=self.cfg.data.max_sequence_length,
+        )
+        latents = (z.float() - mean) / std
+        return {"latents": latents[0], "prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
+
+    def conditioning(self, batch: dict) -> dict:
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"],
+            "encoder_attention_mask": batch["prompt_attention_mask"],
+        }
+
+    def _generate(self, pipe, prompts: list[str], seed: int) -> np.ndarray:
+        """Videos ``(B, F, H, W, 3)`` in [0, 1] from ``pipe`` at the data's size."""
+        d = self.cfg.data
+        return np.asarray(
+            pipe(
+                prompt=prompts, height=d.height, width=d.width, frames=d.num_frames,
+                num_inference_steps=self.cfg.log.sample_steps, guidance_scale=self.cfg.log.guidance_scale,
+                generator=torch.Generator(pipe.transformer.device).manual_seed(seed),
+                use_resolution_binning=False, complex_human_instruction=None,
+                max_sequence_length=d.max_sequence_length, output_type="np",
+            ).frames
+        )
+
+    def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:
+        """One video ``(F, H, W, 3)`` uint8."""
+        frames = self._generate(pipe, [prompt], seed)[0]
+        return (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
+
+    def generate_videos(self, transformer) -> np.ndarray:
+        return self._generate(self.pipeline(transformer), list(self.cfg.data.sample_prompts), self.cfg.seed)

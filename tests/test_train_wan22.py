@@ -1,0 +1,139 @@
+"""Fine-tuning and stage-1 conversion per expert of a tiny Wan2.2 A14B pipeline (``model.expert``): each
+expert trains on its own side of ``boundary_ratio``; the two runs' folders sample together."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import REPO, run_inprocess
+
+from mhla_gen import load_transformer
+from mhla_gen.errors import ConfigError
+from mhla_gen.testing_video import WAN22_T2V_BOUNDARY, tiny_wan22_pipeline
+
+TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
+
+
+@pytest.fixture(scope="module")
+def a14b_setup(tmp_path_factory):
+    import imageio.v3 as iio
+
+    from mhla_gen.testing_wan import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("wan22")
+    tiny_wan22_pipeline().save_pretrained(root / "ckpt")
+    tiny_wan_pipeline().save_pretrained(root / "wan21")
+    (root / "data").mkdir()
+    rng = np.random.default_rng(0)
+    for i, caption in enumerate(["a cat runs", "a dog swims"]):
+        frames = rng.integers(0, 255, (6, 40, 48, 3), dtype=np.uint8)
+        iio.imwrite(root / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
+        (root / "data" / f"{i}.txt").write_text(caption)
+    return root
+
+
+def _common(setup, out, expert, pretrained="ckpt"):
+    return [
+        "--config",
+        TINY,
+        f"model.pretrained={setup / pretrained}",
+        f"data.path={setup / 'data'}",
+        f"output_dir={out}",
+        f"model.expert={expert}",
+        "train.max_steps=2",
+    ]
+
+
+@pytest.fixture
+def trained_sigmas(monkeypatch):
+    """Every σ the fine-tuning loss noised a batch at (a spy on ``flow_matching_inputs``)."""
+    from mhla_gen.train import finetune
+
+    seen, original = [], finetune.flow_matching_inputs
+
+    def spy(x0, noise, sigmas, num_train_timesteps):
+        seen.extend(sigmas.flatten().tolist())
+        return original(x0, noise, sigmas, num_train_timesteps)
+
+    monkeypatch.setattr(finetune, "flow_matching_inputs", spy)
+    return seen
+
+
+@pytest.fixture
+def sampling_pipelines(monkeypatch):
+    """``(boundary_ratio, has transformer_2)`` of every WanPipeline call (the runs' sample grids)."""
+    from diffusers import WanPipeline
+
+    seen, original = [], WanPipeline.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.config.boundary_ratio, self.transformer_2 is not None))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanPipeline, "__call__", spy)
+    return seen
+
+
+def test_each_expert_finetunes_on_its_noise_range_and_both_sample(
+    a14b_setup, tmp_path, trained_sigmas, sampling_pipelines
+):
+    from mhla_gen.pipelines.wan import load_wan_pipeline
+
+    boundary = WAN22_T2V_BOUNDARY
+    run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / "high", "transformer"))
+    assert trained_sigmas and min(trained_sigmas) >= boundary
+    assert sampling_pipelines == [(boundary, True)]  # the run's samples use both experts
+    trained_sigmas.clear()
+    run_inprocess(
+        "finetune_wan.py", *_common(a14b_setup, tmp_path / "low", "transformer_2"), "mhla.layers=[1, 2]"
+    )  # the low-noise expert with its own hybrid layers
+    assert trained_sigmas and max(trained_sigmas) < boundary
+    low = load_transformer(tmp_path / "low" / "final")
+    assert low.mhla_config.layers == [1, 2]
+    # it started from transformer_2 (2 small steps away), not from the high-noise expert
+    distance = {
+        name: (
+            low.blocks[0].ffn.net[2].weight
+            - load_transformer(a14b_setup / "ckpt" / name).blocks[0].ffn.net[2].weight
+        )
+        .abs()
+        .max()
+        for name in ("transformer", "transformer_2")
+    }
+    assert 0 < distance["transformer_2"] < 0.1 * distance["transformer"], distance
+    pipe = load_wan_pipeline(
+        a14b_setup / "ckpt",
+        torch_dtype=torch.float32,
+        transformer_path=tmp_path / "high" / "final",
+        transformer_2_path=tmp_path / "low" / "final",
+    )
+    assert pipe.transformer.mhla_config.layers == [0, 1] and pipe.transformer_2.mhla_config.layers == [1, 2]
+    video = pipe(
+        "a cat runs",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        max_sequence_length=8,
+        output_type="np",
+    ).frames[0]
+    assert video.shape == (5, 32, 32, 3) and np.isfinite(video).all()
+
+
+def test_stage1_conversion_of_the_low_noise_expert(a14b_setup, tmp_path):
+    """linearize.py with model.expert=transformer_2: the teacher and the start are the low-noise expert."""
+    run_inprocess("linearize.py", "--base", "wan", *_common(a14b_setup, tmp_path / "s1", "transformer_2"))
+    converted = load_transformer(tmp_path / "s1" / "final")
+    stock_low = load_transformer(a14b_setup / "ckpt" / "transformer_2")
+    # stage 1 trains only the MHLA parameters: every pretrained weight is the low-noise expert's
+    assert torch.equal(converted.blocks[2].ffn.net[2].weight, stock_low.blocks[2].ffn.net[2].weight)
+    assert converted.mhla_config.layers == [0, 1]
+
+
+def test_second_expert_of_a_one_transformer_pipeline_is_refused(a14b_setup, tmp_path):
+    with pytest.raises(ConfigError, match="model.expert=transformer_2.*has no transformer_2"):
+        run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / "run", "transformer_2", "wan21"))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="model.expert must be transformer or transformer_2"):
+        run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / "run", "transformer_3"))
