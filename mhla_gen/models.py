@@ -33,7 +33,12 @@ import functools
 import inspect
 from typing import ClassVar
 
-from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
+from diffusers import (
+    DiTTransformer2DModel,
+    SanaTransformer2DModel,
+    SanaVideoTransformer3DModel,
+    WanTransformer3DModel,
+)
 from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
@@ -122,11 +127,13 @@ def mhla_model_class(stock_cls: type) -> type:
 MHLADiTTransformer2DModel = mhla_model_class(DiTTransformer2DModel)
 MHLASanaTransformer2DModel = mhla_model_class(SanaTransformer2DModel)
 MHLAWanTransformer3DModel = mhla_model_class(WanTransformer3DModel)
+MHLASanaVideoTransformer3DModel = mhla_model_class(SanaVideoTransformer3DModel)
 
 __all__ = [
     "MHLADiTTransformer2DModel",
     "MHLAModelMixin",
     "MHLASanaTransformer2DModel",
+    "MHLASanaVideoTransformer3DModel",
     "MHLAWanTransformer3DModel",
     "mhla_model_class",
 ]

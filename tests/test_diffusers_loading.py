@@ -204,3 +204,35 @@ def test_every_supported_base_has_an_mhla_class():
         import mhla_gen.models
 
         assert getattr(mhla_gen.models, mhla.__name__) is mhla  # where model_index.json entries point
+
+
+def test_sana_video_and_wan22_experts_load_with_mhla_through_diffusers(tmp_path):
+    """The bases added beside DiT / SANA / Wan: SANA-Video (its own class) and Wan2.2 (two Wan experts,
+    ``transformer`` and ``transformer_2``, each resolved from model_index.json)."""
+    from mhla_gen.models import MHLASanaVideoTransformer3DModel
+    from mhla_gen.testing_video import (
+        tiny_sana_video,
+        tiny_sana_video_pipeline,
+        tiny_wan22_pipeline,
+        tiny_wan_expert,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(2, 16, 3, 6, 10, generator=g),
+                  encoder_hidden_states=torch.randn(2, 5, 16, generator=g),
+                  timestep=torch.tensor([10.0, 700.0]))
+    video = trained_like(Base(tiny_sana_video, None, MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3), *[None] * 4))
+    tiny_sana_video_pipeline(transformer=video).save_pretrained(tmp_path / "sana_video")
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "sana_video").transformer
+    assert type(loaded) is MHLASanaVideoTransformer3DModel
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs, return_dict=False)[0], video(**inputs, return_dict=False)[0])
+
+    wan = BASES["wan"]
+    experts = [trained_like(Base(lambda s=s: tiny_wan_expert(seed=s), None, wan.cfg, *[None] * 4))
+               for s in (0, 1)]
+    tiny_wan22_pipeline(transformer=experts[0], transformer_2=experts[1]).save_pretrained(tmp_path / "wan22")
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan22")
+    for loaded, expert in zip((pipe.transformer, pipe.transformer_2), experts):
+        assert type(loaded) is MHLAWanTransformer3DModel
+        assert torch.equal(wan_forward(loaded), wan_forward(expert))
