@@ -43,7 +43,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import compare, fmt_comparison
-from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
+from mhla_gen.experiments import Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -317,14 +317,7 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, ("fid", "val_loss")):
         stats = summarize(recs, metric)
-        for arm in dict.fromkeys(r["arm"] for r in recs):
-            steps = sorted(s for a, s in stats if a == arm)
-            mean = np.array([stats[(arm, s)]["mean"] for s in steps])
-            half = np.array([stats[(arm, s)]["ci"] for s in steps])
-            low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
-                [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
-            ax.plot(steps, mean, marker="o", label=arm)
-            ax.fill_between(steps, low, high, alpha=0.12)
+        plot_arm_bands(ax, stats, recs, alpha=0.12)
         if ("softmax-continued", 0) in stats:
             ax.axhline(stats[("softmax-continued", 0)]["mean"], color="gray", linestyle=":", label="teacher")
         ax.set(xlabel="stage-2 step", ylabel=metric, yscale="log")

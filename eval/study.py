@@ -44,7 +44,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import DataScores, compare, fmt_comparison, sampling_sd
-from mhla_gen.experiments import Arm, make_jobs, study_records, summarize
+from mhla_gen.experiments import Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -271,14 +271,7 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric, label in zip(axes, ("fid", "val_loss"), ("FID (lower is better)", "validation loss")):
         stats = summarize(recs, metric)
-        for arm in dict.fromkeys(r["arm"] for r in recs):
-            steps = sorted(s for a, s in stats if a == arm)
-            mean = np.array([stats[(arm, s)]["mean"] for s in steps])
-            half = np.array([stats[(arm, s)]["ci"] for s in steps])
-            low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
-                [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
-            ax.plot(steps, mean, marker="o", label=arm)
-            ax.fill_between(steps, low, high, alpha=0.15)
+        plot_arm_bands(ax, stats, recs, alpha=0.15)
         ax.set(xlabel="training step", ylabel=label, yscale="log")
     axes[0].set_title(f"{recs[0]['tokens']} tokens, {recs[0].get('data', 'digits')}: mean, band = 95 % CI",
                       fontsize=9)

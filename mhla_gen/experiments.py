@@ -301,6 +301,19 @@ def summarize(records: list[dict], metric: str) -> dict[tuple[str, int], dict]:
     return {key: interval(values) for key, values in sorted(groups.items())}
 
 
+def plot_arm_bands(ax, stats: dict[tuple[str, int], dict], records: list[dict], alpha: float) -> None:
+    """One line per arm of ``records`` (mean over seeds, :func:`summarize` ``stats``) with a band: the 95 %
+    interval, or min-max where an interval is undefined (one seed)."""
+    for arm in dict.fromkeys(r["arm"] for r in records):
+        steps = sorted(s for a, s in stats if a == arm)
+        mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+        half = np.array([stats[(arm, s)]["ci"] for s in steps])
+        low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
+            [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
+        ax.plot(steps, mean, marker="o", label=arm)
+        ax.fill_between(steps, low, high, alpha=alpha)
+
+
 def paired(records: list[dict], arm: str, other: str, metric: str, step: int) -> dict:
     """Per-seed differences ``arm - other`` of ``metric`` at ``step`` (the same seed draws the same data
     order, noise and samples in both), their interval, and how many seeds favour each side."""
