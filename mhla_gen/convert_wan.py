@@ -322,7 +322,7 @@ def convert_wan_checkpoint(
             e.g. the one of ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``.
         mhla: base MHLA settings (default: ``wan-release``); layers, head norm, gate and CPE are read
             from the checkpoint.
-        torch_dtype: cast every tensor (None keeps the checkpoint's dtypes).
+        torch_dtype: cast every tensor (None keeps the checkpoint's dtypes); every tensor is copied.
     Returns:
         the model in eval mode; ``save_pretrained`` it and reload with :func:`mhla_gen.load_transformer`.
     Raises:
@@ -330,8 +330,11 @@ def convert_wan_checkpoint(
     """
     state = checkpoint if isinstance(checkpoint, dict) else read_checkpoint(checkpoint, state_dict_key)
     converted = original_to_diffusers(state)
-    if torch_dtype is not None:
-        converted = {k: v.to(torch_dtype) for k, v in converted.items()}
+    # The model owns its parameters: each is copied into freshly allocated memory. Read from a shard, a
+    # tensor sits at whatever 8-byte offset the file gives it, and CPU GEMM kernels sum in another order
+    # for such unaligned operands: the same weights would then compute different last bits (and a
+    # caller's state dict would alias the model).
+    converted = {k: v.to(dtype=torch_dtype or v.dtype, copy=True) for k, v in converted.items()}
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, filled by assignment below
         model = WanTransformer3DModel.from_config(read_transformer_config(config))
