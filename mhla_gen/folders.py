@@ -19,7 +19,9 @@ never by pattern: :func:`remove_listed` leaves every other file
 alone, and a folder replaced *wholesale* (a cache rebuilt in a temporary sibling, a model folder) is
 refused by :func:`check_replaceable` when it holds a file its listing does not name (or a listed file
 whose size changed). A temporary ``.tmp-<name>`` folder is created empty and marked by the command that
-builds in it, so a leftover one of ours is removed as a whole.
+builds in it and sealed (its files listed) before it is put in place; a leftover one of ours is deleted
+only if it holds exactly what it lists (:func:`discard`), else left with a warning while the command
+builds in a new ``.tmp-<name>-<pid>`` (:func:`fresh_temp`).
 
 **Inputs and outputs apart.** :func:`check_apart` is the one check every entry point makes at start-up:
 no output folder is, contains or lies inside one of the command's inputs (teacher, start point, data,
@@ -44,11 +46,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from .errors import ConfigError
-from .locks import LOCK, check_free, lock_folder, main_rank, release
+from .locks import LOCK, check_free, holder, lock_folder, main_rank, release
 
 logger = logging.getLogger(__name__)
 
@@ -286,24 +287,86 @@ def temp_sibling(final: str | Path) -> Path:
 
 def check_temp(final: str | Path, kind: str, setting: str) -> bool:
     """:func:`owned` for the temporary sibling of ``final`` (call at start-up, before any work): True for a
-    leftover of ours (removed by :func:`fresh_temp`), ``ConfigError`` for a folder of the user's."""
+    leftover of ours (:func:`fresh_temp` removes it if it holds exactly what it lists, and otherwise leaves
+    it and builds in a new temporary folder), ``ConfigError`` for a folder of the user's."""
     tmp = temp_sibling(final)
     return owned(tmp, kind, f"{setting} (its temporary folder {tmp.name})")
 
 
-def fresh_temp(final: str | Path, kind: str, setting: str) -> Path:
-    """An empty, marked and locked sibling ``.tmp-<name>`` of ``final`` to build a replacement in.
+def strays(folder: str | Path) -> list[str]:
+    """Entries under ``folder`` (relative paths) that its listing does not account for: files it does not
+    name or names with another size, symbolic links, other non-files, and folders that hold no listed
+    file. Empty when ``folder`` holds exactly (a part of) what its listing names."""
+    folder = Path(folder)
+    names = listed(folder) or {}
+    parents = {parent.as_posix() for rel in names for parent in Path(rel).parents if parent != Path(".")}
+    found = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if rel in BOOKKEEPING:
+            continue
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            found.append(rel)
+        elif path.is_dir():
+            if rel not in parents:
+                found.append(rel)
+        elif rel not in names or names[rel] not in (None, path.stat().st_size):
+            found.append(rel)
+    return found
 
-    A leftover temp folder of ours (an interrupted earlier run; it was created empty and marked by that
-    command) is deleted and the command goes on; a user's folder of that name is never touched
-    (``ConfigError``), nor one another running command builds in (its pid named)."""
+
+def discard(folder: str | Path, kind: str, setting: str) -> bool:
+    """Delete ``folder``, a ``kind`` folder of ours, if it holds exactly what its listing names (True).
+    Anything else (not marked as ours, marked with another kind, held by a running command, or holding an
+    entry its listing does not name) is left untouched with a warning naming the path (False); a folder of
+    an earlier version (marked, no listing) gets the ``adopt`` command that lists its files."""
+    folder = Path(folder)
+    marker = None if folder.is_symlink() or not folder.is_dir() else read_marker(folder)
+    if marker is None or marker.get("kind") != kind:
+        logger.warning("%s: %s is not a %s folder of mhla_gen; left untouched", setting, folder, KINDS[kind])
+        return False
+    pid = holder(folder)
+    if pid is not None:
+        logger.warning("%s: %s is being written by pid %s; left untouched", setting, folder, pid)
+        return False
+    extra = strays(folder)
+    if extra and listed(folder) is None and not marker.get("temporary"):
+        logger.warning("%s: %s has no list of the files mhla_gen wrote (an earlier version); left untouched: "
+                       "list them with: python -m mhla_gen.adopt %s %s", setting, folder, kind, folder)
+        return False
+    if extra:
+        logger.warning("%s: %s holds entries its list of files does not name (%s); left untouched: look at "
+                       "them, then delete the folder yourself", setting, folder, _listing(extra))
+        return False
+    remove_listed(folder, setting)
+    for leftover in (MARKER, LOCK):
+        (folder / leftover).unlink(missing_ok=True)
+    folder.rmdir()
+    return True
+
+
+def fresh_temp(final: str | Path, kind: str, setting: str, lock: bool = True) -> Path:
+    """An empty, marked (and, with ``lock``, locked) temporary sibling of ``final`` to build a replacement in.
+
+    The temporary folder is ``.tmp-<name>``. A leftover one of ours (an interrupted earlier run) is deleted
+    if it holds exactly what its listing names (:func:`discard`); otherwise it is left in place with a
+    warning naming it, and the replacement is built in ``.tmp-<name>-<pid>`` instead, so nothing is lost. A
+    user's folder named ``.tmp-<name>`` is never touched (``ConfigError``), nor one another running command
+    builds in (its pid named)."""
     tmp = temp_sibling(final)
     if check_temp(final, kind, setting):
-        logger.warning("removing %s, left by an interrupted earlier run", tmp)
-        shutil.rmtree(tmp)
+        if discard(tmp, kind, f"{setting} (its temporary folder)"):
+            logger.warning("%s: removed %s, left by an interrupted earlier run", setting, tmp)
+        else:
+            left, tmp = tmp, tmp.with_name(f"{tmp.name}-{os.getpid()}")
+            while tmp.exists() or tmp.is_symlink():  # a leftover of an earlier process with our pid
+                tmp = tmp.with_name(f"{tmp.name}-")
+            logger.warning("%s: %s (left by an interrupted earlier run) stays where it is; building in %s",
+                           setting, left, tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     write_marker(tmp, kind, temporary=True)
-    lock_folder(tmp, f"{setting} (its temporary folder {tmp.name})")
+    if lock:
+        lock_folder(tmp, f"{setting} (its temporary folder {tmp.name})")
     return tmp
 
 

@@ -216,9 +216,14 @@ def test_an_empty_folder_is_used_and_our_own_output_is_reused(name, assets, tmp_
     assert read_marker(target)["kind"] == WRITERS[name].kind
 
 
+@pytest.mark.parametrize("listing", ["listed", "unlisted"])
 @pytest.mark.parametrize("name", [n for n, w in WRITERS.items() if w.temp] + ["train_dit"])
-def test_a_leftover_temp_folder_of_ours_is_cleaned_up(name, assets, tmp_path):
-    """An interrupted earlier run left its marked temporary folder: removed, and the command goes on."""
+def test_a_leftover_temp_folder_of_ours_is_cleaned_up(name, listing, assets, tmp_path, caplog):
+    """An interrupted earlier run left its marked temporary folder. Holding exactly what it lists, it is
+    removed; holding a file it does not list, it stays byte for byte (a warning names it) and the command
+    builds in a new temporary folder. Either way the command goes on."""
+    from mhla_gen.folders import record_files
+
     target = tmp_path / "out"
     temp_parent, temp_kind = (target, "model") if name == "train_dit" else (tmp_path, WRITERS[name].kind)
     if name == "train_dit":
@@ -227,9 +232,18 @@ def test_a_leftover_temp_folder_of_ours_is_cleaned_up(name, assets, tmp_path):
     else:
         temp = tmp_path / ".tmp-out"
     user_files(temp, ["half-written.bin"])
-    write_marker(temp, temp_kind)
+    write_marker(temp, temp_kind, temporary=True)
+    if listing == "listed":
+        record_files(temp, "half-written.bin")
+    before = checksums(temp)
     write(name, assets, target, *(("train.max_steps=2",) if name == "train_dit" else ()))
-    assert not temp.exists() and temp_parent.is_dir()
+    final = target / "final" if name == "train_dit" else target
+    assert read_marker(final)["kind"] == temp_kind and temp_parent.is_dir()
+    assert not [p for p in temp_parent.iterdir() if p.name.startswith(".tmp-") and p != temp]
+    if listing == "listed":
+        assert not temp.exists()
+    else:
+        assert checksums(temp) == before and f"{temp} (left by an interrupted earlier run) stays" in caplog.text
 
 
 @pytest.mark.parametrize("name", [n for n, w in WRITERS.items() if w.temp] + ["train_dit"])
