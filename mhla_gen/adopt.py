@@ -33,7 +33,7 @@ def _stock_name(class_name):
     by the naming rule, so that adopting imports no model code."""
     name = str(class_name)
     return name[len("MHLA"):] if name.startswith("MHLA") and name[len("MHLA"):] in TRANSFORMERS else name
-LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data")  # replaced or deleted by listing
+LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data", "checkpoint")  # deleted by listing
 
 
 class Misfit(ConfigError):
@@ -284,8 +284,12 @@ def prove_run(folder: Path) -> list[tuple[Path, str]]:
         elif name == "checkpoints":
             _dir(path)
             for sub in path.iterdir():
-                if not re.fullmatch(r"checkpoint_\d+", sub.name) or not sub.is_dir():
+                if (read_marker(sub) or {}).get("kind") == "checkpoint":
+                    continue  # marked (and listed) when it was written
+                if not re.fullmatch(r"checkpoint_\d+", sub.name) or not sub.is_dir() or sub.is_symlink():
                     raise _misfit(sub, "not a checkpoint of this run")
+                prove_checkpoint(sub)
+                marks.append((sub, "checkpoint"))
         elif name in ("logs", "samples"):
             _dir(path)
             for sub in path.iterdir() if name == "samples" else ():
@@ -304,6 +308,30 @@ def prove_run(folder: Path) -> list[tuple[Path, str]]:
         else:
             raise _misfit(path, "not an entry of a training run")
     return marks
+
+
+_ACCELERATE_STATE = re.compile(  # what accelerator.save_state writes (files, FSDP shard folders)
+    r"(model|pytorch_model|optimizer|scheduler|sampler|random_states|custom_checkpoint|dl_state_dict)[\w.-]*"
+)
+
+
+def prove_checkpoint(folder: Path) -> None:
+    """``trainer_state.json`` with the step its ``checkpoint_<step>`` name says and the run's model
+    signature; the rest is what ``accelerator.save_state`` writes (safetensors files must open)."""
+    state = folder / "trainer_state.json"
+    record = _json(state) if state.is_file() else None
+    if not isinstance(record, dict) or "signature" not in record or not isinstance(record.get("step"), int):
+        raise _misfit(state, "not a trainer state of mhla_gen (step and signature)")
+    named = re.fullmatch(r"checkpoint_(\d+)", folder.name)
+    if named and int(named.group(1)) != record["step"]:
+        raise _misfit(state, f"says step {record['step']}, the folder's name {folder.name}")
+    for path in (folder / n for n in content(folder)):
+        if path.name == state.name:
+            continue
+        if path.is_symlink() or not _ACCELERATE_STATE.fullmatch(path.name):
+            raise _misfit(path, "not an entry of an Accelerate checkpoint")
+        if path.suffix == ".safetensors":
+            _safetensors(path)
 
 
 def prove_study(folder: Path) -> list[tuple[Path, str]]:
@@ -353,7 +381,7 @@ PROOFS: dict[str, Callable[[Path], object]] = {
     "run": prove_run, "latent_cache": prove_latent_cache, "feature_cache": prove_feature_cache,
     "teacher_data": prove_teacher_data, "samples": prove_samples, "sample_outputs": prove_sample_outputs,
     "model": prove_model, "attention_stats": prove_attention_stats, "study": prove_study,
-    "diffusers_tests": prove_diffusers_tests,
+    "diffusers_tests": prove_diffusers_tests, "checkpoint": prove_checkpoint,
 }
 
 

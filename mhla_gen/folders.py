@@ -61,6 +61,7 @@ FILE_RECORD = "mhla_gen"  # key of the record in a JSON file; .npz: FILE_RECORD 
 # kind -> what it is (python -m mhla_gen.adopt proves a folder's content per kind)
 KINDS: dict[str, str] = {
     "run": "training run (output_dir)",
+    "checkpoint": "training checkpoint (output_dir/checkpoints/checkpoint_<step>)",
     "latent_cache": "DiT latent cache",
     "feature_cache": "SANA / Wan feature cache",
     "teacher_data": "teacher-sampled training data",
@@ -322,6 +323,11 @@ def discard(folder: str | Path, kind: str, setting: str) -> bool:
     an earlier version (marked, no listing) gets the ``adopt`` command that lists its files."""
     folder = Path(folder)
     marker = None if folder.is_symlink() or not folder.is_dir() else read_marker(folder)
+    if marker is None and folder.is_dir() and not folder.is_symlink():
+        logger.warning("%s: %s was not marked by mhla_gen; left untouched. If an mhla_gen version without "
+                       "markers wrote it, adopt it with: python -m mhla_gen.adopt %s %s", setting, folder,
+                       kind, folder)
+        return False
     if marker is None or marker.get("kind") != kind:
         logger.warning("%s: %s is not a %s folder of mhla_gen; left untouched", setting, folder, KINDS[kind])
         return False

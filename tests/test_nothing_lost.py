@@ -166,6 +166,61 @@ def test_a_symlinked_or_unmarked_final_is_refused_at_start_up(teacher_run, tmp_p
             teacher_run / "teacher", match="is a symbolic link")
 
 
+def _checkpointed(run: Path, steps: int, *extra: str) -> None:
+    train_dit(f"output_dir={run}", f"train.max_steps={steps}", "train.checkpoint_every=1",
+              "train.checkpoints_total_limit=1", "log.sample_every=0", *extra)
+
+
+def test_old_checkpoints_are_pruned_only_when_they_hold_what_they_list(tmp_path, caplog):
+    """checkpoints_total_limit deleted old checkpoint_<N> folders by name: a user's file inside one, or a
+    checkpoint of an earlier version (no listing), went with it. Now they stay, each with a warning (the
+    earlier version's with the adopt command), and are pruned once adopted / emptied of the user's file."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    _checkpointed(run, 2)
+    assert [p.name for p in ckpts.iterdir()] == ["checkpoint_2"]  # checkpoint_1: ours, listed, pruned
+    assert read_marker(ckpts / "checkpoint_2")["kind"] == "checkpoint"
+    assert "trainer_state.json" in listed(ckpts / "checkpoint_2")
+    user_files(ckpts / "checkpoint_2", ["my_notes.txt"])
+    old = ckpts / "checkpoint_1"  # as an mhla_gen without markers wrote it
+    shutil.copytree(ckpts / "checkpoint_2", old, ignore=shutil.ignore_patterns(MARKER, "my_notes.txt"))
+    state = json.loads((old / "trainer_state.json").read_text())
+    (old / "trainer_state.json").write_text(json.dumps({**state, "step": 1}))
+    before = checksums(ckpts / "checkpoint_2", old)
+    _checkpointed(run, 3)
+    assert checksums(ckpts / "checkpoint_2", old) == before
+    assert f"python -m mhla_gen.adopt checkpoint {old}" in caplog.text
+    assert "(my_notes.txt); left untouched" in caplog.text
+    adopt("run", run)  # lists checkpoint_1's files: the next save prunes it
+    (ckpts / "checkpoint_2" / "my_notes.txt").unlink()
+    _checkpointed(run, 4)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint_4"]
+
+
+def test_a_torn_checkpoint_save_is_kept_unless_it_holds_only_what_it_lists(tmp_path, caplog):
+    """A save killed inside accelerator.save_state leaves a marked temp folder whose files are not listed
+    yet: it stays (warning), and the resumed run saves that step into a temp folder of its own."""
+    from mhla_gen.folders import record_files
+
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    _checkpointed(run, 2)
+    torn = user_files(ckpts / ".tmp-checkpoint_3", ["model.safetensors"])
+    write_marker(torn, "checkpoint", temporary=True)
+    listed_torn = user_files(ckpts / ".tmp-checkpoint_9", ["model.safetensors"])
+    write_marker(listed_torn, "checkpoint", temporary=True)
+    record_files(listed_torn, "model.safetensors")
+    user = user_files(ckpts / ".tmp-mine", ["notes.txt"])
+    before = checksums(torn, user)
+    _checkpointed(run, 3)
+    assert checksums(torn, user) == before and not listed_torn.exists()
+    assert f"{torn} holds entries its list of files does not name (model.safetensors)" in caplog.text
+    assert sorted(p.name for p in ckpts.iterdir()) == [".tmp-checkpoint_3", ".tmp-mine", "checkpoint_3"]
+
+
 # ------------------------------------------------------------------------------ 3. adopt proves content
 def adopt(*args):
     from mhla_gen.adopt import main
@@ -403,9 +458,8 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
 }
 # The only places that delete files, each deleting what its own listing / marker names
 DELETERS = {
-    "mhla_gen/folders.py": "remove_listed, replace_with, fresh_temp (a marked temporary folder of ours)",
+    "mhla_gen/folders.py": "remove_listed, replace_with, discard (a marked folder holding what it lists)",
     "mhla_gen/data/teacher.py": "its own parts/ files by name once assembled",
-    "mhla_gen/train/checkpoint.py": "Accelerate checkpoints inside the run's checkpoints/",
     "eval/generate.py": "the manifest shards it listed",
 }
 PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher", "prompts_file",

@@ -3,10 +3,17 @@
 Why not ``ProjectConfiguration(automatic_checkpoint_naming=True)``: Accelerate then writes straight into
 ``checkpoints/checkpoint_<save count>``, so a job killed halfway through a save leaves a half-written
 folder that looks like the newest checkpoint, and the folder number counts saves, not optimizer steps.
-Here ``accelerator.save_state`` writes into ``checkpoints/.tmp-checkpoint_<step>``; the main process adds
-``trainer_state.json`` (step + model signature) and only then renames the folder into place with
-``os.replace`` (atomic on POSIX). Resume only ever sees complete checkpoints; leftover ``.tmp-*`` folders
-are deleted. ``train.checkpoints_total_limit`` keeps the newest N, pruned after the new one is in place.
+Here ``accelerator.save_state`` writes into a marked temporary folder ``checkpoints/.tmp-checkpoint_<step>``
+(:func:`mhla_gen.folders.fresh_temp`); the main process adds ``trainer_state.json`` (step + model
+signature), lists every file in the folder's marker (:func:`mhla_gen.folders.seal`) and only then renames
+the folder into place with ``os.replace`` (atomic on POSIX). Resume only ever sees complete checkpoints.
+
+Nothing is deleted by name or pattern (:mod:`mhla_gen.folders`): a leftover temporary folder and a
+checkpoint pruned by ``train.checkpoints_total_limit`` (the newest N are kept, pruned after the new one is
+in place) are deleted only when marked as ours and holding exactly what their listing names
+(:func:`mhla_gen.folders.discard`). A checkpoint holding a file of the user's, or written by an earlier
+version (no listing: ``python -m mhla_gen.adopt checkpoint FOLDER`` lists it), is left untouched with a
+warning. The main process does all of this; the other ranks wait and write into the folder it chose.
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
+
+from ..errors import ConfigError
+from ..folders import discard, fresh_temp, read_marker, seal, strays
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+KIND = "checkpoint"  # the folder kind of a checkpoint and of its temporary folder (mhla_gen.folders.KINDS)
+SETTING = "output_dir (its checkpoints/)"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 
@@ -75,40 +86,66 @@ def check_signature(checkpoint: Path, signature: dict) -> None:
 
 
 def remove_partial(output_dir: str | Path) -> None:
-    """Delete ``.tmp-*`` folders left by a job killed during a save (main process only)."""
+    """Main process, at start-up: delete the temporary folders of saves killed halfway (marked as our
+    checkpoints, not named ``checkpoint_<step>``) that hold exactly what they list; others stay, with a
+    warning (:func:`mhla_gen.folders.discard`)."""
     root = checkpoint_root(output_dir)
-    if root.is_dir():
-        for p in root.glob(".tmp-*"):
-            logger.warning("removing incomplete checkpoint %s", p)
-            shutil.rmtree(p, ignore_errors=True)
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and not path.is_symlink() and not _NAME.match(path.name):
+            if (read_marker(path) or {}).get("kind") == KIND and discard(path, KIND, SETTING):
+                logger.warning("removed incomplete checkpoint %s", path)
+
+
+def _check_replaceable(final: Path) -> None:
+    """``ConfigError`` (before this save writes anything) when ``final`` exists and could not be replaced."""
+    if final.exists() and ((read_marker(final) or {}).get("kind") != KIND or strays(final)):
+        raise ConfigError(
+            f"{SETTING}: {str(final)!r} exists and holds what mhla_gen did not list as its own ("
+            f"{', '.join(strays(final)[:5]) or 'no marker'}); nothing of it was changed: move it away. If "
+            f"an earlier mhla_gen wrote it, list it with: python -m mhla_gen.adopt {KIND} {final}"
+        )
+
+
+def _shared_path(accelerator, path: Path | None) -> Path:
+    """The main process's ``path`` on every process (the folder all ranks save into)."""
+    from accelerate.utils import broadcast_object_list
+
+    return Path(broadcast_object_list([str(path) if path is not None else None], from_process=0)[0])
 
 
 def save_checkpoint(
     accelerator, output_dir: str | Path, step: int, signature: dict, total_limit: int, before_commit=None
 ) -> Path:
-    """``accelerator.save_state`` into a temp folder, then rename it to ``checkpoint_<step>`` atomically.
+    """``accelerator.save_state`` into a marked temp folder, list its files, then rename it to
+    ``checkpoint_<step>`` atomically and prune the old checkpoints that are ours (module docstring).
 
-    ``before_commit`` (main process) runs after the state is written and before the rename (:func:`train`
-    calls its callbacks' ``on_checkpoint_staged`` there).
+    ``before_commit`` (main process) runs after the state is written and listed and before the rename
+    (:func:`train` calls its callbacks' ``on_checkpoint_staged`` there).
     """
     root = checkpoint_root(output_dir)
-    tmp = root / f".tmp-checkpoint_{step}"
     final = root / f"checkpoint_{step}"
+    tmp = None
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _check_replaceable(final)  # same step saved again (e.g. a resumed run re-saving)
+        tmp = fresh_temp(final, KIND, SETTING, lock=False)  # the run folder's lock covers it
+    tmp = _shared_path(accelerator, tmp) if accelerator.num_processes > 1 else tmp
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # models, optimizer, scheduler, RNG states, registered objects (EMA)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "signature": signature}, indent=1))
+        seal(tmp)  # every file listed: a save killed from here on is removable as a whole
         if before_commit is not None:
             before_commit()
-        if final.exists():  # same step saved again (e.g. a resumed run re-saving); replace it
-            shutil.rmtree(final)
+        if final.exists() and not discard(final, KIND, SETTING):
+            raise ConfigError(f"{SETTING}: {str(final)!r} could not be replaced (see the warning above); the "
+                              f"new checkpoint is kept in {str(tmp)!r}")
         os.replace(tmp, final)
         logger.info("saved %s", final)
         for old in list_checkpoints(output_dir)[:-total_limit]:
-            shutil.rmtree(old)
+            discard(old, KIND, SETTING)  # ours and only what it lists: deleted; otherwise kept and said
     accelerator.wait_for_everyone()
     return final

@@ -183,8 +183,9 @@ class TrainCallback:
         due), before its sample grid (when due)."""
 
     def on_checkpoint_staged(self, run: Run) -> None:
-        """Main process: the checkpoint of ``run.step`` is complete in ``checkpoints/.tmp-checkpoint_<step>``
-        and not yet renamed into place (a kill here leaves a torn save that resume must ignore)."""
+        """Main process: the checkpoint of ``run.step`` is complete and listed in its marked temporary folder
+        (``checkpoints/.tmp-checkpoint_<step>``) and not yet renamed into place (a kill here leaves a torn
+        save that resume must ignore and the next start deletes). Write nothing into that folder."""
 
 
 @dataclass
