@@ -84,6 +84,7 @@ from mhla_gen import BlockLayout, locality_init, mhla_attention
 from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
+from mhla_gen.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
@@ -605,6 +606,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.out is not None:  # before hours of timing (mhla_gen.folders); the checked path is the written one
         args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
+    with writing_files((args.out, "--out")):  # one writer per file (a second one stops, naming this pid)
+        bench(args)
+
+
+def bench(args) -> None:
+    """Time and measure what ``args`` asks for, print the tables and write ``args.out`` (if given)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -65,6 +65,7 @@ from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.install import is_mhla_installed, mhla_processors
+from mhla_gen.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
@@ -336,13 +337,15 @@ def main(argv=None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        report = run(args)
+        with writing_files((args.out, "--out")):  # one writer per file (a second one stops, naming this pid)
+            report = run(args)
+            report["command"] = command
+            print(markdown(report, command))
+            if args.out is not None:
+                record = {**report, **file_record(BENCH_KIND)}
+                atomic_write_text(args.out, json.dumps(record, indent=2) + "\n")
     finally:
         torch.set_num_threads(threads)
-    report["command"] = command
-    print(markdown(report, command))
-    if args.out is not None:
-        atomic_write_text(args.out, json.dumps({**report, **file_record(BENCH_KIND)}, indent=2) + "\n")
     return report
 
 

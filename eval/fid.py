@@ -30,6 +30,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, check_file_target, file_record
+from mhla_gen.locks import writing_files
 from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
@@ -143,32 +144,33 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     out, stats_out = check_outputs(args)  # before any work
-    extractor = build_extractor(args.extractor, args.inception_weights, args.extractor_seed)
-    fake_images = load_images(args.samples, args.num)
-    fake = extract_features(extractor, fake_images, args.batch_size)
-    if is_stats_file(args.ref):
-        ref = load_reference_stats(args.ref)
-        saved_by = str(ref.get("extractor", "unknown"))
-        if saved_by not in ("unknown", extractor.name):
-            raise ValueError(f"{args.ref!r} holds {saved_by!r} statistics but the extractor is "
-                             f"{extractor.name!r}")
-        num_ref = len(ref["features"]) if "features" in ref else None
-    else:
-        ref_images = load_images(args.ref, args.num)
-        ref = extract_features(extractor, ref_images, args.batch_size)
-        num_ref = len(ref_images)
-        if stats_out is not None:
-            save_reference_stats(stats_out, ref, extractor.name)
+    with writing_files((out, "--out"), (stats_out, "--save-ref-stats")):  # one writer per file
+        extractor = build_extractor(args.extractor, args.inception_weights, args.extractor_seed)
+        fake_images = load_images(args.samples, args.num)
+        fake = extract_features(extractor, fake_images, args.batch_size)
+        if is_stats_file(args.ref):
+            ref = load_reference_stats(args.ref)
+            saved_by = str(ref.get("extractor", "unknown"))
+            if saved_by not in ("unknown", extractor.name):
+                raise ValueError(f"{args.ref!r} holds {saved_by!r} statistics but the extractor is "
+                                 f"{extractor.name!r}")
+            num_ref = len(ref["features"]) if "features" in ref else None
+        else:
+            ref_images = load_images(args.ref, args.num)
+            ref = extract_features(extractor, ref_images, args.batch_size)
+            num_ref = len(ref_images)
+            if stats_out is not None:
+                save_reference_stats(stats_out, ref, extractor.name)
 
-    metrics = score(fake, ref, k=args.k, kid_subsets=args.kid_subsets)
-    metrics.update({"extractor": extractor.name, "num_samples": len(fake_images), "num_ref": num_ref,
-                    "samples": str(args.samples), "ref": str(args.ref)})
-    if hasattr(extractor, "test_accuracy"):
-        metrics["extractor_test_accuracy"] = extractor.test_accuracy
-    print(json.dumps(metrics, indent=2))  # printed first: a failing write cannot lose the numbers
-    atomic_write_text(out, json.dumps({**metrics, **file_record(METRICS_KIND)}, indent=2) + "\n")
-    print(f"wrote {out}")
-    return metrics
+        metrics = score(fake, ref, k=args.k, kid_subsets=args.kid_subsets)
+        metrics.update({"extractor": extractor.name, "num_samples": len(fake_images), "num_ref": num_ref,
+                        "samples": str(args.samples), "ref": str(args.ref)})
+        if hasattr(extractor, "test_accuracy"):
+            metrics["extractor_test_accuracy"] = extractor.test_accuracy
+        print(json.dumps(metrics, indent=2))  # printed first: a failing write cannot lose the numbers
+        atomic_write_text(out, json.dumps({**metrics, **file_record(METRICS_KIND)}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return metrics
 
 
 def default_out(samples: str) -> Path:

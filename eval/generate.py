@@ -27,7 +27,7 @@ from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, claim, listed, owned, record_files
-from mhla_gen.locks import die_with_parent, main_rank, release
+from mhla_gen.locks import die_with_launcher, release
 from mhla_gen.metrics.video import write_video
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.train.config import load_config
@@ -269,8 +269,7 @@ def generate(cfg: GenerateConfig) -> Path:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    if state_is_launched():
-        die_with_parent()  # a rank stops with its launcher
+    die_with_launcher()  # a rank stops with its launcher
     state = PartialState()
     out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
@@ -310,13 +309,6 @@ def generate(cfg: GenerateConfig) -> Path:
     state.wait_for_everyone()
     release(out)
     return out
-
-
-def state_is_launched() -> bool:
-    """Started by a multi-process launcher (torchrun / accelerate launch)."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not main_rank()
 
 
 def main(argv=None) -> Path:

@@ -26,6 +26,7 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.folders import check_apart, check_file_target, file_record
+from mhla_gen.locks import writing_files
 from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
 from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
 from mhla_gen.train.io import atomic_write_text
@@ -113,43 +114,44 @@ def main(argv=None) -> dict:
     out = Path(args.out) if args.out else folder.with_name(f"{folder.name}.vbench.json")
     out = check_file_target(out, "--out", METRICS_KIND, args.overwrite)  # before any work
     check_apart(out, "--out", {"--videos": folder})
-    if args.use_vbench:
-        result = run_official_vbench(args, out)
-        print(json.dumps(result, indent=2))
+    with writing_files((out, "--out")):  # one writer per file
+        if args.use_vbench:
+            result = run_official_vbench(args, out)
+            print(json.dumps(result, indent=2))
+            atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
+            return result
+
+        videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
+                        if p.suffix.lower() in VIDEO_SUFFIXES and not p.name.startswith("."))
+        if not videos:
+            raise FileNotFoundError(f"no videos ({sorted(VIDEO_SUFFIXES)}) under {str(folder)!r}")
+        subject = build_feature_extractor(args.subject_model, args.extractor)
+        background = None
+        if args.background_model:
+            background = build_feature_extractor(args.background_model, args.extractor)
+        flow_fn = raft_flow(args.raft_weights, args.raft_small) if args.raft_weights else None
+        aesthetic = load_aesthetic(args.aesthetic_clip, args.aesthetic_head)
+
+        per_video = []
+        for path in videos:
+            frames, fps = read_video(path)
+            scores = evaluate_video(frames, fps, subject, background, flow_fn, aesthetic)
+            name = str(path.relative_to(folder))
+            per_video.append({"video": name, "frames": len(frames), "fps": fps, **scores})
+        dims = [k for k in per_video[0] if k not in ("video", "frames", "fps")]
+        result = {
+            "aggregate": {k: float(np.mean([v[k] for v in per_video])) for k in dims},
+            "num_videos": len(per_video),
+            "subject_extractor": subject.name,
+            "background_extractor": (background or subject).name,
+            "flow": "torchvision-raft" if flow_fn else "phase-correlation-tiles (proxy)",
+            "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
+            "per_video": per_video,
+        }
+        print(json.dumps(result["aggregate"], indent=2))  # printed first: a failing write cannot lose them
         atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
+        print(f"wrote {out}")
         return result
-
-    videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
-                    if p.suffix.lower() in VIDEO_SUFFIXES and not p.name.startswith("."))
-    if not videos:
-        raise FileNotFoundError(f"no videos ({sorted(VIDEO_SUFFIXES)}) under {str(folder)!r}")
-    subject = build_feature_extractor(args.subject_model, args.extractor)
-    background = None
-    if args.background_model:
-        background = build_feature_extractor(args.background_model, args.extractor)
-    flow_fn = raft_flow(args.raft_weights, args.raft_small) if args.raft_weights else None
-    aesthetic = load_aesthetic(args.aesthetic_clip, args.aesthetic_head)
-
-    per_video = []
-    for path in videos:
-        frames, fps = read_video(path)
-        scores = evaluate_video(frames, fps, subject, background, flow_fn, aesthetic)
-        name = str(path.relative_to(folder))
-        per_video.append({"video": name, "frames": len(frames), "fps": fps, **scores})
-    dims = [k for k in per_video[0] if k not in ("video", "frames", "fps")]
-    result = {
-        "aggregate": {k: float(np.mean([v[k] for v in per_video])) for k in dims},
-        "num_videos": len(per_video),
-        "subject_extractor": subject.name,
-        "background_extractor": (background or subject).name,
-        "flow": "torchvision-raft" if flow_fn else "phase-correlation-tiles (proxy)",
-        "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
-        "per_video": per_video,
-    }
-    print(json.dumps(result["aggregate"], indent=2))  # printed first: a failing write cannot lose them
-    atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
-    print(f"wrote {out}")
-    return result
 
 
 if __name__ == "__main__":

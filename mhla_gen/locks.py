@@ -8,18 +8,29 @@ holder exits in any way (SIGKILL included), so a lock is never left behind; a fi
 :class:`~mhla_gen.errors.ConfigError` naming the holder's pid. Locks are re-entrant within a process (a
 study trains one run folder in several segments) and released by :func:`release` or at exit.
 
+:func:`lock_file` does the same for a single output file (a metrics JSON, a benchmark report) with a
+sibling ``.<name>.mhla_gen.lock`` that exists only while the writer runs; :func:`writing_files` holds such
+locks around a writer's work.
+
 :func:`die_with_parent` makes a worker process receive SIGKILL when its parent dies (Linux
-``prctl(PR_SET_PDEATHSIG)``): the workers of eval/study.py and eval/adaptation.py and the ranks of a
-multi-process launch stop with the command instead of writing on alone.
+``prctl(PR_SET_PDEATHSIG)``): the workers of eval/study.py and eval/adaptation.py stop with the command
+instead of writing on alone. That watches the direct parent only, so a multi-process launch is covered
+in two links: each rank watches its launcher (:func:`die_with_launcher`: eval/generate.py and the
+training scripts), and a launcher that a process of ours starts watches that process
+(:func:`dying_with_us`; it gets SIGTERM, on which torchrun and ``accelerate launch`` stop their workers).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ConfigError
@@ -32,7 +43,9 @@ except ImportError:  # pragma: no cover - Windows
 logger = logging.getLogger(__name__)
 
 LOCK = ".mhla_gen.lock"
-_held: dict[Path, int] = {}  # resolved folder -> open file descriptor holding its lock
+FILE_LOCK_SUFFIX = ".mhla_gen.lock"  # .<name>.mhla_gen.lock beside a single output file
+_held: dict[Path, int] = {}  # resolved folder (or file lock) -> open file descriptor holding its lock
+_files: set[Path] = set()  # the file locks among them (removed on release)
 
 
 def _key(folder: str | Path) -> Path:
@@ -119,19 +132,136 @@ def release(folder: str | Path) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
+# ------------------------------------------------------------------------------------ single files
+def file_lock_path(path: str | Path) -> Path:
+    """``.<name>.mhla_gen.lock`` beside the output file ``path``: the lock of one file."""
+    path = Path(path).expanduser()
+    return path.with_name(f".{path.name}{FILE_LOCK_SUFFIX}")
+
+
+def _open_file_lock(lock: Path, path: Path, setting: str) -> int:
+    """An open descriptor of ``lock``, created new, or an existing one that is a lock record of ours (a pid
+    line of a writer that was killed); ``ConfigError`` for anything else of that name."""
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    text = lock.read_bytes()[:64] if lock.is_file() and not lock.is_symlink() else b"not a file"
+    if len(text) > 32 or (text.strip() and not text.strip().isdigit()):
+        raise ConfigError(f"{setting}={str(path)!r}: {str(lock)!r} exists and is not a lock record of "
+                          f"mhla_gen; nothing was changed: move it away")
+    return os.open(lock, os.O_RDWR)
+
+
+def lock_file(path: str | Path, setting: str) -> Path:
+    """Hold the lock of the output file ``path`` until :func:`release_file` or exit.
+
+    The lock is ``fcntl.flock`` on a sibling ``.<name>.mhla_gen.lock`` holding the writer's pid, created
+    next to the file and removed on release: the folder an output file goes to is usually the user's (a
+    results folder), so its folder lock would write into the user's folder for as long as the folder
+    exists; this writes one hidden file there only while the command runs (one left by a killed writer is
+    a stale record, cleared with a message by the next writer and removed on its release). A second
+    writer of the same file stops with a :class:`ConfigError` naming the holder's pid."""
+    path = Path(path).expanduser()
+    lock = file_lock_path(path)
+    key = _key(lock)
+    if fcntl is None or key in _held:
+        return key
+    while True:
+        fd = _open_file_lock(lock, path, setting)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read_pid(fd)
+            os.close(fd)
+            raise _busy(path, setting, pid) from None
+        try:  # the holder removes the file on release: a descriptor of the removed file locks nothing
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    previous = _read_pid(fd)
+    if previous and previous != os.getpid() and not _alive(previous):
+        logger.warning("%s: cleared a stale lock record of pid %d (no longer running)", lock, previous)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
+    if not _files:
+        atexit.register(_release_files)
+    _files.add(key)
+    return key
+
+
+def release_file(path: str | Path) -> None:
+    """Give the lock of output file ``path`` back and remove its lock file (no-op when not held)."""
+    key = _key(file_lock_path(path))
+    fd = _held.pop(key, None)
+    _files.discard(key)
+    if fd is not None:
+        key.unlink(missing_ok=True)  # while still locked: a writer that opened it before retries
+        os.close(fd)
+
+
+def _release_files() -> None:
+    for key in list(_files):
+        release_file(key.with_name(key.name[1:-len(FILE_LOCK_SUFFIX)]))
+
+
+@contextmanager
+def writing_files(*targets: tuple[str | Path | None, str]):
+    """Context: the locks of the output files ``(path, setting)`` (None paths skipped) held inside."""
+    taken = []
+    try:
+        for path, setting in targets:
+            if path is not None:
+                lock_file(path, setting)
+                taken.append(path)
+        yield
+    finally:
+        for path in taken:
+            release_file(path)
+
+
 def main_rank() -> bool:
     """False in a non-zero rank of a multi-process launch (torchrun / accelerate set ``RANK``): such a
     process checks folders but never claims or locks them; rank 0 does."""
     return os.environ.get("RANK", "0") in ("", "0")
 
 
-def die_with_parent(parent: int | None = None) -> None:
-    """SIGKILL this process when its parent exits (Linux; elsewhere nothing). ``parent``: the pid the
-    parent had when it started us; if it is already gone, exit now."""
+def die_with_parent(parent: int | None = None, signum: int = signal.SIGKILL) -> None:
+    """Receive ``signum`` (SIGKILL) when this process's parent exits (Linux; elsewhere nothing).
+    ``parent``: the pid the parent had when it started us; if it is already gone, exit now.
+
+    Only the direct parent is watched (``prctl(PR_SET_PDEATHSIG)``): a worker of a launcher watches the
+    launcher (:func:`die_with_launcher`), and a launcher started by one of our processes watches that
+    process (:func:`dying_with_us`)."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     if parent is not None and os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def launched() -> bool:
+    """Started as a rank of a multi-process launcher (torchrun / accelerate launch set ``WORLD_SIZE``)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not main_rank()
+
+
+def die_with_launcher() -> None:
+    """In a rank of torchrun / ``accelerate launch`` (:func:`launched`): SIGKILL when the launcher dies.
+    A launcher stopped by Ctrl-C or SIGTERM stops its workers itself; a SIGKILLed one cannot, and its
+    workers would go on writing (the ranks of eval/generate.py and of the training scripts call this)."""
+    if launched():
+        die_with_parent()
+
+
+def dying_with_us() -> Callable[[], None]:
+    """``preexec_fn`` for ``subprocess.Popen`` of a launcher (torchrun, ``accelerate launch``): the launcher
+    gets SIGTERM when this process dies, however it dies (SIGKILL included), and on SIGTERM it stops its
+    workers. PR_SET_PDEATHSIG is kept across ``execve``, so it holds for the launched program."""
+    return functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere: `python scripts/gpu_check.py
 from mhla_gen.cli import run as run_cli  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
 from mhla_gen.folders import check_writable  # noqa: E402
+from mhla_gen.locks import writing_files  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
 BENCH_DIR = REPO / "benchmarks"  # where the benchmark scripts live: the one line to change if they move
@@ -192,6 +193,12 @@ def main(argv=None, probe: Callable[[], dict] = cuda_environment,
     args = parse_args(argv)
     environment = probe()  # before anything is written: no CUDA, no report
     out = check_report_target(args.out.expanduser(), args.overwrite)
+    with writing_files((out, "--out")):  # one writer per file (a second one stops, naming this pid)
+        return _run_sections(args, argv, environment, out, runner)
+
+
+def _run_sections(args, argv, environment: dict, out: Path, runner) -> int:
+    """Run the planned sections, writing the report to ``out`` after each (its lock held by the caller)."""
     planned = [s for s in default_sections() if args.only is None or s.name in args.only]
     command = shlex.join(["python", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -363,6 +363,79 @@ def test_a_stale_lock_record_is_cleared_with_a_message(tmp_path, caplog):
     assert f"cleared a stale lock record of pid {dead.pid}" in caplog.text
 
 
+HOLD_FILE = """
+import fcntl, os, sys, time
+folder, name = os.path.split(sys.argv[1])
+fd = os.open(os.path.join(folder, f".{name}.mhla_gen.lock"), os.O_RDWR | os.O_CREAT)  # as locks.lock_file
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _single_file_writers(tmp_path: Path) -> dict:
+    """Each writer of one output file -> a call of it writing ``tmp_path / 'out.*'`` (checks pass)."""
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "samples").mkdir()
+    wan_step = ["--tiny", "--device", "cpu", "--frames", "1", "--height", "16", "--width", "16",
+                "--reps", "1", "--warmup", "0"]
+    return {
+        "eval/fid.py": lambda out: load_script("eval/fid.py").main(
+            ["--samples", str(tmp_path / "samples"), "--ref", "digits", "--out", str(out)]),
+        "eval/vbench.py": lambda out: load_script("eval/vbench.py").main(
+            ["--videos", str(tmp_path / "videos"), "--out", str(out)]),
+        "benchmarks/bench_attention.py": lambda out: load_script("benchmarks/bench_attention.py").main(
+            ["--sizes", "--device", "cpu", "--out", str(out)]),
+        "benchmarks/bench_wan_step.py": lambda out: load_script("benchmarks/bench_wan_step.py").main(
+            [*wan_step, "--out", str(out)]),
+        "scripts/gpu_check.py": lambda out: load_script("scripts/gpu_check.py").main(
+            ["--out", str(out)], probe=lambda: {}, runner=lambda section: pytest.fail("ran")),
+    }
+
+
+@pytest.mark.parametrize("writer", ["eval/fid.py", "eval/vbench.py", "benchmarks/bench_attention.py",
+                                    "benchmarks/bench_wan_step.py", "scripts/gpu_check.py"])
+def test_a_second_writer_of_one_output_file_stops_naming_the_holder(writer, tmp_path):
+    """Single output files (metrics JSON, benchmark reports) are locked too: the second writer stops at
+    start-up, before any work, naming the first one's pid; nothing of the held file's is touched."""
+    out = tmp_path / "out.json"
+    holder = subprocess.Popen([PYTHON, "-c", HOLD_FILE, str(out)], stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        write = _single_file_writers(tmp_path)[writer]
+        before = checksums(tmp_path)
+        busy = rf"--out=.*being written by another command \(pid {holder.pid}\)"
+        with pytest.raises(ConfigError, match=busy):
+            write(out)
+        assert checksums(tmp_path) == before and not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_single_file_lock_is_removed_on_release_and_a_stale_one_cleared(tmp_path, caplog):
+    from mhla_gen.locks import file_lock_path, lock_file, release_file, writing_files
+
+    out = tmp_path / "report.json"
+    load_script("benchmarks/bench_attention.py").main(["--sizes", "--device", "cpu", "--out", str(out)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # the lock file went with the lock
+    dead = subprocess.Popen([PYTHON, "-c", "pass"])
+    dead.wait()
+    file_lock_path(out).write_text(f"{dead.pid}\n")  # left by a writer that was killed
+    with writing_files((out, "--out")):
+        assert file_lock_path(out).read_text() == f"{os.getpid()}\n"
+    assert f"cleared a stale lock record of pid {dead.pid}" in caplog.text
+    assert not file_lock_path(out).exists()
+    mine = user_files(tmp_path, [file_lock_path(out).name])  # a user's file of that name: never written
+    before = checksums(mine)
+    with pytest.raises(ConfigError, match="is not a lock record of mhla_gen"):
+        lock_file(out, "--out")
+    release_file(out)
+    assert checksums(mine) == before
+
+
 PARENT = """
 import subprocess, sys, time
 code = ("import os, time; from mhla_gen.locks import die_with_parent; die_with_parent(os.getppid()); "
@@ -390,6 +463,75 @@ def test_workers_die_with_their_parent(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the worker outlived its parent")
+
+
+LOCKS_ALONE = """
+import sys, types
+package = types.ModuleType("mhla_gen")  # mhla_gen.locks without the package's imports (diffusers: 10 s)
+package.__path__ = [sys.argv[1]]
+sys.modules["mhla_gen"] = package
+from mhla_gen.locks import die_with_launcher, dying_with_us
+"""
+RANK = LOCKS_ALONE + """
+import os, time
+import torch.distributed as dist
+die_with_launcher()  # as the ranks of eval/generate.py and of the training scripts do
+dist.init_process_group("gloo")
+print(f"rank {os.getpid()} of {dist.get_world_size()}", flush=True)
+time.sleep(60)
+"""
+LAUNCHING_PARENT = LOCKS_ALONE + """
+import subprocess
+launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", sys.argv[2], sys.argv[1]], preexec_fn=dying_with_us())
+print(f"launcher {launcher.pid}", flush=True)
+launcher.wait()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper, which a container may lack)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+@pytest.mark.parametrize("killed", ["parent", "launcher"])
+def test_the_ranks_of_a_real_launch_die_with_their_parent(killed, tmp_path):
+    """A process of ours starts a real torchrun with two gloo ranks (world size asserted inside them);
+    SIGKILL of that process (or of the launcher itself) leaves no launcher and no rank running."""
+    import queue
+    import threading
+
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK)
+    env = subprocess_env()
+    parent = subprocess.Popen([PYTHON, "-c", LAUNCHING_PARENT, str(REPO / "mhla_gen"), str(rank)],
+                              stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in parent.stdout], daemon=True).start()
+    pids = {}
+    try:
+        while len(pids) < 3:  # the launcher, then its two ranks
+            words = lines.get(timeout=60).split()
+            pids[int(words[1])] = words[0]
+            assert words[0] == "launcher" or words[3] == "2", f"world size {words[3]} inside a rank"
+        victim = parent.pid if killed == "parent" else next(p for p, w in pids.items() if w == "launcher")
+        os.kill(victim, signal.SIGKILL)
+        if killed == "parent":
+            parent.wait()
+        deadline = time.monotonic() + 15
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [f"{what} {pid}" for pid, what in pids.items() if _running(pid)]
+        assert not left, f"outlived the kill: {left}"
+    finally:
+        for pid in [*pids, parent.pid]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 # ------------------------------------------------------------------------------------- 6. smaller cases

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from mhla_gen.locks import dying_with_us
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -63,7 +65,8 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(REPO / "scripts" / script), *args]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=dying_with_us())  # a killed test run takes its launch with it
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from ..folders import (
     replace_with,
     write_marker,
 )
-from ..locks import release
+from ..locks import die_with_launcher, release
 from ..lora import lora_training_parameters
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
@@ -227,6 +227,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
     out = Path(cfg.output_dir).expanduser()
     check_launcher()  # DeepSpeed: refused before Accelerate starts it
+    die_with_launcher()  # a rank of torchrun / accelerate launch stops with it (SIGKILL included)
     check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
