@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 from pathlib import Path
 
 from .errors import ConfigError
@@ -72,6 +73,12 @@ KINDS: dict[str, str] = {
     "study": "study (eval/study.py)",
     "diffusers_tests": "diffusers test export (scripts/diffusers_model_tests.py)",
 }
+
+
+def adopt_command(kind: str, folder: str | Path) -> str:
+    """The command that adopts (marks and lists) ``folder`` as a ``kind`` folder; every refusal of a folder
+    an earlier version wrote ends with it."""
+    return f"python -m mhla_gen.adopt {kind} {shlex.quote(str(folder))}"
 
 
 def _resolved(path: str | Path) -> Path:
@@ -166,7 +173,7 @@ def owned(folder: str | Path, kind: str, setting: str) -> bool:
         raise ConfigError(
             f"{setting}={str(folder)!r} is not empty and was not written by mhla_gen (no {MARKER}; it holds "
             f"{_listing(entries)}); nothing was changed: choose an empty or new folder. If an mhla_gen "
-            f"version without markers wrote it, adopt it with: python -m mhla_gen.adopt {kind} {folder}"
+            f"version without markers wrote it, adopt it with: {adopt_command(kind, folder)}"
         )
     if marker.get("kind") != kind:
         raise ConfigError(
@@ -325,8 +332,7 @@ def discard(folder: str | Path, kind: str, setting: str) -> bool:
     marker = None if folder.is_symlink() or not folder.is_dir() else read_marker(folder)
     if marker is None and folder.is_dir() and not folder.is_symlink():
         logger.warning("%s: %s was not marked by mhla_gen; left untouched. If an mhla_gen version without "
-                       "markers wrote it, adopt it with: python -m mhla_gen.adopt %s %s", setting, folder,
-                       kind, folder)
+                       "markers wrote it, adopt it with: %s", setting, folder, adopt_command(kind, folder))
         return False
     if marker is None or marker.get("kind") != kind:
         logger.warning("%s: %s is not a %s folder of mhla_gen; left untouched", setting, folder, KINDS[kind])
@@ -338,7 +344,7 @@ def discard(folder: str | Path, kind: str, setting: str) -> bool:
     extra = strays(folder)
     if extra and listed(folder) is None and not marker.get("temporary"):
         logger.warning("%s: %s has no list of the files mhla_gen wrote (an earlier version); left untouched: "
-                       "list them with: python -m mhla_gen.adopt %s %s", setting, folder, kind, folder)
+                       "list them with: %s", setting, folder, adopt_command(kind, folder))
         return False
     if extra:
         logger.warning("%s: %s holds entries its list of files does not name (%s); left untouched: look at "
@@ -384,9 +390,9 @@ def check_replaceable(final: str | Path, kind: str, setting: str) -> bool:
         return False
     if listed(final) is None and content(final):
         raise ConfigError(
-            f"{setting}={str(final)!r} is a {KINDS[kind]} folder of mhla_gen without a list of the files it "
-            f"wrote (an earlier version); nothing was changed: list them with: python -m mhla_gen.adopt "
-            f"{kind} {final}, or choose another folder"
+            f"{setting}={str(final)!r} is a {kind} folder of mhla_gen without a list of the files it wrote "
+            f"(an earlier version); nothing was changed: choose another folder, or list them with: "
+            f"{adopt_command(kind, final)}"
         )
     foreign = unlisted(final)
     if foreign:

@@ -266,6 +266,31 @@ def test_adopt_accepts_our_own_folders_and_lists_their_files(teacher_run, tmp_pa
     assert read_marker(run / "final")["kind"] == "model"
 
 
+def test_every_refusal_of_an_earlier_versions_folder_prints_the_adopt_command(tmp_path, caplog):
+    """A folder an earlier version marked without listing its files (or did not mark at all) is never
+    replaced or deleted; every refusal and warning prints the command that lists it, exactly."""
+    from mhla_gen.data.teacher import check_teacher_folder
+    from mhla_gen.folders import check_replaceable, discard
+    from mhla_gen.train import checkpoint
+
+    checks = {
+        "model": lambda f: check_replaceable(f, "model", "--out"),
+        "latent_cache": lambda f: check_replaceable(f, "latent_cache", "--out"),
+        "feature_cache": lambda f: check_replaceable(f, "feature_cache", "data.cache_dir"),
+        "teacher_data": lambda f: check_teacher_folder(f),
+        "checkpoint": checkpoint._check_replaceable,
+    }
+    for kind, check in checks.items():
+        for marked in (True, False):
+            folder = user_files(tmp_path / f"{kind}_{marked}", ["000000.png", "weights.bin"])
+            if marked:
+                write_marker(folder, kind)
+            refused(check, folder, match=rf"python -m mhla_gen\.adopt {kind} {folder}$")
+            before = checksums(folder)
+            assert not discard(folder, kind, "output_dir") and checksums(folder) == before
+            assert f"python -m mhla_gen.adopt {kind} {folder}" in caplog.text
+
+
 # ------------------------------------------------------------------------------ 4. recorded teacher
 def test_stage1_records_the_teacher_resolved_with_a_fingerprint(teacher_run):
     marker = read_marker(teacher_run / "stage1" / "final")

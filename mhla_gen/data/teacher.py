@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..folders import claim, listed, owned, record_files, remove_listed, unlisted
+from ..folders import adopt_command, claim, content, listed, owned, record_files, remove_listed, unlisted
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,10 @@ def check_teacher_folder(path: str | Path, setting: str = "data.path") -> None:
     """``path`` is new, empty or a teacher-data folder of ours holding only the files it listed
     (``ConfigError`` naming the first other file: the data set would read it, a rebuild would keep it)."""
     if owned(path, TEACHER_DATA, setting):
-        if listed(path) is None and (Path(path) / "meta.json").is_file():
+        if listed(path) is None and content(path):
             raise ConfigError(
                 f"{setting}={str(path)!r} was sampled by an earlier mhla_gen that did not list its files; "
-                f"nothing was changed: list them with: python -m mhla_gen.adopt {TEACHER_DATA} {path}"
+                f"nothing was changed: list them with: {adopt_command(TEACHER_DATA, path)}"
             )
         foreign = unlisted(path)
         if foreign:

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..folders import discard, fresh_temp, read_marker, seal, strays
+from ..folders import adopt_command, discard, fresh_temp, read_marker, seal, strays
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _check_replaceable(final: Path) -> None:
         raise ConfigError(
             f"{SETTING}: {str(final)!r} exists and holds what mhla_gen did not list as its own ("
             f"{', '.join(strays(final)[:5]) or 'no marker'}); nothing of it was changed: move it away. If "
-            f"an earlier mhla_gen wrote it, list it with: python -m mhla_gen.adopt {KIND} {final}"
+            f"an earlier mhla_gen wrote it, list it with: {adopt_command(KIND, final)}"
         )
 
 
