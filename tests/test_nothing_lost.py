@@ -628,6 +628,7 @@ DELETERS = {
     "mhla_gen/folders.py": "remove_listed, replace_with, discard (a marked folder holding what it lists)",
     "mhla_gen/data/teacher.py": "its own parts/ files by name once assembled",
     "eval/generate.py": "the manifest shards it listed",
+    "mhla_gen/locks.py": "the .<name>.mhla_gen.lock file it created (or a pid record of a killed writer)",
 }
 PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher", "prompts_file",
                "cache_dir")

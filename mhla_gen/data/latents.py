@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..folders import check_apart, check_replaceable, check_temp, fresh_temp, replace_with
+from ..folders import check_apart, check_replaceable, check_temp, fresh_temp, record_files, replace_with
 from .images import require_dir
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ def write_class_latents(
         x = torch.stack(pixels)
         z = torch.stack([encode(x), encode(x.flip(-1))], dim=1).float().cpu().numpy().astype(np.float16)
         if latents is None:  # now the latent shape is known
+            record_files(tmp, "latents.npy", "latents_trim.npy", "labels.npy", "meta.json", pending=True)
             latents = np.lib.format.open_memmap(
                 tmp / "latents.npy", "w+", np.float16, (len(dataset), *z.shape[1:])
             )
@@ -184,6 +185,7 @@ def build_feature_cache(
             continue
         with torch.no_grad():
             tensors = encode(item)
+        record_files(tmp, f"items/{count:08d}.safetensors", pending=True)  # an interrupted build stays listed
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
             str(tmp / "items" / f"{count:08d}.safetensors"),
@@ -191,6 +193,7 @@ def build_feature_cache(
         count += 1
     if count == 0:
         raise ValueError(f"no readable files among {len(dataset)} in the dataset")
+    record_files(tmp, "meta.json", pending=True)
     (tmp / "meta.json").write_text(
         json.dumps({"fingerprint": fingerprint, "count": count, "skipped": skipped}, indent=1)
     )
