@@ -38,18 +38,28 @@ METADATA_CONFIG_KEY = "mhla_config"
 METADATA_BASE_KEY = "mhla_base"
 
 
+def _load_own(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors ``file``, each copied into memory of its own (one at a time). Left in
+    the file's buffer a tensor sits at whatever offset the file gives it, and CPU kernels sum in another
+    order for unaligned operands: a loaded model would compute other last bits than the saved one."""
+    state = load_file(file)
+    for name in list(state):
+        state[name] = state[name].clone()
+    return state
+
+
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a diffusers model folder: one safetensors file or an index of shards."""
     single, index = folder / SAFETENSORS_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
     if single.is_file():
-        return load_file(single)
+        return _load_own(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state = {}
         for shard in shards:
             if not (folder / shard).is_file():
                 raise FileNotFoundError(f"weight shard {folder / shard} listed in {index} does not exist")
-            state.update(load_file(folder / shard))
+            state.update(_load_own(folder / shard))
         return state
     raise FileNotFoundError(
         f"no weights in {folder}: expected {SAFETENSORS_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"

@@ -81,7 +81,8 @@ def test_a14b_experts_save_load_and_sample_on_their_own_noise_ranges(tmp_path):
     kinds = [type(b.attn1.processor) for b in loaded.transformer_2.blocks]
     assert kinds == [WanMHLAProcessor, WanAttnProcessor, WanMHLAProcessor]
     assert loaded.config.boundary_ratio == WAN22_T2V_BOUNDARY
-    np.testing.assert_allclose(_sample(loaded), reference, rtol=0, atol=1e-6)
+    # the same weights in memory of their own (copied out of the file) compute the same bits: exact
+    np.testing.assert_allclose(_sample(loaded), reference, rtol=0, atol=0)
 
 
 def test_experts_from_run_folders_or_installed_fresh(tmp_path):
