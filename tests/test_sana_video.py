@@ -121,6 +121,7 @@ def test_processor_matches_dense_oracle():
     attn = model.transformer_blocks[0].attn1
     x = torch.randn(2, 45, attn.to_q.in_features, dtype=torch.float64)
     out = attn(x, rotary_emb=rotary)
+    # float64 against the float64 dense form: a few hundred eps64 of reordered sums, 1e-9 is 1e4 x that
     torch.testing.assert_close(
         out, _dense_reference(attn, attn.processor, x, rotary, (3, 3, 5)), rtol=1e-9, atol=1e-9
     )
@@ -222,7 +223,8 @@ def test_torch_export_matches_eager():
     program = torch.export.export(model, (), inputs)
     with torch.no_grad():
         exported = program.module()(**inputs)[0]
-    torch.testing.assert_close(exported, _run(model, inputs), rtol=1e-6, atol=1e-6)
+    # program.module() runs the same ATen ops as eager, in the same order: exact
+    torch.testing.assert_close(exported, _run(model, inputs), rtol=0, atol=0)
     graph = program.run_decompositions().graph
     nodes = [n for n in graph.nodes if n.target is torch.ops.mhla_gen.mhla.default]
     assert len(nodes) == 2 * len(model.transformer_blocks)

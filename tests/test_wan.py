@@ -106,6 +106,9 @@ def test_processor_matches_dense_reference(wan_rope, normalize, head_norm):
     x = torch.randn(latent.shape[0], 45, attn.to_q.in_features, dtype=torch.float64)
     out = attn(x, None, None, rotary)
     expected = _reference_self_attention(attn, attn.processor, x, rotary, GRID)
+    # float64 against a float64 re-implementation: other summation orders over 45 tokens and d channels
+    # differ by a few hundred eps64 (2.2e-16) x the sums' magnitudes; 1e-9 is 1e4 x that, and far below
+    # any difference in the function (a wrong block, RoPE or norm changes O(1e-2) of the output)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
