@@ -213,12 +213,13 @@ def test_a_torn_checkpoint_save_is_kept_unless_it_holds_only_what_it_lists(tmp_p
     listed_torn = user_files(ckpts / ".tmp-checkpoint_9", ["model.safetensors"])
     write_marker(listed_torn, "checkpoint", temporary=True)
     record_files(listed_torn, "model.safetensors")
-    user = user_files(ckpts / ".tmp-mine", ["notes.txt"])
+    user = user_files(ckpts / ".tmp-checkpoint_4", ["notes.txt"])  # not ours (no marker): never touched
     before = checksums(torn, user)
-    _checkpointed(run, 3)
+    _checkpointed(run, 4)
     assert checksums(torn, user) == before and not listed_torn.exists()
     assert f"{torn} holds entries its list of files does not name (model.safetensors)" in caplog.text
-    assert sorted(p.name for p in ckpts.iterdir()) == [".tmp-checkpoint_3", ".tmp-mine", "checkpoint_3"]
+    left = sorted(p.name for p in ckpts.iterdir())
+    assert left == [".tmp-checkpoint_3", ".tmp-checkpoint_4", "checkpoint_4"]
 
 
 # ------------------------------------------------------------------------------ 3. adopt proves content

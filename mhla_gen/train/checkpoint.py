@@ -130,7 +130,11 @@ def save_checkpoint(
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         _check_replaceable(final)  # same step saved again (e.g. a resumed run re-saving)
-        tmp = fresh_temp(final, KIND, SETTING, lock=False)  # the run folder's lock covers it
+        try:
+            tmp = fresh_temp(final, KIND, SETTING, lock=False)  # the run folder's lock covers it
+        except ConfigError as err:  # .tmp-checkpoint_<step> is not ours (e.g. an earlier version's): kept
+            logger.warning("%s; building beside it", err)
+            tmp = fresh_temp(final.with_name(f"{final.name}-{os.getpid()}"), KIND, SETTING, lock=False)
     tmp = _shared_path(accelerator, tmp) if accelerator.num_processes > 1 else tmp
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # models, optimizer, scheduler, RNG states, registered objects (EMA)
