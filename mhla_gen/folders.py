@@ -28,7 +28,8 @@ no output folder is, contains or lies inside one of the command's inputs (teache
 VAE, another run's cache, reference sets), compared as resolved real paths (symlinks followed).
 
 **One writer per folder.** :func:`claim` and :func:`fresh_temp` lock the folder they hand out
-(:mod:`mhla_gen.locks`); :func:`owned` refuses a folder another live command holds.
+(:mod:`mhla_gen.locks`); :func:`owned` refuses a folder another live command holds. A single output file
+is locked with :func:`mhla_gen.locks.lock_file` (a sibling ``.<name>.mhla_gen.lock`` while it is written).
 
 **Recorded inputs cannot drift.** :func:`input_record` stores an input resolved and absolute with a
 fingerprint (sizes and a sampled hash of its weights); :func:`check_recorded` refuses one that moved or
