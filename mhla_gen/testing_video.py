@@ -96,6 +96,8 @@ REAL_CONFIGS: dict[str, tuple[type, dict]] = {
             "num_layers": 30,
         },
     ),
+    # each of the two experts of Wan2.2-I2V-A14B: 36 channels in (noise, image latents, mask), no CLIP
+    "Wan2.2-I2V-A14B": (WanTransformer3DModel, {**_WAN_14B, "in_channels": 36}),
     "Wan2.1-I2V-14B-480P": (
         WanTransformer3DModel,
         {
