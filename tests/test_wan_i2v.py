@@ -456,3 +456,18 @@ def test_generate_takes_no_images_for_a_text_to_video_base(i2v_folder):
         load("generate").load_generate_config(
             None, ["base=wan", "model=x", "prompts=[a]", f"images=[{i2v_folder / 'red.png'}]"]
         )
+
+
+def test_attention_statistics_inputs_carry_the_image_features():
+    """``example_inputs`` (attention statistics) of a Wan2.1 I2V model: 512 text tokens and CLIP image tokens,
+    which reach the output; a Wan2.2 I2V model (no CLIP) gets text only."""
+    from mhla_gen.metrics.attention import example_inputs
+
+    model = _model("wan21")
+    inputs = example_inputs(model, size=6, frames=3)
+    assert inputs["hidden_states"].shape == (2, 36, 3, 6, 6)
+    assert inputs["encoder_hidden_states"].shape[1] == 512
+    out = _run(model, inputs)
+    inputs["encoder_hidden_states_image"] = inputs["encoder_hidden_states_image"] + 1
+    assert torch.isfinite(out).all() and not torch.equal(_run(model, inputs), out)
+    assert "encoder_hidden_states_image" not in example_inputs(_model("wan22"), size=6)
