@@ -95,16 +95,24 @@ def test_record_tells_image_to_video_from_text_to_video():
     assert i2v.video and i2v.context_parallel
 
 
-def test_training_an_image_to_video_base_is_refused_in_one_line():
-    from mhla_gen.cli import linearize_main, train_main
+def test_training_an_image_to_video_base_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """No training task: ``scripts/linearize.py --base wan-i2v`` stops in one line (exit 2), nothing written;
+    ``train_main`` (the training scripts' main) refuses the base the same way."""
+    from test_cli_errors import fails_in_one_line
+
+    from mhla_gen.cli import train_main
     from mhla_gen.errors import ConfigError
 
-    with pytest.raises(
-        ConfigError,
-        match=r"--base wan-i2v: this base has no training task yet .* "
-        r"bases that train: \['dit', 'sana', 'sana-video', 'wan'\]",
-    ):
-        linearize_main(["--base", "wan-i2v"])
+    out = tmp_path / "run"
+    line = fails_in_one_line(
+        "scripts/linearize.py", ["--base", "wan-i2v", f"output_dir={out}"], capsys, monkeypatch
+    )
+    assert re.search(
+        r"--base wan-i2v: this base has no training task yet .* bases that train: "
+        r"\['dit', 'sana', 'sana-video', 'wan'\]",
+        line,
+    ), line
+    assert not out.exists()
     with pytest.raises(ConfigError, match="base wan-i2v: this base has no training task yet"):
         train_main("wan-i2v", "fine-tune", argv=[])
 
