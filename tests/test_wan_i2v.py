@@ -90,31 +90,36 @@ def test_record_tells_image_to_video_from_text_to_video():
     assert base_for_class_name(name, wan22_i2v) is i2v
     assert base_for_class_name("MHLAWanTransformer3DModel", wan22_i2v) is i2v
     assert base_for_class_name(name) is t2v
-    assert i2v.image_conditioned and not t2v.image_conditioned and not i2v.trains
+    assert i2v.image_conditioned and not t2v.image_conditioned and i2v.trains
     assert i2v.processor is WanMHLAProcessor and i2v.sampler.load() is WanI2VSampler
     assert i2v.video and i2v.context_parallel
 
 
-def test_training_an_image_to_video_base_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    """No training task: ``scripts/linearize.py --base wan-i2v`` stops in one line (exit 2), nothing written;
-    ``train_main`` (the training scripts' main) refuses the base the same way."""
+def test_a_base_without_a_training_task_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """A record with ``task=None`` (it samples, installs, saves and loads only): ``scripts/linearize.py
+    --base NAME`` stops in one line (exit 2), nothing written; ``train_main`` refuses it the same way."""
+    import dataclasses
+
     from test_cli_errors import fails_in_one_line
 
+    from mhla_gen.bases import BASES
     from mhla_gen.cli import train_main
     from mhla_gen.errors import ConfigError
 
+    untrained = dataclasses.replace(base_for("wan-i2v"), name="sampling-only", task=None, run_config=None)
+    monkeypatch.setitem(BASES, "sampling-only", untrained)
     out = tmp_path / "run"
     line = fails_in_one_line(
-        "scripts/linearize.py", ["--base", "wan-i2v", f"output_dir={out}"], capsys, monkeypatch
+        "scripts/linearize.py", ["--base", "sampling-only", f"output_dir={out}"], capsys, monkeypatch
     )
     assert re.search(
-        r"--base wan-i2v: this base has no training task yet .* bases that train: "
-        r"\['dit', 'sana', 'sana-video', 'wan'\]",
+        r"--base sampling-only: this base has no training task yet .* bases that train: "
+        r"\['dit', 'sana', 'sana-video', 'wan', 'wan-i2v'\]",
         line,
     ), line
     assert not out.exists()
-    with pytest.raises(ConfigError, match="base wan-i2v: this base has no training task yet"):
-        train_main("wan-i2v", "fine-tune", argv=[])
+    with pytest.raises(ConfigError, match="base sampling-only: this base has no training task yet"):
+        train_main("sampling-only", "fine-tune", argv=[])
 
 
 # ------------------------------------------------------------------------------------------------- model

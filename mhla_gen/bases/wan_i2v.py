@@ -3,7 +3,8 @@
 experts, no CLIP). Both take 36 input channels: 16 noise + 16 latents of the image-padded video + 4 mask.
 
 MHLA replaces the video self-attention ``attn1`` only (the Wan processor); ``attn2`` with the image K/V stays
-stock. No training task yet: the record samples, installs, saves and loads (``trains`` is False).
+stock. Fine-tuning and stage-1 conversion condition on each training video's first frame
+(``train/finetune_wan_i2v.py``); no teacher data (it would need an image per prompt).
 Wan2.2 TI2V-5B (48 channels in and out) reads as the ``wan`` record: one transformer serves both its text and
 its image pipeline, and its ``config.json`` cannot tell them apart.
 """
@@ -35,8 +36,11 @@ BASE = WanI2VBase(
     grid=TokenGrid(ndim=3, rope="3d rope: before_phi (default) | after_phi_numerator (mhla.wan_rope)"),
     conditioning="captions+image",
     objective="flow",
-    data_sources=(),
+    data_sources=("folder", "hf", "shards"),
+    run_config=Ref("mhla_gen.train.config:WanRunConfig"),
+    task=Ref("mhla_gen.train.finetune_wan_i2v:WanI2VTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanI2VSampler"),
+    converter_config="configs/linearize/wan-i2v_14b_480p.yaml",
     text_dim="text_dim",
     diffusers_tests=None,  # the wan record runs diffusers' WanTransformer3DModel suite
 )
