@@ -21,7 +21,6 @@ from .config import ConfigError
 from .finetune import WanTask
 
 CLIP_TEXT_TOKENS = 512  # diffusers' Wan I2V cross-attention splits the image tokens off at 512 text tokens
-SOURCES = ("folder", "hf", "shards")  # teacher data would need an image per prompt: not offered
 
 
 def first_frame_image(pixels: torch.Tensor) -> Image.Image:
@@ -41,10 +40,10 @@ class WanI2VTask(WanTask):
         """Wan's checks, and: a data source with videos (no teacher data), an image-to-video transformer
         (not TI2V-5B's ``expand_timesteps``), 512 text tokens for a model with CLIP features."""
         source, pretrained = self.cfg.data.source, self.cfg.model.pretrained
-        if source not in SOURCES:
+        if source not in self.base.data_sources:  # teacher data would need an image per prompt
             raise ConfigError(
                 f"data.source={source}: base wan-i2v trains on videos whose first frames are the "
-                f"conditions; use one of {list(SOURCES)}"
+                f"conditions; use one of {list(self.base.data_sources)}"
             )
         super().validate()
         transformer = self._start_config() or self._transformer_config()
