@@ -65,6 +65,7 @@ from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.install import is_mhla_installed, mhla_processors
+from mhla_gen.serialization import cast_like_diffusers
 from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
@@ -167,28 +168,15 @@ def variant_configs(grid: tuple[int, int, int], num_layers: int) -> dict[str, MH
     return configs
 
 
-def cast_like_from_pretrained(model: WanTransformer3DModel, dtype: torch.dtype) -> WanTransformer3DModel:
-    """Floating-point parameters and buffers to ``dtype``, except those of the model's
-    ``_keep_in_fp32_modules`` (Wan: rope, time_embedder, scale_shift_table, norm1/2/3), which stay fp32:
-    the model as ``from_pretrained(..., torch_dtype=dtype)`` loads it (diffusers' model_loading_utils
-    matches those names against the dot-separated parts of each parameter name). A plain
-    ``model.to(dtype)`` would cast them too (diffusers warns about it)."""
-    keep = list(model._keep_in_fp32_modules or []) if dtype != torch.float32 else []
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, tensor in tensors:
-        if tensor.is_floating_point() and not any(m in name.split(".") for m in keep):
-            tensor.data = tensor.data.to(dtype)
-    return model
-
-
 def build_variants(
     config: dict, grid: tuple[int, int, int], device, dtype, seed: int = 0
 ) -> dict[str, WanTransformer3DModel]:
     """``{variant: model}``: one random model (built on the CPU in fp32, then moved and cast with
-    ``cast_like_from_pretrained``), deep-copied per variant, MHLA installed in the copies
+    ``mhla_gen.serialization.cast_like_diffusers``: as ``from_pretrained(..., dtype=...)`` loads it),
+    deep-copied per variant, MHLA installed in the copies
     (``variant_configs``; MHLA's parameters take the dtype of each layer's q projection)."""
     torch.manual_seed(seed)
-    base = cast_like_from_pretrained(WanTransformer3DModel(**config).eval().to(device), dtype)
+    base = cast_like_diffusers(WanTransformer3DModel(**config).eval().to(device), dtype)
     models = {"stock": base}
     for variant, cfg in variant_configs(grid, config["num_layers"]).items():
         models[variant] = install_mhla(copy.deepcopy(base), cfg)

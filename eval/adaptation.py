@@ -21,7 +21,10 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
 * from the linear teacher (64 tokens): ``linear-continued``, and MHLA installed with a ``uniform`` mixing
-  matrix (``eps`` / M: exactly the teacher at step 0) or the paper's locality init.
+  matrix (``eps`` / M: exactly the teacher at step 0) or the paper's locality init;
+* ``--softmax-layers`` (any grid): K = 1 .. depth / 2 softmax layers chosen by the end-to-end ranking, by
+  the per-layer error or by the release's fixed pattern, with each K's measured latency
+  (``mhla_gen.softmax_layers``: quality against latency).
 
 FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
 ``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/adaptation.md,
@@ -45,6 +48,7 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import compare, fmt_comparison
 from mhla_gen.experiments import Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import check_apart, claim, file_record
+from mhla_gen.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -157,7 +161,12 @@ def plan(args) -> list:
         teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")}
         default = {"smoke": SMOKE_ARMS, "quick": QUICK_ARMS}.get(name.split("-")[-1])
         wanted = args.arms or default
-        chosen = [with_teachers(arm, teachers, grid) for arm in arms(name, 1e-6, np.prod(grid["blocks"]))
+        sweep = sweep_arms(model["depth"], "model.init_from=@softmax", STAGE1) if args.softmax_layers \
+            else []
+        if wanted is not None and sweep:  # the sweep's arms, and mhla-stage1 for K = 0
+            wanted = {*wanted, "mhla-stage1", *(arm.name for arm in sweep)}
+        candidates = [*arms(name, 1e-6, np.prod(grid["blocks"])), *sweep]
+        chosen = [with_teachers(arm, teachers, grid) for arm in candidates
                   if wanted is None or arm.name in wanted]
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
@@ -329,6 +338,25 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
     plt.close(fig)
 
 
+def softmax_layer_report(records: list[dict], grid: str) -> str:
+    """The K sweep's table (``mhla_gen.softmax_layers``) with each K's inference latency, timed here side by
+    side on models of the grid's size (K softmax layers from the release's pattern: only K matters)."""
+    config, model = dict(GRIDS[grid]), grid_model(GRIDS[grid])
+    depth = model["depth"]
+
+    def build(k):
+        kept = set(fixed_layers(k, depth))
+        layers = f"[{','.join(str(i) for i in range(depth) if i not in kept)}]"
+        cfg = load_config(DiTRunConfig, CONFIG, [*base_overrides(config, model), "model.attention=mhla",
+                                                 f"mhla.layers={layers}"])
+        return DiTTask(cfg).build_transformer()
+
+    ms = latency(build, [0, *sweep_ks(depth)], config["resolution"], max(2, 8192 // (
+        (config["resolution"] // model["patch_size"]) ** 2)))
+    recs = [r for r in records if r["grid"] == grid]
+    return sweep_table(recs, ms, depth)
+
+
 def select_grids(args) -> list[str]:
     """The GRIDS keys of this call (--quick / --smoke also set the seeds and jobs)."""
     key = (lambda n: n if args.data == "digits" else f"{args.data}-{n}")
@@ -393,6 +421,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--scratch", action="store_true",
                         help="also MHLA trained from scratch for the teacher's plus stage 2's steps (equal "
                              "compute: the curve of quality against teacher-forward equivalents)")
+    parser.add_argument("--softmax-layers", action="store_true",
+                        help="also K = 1 .. depth/2 softmax layers chosen by the end-to-end ranking, the "
+                             "per-layer error and the release's fixed pattern, against measured latency")
     parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
@@ -419,6 +450,8 @@ def main(argv=None) -> list[dict]:
         stage2 = [r for r in records if r["grid"] == grid and r["arm"] != "mhla-scratch"]
         text.append(grid_report(stage2, grid))
         plot_curves(stage2, grid, args.out / f"curves_{grid}.png")
+        if args.softmax_layers:
+            text.append(softmax_layer_report(records, grid))
         if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
             text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
                                      args.out / f"compute_{grid}.png"))

@@ -116,7 +116,8 @@ def plan(args) -> list:
         model = grid_model(grid)
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
-        jobs += make_jobs(args.out / name, CONFIG, base, MAIN_ARMS, seeds, eval_steps(grid["steps"]),
+        arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
+        jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
         if name.split("-")[-1] in ("256", "smoke") and not args.no_ablations:  # at the end of the budget
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
@@ -354,6 +355,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--fid-samples", type=int, default=None)
     parser.add_argument("--val-triples", type=int, default=None,
                         help="fixed held-out (image, timestep, noise) triples of the validation loss (512)")
+    parser.add_argument("--arms", nargs="+", default=[a.name for a in MAIN_ARMS], metavar="ARM",
+                        help="main arms to run, in this order (default: softmax linear mhla)")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
@@ -367,6 +370,10 @@ def main(argv=None) -> list[dict]:
     for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    unknown = [n for n in args.arms if n not in {a.name for a in MAIN_ARMS}]
+    if unknown or len(set(args.arms)) != len(args.arms):
+        raise ConfigError(f"--arms {' '.join(args.arms)}: each must be one of "
+                          f"{[a.name for a in MAIN_ARMS]}, once")
     args.grids = select_grids(args)
     args.out = Path(args.out)
     args.command = "python eval/study.py " + " ".join(sys.argv[1:] if argv is None else argv)

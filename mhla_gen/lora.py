@@ -64,7 +64,7 @@ from .install import (
     stock_class_name,
     uninstall_mhla,
 )
-from .serialization import load_mhla_parameters, read_mhla_config, save_mhla_parameters
+from .serialization import cast_like_diffusers, load_mhla_parameters, read_mhla_config, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     )
     _check_adapter_arrived(model, folder / manifest["adapter_weights"], adapter, prefix)
     if torch_dtype is not None:
-        model = model.to(torch_dtype)
+        cast_like_diffusers(model, torch_dtype)
     if device is not None:
         model = model.to(device)
     logger.info("loaded %s from %s: base %s, %s, LoRA adapter %r", type(model).__name__, folder, base,

@@ -103,10 +103,34 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
             install_mhla(model, MHLAConfig.from_dict(mhla))
     _load_strict(model, _read_weights(folder), folder)
     if torch_dtype is not None:
-        model = model.to(torch_dtype)
+        cast_like_diffusers(model, torch_dtype)
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def cast_like_diffusers(model: nn.Module, torch_dtype: torch.dtype) -> nn.Module:
+    """Cast ``model`` in place to the dtypes ``from_pretrained(..., torch_dtype=torch_dtype)`` gives it.
+
+    diffusers casts only what its weights file holds (parameters and persistent buffers), and keeps the
+    modules its class lists in ``_keep_in_fp32_modules`` in float32 (Wan: rope, time embedder, norms,
+    scale-shift tables); non-persistent buffers (Wan's rotary tables, DiT's fixed positional table) keep
+    the dtype they were built in. A plain ``model.to(torch_dtype)`` would cast all of them, and a model
+    loaded by :func:`load_saved_transformer` would then differ from one diffusers loads in bf16.
+    """
+    keep = model._keep_in_fp32_modules or []
+    saved = set(model.state_dict())
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for slot in (module._parameters, module._buffers):
+            for name, tensor in slot.items():
+                full = prefix + name
+                if tensor is None or not tensor.is_floating_point() or full not in saved:
+                    continue
+                target = torch.float32 if any(m in full.split(".") for m in keep) else torch_dtype
+                if tensor.dtype != target:
+                    tensor.data = tensor.data.to(target)
+    return model
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

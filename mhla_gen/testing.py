@@ -163,9 +163,10 @@ def tiny_sana_pipeline(transformer=None, **transformer_overrides):
 
 @torch.no_grad()
 def dit_forward(model, size: int = 8, batch: int = 2, seed: int = 0) -> torch.Tensor:
-    """Output ``(batch, out_channels, size, size)`` of a DiT on seeded random latents, steps and labels."""
+    """Output ``(batch, out_channels, size, size)`` of a DiT on seeded random latents (in the model's dtype),
+    steps and labels."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, model.config.in_channels, size, size, generator=g)
+    x = torch.randn(batch, model.config.in_channels, size, size, generator=g).to(model.dtype)
     return model(x, timestep=torch.arange(batch) * 100, class_labels=torch.arange(batch)).sample
 
 
@@ -175,4 +176,5 @@ def sana_forward(model, size: int = 8, batch: int = 2, seed: int = 0) -> torch.T
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, model.config.in_channels, size, size, generator=g)
     text = torch.randn(batch, 3, model.config.caption_channels, generator=g)
+    x, text = x.to(model.dtype), text.to(model.dtype)
     return model(x, encoder_hidden_states=text, timestep=torch.arange(batch) * 100.0).sample

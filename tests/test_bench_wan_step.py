@@ -85,7 +85,7 @@ def test_build_variants_installs_the_presets(bench):
 
 def test_bf16_keeps_diffusers_fp32_modules(bench):
     torch.manual_seed(0)
-    model = bench.cast_like_from_pretrained(bench.WanTransformer3DModel(**TINY_WAN_CONFIG), torch.bfloat16)
+    model = bench.cast_like_diffusers(bench.WanTransformer3DModel(**TINY_WAN_CONFIG), torch.bfloat16)
     assert model.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     assert model.proj_out.weight.dtype == torch.bfloat16
     assert model.scale_shift_table.dtype == model.blocks[0].scale_shift_table.dtype == torch.float32

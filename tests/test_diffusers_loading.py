@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 def wan_forward(model, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-    return model(x, torch.tensor([300, 700]), text).sample
+    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype)).sample
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,23 @@ def test_diffusers_loaders_rebuild_the_mhla_model_exactly(saved):
         transformer = load()
         assert type(transformer) is base.mhla_cls and transformer.mhla_config == base.cfg, name
         assert torch.equal(base.forward(transformer), expected), name
+
+
+def test_half_precision_loads_equal_diffusers_own(saved):
+    """``torch_dtype=bfloat16``: diffusers keeps ``_keep_in_fp32_modules`` (Wan's time embedder, norms, rope)
+    and non-persistent buffers in float32; ``load_transformer`` and the pipeline loaders cast the same way,
+    so every tensor has the same dtype and the outputs are equal."""
+    base, root, _ = saved
+    ours = load_transformer(root / "final", torch_dtype=torch.bfloat16)
+    pipe = base.load_pipeline(root / "stock", transformer_path=root / "final", torch_dtype=torch.bfloat16)
+    theirs = DiffusionPipeline.from_pretrained(root / "pipeline", dtype=torch.bfloat16).transformer
+    expected = {k: v.dtype for k, v in theirs.state_dict().items()}
+    buffers = {k: v.dtype for k, v in theirs.named_buffers()}
+    assert torch.bfloat16 in expected.values()
+    for model in (ours, pipe.transformer):
+        assert {k: v.dtype for k, v in model.state_dict().items()} == expected
+        assert {k: v.dtype for k, v in model.named_buffers()} == buffers
+        assert torch.equal(base.forward(model), base.forward(theirs))
 
 
 def test_project_loaders_say_what_they_load(saved, caplog):

@@ -114,6 +114,20 @@ def test_load_lora_weights_and_diffusers_calls_equal_load_transformer(lora_run):
     torch.testing.assert_close(forward(pipe.transformer), expected, rtol=0, atol=atol)
 
 
+def test_half_precision_lora_load_equals_load_transformer(lora_run):
+    """In bfloat16 (diffusers keeps its fp32 modules in float32) the adapter, the MHLA parameters and every
+    other tensor get the same dtype either way, and the outputs are equal."""
+    name, root, forward = lora_run
+    reference = load_transformer(root / "final", torch_dtype=torch.bfloat16)
+    pipe = PIPELINES[name][0].from_pretrained(root / "pretrained", dtype=torch.bfloat16)
+    pipe = load_lora_weights(pipe, root / "final")
+    dtypes = {k: v.dtype for k, v in reference.state_dict().items()}
+    assert torch.bfloat16 in dtypes.values()
+    loaded = pipe.transformer.state_dict().items()  # diffusers names the adapter default_0
+    assert {k.replace(".default_0.", ".default."): v.dtype for k, v in loaded} == dtypes
+    assert torch.equal(forward(pipe.transformer), forward(reference))
+
+
 def test_mhla_params_of_another_adapter_or_config_are_refused(lora_run):
     name, root, forward = lora_run
     pipe = stock_pipe(name, root)

@@ -50,3 +50,27 @@ def test_adaptation_refuses_a_missing_study(tmp_path):
 
     with pytest.raises(ConfigError, match="run eval/study.py first"):
         load_adaptation().main(["--smoke", "--out", str(tmp_path / "a"), "--teachers-from", str(tmp_path)])
+
+
+def test_softmax_layer_sweep_against_latency(tmp_path):
+    """--softmax-layers: K = 1 .. depth/2 kept softmax layers by each ranking (depth 2 here: K = 1), each
+    stage 1 keeping exactly K layers (the fixed pattern: layer 0), beside mhla-stage1 (K = 0), and a table
+    with a measured latency per K and the paired e2e comparisons."""
+    module = load_adaptation()
+    records = module.main(["--smoke", "--softmax-layers", "--arms", "mhla-stage1", "--seeds", "1",
+                           "--out", str(tmp_path)])
+    stage1 = {r["arm"]: r["stage1"]["softmax_layers"] for r in records if "stage1" in r}
+    assert set(stage1) == {"mhla-stage1", "softmax1-e2e", "softmax1-layer", "softmax1-fixed"}
+    assert stage1["mhla-stage1"] == [] and stage1["softmax1-fixed"] == [0]
+    assert all(len(stage1[f"softmax1-{r}"]) == 1 for r in ("e2e", "layer"))
+    table = (tmp_path / "adaptation.md").read_text().split("Softmax layers kept (of 2)")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert len(rows) == 2 and all(float(row.split(" | ")[1]) > 0 for row in rows)  # latency measured
+
+
+def test_fixed_pattern_is_the_releases():
+    from mhla_gen.softmax_layers import fixed_layers, sweep_ks
+
+    assert fixed_layers(10, 30) == list(range(0, 30, 3))  # Wan2.1 release: i % 3 == 0 stays softmax
+    assert fixed_layers(2, 4) == [0, 3] and fixed_layers(3, 4) == [0, 3, 1]
+    assert sweep_ks(4) == [1, 2] and sweep_ks(2) == [1] and sweep_ks(28) == list(range(1, 15))

@@ -161,3 +161,43 @@ def test_generate_latent_space_run_decodes_with_its_vae(tmp_path):
     load("generate").main(["base=dit", f"run_config={run / 'config.yaml'}", f"output_dir={out}",
                            "labels=[0,1]", "steps=2"])
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 16, 16, 3)
+
+
+@pytest.mark.parametrize("base", ["sana-video", "wan2.2-a14b"])
+def test_generate_and_score_the_new_video_bases(base, tmp_path):
+    """eval/generate.py -> eval/vbench.py for SANA-Video and a Wan2.2 A14B pipeline (both experts with
+    MHLA, loaded from the saved pipeline): MP4s of the asked size, a manifest, VBench-style scores."""
+    import torch
+
+    from mhla_gen import MHLAConfig, install_mhla
+    from mhla_gen.install import is_mhla_installed
+    from mhla_gen.metrics.video import read_video
+    from mhla_gen.testing_video import (
+        tiny_sana_video,
+        tiny_sana_video_pipeline,
+        tiny_wan22_pipeline,
+        tiny_wan_expert,
+    )
+
+    if base == "sana-video":
+        pipe = tiny_sana_video_pipeline(install_mhla(tiny_sana_video(), MHLAConfig(blocks=(1, 2, 2))))
+        size, extra = ["height=32", "width=64"], ["extra={complex_human_instruction: null}"]
+    else:
+        experts = [install_mhla(tiny_wan_expert(seed), MHLAConfig(blocks=(1, 2, 2))) for seed in (0, 1)]
+        pipe, size, extra = tiny_wan22_pipeline(*experts), ["height=32", "width=32"], []
+    pipe.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "videos"
+    record = "sana-video" if base == "sana-video" else "wan"
+    load("generate").main([f"base={record}", f"model={tmp_path / 'pipe'}", f"output_dir={out}",
+                           "prompts=[a cat,a dog]", *size, "num_frames=5", "steps=2", "guidance_scale=1.0",
+                           "fps=8", "max_sequence_length=8", *extra])
+    frames, fps = read_video(out / "000001.mp4")
+    assert frames.shape[:3] == (5, 32, int(size[1].split("=")[1])) and fps == 8.0
+    assert [json.loads(line)["prompt"] for line in (out / "manifest.jsonl").read_text().splitlines()] == \
+        ["a cat", "a dog"]
+    assert load("vbench").main(["--videos", str(out)])["num_videos"] == 2
+    if base != "sana-video":  # both experts were loaded with their MHLA
+        from mhla_gen.pipelines.wan import load_wan_pipeline
+
+        loaded = load_wan_pipeline(tmp_path / "pipe", torch_dtype=torch.float32)
+        assert is_mhla_installed(loaded.transformer) and is_mhla_installed(loaded.transformer_2)

@@ -136,3 +136,16 @@ def test_study_on_the_shapes(tmp_path):
     assert (tmp_path / "shapes-smoke" / "results" / "mhla" / "seed0" / "step0000004_features.npz").is_file()
     with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
         load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])
+
+
+def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
+    study = load_study()
+    planned = []
+    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
+    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study.main(["--smoke", "--arms", "mhla", "softmax", "--no-ablations", "--out", str(tmp_path / "a")])
+    assert [(j.arm, j.seed) for j in planned] == [("mhla", 0), ("mhla", 1), ("softmax", 0), ("softmax", 1)]
+    for arms in (["bogus"], ["mhla", "mhla"]):
+        with pytest.raises(ConfigError, match="--arms"):
+            study.main(["--smoke", "--arms", *arms, "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()

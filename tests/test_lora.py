@@ -31,12 +31,13 @@ WAN_CFG = MHLAConfig(blocks=(1, 2, 2), layers=[0, 1], cpe_kernel=3, gate=True)
 def wan_forward(model, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-    return model(x, torch.tensor([300, 700]), text).sample
+    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype)).sample
 
 
 def sana_train_forward(model) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x, text = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 3, 16, generator=g)
+    x, text = x.to(model.dtype), text.to(model.dtype)
     return model(x, encoder_hidden_states=text, timestep=torch.tensor([100.0, 700.0])).sample
 
 

@@ -127,26 +127,33 @@ def digits_extractor(cache_path: str | os.PathLike | None = None, seed: int = 0)
 
     The held-out test accuracy is stored in the file's metadata and exposed as ``.test_accuracy``.
     """
+    return cached_cnn(DigitsCNN, train_digits_cnn, "digits", cache_path, seed)
+
+
+def cached_cnn(model_cls: type[nn.Module], trainer, name: str, cache_path, seed: int) -> nn.Module:
+    """``model_cls()`` with the weights cached at ``cache_path`` (default
+    ``<cache>/<name>_cnn_seed<seed>.safetensors``), or trained by ``trainer(seed) -> (model, accuracy)``
+    and written there atomically (parallel workers may race: each writes its own temp file, the last
+    rename wins, all with the same weights). Eval mode, no grad; ``.name``, ``.test_accuracy`` set."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    default = default_cache_dir() / f"digits_cnn_seed{seed}.safetensors"
+    default = default_cache_dir() / f"{name}_cnn_seed{seed}.safetensors"
     path = Path(cache_path) if cache_path is not None else default
-    model = DigitsCNN()
+    model = model_cls()
     if path.exists():
-        from safetensors import safe_open
-
         model.load_state_dict(load_file(str(path)))
         with safe_open(str(path), "pt") as f:
             accuracy = float((f.metadata() or {}).get("test_accuracy", "nan"))
     else:
         with torch.enable_grad():  # callers may hold no_grad (an evaluation)
-            model, accuracy = train_digits_cnn(seed)
+            model, accuracy = trainer(seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")  # atomic: parallel test workers may race
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         metadata = {"test_accuracy": f"{accuracy:.6f}", "seed": str(seed)}
         save_file(model.state_dict(), str(tmp), metadata=metadata)
         os.replace(tmp, path)
-    model.name = f"digits-cnn-seed{seed}"
+    model.name = f"{name}-cnn-seed{seed}"
     model.test_accuracy = accuracy
     return model.eval().requires_grad_(False)
 

@@ -16,7 +16,6 @@ Chance levels (a model that ignores the label but draws valid images): count 1/3
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -146,26 +145,6 @@ def train_shapes_cnn(seed: int = 0, epochs: int = 3) -> tuple[ShapesCNN, float]:
 def shapes_extractor(cache_path: str | os.PathLike | None = None, seed: int = 0) -> ShapesCNN:
     """The shapes CNN (eval mode, no grad), trained on first use (a few seconds) and cached as safetensors
     (``~/.cache/mhla_gen/shapes_cnn_seed{seed}.safetensors``; ``$MHLA_GEN_CACHE`` overrides the folder)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from .extractors import cached_cnn
 
-    from .extractors import default_cache_dir
-
-    default = default_cache_dir() / f"shapes_cnn_seed{seed}.safetensors"
-    path = Path(cache_path) if cache_path is not None else default
-    model = ShapesCNN()
-    if path.exists():
-        model.load_state_dict(load_file(str(path)))
-        with safe_open(str(path), "pt") as f:
-            accuracy = float((f.metadata() or {}).get("test_accuracy", "nan"))
-    else:
-        with torch.enable_grad():  # callers may hold no_grad (an evaluation)
-            model, accuracy = train_shapes_cnn(seed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")  # atomic: parallel workers may race
-        metadata = {"test_accuracy": f"{accuracy:.6f}", "seed": str(seed)}
-        save_file(model.state_dict(), str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    model.name = f"shapes-cnn-seed{seed}"
-    model.test_accuracy = accuracy
-    return model.eval().requires_grad_(False)
+    return cached_cnn(ShapesCNN, train_shapes_cnn, "shapes", cache_path, seed)

@@ -48,9 +48,7 @@ def load_pipeline_transformer(
     """
     saved = Path(transformer_path) if transformer_path is not None else Path(path_or_id) / subfolder
     if transformer_path is not None or saved_with_mhla(saved):
-        transformer = load_transformer(saved, base=path_or_id)  # base: LoRA folders only
-        if torch_dtype is not None and transformer.dtype != torch_dtype:  # no no-op cast: diffusers warns
-            transformer = transformer.to(torch_dtype)
+        transformer = load_transformer(saved, torch_dtype, base=path_or_id)  # base: LoRA folders only
     else:
         config = model_cls.load_config(path_or_id, subfolder=subfolder)
         cls = MHLA_MODEL_CLASSES.get(model_cls, model_cls) if CONFIG_KEY in config else model_cls

@@ -27,12 +27,9 @@ from diffusers import SanaVideoTransformer3DModel
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_sana_video import SanaLinearAttnProcessor3_0
 
-from ..ops import mhla_attention
-from ..ops.checks import accumulation_dtype, cast_output
-from ..ops.feature_maps import get_feature_map
 from .base import MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
-from .wan import apply_wan_rotary
+from .wan import mhla_rope_on_numerator
 
 SANA_VIDEO_EPS = 1e-15
 """The stock processor's normaliser epsilon (``SanaLinearAttnProcessor3_0``)."""
@@ -89,24 +86,11 @@ class SanaVideoMHLAProcessor(MHLAProcessor):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
     def attend_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_emb) -> torch.Tensor:
-        """MHLA with RoPE on the numerator only. q, k, v ``(B, heads, N, d)`` -> same, q's dtype.
-
-        Two passes of the registered op with the identity feature map on precomputed fp32 features: the
-        numerator on rotated features, the normaliser (a value of ones: its summary is ``z_j``) on plain ones.
-        """
+        """MHLA with RoPE on the numerator only (:func:`~mhla_gen.processors.wan.mhla_rope_on_numerator`).
+        q, k, v ``(B, heads, N, d)`` -> same, q's dtype."""
         cfg = self.cfg
-        layout = self.layout(rotary_emb.grid, q.shape[2])
-        mixing = self.mixing()
-        acc = accumulation_dtype(q.dtype)
-        phi = get_feature_map(cfg.feature_map)
-        fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
-        rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
-        numerator = mhla_attention(rq, rk, v.to(acc), layout, mixing, "identity", normalize=False)
-        if not cfg.normalize:
-            return cast_output(numerator, q.dtype)
-        ones = torch.ones_like(v[..., :1], dtype=acc)  # (B, heads, N, 1)
-        denominator = mhla_attention(fq, fk, ones, layout, mixing, "identity", normalize=False)
-        return cast_output(numerator / (denominator + cfg.eps), q.dtype)
+        return mhla_rope_on_numerator(q, k, v, rotary_emb, self.layout(rotary_emb.grid, q.shape[2]),
+                                      self.mixing(), cfg.feature_map, cfg.normalize, cfg.eps)
 
     def forward(
         self,

@@ -65,6 +65,26 @@ def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
     return rotated.flatten(-2).to(x.dtype)
 
 
+def mhla_rope_on_numerator(q, k, v, rotary_emb, layout, mixing, feature_map: str, normalize: bool,
+                           eps: float) -> torch.Tensor:
+    """MHLA with RoPE on the numerator only (the Wan release's ``after_phi_numerator``, SANA-Video's fixed
+    placement): ``R φ(q) · R φ(k)`` weighs the values, ``φ(q) · φ(k)`` the normaliser. Two passes of the
+    registered op with the identity feature map on precomputed features in the accumulation dtype (the
+    normaliser's value is ones: its summary is ``z_j``). q, k, v ``(B, heads, N, d)`` -> same, q's dtype."""
+    acc = accumulation_dtype(q.dtype)
+    phi = get_feature_map(feature_map)
+    fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
+    rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
+    # Σ_s W[b(t), b(s)] (R φ(q_t))·(R φ(k_s)) v_s
+    numerator = mhla_attention(rq, rk, v.to(acc), layout, mixing, feature_map="identity", normalize=False)
+    if not normalize:
+        return cast_output(numerator, q.dtype)
+    ones = torch.ones_like(v[..., :1], dtype=acc)  # (B, heads, N, 1)
+    # Σ_s W[b(t), b(s)] φ(q_t)·φ(k_s): the normaliser without RoPE
+    denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map="identity", normalize=False)
+    return cast_output(numerator / (denominator + eps), q.dtype)
+
+
 class HeadRMSNorm(nn.Module):
     """RMSNorm over the head dim, shared by all heads (the release's ``g_norm``), in the input's dtype."""
 
@@ -138,27 +158,9 @@ class WanMHLAProcessor(MHLAProcessor):
         grid = rotary_emb.grid
         if self.cfg.wan_rope == "before_phi":
             return self.attend(apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb), v, grid)
-        # after_phi_numerator: two MHLA passes with the identity feature map on precomputed features
-        layout = self.layout(grid, q.shape[2])
-        mixing = self.mixing()
-        acc = accumulation_dtype(q.dtype)
-        phi = get_feature_map(self.cfg.feature_map)
-        fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
-        numerator = mhla_attention(
-            apply_wan_rotary(fq, *rotary_emb),
-            apply_wan_rotary(fk, *rotary_emb),
-            v.to(acc),
-            layout,
-            mixing,
-            feature_map="identity",
-            normalize=False,
-        )  # Σ_s W[b(t), b(s)] (R φ(q_t))·(R φ(k_s)) v_s
-        if not self.cfg.normalize:
-            return cast_output(numerator, q.dtype)
-        ones = torch.ones_like(v[..., :1], dtype=acc)  # (B, heads, N, 1): the summary of ones is z_j
-        # Σ_s W[b(t), b(s)] φ(q_t)·φ(k_s): the normaliser without RoPE
-        denominator = mhla_attention(fq, fk, ones, layout, mixing, feature_map="identity", normalize=False)
-        return cast_output(numerator / (denominator + self.cfg.eps), q.dtype)
+        cfg = self.cfg  # after_phi_numerator
+        return mhla_rope_on_numerator(q, k, v, rotary_emb, self.layout(grid, q.shape[2]), self.mixing(),
+                                      cfg.feature_map, cfg.normalize, cfg.eps)
 
     def attend_rope_shard(self, q, k, v, rotary_emb, shard: TokenShard) -> torch.Tensor:
         """:meth:`attend_rope` for this rank's tokens under context parallelism (one all-reduce of block

@@ -1,0 +1,96 @@
+"""Which layers to keep as softmax, for a given latency (issue 40, question 4b): the arms, the latency
+measurement and the table behind ``eval/adaptation.py --softmax-layers``.
+
+For every K = 1 .. depth / 2 (K = 0 is the all-MHLA ``mhla-stage1`` arm), three stage-1 conversions keep K
+layers as softmax, chosen
+
+* ``e2e``: by what keeping each layer does to the converted model's end-to-end error on held-out inputs
+  (``hybrid.softmax_layers=auto:K``, the converter's default ranking);
+* ``layer``: by each layer's own remaining stage-1 error (``hybrid.rank_by=layer_error``, the proxy);
+* ``fixed``: by the release's pattern, every third layer from layer 0 (``[0, 3, 6, ...][:K]``, then the
+  layers after those), whatever the errors say;
+
+then trained in stage 2 like every other arm. Latency depends only on K (softmax and MHLA layers have the
+same parameters and the same cost wherever they sit), so it is timed once per K, side by side in one
+process: quality against latency, one curve per ranking.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .evidence import compare, fmt_comparison
+from .experiments import Arm, summarize
+
+RANKINGS = {  # name -> the stage-1 overrides that choose K softmax layers of a depth-D model
+    "e2e": lambda k, depth: ("hybrid.rank_by=end_to_end", f"hybrid.softmax_layers=auto:{k}"),
+    "layer": lambda k, depth: ("hybrid.rank_by=layer_error", f"hybrid.softmax_layers=auto:{k}"),
+    "fixed": lambda k, depth: (f"hybrid.softmax_layers=[{','.join(map(str, fixed_layers(k, depth)))}]",),
+}
+
+
+def fixed_layers(k: int, depth: int) -> list[int]:
+    """The release's pattern cut to ``k`` layers: every third layer from 0, then the remaining layers in
+    order (the Wan release keeps ``i % 3 == 0`` of 30 layers as softmax)."""
+    every_third = [i for i in range(depth) if i % 3 == 0]
+    return (every_third + [i for i in range(depth) if i % 3])[:k]
+
+
+def sweep_ks(depth: int) -> list[int]:
+    """K = 1 .. depth / 2 (at least one MHLA layer stays, at least one softmax layer is kept)."""
+    return list(range(1, max(1, depth // 2) + 1))
+
+
+def arm_name(ranking: str, k: int) -> str:
+    return f"softmax{k}-{ranking}"
+
+
+def sweep_arms(depth: int, teacher: str, stage1: tuple[str, ...]) -> list[Arm]:
+    """Every (ranking, K) arm: stage 1 from ``teacher`` with ``stage1`` plus the ranking's overrides."""
+    return [Arm(arm_name(ranking, k), (), "softmax layers", stage1=(teacher, *stage1, *choose(k, depth)))
+            for k in sweep_ks(depth) for ranking, choose in RANKINGS.items()]
+
+
+@torch.no_grad()
+def latency(build, ks: list[int], resolution: int, batch: int, repeats: int = 5) -> dict[int, float]:
+    """Inference milliseconds per image of ``build(k)`` (a model with ``k`` softmax layers) for each ``k``,
+    timed interleaved in this process on latents ``(batch, 1, resolution, resolution)`` (medians of
+    ``repeats`` rounds after one warm-up round)."""
+    models = {k: build(k).eval() for k in ks}
+    x = torch.randn(batch, 1, resolution, resolution)
+    t, y = torch.randint(0, 1000, (batch,)), torch.randint(0, 10, (batch,))
+    times = {k: [] for k in ks}
+    for _ in range(repeats + 1):
+        for k, model in models.items():
+            start = time.perf_counter()
+            model(x, timestep=t, class_labels=y)
+            times[k].append(time.perf_counter() - start)
+    return {k: 1000 * float(np.median(v[1:])) / batch for k, v in times.items()}
+
+
+def sweep_table(recs: list[dict], ms: dict[int, float], depth: int) -> str:
+    """Markdown: per K the measured latency, each ranking's FID at the end of stage 2 (mean ± 95 %
+    t-interval), and the paired comparisons e2e − fixed and e2e − layer with their verdicts."""
+    step = max(r["step"] for r in recs)
+    stats = summarize(recs, "fid")
+
+    def cell(arm):
+        s = stats.get((arm, step))
+        return "—" if s is None else f"{s['mean']:.1f}" + ("" if np.isnan(s["ci"]) else f" ± {s['ci']:.1f}")
+
+    rows = [(0, {"e2e": "mhla-stage1", "layer": "mhla-stage1", "fixed": "mhla-stage1"})]
+    rows += [(k, {r: arm_name(r, k) for r in RANKINGS}) for k in sweep_ks(depth)]
+    lines = [f"Softmax layers kept (of {depth}) against latency: FID at stage-2 step {step} per ranking, "
+             "paired differences (resolved / bounded / undecided as above):", "",
+             "| K | inference ms / image | e2e | layer | fixed | e2e − fixed | e2e − layer |",
+             "|---|---|---|---|---|---|---|"]
+    for k, names in rows:
+        pairs = ["—", "—"] if k == 0 else [
+            fmt_comparison(compare(recs, names["e2e"], names[other], "fid", step), 1)
+            for other in ("fixed", "layer")]
+        fids = " | ".join(cell(names[r]) for r in RANKINGS)
+        lines.append(f"| {k} | {ms.get(k, float('nan')):.2f} | {fids} | " + " | ".join(pairs) + " |")
+    return "\n".join(lines) + "\n"
