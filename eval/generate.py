@@ -172,6 +172,14 @@ def condition(item: dict):
     return (item["prompt"], item["image"]) if "image" in item else item["prompt"]
 
 
+def sample_settings(cfg: GenerateConfig) -> SampleSettings:
+    return SampleSettings(
+        steps=cfg.steps, guidance=cfg.guidance_scale, height=cfg.height, width=cfg.width,
+        frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, output_type="np",
+        max_sequence_length=cfg.max_sequence_length, extra=dict(cfg.extra),
+    )
+
+
 class Sampler:
     """``sampler(items) -> list of uint8 arrays``: (H, W, 3) images or (T, H, W, 3) videos, through the base
     record's pipeline sampler."""
@@ -188,11 +196,7 @@ class Sampler:
             conditions = [condition(item) for item in sample_items(cfg)]
             self.sampler.check_conditions(self.pipe, conditions, cfg.guidance_scale, trained_classes(cfg))
         self.pipe.set_progress_bar_config(disable=True)
-        self.settings = SampleSettings(
-            steps=cfg.steps, guidance=cfg.guidance_scale, height=cfg.height, width=cfg.width,
-            frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, output_type="np",
-            max_sequence_length=cfg.max_sequence_length, extra=dict(cfg.extra),
-        )
+        self.settings = sample_settings(cfg)
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[np.ndarray]:
@@ -299,6 +303,9 @@ def check_model(cfg: GenerateConfig) -> None:
         folder = Path(cfg.transformer).expanduser()
         if not (folder / "config.json").is_file() and not (folder / "mhla_lora.json").is_file():
             raise ConfigError(f"transformer={cfg.transformer!r} is not a saved transformer folder")
+    config = Path(cfg.transformer or local / "transformer").expanduser() / "config.json"
+    if config.is_file():  # a local model: its settings checked before anything is written
+        cfg.record.sampler.load().check_settings(json.loads(config.read_text()), sample_settings(cfg))
     if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
         raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
 

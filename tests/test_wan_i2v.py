@@ -286,6 +286,7 @@ def i2v_folder(tmp_path_factory):
     """A saved Wan2.2 I2V-A14B-layout pipeline with MHLA in both experts, and two first-frame images."""
     root = tmp_path_factory.mktemp("wan_i2v")
     _pipeline("wan22").save_pretrained(root / "pipe")
+    _pipeline("wan21").save_pretrained(root / "pipe21")
     Image.new("RGB", (64, 48), (200, 30, 30)).save(root / "red.png")
     Image.new("RGB", (64, 48), (30, 200, 30)).save(root / "green.png")
     (root / "broken.png").write_text("not an image")
@@ -460,6 +461,27 @@ def test_generate_refuses_bad_image_conditions_before_writing(
             ]
         )
     assert not out.exists()
+
+
+def test_generate_refuses_a_text_length_the_clip_model_cannot_take_before_writing(i2v_folder, tmp_path):
+    """Wan2.1 I2V takes exactly 512 text tokens: generate.py's default 300 is refused from the model's
+    config.json, before the output folder exists; 512 passes that check."""
+    from test_eval_generate import load
+
+    from mhla_gen.errors import ConfigError
+
+    gen, out = load("generate"), tmp_path / "videos"
+    args = [
+        "base=wan-i2v",
+        f"model={i2v_folder / 'pipe21'}",
+        f"output_dir={out}",
+        "prompts=[a cat]",
+        f"images=[{i2v_folder / 'red.png'}]",
+    ]
+    with pytest.raises(ConfigError, match="max_sequence_length=300: this Wan I2V model .* exactly 512"):
+        gen.main(args)
+    assert not out.exists()
+    gen.check_model(gen.load_generate_config(None, [*args, "max_sequence_length=512"]))
 
 
 def test_generate_takes_no_images_for_a_text_to_video_base(i2v_folder):

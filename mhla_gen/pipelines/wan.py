@@ -176,19 +176,19 @@ class WanI2VSampler(WanSampler):
 
     @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
-        """As :meth:`WanSampler.fit_size`; a model with CLIP image features (Wan2.1 I2V) takes exactly 512
-        text tokens (``max_sequence_length`` None: 512)."""
-        settings = super().fit_size(pipe, settings)
-        return cls._text_length(pipe, settings)
+        """As :meth:`WanSampler.fit_size`, and :meth:`check_settings`."""
+        cls.check_settings(dict(pipe.transformer.config), settings)
+        return super().fit_size(pipe, settings)
 
     @classmethod
-    def _text_length(cls, pipe, settings: SampleSettings) -> SampleSettings:
-        image_dim, length = pipe.transformer.config.image_dim, settings.max_sequence_length
-        if image_dim is None or length in (None, I2V_TEXT_TOKENS):
-            return settings
-        raise ConfigError(f"max_sequence_length={length}: this Wan I2V model (CLIP image features, "
-                          f"image_dim={image_dim}) takes exactly {I2V_TEXT_TOKENS} text tokens; set it to "
-                          f"{I2V_TEXT_TOKENS}")
+    def check_settings(cls, transformer_config: dict, settings: SampleSettings) -> None:
+        """A model with CLIP image features (Wan2.1 I2V) takes exactly 512 text tokens
+        (``max_sequence_length`` None: the pipeline's 512)."""
+        image_dim, length = transformer_config.get("image_dim"), settings.max_sequence_length
+        if image_dim is not None and length not in (None, I2V_TEXT_TOKENS):
+            raise ConfigError(f"max_sequence_length={length}: this Wan I2V model (CLIP image features, "
+                              f"image_dim={image_dim}) takes exactly {I2V_TEXT_TOKENS} text tokens; set it "
+                              f"to {I2V_TEXT_TOKENS}")
 
     @classmethod
     def sample(cls, pipe, conditions, generator, settings: SampleSettings):
@@ -196,7 +196,7 @@ class WanI2VSampler(WanSampler):
         features over a batch); ``generator``: one for all, or one per pair. Returns the videos."""
         from .conditions import open_image
 
-        cls._text_length(pipe, settings)
+        cls.check_settings(dict(pipe.transformer.config), settings)
         generators = generator if isinstance(generator, list) else [generator] * len(conditions)
         optional = settings.optional(num_frames="frames", max_sequence_length="max_sequence_length",
                                      output_type="output_type")
