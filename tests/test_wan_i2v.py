@@ -249,6 +249,18 @@ def test_saved_pipeline_loads_through_diffusers_and_samples_the_same_video(varia
         np.testing.assert_allclose(_sample(loaded, variant), reference, rtol=0, atol=1e-6)
 
 
+def test_sequential_cpu_offload_samples_the_same_video():
+    """Wan2.1 I2V pipeline (CLIP image encoder included) under accelerate's ``cpu_offload`` of every component
+    (weights on ``meta`` between calls, as ``enable_sequential_cpu_offload``): the same video."""
+    from test_offload import _sequential_cpu_offload
+
+    reference = _sample(_pipeline("wan21"), "wan21", steps=2)
+    pipe = _pipeline("wan21")
+    _sequential_cpu_offload(pipe)
+    assert next(iter(mhla_processors(pipe.transformer).values())).mixing.weight.device.type == "meta"
+    np.testing.assert_array_equal(_sample(pipe, "wan21", steps=2), reference)
+
+
 def test_sampler_pairs_prompts_with_images_and_checks_text_length():
     """One video per (prompt, image) pair, each from its own generator; a Wan2.1 I2V model refuses a text
     length other than 512 (its cross-attention splits image from text tokens there)."""
