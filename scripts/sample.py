@@ -74,19 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replace files of an earlier call with the same names in --out")
     args = parser.parse_args(argv)
 
-    base = base_for(args.base)
-    if base.class_conditional and not args.labels:
-        parser.error(f"--base {args.base} needs --labels (class ids)")
-    if not base.class_conditional and not args.prompt:
-        parser.error(f"--base {args.base} needs --prompt")
-    if base.class_conditional and args.prompt:
-        parser.error(f"--base {args.base} is class-conditional: use --labels, not --prompt")
-    if not base.class_conditional and args.labels:
-        parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
-    if base.image_conditioned and not args.image:
-        parser.error(f"--base {args.base} needs --image (one per prompt, or one for all)")
-    if args.image and not base.image_conditioned:
-        parser.error(f"--base {args.base} takes no --image (not an image-to-video base)")
+    check_condition_flags(parser, args)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.guidance < 0:
@@ -102,6 +90,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         if path is not None and not Path(path).exists() and (name == "transformer" or _looks_local(path)):
             parser.error(f"--{name} {path} does not exist")
     return args
+
+
+def check_condition_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags the base's conditioning takes: ``--labels``, ``--prompt``, ``--prompt`` + ``--image``."""
+    base = base_for(args.base)
+    if base.class_conditional and not args.labels:
+        parser.error(f"--base {args.base} needs --labels (class ids)")
+    if not base.class_conditional and not args.prompt:
+        parser.error(f"--base {args.base} needs --prompt")
+    if base.class_conditional and args.prompt:
+        parser.error(f"--base {args.base} is class-conditional: use --labels, not --prompt")
+    if not base.class_conditional and args.labels:
+        parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
+    if base.image_conditioned and not args.image:
+        parser.error(f"--base {args.base} needs --image (one per prompt, or one for all)")
+    if args.image and not base.image_conditioned:
+        parser.error(f"--base {args.base} takes no --image (not an image-to-video base)")
 
 
 def _looks_local(path: str) -> bool:
