@@ -91,7 +91,10 @@ class TransferHooks:
     def _hook(self, index: int):
         def hook(attn, args, kwargs, student):
             if self.student_layers is not None:  # the converted model itself: no teacher in the path
-                return None if index in self.student_layers else self.stock(attn, *args, **kwargs)
+                if index in self.student_layers:
+                    return None
+                with torch.no_grad():  # what finalize puts back: the teacher's own layer
+                    return self.teacher_output(index, attn, args, kwargs)
             with torch.no_grad():
                 teacher_out = self.teacher_output(index, attn, args, kwargs)
             self.errors[index] = relative_error(student, teacher_out)
@@ -169,9 +172,11 @@ def hardest_layers(errors: dict[int, float], k: int) -> list[int]:
     return sorted(sorted(errors, key=lambda i: (-errors[i], i))[:k])
 
 
-def finalize(transformer: nn.Module, softmax_layers: list[int]) -> nn.Module:
-    """The converted model: MHLA on every converted layer except ``softmax_layers`` (stock attention there),
-    each kept layer with its trained MHLA weights; the MHLA config records the layers."""
+def finalize(transformer: nn.Module, softmax_layers: list[int], teachers: dict | None = None) -> nn.Module:
+    """The converted model: MHLA on every converted layer except ``softmax_layers``, each kept layer with
+    its trained MHLA weights; the MHLA config records the layers. A layer put back to softmax is the
+    teacher's layer: stock attention, and, where stage 1 trained its projections (``TransferHooks``
+    ``teachers`` holding frozen module copies: ``trainable=mhla+qk|all``), the teacher's weights again."""
     trained = {i: attn.processor.state_dict() for i, attn in converted_layers(transformer).items()}
     kept = [i for i in trained if i not in softmax_layers]
     cfg: MHLAConfig = transformer.mhla_config
@@ -179,5 +184,9 @@ def finalize(transformer: nn.Module, softmax_layers: list[int]) -> nn.Module:
     layers = base_for_model(transformer).processor.self_attention(transformer)
     for i in kept:
         layers[i].processor.load_state_dict(trained[i])
+    for i in softmax_layers:
+        teacher = (teachers or {}).get(i)
+        if isinstance(teacher, nn.Module):  # its keys: the projections and norms (stock processors hold none)
+            layers[i].load_state_dict(teacher.state_dict())
     return transformer
 

@@ -106,9 +106,11 @@ def test_bootstraps_detectable_differences_and_verdicts():
 
 
 # ------------------------------------------------------------------------------------- end to end
-def test_end_to_end_errors_equal_the_finalized_models_output_error():
+@pytest.mark.parametrize("trainable", ["mhla", "all"])
+def test_end_to_end_errors_equal_the_finalized_models_output_error(trainable):
     """The hooked measurement of the converted model (and of each one-softmax-layer hybrid) equals the
-    output error of the model finalize() makes, against the stock model (the teacher)."""
+    output error of the model finalize() makes, against the stock model (the teacher). With trained
+    projections (``all``), a layer put back to softmax is the teacher's layer again, weights included."""
     model = tiny_dit(num_layers=3)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -118,7 +120,10 @@ def test_end_to_end_errors_equal_the_finalized_models_output_error():
     x = torch.randn(2, model.config.in_channels, model.config.sample_size, model.config.sample_size)
     batch = dict(hidden_states=x, timestep=torch.tensor([10, 20]), class_labels=torch.tensor([1, 2]))
     install_mhla(model, MHLAConfig(blocks=(2, 2)))
-    hooks = TransferHooks(model.eval())
+    hooks = TransferHooks(model.eval(), trainable)
+    with torch.no_grad():  # stage 1 moved what it trains
+        for p in hooks.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
     got = end_to_end_errors(model, hooks, [batch], chosen=[0, 2])
     with torch.no_grad():
         want_teacher = teacher(**batch).sample
@@ -128,7 +133,12 @@ def test_end_to_end_errors_equal_the_finalized_models_output_error():
             for module in m.modules():  # the copy without the transfer hooks
                 module._forward_hooks.clear()
                 module._forward_hooks_with_kwargs.clear()
-            return relative_error(finalize(m, softmax)(**batch).sample, want_teacher).item()
+            final = finalize(m, softmax, hooks.teachers)
+            for i in softmax:
+                stock, kept = teacher.transformer_blocks[i].attn1, final.transformer_blocks[i].attn1
+                assert all(torch.equal(a, b) for a, b in zip(stock.state_dict().values(),
+                                                             kept.state_dict().values()))
+            return relative_error(final(**batch).sample, want_teacher).item()
 
         assert got["all_mhla"] == pytest.approx(finalized([]), rel=1e-4)
         for i in range(3):

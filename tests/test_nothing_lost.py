@@ -218,6 +218,22 @@ def test_stage1_records_the_teacher_resolved_with_a_fingerprint(teacher_run):
     assert marker["teacher_record"]["path"] == marker["teacher"] and marker["teacher_record"]["sha256"]
 
 
+def test_config_yaml_names_the_inputs_resolved(teacher_run, tmp_path, monkeypatch):
+    """A relative ``model.init_from`` is written to ``config.yaml`` resolved and absolute (and so is the
+    distillation teacher stage 2 derives from it): the file says which model was used wherever it is read."""
+    import yaml
+
+    monkeypatch.chdir(teacher_run)
+    linearize("--config", TINY_DIT, "model.init_from=teacher/final", f"output_dir={tmp_path / 's1'}",
+              "train.max_steps=1")
+    written = yaml.safe_load((tmp_path / "s1" / "config.yaml").read_text())
+    assert written["model"]["init_from"] == str((teacher_run / "teacher" / "final").resolve())
+    _stage2(tmp_path / "s1", tmp_path / "s2")
+    written = yaml.safe_load((tmp_path / "s2" / "config.yaml").read_text())
+    assert written["train"]["distill"]["teacher"] == str((teacher_run / "teacher" / "final").resolve())
+    assert written["model"]["init_from"] == str((tmp_path / "s1" / "final").resolve())
+
+
 def _stage2(stage1: Path, out: Path, *extra: str):
     train_dit(f"model.init_from={stage1 / 'final'}", "model.attention=mhla", f"output_dir={out}",
               "train.max_steps=1", "train.distill.output_weight=1", *extra)

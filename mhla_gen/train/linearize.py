@@ -248,8 +248,9 @@ class TransferTask(TrainTask):
         ranking = gains if self.cfg.hybrid.rank_by == "end_to_end" else after
         softmax = hardest_layers(ranking, k) if k is not None else fixed
         chosen = end_to_end_errors(transformer, self.hooks, self.eval_inputs(), softmax, each=False)["chosen"]
+        teachers = dict(self.hooks.teachers)
         self.hooks.remove()
-        finalize(transformer, softmax)
+        finalize(transformer, softmax, teachers)
         self.inner.save_final(transformer, folder)
         self.report = {
             "teacher": self.teacher(), "trainable": self.cfg.transfer.trainable,

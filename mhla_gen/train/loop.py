@@ -32,6 +32,7 @@ trackers, schedule) is in :mod:`mhla_gen.train.tracking`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -250,7 +251,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     set_seed(cfg.seed)  # same on every process: identical initial weights
     if accelerator.is_main_process:
         prepare_output_dir(out, step, recorded_inputs(task))
-        atomic_write_text(out / "config.yaml", config_to_yaml(task.run_config()))  # before step 0
+        config = with_resolved_inputs(task.run_config(), task.inputs())
+        atomic_write_text(out / "config.yaml", config_to_yaml(config))  # before step 0
         ckpt.remove_partial(out)
     accelerator.wait_for_everyone()
     return Run(
@@ -324,6 +326,21 @@ def recorded_inputs(task: TrainTask) -> dict:
                   else input_record(path))
         for setting, path in task.inputs().items() if path
     }
+
+
+def with_resolved_inputs(config: RunConfig, inputs: dict[str, str | None]) -> RunConfig:
+    """A copy of ``config`` whose input settings (``{"model.init_from": path, ...}``, as
+    :meth:`TrainTask.inputs` reports them) name local paths resolved and absolute, so ``config.yaml``
+    says which teacher, start point and data a run used wherever it is read from (hub ids stay)."""
+    config = copy.deepcopy(config)
+    for setting, value in inputs.items():
+        *parents, name = setting.split(".")
+        target = config
+        for part in parents:
+            target = getattr(target, part, None)
+        if value and hasattr(target, name) and Path(value).expanduser().exists():
+            setattr(target, name, str(Path(value).expanduser().resolve()))
+    return config
 
 
 def prepare_output_dir(out: Path, start: int, inputs: dict | None = None) -> None:
