@@ -3,13 +3,16 @@
     python eval/generate.py --config configs/eval/dit_digits.yaml
     accelerate launch --num_processes 8 eval/generate.py --config configs/eval/dit_imagenet256.yaml
     python eval/generate.py --config configs/eval/wan_prompts.yaml output_dir=samples/wan steps=30
+    python eval/generate.py base=wan-i2v model=WAN_I2V_DIR prompts_file=pairs.jsonl max_sequence_length=512
 
 Output (``output_dir``): ``{index:06d}.png`` (images) or ``.mp4`` (video), ``manifest.jsonl`` (one line per
-sample: index, file, label or prompt, seed, config hash), ``config.yaml`` and, for images,
+sample: index, file, label or prompt (and image), seed, config hash), ``config.yaml`` and, for images,
 ``samples.npz`` with ADM's layout (``arr_0`` uint8 NHWC, ``arr_1`` labels for class-conditional models).
 Sample ``i`` always uses seed ``seed + i`` (its own generator), so a run killed half-way and started again
 generates only the missing files and gives the same set as an uninterrupted run, on any process count.
-Scoring is a separate program: eval/fid.py or eval/vbench.py on ``output_dir``.
+Scoring is a separate program: eval/fid.py or eval/vbench.py on ``output_dir``. Image-to-video bases sample
+``(prompt, image)`` pairs: ``prompts`` with ``images`` (one per prompt, or one for all), or a ``prompts_file``
+in JSONL / CSV with ``prompt`` and ``image`` fields (``mhla_gen.pipelines.conditions``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mhla_gen.folders import check_apart, claim, listed, owned, record_files
 from mhla_gen.locks import die_with_launcher, release
 from mhla_gen.metrics.video import write_video
 from mhla_gen.pipelines import SampleSettings
+from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
 from mhla_gen.train.config import load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +55,8 @@ class GenerateConfig:
     labels: list[int] | None = None  # class-conditional bases: class ids (each repeated num_per_item times)
     num_classes: int | None = None  # labels = 0..num_classes-1 when `labels` is not given
     prompts: list[str] | None = None  # text-conditional bases
-    prompts_file: str | None = None  # one prompt per line (added after `prompts`)
+    prompts_file: str | None = None  # one prompt per line (added after `prompts`); image-to-video: JSONL, CSV
+    images: list[str] | None = None  # image-to-video bases: first frame of each of `prompts` (or one for all)
     num_per_item: int = 1
     seed: int = 0
     steps: int = 50
@@ -76,6 +81,14 @@ class GenerateConfig:
             raise ValueError(f"base={self.base} needs `labels` (a list of class ids) or `num_classes`")
         if not labels and not (self.prompts or self.prompts_file):
             raise ValueError(f"base={self.base} needs `prompts` or `prompts_file`")
+        if self.images and not self.record.image_conditioned:
+            raise ValueError(f"base={self.base} takes no `images` (not an image-to-video base)")
+        if self.images and not self.prompts:
+            raise ValueError("`images` pair with `prompts` (one per prompt, or one for all); the pairs of a "
+                             "prompts_file name their own images")
+        if self.record.image_conditioned and self.prompts and not self.images:
+            raise ValueError(f"base={self.base} needs `images` next to `prompts` (one per prompt, or one for "
+                             "all), or a prompts_file of (prompt, image) pairs")
         if not self.model and not self.record.sampler.load().from_run_config:
             raise ValueError(f"base={self.base} needs `model` (a pipeline folder or hub id)")
         if not (self.model or self.run_config):
@@ -123,22 +136,48 @@ def trained_classes(cfg: GenerateConfig) -> int | None:
 def config_hash(cfg: GenerateConfig) -> str:
     """Hash of every setting that changes the samples (not output_dir, batch_size)."""
     d = {k: v for k, v in asdict(cfg).items() if k not in ("output_dir", "batch_size")}
+    if d["images"] is None:  # added later: the hash of a folder generated before it stays the same
+        del d["images"]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def image_prompts(cfg: GenerateConfig) -> list[tuple[str, str]]:
+    """``(prompt, image)`` pairs of an image-to-video base: ``prompts`` x ``images``, then the file's."""
+    images = [str(Path(image).expanduser()) for image in cfg.images or []]
+    pairs = pair_images(list(cfg.prompts), images, "images") if cfg.prompts else []
+    return pairs + (read_image_prompts(cfg.prompts_file, "prompts_file") if cfg.prompts_file else [])
+
+
 def sample_items(cfg: GenerateConfig) -> list[dict]:
-    """Every sample to generate: ``{"index", "seed", "label" | "prompt"}``, in a fixed order."""
+    """Every sample to generate: ``{"index", "seed", "label" | "prompt" [, "image"]}``, in a fixed order."""
     if cfg.record.class_conditional:
         labels = cfg.labels or range(cfg.num_classes)
-        conditions = [("label", int(c)) for c in labels]
+        conditions = [{"label": int(c)} for c in labels]
+    elif cfg.record.image_conditioned:
+        conditions = [{"prompt": prompt, "image": image} for prompt, image in image_prompts(cfg)]
     else:
         prompts = list(cfg.prompts or [])
         if cfg.prompts_file:
             lines = Path(cfg.prompts_file).read_text().splitlines()
             prompts += [line.strip() for line in lines if line.strip()]
-        conditions = [("prompt", p) for p in prompts]
-    items = [{key: value} for key, value in conditions for _ in range(cfg.num_per_item)]
+        conditions = [{"prompt": p} for p in prompts]
+    items = [dict(c) for c in conditions for _ in range(cfg.num_per_item)]
     return [{"index": i, "seed": cfg.seed + i, **item} for i, item in enumerate(items)]
+
+
+def condition(item: dict):
+    """What the base's sampler takes for one item: its label, its prompt, or its ``(prompt, image)``."""
+    if "label" in item:
+        return item["label"]
+    return (item["prompt"], item["image"]) if "image" in item else item["prompt"]
+
+
+def sample_settings(cfg: GenerateConfig) -> SampleSettings:
+    return SampleSettings(
+        steps=cfg.steps, guidance=cfg.guidance_scale, height=cfg.height, width=cfg.width,
+        frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, output_type="np",
+        max_sequence_length=cfg.max_sequence_length, extra=dict(cfg.extra),
+    )
 
 
 class Sampler:
@@ -154,19 +193,15 @@ class Sampler:
             self.pipe = self.sampler.run_pipeline(cfg.run_config, cfg.transformer, mhla, dtype, device)
         else:
             self.pipe = self.sampler.load(cfg.model, mhla, dtype, device, cfg.transformer)
-            conditions = [item.get("label", item.get("prompt")) for item in sample_items(cfg)]
+            conditions = [condition(item) for item in sample_items(cfg)]
             self.sampler.check_conditions(self.pipe, conditions, cfg.guidance_scale, trained_classes(cfg))
         self.pipe.set_progress_bar_config(disable=True)
-        self.settings = SampleSettings(
-            steps=cfg.steps, guidance=cfg.guidance_scale, height=cfg.height, width=cfg.width,
-            frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, output_type="np",
-            max_sequence_length=cfg.max_sequence_length, extra=dict(cfg.extra),
-        )
+        self.settings = sample_settings(cfg)
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[np.ndarray]:
         gens = [torch.Generator(self.device).manual_seed(item["seed"]) for item in items]
-        conditions = [item["label"] if "label" in item else item["prompt"] for item in items]
+        conditions = [condition(item) for item in items]
         images = self.sampler.sample(self.pipe, conditions, gens, self.settings)  # (B, [T,] H, W, C)
         arrays = (np.clip(np.asarray(images), 0, 1) * 255).round().astype(np.uint8)
         if arrays.shape[-1] == 1:  # grayscale (pixel-space digits) -> RGB, as Inception expects
@@ -234,6 +269,14 @@ def check_previous_run(out: Path, chash: str) -> None:
                 break
 
 
+def check_images_of(cfg: GenerateConfig, items: list[dict]) -> None:
+    """Every condition image of an image-to-video base exists and decodes (before any write)."""
+    listed = [str(Path(image).expanduser()) for image in cfg.images or []]
+    check_images(listed, "images")
+    check_images([item["image"] for item in items if "image" in item and item["image"] not in listed],
+                 "prompts_file")
+
+
 def check_model(cfg: GenerateConfig) -> None:
     """What the sampler will load exists and is the right kind of folder (configs only, no weights), and
     ``output_dir`` is apart from it: before the output folder is marked or its config written."""
@@ -241,7 +284,8 @@ def check_model(cfg: GenerateConfig) -> None:
     final = cfg.transformer or (str(Path(cfg.run_config).parent / "final") if cfg.run_config else None)
     inputs = {"model": cfg.model, "transformer": final, "run_config": cfg.run_config,
               "prompts_file": cfg.prompts_file}
-    check_apart(cfg.output_dir, "output_dir", inputs)
+    images = dict.fromkeys(item["image"] for item in sample_items(cfg) if "image" in item)
+    check_apart(cfg.output_dir, "output_dir", {**inputs, **{f"image {image}": image for image in images}})
     if cfg.run_config and not cfg.model:
         load_config(cfg.record.run_config.load(), cfg.run_config)  # FileNotFoundError / ConfigError naming it
         final = Path(cfg.transformer or Path(cfg.run_config).parent / "final")
@@ -259,6 +303,9 @@ def check_model(cfg: GenerateConfig) -> None:
         folder = Path(cfg.transformer).expanduser()
         if not (folder / "config.json").is_file() and not (folder / "mhla_lora.json").is_file():
             raise ConfigError(f"transformer={cfg.transformer!r} is not a saved transformer folder")
+    config = Path(cfg.transformer or local / "transformer").expanduser() / "config.json"
+    if config.is_file():  # a local model: its settings checked before anything is written
+        cfg.record.sampler.load().check_settings(json.loads(config.read_text()), sample_settings(cfg))
     if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
         raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
 
@@ -278,6 +325,7 @@ def generate(cfg: GenerateConfig) -> Path:
     if cfg.record.class_conditional and (num_classes := trained_classes(cfg)) is not None:  # before loading
         check_labels(cfg, num_classes)
     check_model(cfg)  # before the folder is marked or its config.yaml written
+    check_images_of(cfg, items)
     if state.is_main_process:
         claim(out, SAMPLES_FOLDER, "output_dir")
         check_previous_run(out, chash)

@@ -84,12 +84,25 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
     from .train.loop import train
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--base", choices=sorted(n for n, b in BASES.items() if b.trains), default="dit",
+    parser.add_argument("--base", choices=sorted(BASES), default="dit",
                         help="the model family: its config sections, data and conditioning (default: dit)")
-    base = BASES[parser.parse_known_args(argv)[0].base]
+    base = trainable(parser.parse_known_args(argv)[0].base, "--base")
     description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
     cfg = parse_run_args(stage1_schema(base), description, None, argv, parents=[parser])
     return train(cfg, TransferTask(cfg, base.task.load()(cfg)), callbacks)
+
+
+def trainable(name: str, setting: str):
+    """The base record ``name``, when it has a training task; ConfigError naming ``setting`` otherwise."""
+    from .bases import BASES, base_for
+    from .errors import ConfigError
+
+    record = base_for(name)
+    if not record.trains:
+        trained = sorted(n for n, b in BASES.items() if b.trains)
+        raise ConfigError(f"{setting} {name}: this base has no training task yet (its record's task is None: "
+                          f"it samples, installs, saves and loads only); bases that train: {trained}")
+    return record
 
 
 def train_main(
@@ -102,11 +115,8 @@ def train_main(
     """The training scripts' ``main``: parse the command line into the run config of the base record named
     ``base`` (``dit``, ``sana``, ``wan``, ...), then :func:`~mhla_gen.train.loop.train` its task with
     ``callbacks``; returns ``final/``."""
-    from .bases import base_for
     from .train.loop import train
 
-    record = base_for(base)
-    if not record.trains:
-        raise ValueError(f"base {base!r} has no training task yet (mhla_gen/bases/{base}.py: task=None)")
+    record = trainable(base, "base")
     cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
     return train(cfg, record.task.load()(cfg), callbacks)

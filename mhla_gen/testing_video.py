@@ -96,6 +96,8 @@ REAL_CONFIGS: dict[str, tuple[type, dict]] = {
             "num_layers": 30,
         },
     ),
+    # each of the two experts of Wan2.2-I2V-A14B: 36 channels in (noise, image latents, mask), no CLIP
+    "Wan2.2-I2V-A14B": (WanTransformer3DModel, {**_WAN_14B, "in_channels": 36}),
     "Wan2.1-I2V-14B-480P": (
         WanTransformer3DModel,
         {
@@ -237,4 +239,23 @@ def tiny_wan_i2v_pipeline(transformer=None, seed: int = 0) -> WanImageToVideoPip
         image_processor=image_processor,
         image_encoder=image_encoder,
         transformer=transformer,
+    )
+
+
+def tiny_wan22_i2v_pipeline(transformer=None, transformer_2=None, seed: int = 0) -> WanImageToVideoPipeline:
+    """A stock Wan2.2 I2V-A14B-layout ``WanImageToVideoPipeline``: two tiny experts on 36 input channels
+    (16 noise + 16 image latents + 4 mask), no CLIP image encoder (``image_dim`` None), split at
+    ``boundary_ratio`` 0.9."""
+    transformer, transformer_2 = (
+        given if given is not None else tiny_wan_expert(seed + i, in_channels=36)
+        for i, given in enumerate((transformer, transformer_2))
+    )
+    return WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_text_encoder(seed),
+        vae=tiny_vae(seed),
+        scheduler=_flow_unipc(),
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=WAN22_I2V_BOUNDARY,
     )

@@ -6,12 +6,15 @@
         --prompt "a red cat" "a blue dog" --height 512 --width 512 --dtype bf16 --device cuda
     python scripts/sample.py --base wan --model WAN_DIR --transformer runs/wan/final \
         --prompt "a cat surfing" --height 480 --width 832 --frames 81 --dtype bf16 --device cuda
+    python scripts/sample.py --base wan-i2v --model WAN_I2V_DIR --transformer runs/wan-i2v/final \
+        --prompt "a cat surfing" "a dog running" --image cat.png dog.png --dtype bf16 --device cuda
 
 ``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;
 ``--transformer`` an MHLA transformer saved with ``save_pretrained`` (default: ``--model``'s own).
 Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 per prompt for video bases.
 What each base takes (labels or prompts, sizes) and how its pipeline is called is its record's
-(``mhla_gen.bases``; the sampling call: ``mhla_gen.pipelines.<base>``).
+(``mhla_gen.bases``; the sampling call: ``mhla_gen.pipelines.<base>``). Image-to-video bases take one
+``--image`` per prompt (or one for all prompts): the first frame of each video.
 ``--out`` must be new, empty or a folder this script wrote; files of an earlier call with the same names
 are replaced only with ``--overwrite``.
 """
@@ -31,6 +34,7 @@ from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
+from mhla_gen.pipelines.conditions import check_images, pair_images
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
 
@@ -51,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--labels", type=int, nargs="+", default=None,
                         help="class labels (class-conditional bases: DiT)")
     parser.add_argument("--prompt", nargs="+", default=None, help="prompts (text-conditional bases)")
+    parser.add_argument("--image", nargs="+", default=None, type=expand_path,
+                        help="first-frame images (image-to-video bases): one per prompt, or one for all")
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
@@ -68,15 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replace files of an earlier call with the same names in --out")
     args = parser.parse_args(argv)
 
-    base = base_for(args.base)
-    if base.class_conditional and not args.labels:
-        parser.error(f"--base {args.base} needs --labels (class ids)")
-    if not base.class_conditional and not args.prompt:
-        parser.error(f"--base {args.base} needs --prompt")
-    if base.class_conditional and args.prompt:
-        parser.error(f"--base {args.base} is class-conditional: use --labels, not --prompt")
-    if not base.class_conditional and args.labels:
-        parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
+    check_condition_flags(parser, args)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.guidance < 0:
@@ -92,6 +90,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         if path is not None and not Path(path).exists() and (name == "transformer" or _looks_local(path)):
             parser.error(f"--{name} {path} does not exist")
     return args
+
+
+def check_condition_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags the base's conditioning takes: ``--labels``, ``--prompt``, ``--prompt`` + ``--image``."""
+    base = base_for(args.base)
+    if base.class_conditional and not args.labels:
+        parser.error(f"--base {args.base} needs --labels (class ids)")
+    if not base.class_conditional and not args.prompt:
+        parser.error(f"--base {args.base} needs --prompt")
+    if base.class_conditional and args.prompt:
+        parser.error(f"--base {args.base} is class-conditional: use --labels, not --prompt")
+    if not base.class_conditional and args.labels:
+        parser.error(f"--base {args.base} is text-conditional: use --prompt, not --labels")
+    if base.image_conditioned and not args.image:
+        parser.error(f"--base {args.base} needs --image (one per prompt, or one for all)")
+    if args.image and not base.image_conditioned:
+        parser.error(f"--base {args.base} takes no --image (not an image-to-video base)")
 
 
 def _looks_local(path: str) -> bool:
@@ -116,8 +131,11 @@ def settings(args) -> SampleSettings:
 
 
 def conditions(args) -> list:
-    """The class labels or prompts to sample."""
-    return args.labels if base_for(args.base).class_conditional else args.prompt
+    """The class labels, prompts or ``(prompt, image)`` pairs to sample."""
+    base = base_for(args.base)
+    if base.image_conditioned:
+        return pair_images(args.prompt, args.image, "--image")
+    return args.labels if base.class_conditional else args.prompt
 
 
 def load(args, mhla, dtype):
@@ -140,9 +158,9 @@ def sample_videos(args, mhla, dtype, out: Path) -> list[Path]:
 
     sampler, pipe, fitted = load(args, mhla, dtype)
     paths = []
-    for i, prompt in enumerate(args.prompt):
+    for i, condition in enumerate(conditions(args)):
         generator = torch.Generator(args.device).manual_seed(args.seed + i)
-        frames = sampler.sample(pipe, [prompt], generator, fitted)[0]
+        frames = sampler.sample(pipe, [condition], generator, fitted)[0]
         path = out / output_names(args)[i]
         paths.append(Path(export_to_video(frames, str(path), fps=args.fps)))
     return paths
@@ -177,7 +195,8 @@ def prepare_out(args) -> Path:
     """Claim ``--out`` (new, empty or written by this script) and refuse to replace earlier samples with
     the same names unless ``--overwrite``: before any model is loaded."""
     out = Path(args.out)
-    check_apart(out, "--out", {"--model": args.model, "--transformer": args.transformer})
+    images = {f"--image {image}": image for image in args.image or []}
+    check_apart(out, "--out", {"--model": args.model, "--transformer": args.transformer, **images})
     owned(out, OUTPUT_KIND, "--out")
     existing = [name for name in output_names(args) if (out / name).exists()]
     if existing and not args.overwrite:
@@ -196,6 +215,9 @@ def main(argv=None) -> None:
     if args.blocks is not None:
         mhla = MHLAConfig(blocks=tuple(args.blocks))
     check_labels(args)
+    if args.image:
+        pair_images(args.prompt, args.image, "--image")
+        check_images(args.image, "--image")
     out = prepare_out(args)
 
     if base_for(args.base).video:

@@ -9,7 +9,10 @@ compared with the 1-process computation of the same model / inputs.
   the ranks: each rank's are the partial gradients of its own tokens) equal the 1-process run within
   1e-5 in fp32 (of each tensor's largest entry where that exceeds 1: the summed gradients reach ~60 and
   differ from the 1-process ones in float rounding, stock parameters such as ``patch_embedding``
-  included). Both RoPE placements; MHLA installed before and after ``enable_parallelism``.
+  included). Both RoPE placements; MHLA installed before and after ``enable_parallelism``. The same for
+  Wan2.1 I2V (36 channels, CLIP tokens in the cross-attention, not split) and Wan2.2 TI2V-5B (48 channels,
+  one timestep per token, split with the tokens); a Wan2.2 A14B expert is the T2V architecture.
+* Which bases have a plan at all: diffusers 0.42 has none for DiT, SANA and SANA-Video (no sharded path).
 
 diffusers 0.42.1 needs an even split here: its ``*_anything`` modes (uneven sequences) gather pieces of
 different sizes, which gloo does not support, and ring attention on the native backend needs an LSE it
@@ -34,12 +37,22 @@ OP_CASES = {  # name: (normalize, separate normaliser features as in after_phi_n
     "op_no_normalize": (False, False),
     "op_split_normaliser": (True, True),
 }
-MODEL_CASES = {  # name: (MHLAConfig overrides, install MHLA after enable_parallelism)
-    "wan_before_phi": (dict(wan_rope="before_phi"), False),
+MODEL_CASES = {  # name: (MHLAConfig overrides, install MHLA after enable_parallelism, Wan variant)
+    "wan_before_phi": (dict(wan_rope="before_phi"), False, "t2v"),
     "wan_after_phi_head_norm": (
         dict(wan_rope="after_phi_numerator", normalize=False, wan_head_norm=True, feature_map="relu+1e-6"),
         True,
+        "t2v",
     ),
+    "wan21_i2v": (dict(wan_rope="before_phi"), False, "i2v"),
+    "wan22_ti2v": (dict(wan_rope="before_phi"), False, "ti2v"),
+}
+VARIANTS = {  # transformer overrides of tiny_wan_transformer (a Wan2.2 A14B expert is the t2v architecture)
+    "t2v": {},
+    # Wan2.1 I2V: 36 channels in, CLIP image tokens in the cross-attention (not split: diffusers' plan)
+    "i2v": dict(in_channels=36, image_dim=8, added_kv_proj_dim=24),
+    # Wan2.2 TI2V-5B: 48 channels, one timestep per token (expand_timesteps), split with the tokens
+    "ti2v": dict(in_channels=48, out_channels=48),
 }
 LATENT_SHAPE = (2, 16, 3, 6, 12)  # token grid (3, 3, 6): 54 tokens, 27 per rank (mid-frame, mid-row)
 BLOCKS = (2, 2, 4)  # uneven on every axis
@@ -99,7 +112,7 @@ def _op_case(rank: int, normalize: bool, split_normaliser: bool) -> dict[str, fl
     return errors
 
 
-def _wan(overrides: dict, install_after: bool, parallel: bool):
+def _wan(overrides: dict, install_after: bool, parallel: bool, variant: str = "t2v"):
     """Tiny hybrid Wan (3 layers, softmax in layer 0, MHLA in 1-2, CPE + gate), MHLA parameters moved off
     their init; identical on every rank and in both runs (all weights from fixed seeds)."""
     from diffusers import ContextParallelConfig
@@ -108,7 +121,7 @@ def _wan(overrides: dict, install_after: bool, parallel: bool):
     from mhla_gen.testing_wan import tiny_wan_transformer
 
     cfg = MHLAConfig(blocks=BLOCKS, layers=[1, 2], cpe_kernel=3, gate=True, **overrides)
-    model = tiny_wan_transformer(seed=0)
+    model = tiny_wan_transformer(seed=0, **VARIANTS[variant])
     if parallel and install_after:
         _enable_parallelism(model, ContextParallelConfig(ulysses_degree=WORLD))
     install_mhla(model, cfg)
@@ -132,35 +145,53 @@ def _enable_parallelism(model, config) -> None:
         model.enable_parallelism(config=config)
 
 
-def _run_wan(model, latent, text, weight) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _run_wan(model, latent, conditioning: dict, weight) -> tuple[torch.Tensor, torch.Tensor, dict]:
     latent = latent.clone().requires_grad_()
-    out = model(latent, torch.tensor([300, 700]), text, return_dict=False)[0]  # as the pipelines call it
+    out = model(latent, **conditioning, return_dict=False)[0]  # as the pipelines call it
     (out * weight).sum().backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return out.detach(), latent.grad, grads
 
 
-def _model_case(rank: int, overrides: dict, install_after: bool) -> dict[str, float]:
+def _conditioning(variant: str, g: torch.Generator) -> dict:
+    """Timestep and text (I2V: 512 text tokens, as its cross-attention assumes, and 5 CLIP tokens; TI2V: one
+    timestep per token, the first latent frame clean)."""
+    from mhla_gen.testing_wan import TEXT_DIM
+
+    batch, tokens = LATENT_SHAPE[0], 54
+    text = torch.randn(batch, 512 if variant == "i2v" else 7, TEXT_DIM, generator=g)
+    conditioning = dict(timestep=torch.tensor([300, 700]), encoder_hidden_states=text)
+    if variant == "i2v":
+        conditioning["encoder_hidden_states_image"] = torch.randn(batch, 5, 8, generator=g)
+    if variant == "ti2v":
+        timestep = torch.tensor([[300.0], [700.0]]).expand(batch, tokens).clone()
+        timestep[:, :18] = 0.0  # the first latent frame (3 x 6 tokens) kept clean
+        conditioning["timestep"] = timestep
+    return conditioning
+
+
+def _model_case(rank: int, overrides: dict, install_after: bool, variant: str) -> dict[str, float]:
     import torch.distributed as dist
 
     from mhla_gen.install import mhla_processors
-    from mhla_gen.testing_wan import TEXT_DIM
 
     g = torch.Generator().manual_seed(2)
-    latent = torch.randn(LATENT_SHAPE, generator=g)
-    text = torch.randn(LATENT_SHAPE[0], 7, TEXT_DIM, generator=g)
-    weight = torch.randn(LATENT_SHAPE, generator=g)
+    channels = dict(t2v=16, i2v=36, ti2v=48)[variant]
+    latent = torch.randn(LATENT_SHAPE[0], channels, *LATENT_SHAPE[2:], generator=g)
+    conditioning = _conditioning(variant, g)
+    out_shape = (LATENT_SHAPE[0], 48 if variant == "ti2v" else 16, *LATENT_SHAPE[2:])
+    weight = torch.randn(out_shape, generator=g)
 
     expected, expected_latent_grad, expected_grads = _run_wan(
-        _wan(overrides, install_after, False), latent, text, weight
+        _wan(overrides, install_after, False, variant), latent, conditioning, weight
     )
 
-    model = _wan(overrides, install_after, True)
+    model = _wan(overrides, install_after, True, variant)
     processors = list(mhla_processors(model).values())
     assert len(processors) == 2 and all(p._parallel_config is not None for p in processors)
     seen = []  # the sequence length an MHLA layer really gets: half of the 54 tokens
     model.blocks[1].attn1.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
-    out, latent_grad, grads = _run_wan(model, latent, text, weight)
+    out, latent_grad, grads = _run_wan(model, latent, conditioning, weight)
     assert seen == [27], seen
 
     def error(x, ref):  # max |x - ref|, relative to ref's largest entry once that exceeds 1
@@ -235,3 +266,11 @@ def test_communication_formulas_for_the_readme_table():
     assert mb[2]["summary_buffer"] == 2 * 12 * 150 * 128 * 129 * 4  # B H M d (d+1) fp32
     table = {p: [round(v[k] / 1e6) for k in ("mhla", "mhla_cpe", "ulysses", "ring")] for p, v in mb.items()}
     assert table == {2: [238, 101, 201, 201], 4: [357, 151, 151, 302], 8: [416, 176, 88, 352]}
+
+
+def test_which_bases_have_a_context_parallel_plan():
+    """The record answers from diffusers' ``_cp_plan``: Wan (T2V, Wan2.2 experts, TI2V) and Wan I2V have
+    one; DiT, SANA and SANA-Video (diffusers 0.42) have none, so they run unsharded."""
+    from mhla_gen.bases import BASES
+
+    assert {name for name, base in BASES.items() if base.context_parallel} == {"wan", "wan-i2v"}

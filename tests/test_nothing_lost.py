@@ -630,7 +630,7 @@ def test_bench_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkey
 # --------------------------------------------------------------- 8. every entry point, writer and input
 ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/marks what it writes
     "scripts/train_dit.py": "train", "scripts/finetune_sana.py": "train", "scripts/finetune_wan.py": "train",
-    "scripts/finetune_sana_video.py": "train",
+    "scripts/finetune_sana_video.py": "train", "scripts/finetune_wan_i2v.py": "train",
     "scripts/linearize.py": "train", "scripts/sample.py": "check_apart", "scripts/extract_latents.py":
     "check_cache_target", "scripts/convert_wan_mhla.py": "check_apart", "scripts/diffusers_model_tests.py":
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
@@ -670,7 +670,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
         assert "fnmatch" not in source, f"{rel}: no deletion or ownership by pattern"
 
 
-@pytest.mark.parametrize("base", ["dit", "sana", "wan", "sana-video", "linearize"])
+@pytest.mark.parametrize("base", ["dit", "sana", "wan", "sana-video", "wan-i2v", "linearize"])
 def test_every_input_setting_is_checked_apart_and_recorded(base):
     """Every path-like setting of every run config is an input the task reports (TrainTask.inputs):
     the loop checks output_dir against it and records it resolved in the run's marker."""
@@ -698,7 +698,7 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
         for part in parts[:-1]:
             target = getattr(target, part)
         setattr(target, parts[-1], f"/nonexistent/{setting}")
-    cfg.data.source = "teacher" if base in ("sana", "wan", "sana-video") else "latents"
+    cfg.data.source = "teacher" if base in ("sana", "wan", "sana-video", "wan-i2v") else "latents"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
     task = TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)

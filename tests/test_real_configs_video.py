@@ -22,6 +22,8 @@ CASES = {
     "Wan2.2-TI2V-5B": ((48, 31, 44, 80), (31, 22, 40), (4.9, 5.1)),
     # 480x832, 81 frames; 36 channels = 16 noise + 16 image latent + 4 mask
     "Wan2.1-I2V-14B-480P": ((36, 21, 60, 104), (21, 30, 52), (16.3, 16.5)),
+    # 720x1280, 81 frames; 36 channels as Wan2.1 I2V, no CLIP image features
+    "Wan2.2-I2V-A14B": ((36, 21, 90, 160), (21, 45, 80), (14.2, 14.4)),
     # 480x832, 81 frames; Wan VAE
     "SANA-Video-2B-480p": ((16, 21, 60, 104), (21, 30, 52), (2.0, 2.1)),
 }
@@ -60,12 +62,33 @@ def _forward_on_meta(name: str, mhla: MHLAConfig, used_grids) -> torch.nn.Module
     return model
 
 
-@pytest.mark.parametrize("name", ["Wan2.2-TI2V-5B", "Wan2.1-I2V-14B-480P", "SANA-Video-2B-480p"])
+@pytest.mark.parametrize(
+    "name", ["Wan2.2-TI2V-5B", "Wan2.1-I2V-14B-480P", "Wan2.2-I2V-A14B", "SANA-Video-2B-480p"]
+)
 def test_real_config_forward_on_meta(name, used_grids):
     model = _forward_on_meta(name, MHLAConfig(blocks=BLOCKS), used_grids)
     assert len(mhla_processors(model)) == REAL_CONFIGS[name][1]["num_layers"]
     if name.startswith("Wan"):  # the image / text cross-attention stays stock
         assert not any("attn2" in key for key in mhla_processors(model))
+
+
+RECORDS = {  # the base record each full-size config reads as (mhla_gen.bases: first match wins)
+    "Wan2.2-T2V-A14B": "wan",
+    "Wan2.2-TI2V-5B": "wan",  # one transformer for its text and image pipelines
+    "Wan2.1-I2V-14B-480P": "wan-i2v",
+    "Wan2.2-I2V-A14B": "wan-i2v",
+    "SANA-Video-2B-480p": "sana-video",
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_real_config_reads_as_its_base_record(name):
+    from mhla_gen.bases import base_for_class_name, base_for_model
+
+    cls, cfg = REAL_CONFIGS[name]
+    assert base_for_class_name(cls.__name__, cfg).name == RECORDS[name]
+    with META:
+        assert base_for_model(cls(**cfg)).name == RECORDS[name]
 
 
 def test_a14b_experts_each_with_their_own_hybrid_layers_on_meta(used_grids):

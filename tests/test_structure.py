@@ -145,7 +145,7 @@ def test_a_transformer_subclass_finds_its_base():
 def test_lookups_name_what_is_supported():
     import torch
 
-    supported = r"\['dit', 'sana', 'sana-video', 'wan'\]"
+    supported = r"\['dit', 'sana', 'sana-video', 'wan', 'wan-i2v'\]"
     with pytest.raises(ValueError, match=rf"unknown base 'unet'; supported bases: {supported}"):
         base_for("unet")
     with pytest.raises(ValueError, match="MHLA does not support Linear"):

@@ -72,3 +72,23 @@ def test_bad_settings_fail_before_any_work(sana_video_setup, tmp_path, overrides
     with pytest.raises(ConfigError, match=message):
         run_inprocess("finetune_sana_video.py", *_common(sana_video_setup, tmp_path / "run"), *overrides)
     assert not (tmp_path / "run").exists()
+
+
+def test_converter_config_starts_exactly_at_the_checkpoint():
+    """The record's stage-1 config for the real model (``configs/linearize/sana-video_2b_480p.yaml``): blocks
+    that fit the 480p grid (21, 30, 52), uniform mixing and SANA-Video's eps over M, the exact start the test
+    above checks at M = 4."""
+    import math
+
+    from mhla_gen.bases import base_for
+    from mhla_gen.processors.sana_video import SANA_VIDEO_EPS
+    from mhla_gen.train.config import load_config
+    from mhla_gen.train.linearize import stage1_schema
+
+    base = base_for("sana-video")
+    cfg = load_config(stage1_schema(base), REPO / base.converter_config)
+    blocks = cfg.mhla.blocks
+    assert all(b <= g for b, g in zip(blocks, (21, 30, 52))) and len(blocks) == 3
+    assert cfg.mhla.mixing_init == "uniform"
+    assert cfg.mhla.eps == SANA_VIDEO_EPS / math.prod(blocks)
+    assert (cfg.data.height, cfg.data.width, cfg.data.num_frames) == (480, 832, 81)

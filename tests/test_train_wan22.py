@@ -3,6 +3,8 @@ expert trains on its own side of ``boundary_ratio``; the two runs' folders sampl
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,34 @@ def test_second_expert_of_a_one_transformer_pipeline_is_refused(a14b_setup, tmp_
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="model.expert must be transformer or transformer_2"):
         run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / "run", "transformer_3"))
+
+
+def test_teacher_data_of_either_expert_comes_from_the_whole_stock_pipeline(a14b_setup, tmp_path, monkeypatch):
+    """data.source=teacher in a run of one expert: the teacher videos are sampled by the stock two-expert
+    pipeline (each expert in its own slot, both called on their own noise ranges), whichever expert the run
+    trains; the two runs' fingerprints agree, so they may share the data."""
+    from mhla_gen.train.finetune import WanTask
+
+    stock = {name: load_transformer(a14b_setup / "ckpt" / name) for name in ("transformer", "transformer_2")}
+    seen, original = [], WanTask.teacher_sample
+
+    def spy(self, pipe, prompt, seed):
+        for name, model in stock.items():  # the slot holds that expert's own stock weights
+            seen.append((name, torch.equal(getattr(pipe, name).blocks[0].ffn.net[2].weight,
+                                           model.blocks[0].ffn.net[2].weight)))
+        assert pipe.config.boundary_ratio == WAN22_T2V_BOUNDARY
+        return original(self, pipe, prompt, seed)
+
+    monkeypatch.setattr(WanTask, "teacher_sample", spy)
+    (tmp_path / "prompts.txt").write_text("a cat runs\n")
+    meta = {}
+    for expert in ("transformer", "transformer_2"):
+        seen.clear()
+        data = tmp_path / f"teacher_{expert}"
+        prompts = f"data.prompts_file={tmp_path / 'prompts.txt'}"
+        teacher = ["data.source=teacher", f"data.path={data}", prompts, "data.teacher_samples=2"]
+        run_inprocess("finetune_wan.py", *_common(a14b_setup, tmp_path / expert, expert), *teacher,
+                      "train.max_steps=1", "log.sample_every=0")
+        assert seen == [("transformer", True), ("transformer_2", True)] * 2, (expert, seen)
+        meta[expert] = json.loads((data / "meta.json").read_text())["fingerprint"]
+    assert meta["transformer"] == meta["transformer_2"] and meta["transformer"]["experts"] == "both, stock"

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import dit, sana, sana_video, wan
+from . import dit, sana, sana_video, wan, wan_i2v
 from .record import Base, Ref, TokenGrid
 
-BASES: dict[str, Base] = {base.name: base for base in (dit.BASE, sana.BASE, wan.BASE, sana_video.BASE)}
+RECORDS = (dit.BASE, sana.BASE, wan_i2v.BASE, wan.BASE, sana_video.BASE)  # more specific records first
+BASES: dict[str, Base] = {base.name: base for base in RECORDS}
 """Every supported base, by name; where several share a transformer class, the first listed that
 ``matches`` a model's config answers for it."""
 

@@ -107,8 +107,20 @@ class Base:
         return self.grid.ndim == 3
 
     @property
+    def context_parallel(self) -> bool:
+        """Whether the transformer class has a diffusers context-parallel plan (``_cp_plan``), so that
+        ``enable_parallelism`` shards its tokens and MHLA all-reduces its summaries (``mhla_gen.parallel``).
+        diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V, I2V, both Wan2.2 experts) has one."""
+        return getattr(self.transformer_class, "_cp_plan", None) is not None
+
+    @property
     def class_conditional(self) -> bool:
         return self.conditioning == "labels"
+
+    @property
+    def image_conditioned(self) -> bool:
+        """Whether each sample needs an image next to its prompt (``captions+image``: image-to-video)."""
+        return self.conditioning == "captions+image"
 
     @property
     def sample_suffix(self) -> str:

@@ -155,8 +155,8 @@ def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = No
                    labels: torch.Tensor | None = None, seed: int = 0) -> dict:
     """Forward kwargs for a DiT / SANA / Wan transformer: noised latents at ``timestep`` (DDPM linear
     schedule, as DiT trains) from ``images`` ``(B, C, S, S)`` in [-1, 1] when given, else pure noise;
-    class labels (DiT) or random caption embeddings (SANA, Wan). ``size`` defaults to the model's
-    ``sample_size``; ``frames`` is the latent frame count for Wan."""
+    class labels (DiT) or random caption embeddings (SANA, Wan; Wan2.1 I2V: 512 text tokens and 5 image
+    tokens). ``size`` defaults to the model's ``sample_size``; ``frames``: latent frames of video models."""
     from diffusers import DDPMScheduler
 
     gen = torch.Generator().manual_seed(seed)
@@ -175,5 +175,11 @@ def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = No
             labels = torch.arange(batch) % min(cfg.num_embeds_ada_norm, 10)
         labels = labels[:batch].to(param.device)
         return {"hidden_states": x, "timestep": t.to(param.device), "class_labels": labels}
-    text = torch.randn(batch, 8, cfg[base.text_dim], generator=gen).to(param.device, param.dtype)
-    return {"hidden_states": x, "encoder_hidden_states": text, "timestep": t.to(param.device, param.dtype)}
+    image_dim = cfg.get("image_dim")  # Wan2.1 I2V: CLIP image tokens next to exactly 512 text tokens
+    text = torch.randn(batch, 512 if image_dim else 8, cfg[base.text_dim], generator=gen)
+    inputs = {"hidden_states": x, "encoder_hidden_states": text.to(param.device, param.dtype),
+              "timestep": t.to(param.device, param.dtype)}
+    if image_dim:
+        image = torch.randn(batch, 5, image_dim, generator=gen)
+        inputs["encoder_hidden_states_image"] = image.to(param.device, param.dtype)
+    return inputs

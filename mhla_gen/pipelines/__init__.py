@@ -124,6 +124,11 @@ class PipelineSampler:
         """Refuse conditions the loaded model cannot sample (ValueError naming them); nothing by default."""
 
     @classmethod
+    def check_settings(cls, transformer_config: dict, settings: SampleSettings) -> None:
+        """Refuse settings the model cannot sample, from its transformer's ``config.json`` alone (before
+        anything is loaded or written; ConfigError naming the setting); nothing by default."""
+
+    @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
         """``settings`` with the base's default size filled in, checked against the model (ConfigError)."""
         return settings

@@ -161,3 +161,50 @@ class WanSampler(PipelineSampler):
                     height=settings.height, width=settings.width, num_inference_steps=settings.steps,
                     guidance_scale=settings.guidance, generator=generator, **optional,
                     **settings.extra).frames
+
+
+I2V_TEXT_TOKENS = 512  # diffusers' Wan I2V cross-attention splits image from text tokens at 512 text tokens
+
+
+class WanI2VSampler(WanSampler):
+    """``WanImageToVideoPipeline``: ``(prompt, image)`` pairs (an image path or a PIL image), one video each,
+    whose first frame is the image; sizes and frames as :class:`WanSampler`."""
+
+    @classmethod
+    def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
+        return load_wan_i2v_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """As :meth:`WanSampler.fit_size`, and :meth:`check_settings`."""
+        cls.check_settings(dict(pipe.transformer.config), settings)
+        return super().fit_size(pipe, settings)
+
+    @classmethod
+    def check_settings(cls, transformer_config: dict, settings: SampleSettings) -> None:
+        """A model with CLIP image features (Wan2.1 I2V) takes exactly 512 text tokens
+        (``max_sequence_length`` None: the pipeline's 512)."""
+        image_dim, length = transformer_config.get("image_dim"), settings.max_sequence_length
+        if image_dim is not None and length not in (None, I2V_TEXT_TOKENS):
+            raise ConfigError(f"max_sequence_length={length}: this Wan I2V model (CLIP image features, "
+                              f"image_dim={image_dim}) takes exactly {I2V_TEXT_TOKENS} text tokens; set it "
+                              f"to {I2V_TEXT_TOKENS}")
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings):
+        """One pipeline call per ``(prompt, image)`` pair (diffusers' I2V pipeline repeats one image's
+        features over a batch); ``generator``: one for all, or one per pair. Returns the videos."""
+        from .conditions import open_image
+
+        cls.check_settings(dict(pipe.transformer.config), settings)
+        generators = generator if isinstance(generator, list) else [generator] * len(conditions)
+        optional = settings.optional(num_frames="frames", max_sequence_length="max_sequence_length",
+                                     output_type="output_type")
+        videos = []
+        for (prompt, image), gen in zip(conditions, generators, strict=True):
+            videos += list(pipe(image=open_image(image), prompt=[prompt],
+                                negative_prompt=settings.negative_prompt, height=settings.height,
+                                width=settings.width, num_inference_steps=settings.steps,
+                                guidance_scale=settings.guidance, generator=gen, **optional,
+                                **settings.extra).frames)
+        return videos

@@ -69,12 +69,19 @@ class CaptionTeacherSource(CaptionSource):
         return self.data.teacher_samples
 
     def prepare(self, device) -> None:
-        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own transformer and
-        stock pipeline, sampled by the task's ``teacher_sample``) into ``data.path``, resumable
-        (:func:`write_teacher_captioned`)."""
+        """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own stock pipeline,
+        sampled by the task's ``teacher_sample``) into ``data.path``, resumable
+        (:func:`write_teacher_captioned`).
+
+        A Wan2.2 A14B run of one expert (``model.expert``) samples with the whole two-expert pipeline too:
+        the data are clean videos ``x0``, and an expert's flow-matching targets on its own noise range are
+        built from ``x0`` of the distribution the pipeline models, which only both experts together sample
+        (one expert alone never learnt the other noise range). The run's own expert is loaded from its own
+        subfolder into its own slot; the frozen pipeline holds the other (stock). So both experts' runs
+        draw the same data, and may share one ``data.path``."""
         task, d, m = self.task, self.data, self.task.cfg.model
         teacher = task.transformer_cls.from_pretrained(
-            m.pretrained, subfolder="transformer", revision=m.revision, dtype=getattr(torch, m.dtype)
+            m.pretrained, subfolder=m.expert, revision=m.revision, dtype=getattr(torch, m.dtype)
         )
         pipe = task.pipeline(teacher.to(device))
         fingerprint = {
@@ -83,6 +90,8 @@ class CaptionTeacherSource(CaptionSource):
             "steps": task.cfg.log.sample_steps, "guidance": task.cfg.log.guidance_scale,
             "seed": task.cfg.seed,
         }
+        if pipe.config.get("boundary_ratio") is not None:  # folders of before the fix: a transformer_2 run
+            fingerprint["experts"] = "both, stock"  # sampled with the high-noise expert in both slots
         sample = lambda prompt, i: task.teacher_sample(pipe, prompt, task.cfg.seed * 100_003 + i)
         write_teacher_captioned(sample, task.save_sample, d.path, fingerprint["prompts"], d.teacher_samples,
                                 task.suffix, fingerprint)
