@@ -519,7 +519,7 @@ import os, time
 import torch.distributed as dist
 die_with_launcher()  # as the ranks of eval/generate.py and of the training scripts do
 dist.init_process_group("gloo")
-print(f"rank {os.getpid()} of {dist.get_world_size()}", flush=True)
+os.write(1, f"rank {os.getpid()} of {dist.get_world_size()}\\n".encode())  # one write: lines never interleave
 time.sleep(60)
 """
 LAUNCHING_PARENT = LOCKS_ALONE + """
