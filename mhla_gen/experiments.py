@@ -30,7 +30,9 @@ import logging
 import math
 import multiprocessing
 import os
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,15 +274,21 @@ def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool) -
 
 
 def _map(fn, jobs: list[Job], workers: int) -> None:
-    """``fn(job)`` for every job, ``workers`` at a time in fresh processes (in this one when 1)."""
+    """``fn(job)`` for every job, ``workers`` at a time in fresh processes (in this one when 1).
+
+    ``concurrent.futures`` rather than ``multiprocessing.Pool``: a Pool whose worker dies or whose
+    replacement worker fails to start waits forever (seen: a study idle for an hour after its last run),
+    where an executor raises ``BrokenProcessPool`` and the command stops with the reason."""
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             fn(job)
         return
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}  # one process per job
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with context.Pool(workers, initializer=_worker_init, initargs=(os.getpid(),), maxtasksperchild=1) as pool:
-        for _ in pool.imap_unordered(fn, jobs):
-            pass
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                             initargs=(os.getpid(),), **fresh) as pool:
+        for future in as_completed([pool.submit(fn, job) for job in jobs]):
+            future.result()  # a failed run stops the study (its finished runs are kept: resumable)
 
 
 def _worker_init(parent: int | None = None) -> None:

@@ -149,3 +149,29 @@ def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="--arms"):
             study.main(["--smoke", "--arms", *arms, "--out", str(tmp_path / "b")])
     assert not (tmp_path / "b").exists()
+
+
+def _record_pid(path):
+    import os
+
+    Path(path).write_text(str(os.getpid()))
+
+
+def _die(path):
+    import os
+
+    os._exit(3)  # a worker killed mid-run (OOM killer, a segfault)
+
+
+def test_parallel_runner_runs_each_job_in_a_fresh_process_and_stops_on_a_dead_worker(tmp_path):
+    """experiments._map with 2 workers: every job runs (each in its own process on Python >= 3.11), and a
+    worker that dies makes the study stop with an error instead of waiting forever (multiprocessing.Pool
+    hung there)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    files = [tmp_path / f"job{i}" for i in range(2)]
+    experiments._map(_record_pid, files, 2)
+    pids = {f.read_text() for f in files}
+    assert len(pids) == (2 if sys.version_info >= (3, 11) else len(pids))
+    with pytest.raises(BrokenProcessPool):
+        experiments._map(_die, files, 2)
