@@ -28,6 +28,11 @@ from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, sea
 TRANSFORMERS = ("DiTTransformer2DModel", "SanaTransformer2DModel", "WanTransformer3DModel")
 
 
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article (``an evaluation sample set``, ``a study``)."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
 def _stock_name(class_name):
     """``MHLADiTTransformer2DModel`` (an ``install_mhla``-ed model, mhla_gen.models) -> its stock name;
     by the naming rule, so that adopting imports no model code."""
@@ -400,12 +405,12 @@ def adopt(folder: str | Path, kind: str, show: Callable[[str], None] = print) ->
     entries = content(folder)
     if not entries:
         raise ConfigError(f"{str(folder)!r} is empty: nothing to adopt (commands use empty folders)")
-    show(f"{folder}: claiming as a {KINDS[kind]} folder: {', '.join(entries)}")
+    show(f"{folder}: claiming as {_a(KINDS[kind])} folder: {', '.join(entries)}")
     try:
         marks = PROOFS[kind](folder) or []
     except Misfit as err:
-        what = f"holds entries a {KINDS[kind]} folder does not" if err.present else \
-            f"is not a {KINDS[kind]} folder of mhla_gen"
+        what = f"holds entries {_a(KINDS[kind])} folder does not" if err.present else \
+            f"is not {_a(KINDS[kind])} folder of mhla_gen"
         raise ConfigError(f"{str(folder)!r} {what} (first: {err}); not adopted, nothing changed") from None
     for sub, sub_kind in [*marks, (folder, kind)]:
         if read_marker(sub) is None:
