@@ -25,13 +25,14 @@ from .cli import run
 from .errors import ConfigError
 from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
 
-TRANSFORMERS = ("DiTTransformer2DModel", "SanaTransformer2DModel", "WanTransformer3DModel")
-
+TRANSFORMERS = ("DiTTransformer2DModel", "SanaTransformer2DModel", "WanTransformer3DModel",
+                "SanaVideoTransformer3DModel")
 
 
 def _a(noun: str) -> str:
     """``noun`` with its indefinite article (``an evaluation sample set``, ``a study``)."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
 
 def _stock_name(class_name):
     """``MHLADiTTransformer2DModel`` (an ``install_mhla``-ed model, mhla_gen.models) -> its stock name;

@@ -175,3 +175,12 @@ def test_training_classes_stay_readable():
     lengths = class_lengths(PACKAGE / "train")
     assert lengths["dit.py:DiTTask"] > 100  # the measure sees the classes
     assert {name: n for name, n in lengths.items() if n > 300} == {}
+
+
+def test_adopt_knows_every_bases_transformer_without_importing_it():
+    """``adopt model`` names the supported transformers as strings (it loads no model code): every
+    base's transformer class must be among them."""
+    from mhla_gen import adopt
+    from mhla_gen.bases import BASES
+
+    assert {base.transformer_class.__name__ for base in BASES.values()} <= set(adopt.TRANSFORMERS)
