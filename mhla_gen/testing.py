@@ -178,3 +178,30 @@ def sana_forward(model, size: int = 8, batch: int = 2, seed: int = 0) -> torch.T
     text = torch.randn(batch, 3, model.config.caption_channels, generator=g)
     x, text = x.to(model.dtype), text.to(model.dtype)
     return model(x, encoder_hidden_states=text, timestep=torch.arange(batch) * 100.0).sample
+
+
+OFFLOAD_MODES = ("cpu_offload", "group_leaf_disk", "group_block_disk")
+
+
+def offload(model: torch.nn.Module, mode: str, folder) -> None:
+    """Offload ``model`` in place the way the offloading tests do: ``cpu_offload`` (accelerate: weights on
+    the meta device between calls) or diffusers' group offloading to disk under ``folder``, leaf- or
+    block-level (``group_leaf_disk`` / ``group_block_disk``: weights replaced by empty tensors between
+    calls)."""
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"offload mode must be one of {OFFLOAD_MODES}, got {mode!r}")
+    if mode == "cpu_offload":
+        from accelerate import cpu_offload
+
+        cpu_offload(model, execution_device=torch.device("cpu"))
+        return
+    from diffusers.hooks import apply_group_offloading
+
+    apply_group_offloading(
+        model,
+        onload_device=torch.device("cpu"),
+        offload_device=torch.device("cpu"),
+        offload_type=mode.split("_")[1] + "_level",
+        num_blocks_per_group=1 if "block" in mode else None,
+        offload_to_disk_path=str(folder),
+    )

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate import cpu_offload
-from diffusers.hooks import apply_group_offloading
 from diffusers.models.transformers.transformer_sana_video import (
     SanaAttnProcessor2_0,
     SanaLinearAttnProcessor3_0,
@@ -17,6 +15,7 @@ from mhla_gen import BlockLayout, MHLAConfig, install_mhla, load_transformer, mh
 from mhla_gen.install import mhla_processors
 from mhla_gen.processors.sana_video import SANA_VIDEO_EPS, SanaVideoMHLAProcessor, video_token_grid
 from mhla_gen.serialization import load_mhla_parameters, save_mhla_parameters
+from mhla_gen.testing import OFFLOAD_MODES, offload
 from mhla_gen.testing_video import tiny_sana_video, tiny_sana_video_pipeline
 
 BLOCKS = (2, 2, 3)  # on the token grid (3, 3, 5): every axis splits unevenly
@@ -230,25 +229,16 @@ def test_torch_export_matches_eager():
     assert len(nodes) == 2 * len(model.transformer_blocks)
 
 
-@pytest.mark.parametrize("mode", ["cpu_offload", "group_leaf_disk", "group_block_disk"])
+@pytest.mark.parametrize("mode", OFFLOAD_MODES)
 def test_offloading_is_exact(mode, tmp_path):
     """accelerate's cpu_offload (weights on meta between calls) and diffusers' group offloading to disk
     (weights replaced by empty tensors between calls): MHLA parameters are read through module calls."""
     model = _model(MHLAConfig(blocks=BLOCKS, cpe_kernel=3, gate=True))
     inputs = _inputs()
     reference = _run(model, inputs)
+    offload(model, mode, tmp_path)
     if mode == "cpu_offload":
-        cpu_offload(model, execution_device=torch.device("cpu"))
         assert next(iter(mhla_processors(model).values())).mixing.weight.device.type == "meta"
-    else:
-        apply_group_offloading(
-            model,
-            onload_device=torch.device("cpu"),
-            offload_device=torch.device("cpu"),
-            offload_type=mode.split("_")[1] + "_level",
-            num_blocks_per_group=1 if "block" in mode else None,
-            offload_to_disk_path=str(tmp_path),
-        )
     assert torch.equal(_run(model, inputs), reference)
     assert torch.equal(_run(model, inputs), reference)
 

@@ -13,9 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from accelerate import cpu_offload
 from diffusers import DiffusionPipeline, WanImageToVideoPipeline
-from diffusers.hooks import apply_group_offloading
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from PIL import Image
 from test_compile import assert_same_results, forward_backward
@@ -28,6 +26,7 @@ from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.wan import WanI2VSampler
 from mhla_gen.processors.wan import WanMHLAProcessor, wan_token_grid
+from mhla_gen.testing import OFFLOAD_MODES, offload
 from mhla_gen.testing_video import (
     REAL_CONFIGS,
     WAN22_I2V_BOUNDARY,
@@ -167,24 +166,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(variant):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("mode", ["cpu_offload", "group_leaf_disk", "group_block_disk"])
+@pytest.mark.parametrize("mode", OFFLOAD_MODES)
 def test_offloading_is_exact(mode, tmp_path):
     """accelerate's cpu_offload and diffusers' group offloading of the Wan2.1 I2V model (its image
     embedder and added K/V projections included) give the same output bit for bit."""
     model, inputs = _model("wan21"), _inputs("wan21")
     reference = _run(model, inputs)
+    offload(model, mode, tmp_path)
     if mode == "cpu_offload":
-        cpu_offload(model, execution_device=torch.device("cpu"))
         assert next(iter(mhla_processors(model).values())).mixing.weight.device.type == "meta"
-    else:
-        apply_group_offloading(
-            model,
-            onload_device=torch.device("cpu"),
-            offload_device=torch.device("cpu"),
-            offload_type=mode.split("_")[1] + "_level",
-            num_blocks_per_group=1 if "block" in mode else None,
-            offload_to_disk_path=str(tmp_path),
-        )
     assert torch.equal(_run(model, inputs), reference)
     assert torch.equal(_run(model, inputs), reference)
 
