@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess, run_killed
+from train_helpers import (
+    REPO,
+    final_weights,
+    max_abs_diff,
+    read_metrics,
+    run_inprocess,
+    run_killed,
+    write_captioned_videos,
+)
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer
 from mhla_gen.errors import ConfigError
@@ -134,17 +142,10 @@ def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sa
 
 
 def test_wan_stage1_hybrid_with_cpe(tmp_path):
-    import imageio.v3 as iio
-
     from mhla_gen.testing_wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "data").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(["a cat runs", "a dog swims"]):
-        frames = rng.integers(0, 255, (6, 40, 48, 3), dtype=np.uint8)
-        iio.imwrite(tmp_path / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
-        (tmp_path / "data" / f"{i}.txt").write_text(caption)
+    write_captioned_videos(tmp_path / "data")
     linearize("--base", "wan", "--config", TINY["wan"], f"model.pretrained={tmp_path / 'ckpt'}",
               f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 's1'}", "train.max_steps=2",
               "mhla.layers=null", "mhla.cpe_kernel=3", "hybrid.softmax_layers=auto:1",

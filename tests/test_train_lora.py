@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import REPO, read_metrics, run_inprocess
+from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
 from mhla_gen.folders import MARKER
 from mhla_gen.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
@@ -43,18 +43,11 @@ def sana_setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wan_setup(tmp_path_factory):
-    import imageio.v3 as iio
-
     from mhla_gen.testing_wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan_lora")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")
-    (root / "data").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(["a cat runs", "a dog swims"]):
-        frames = rng.integers(0, 255, (6, 32, 32, 3), dtype=np.uint8)
-        iio.imwrite(root / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
-        (root / "data" / f"{i}.txt").write_text(caption)
+    write_captioned_videos(root / "data", height=32, width=32)
     return root
 
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from train_helpers import REPO, read_metrics, run_inprocess
+from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
 from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
@@ -18,18 +18,11 @@ M = 4  # blocks (1, 2, 2)
 
 @pytest.fixture(scope="module")
 def sana_video_setup(tmp_path_factory):
-    import imageio.v3 as iio
-
     from mhla_gen.testing_video import tiny_sana_video_pipeline
 
     root = tmp_path_factory.mktemp("sana_video")
     tiny_sana_video_pipeline().save_pretrained(root / "ckpt")
-    (root / "data").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(["a cat runs", "a dog swims"]):
-        frames = rng.integers(0, 255, (6, 40, 72, 3), dtype=np.uint8)
-        iio.imwrite(root / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
-        (root / "data" / f"{i}.txt").write_text(caption)
+    write_captioned_videos(root / "data", width=72)
     return root
 
 

@@ -4,28 +4,27 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from safetensors.torch import load_file
-from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess
+from train_helpers import (
+    REPO,
+    final_weights,
+    max_abs_diff,
+    read_metrics,
+    run_inprocess,
+    write_captioned_videos,
+)
 
 TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")
 def wan_setup(tmp_path_factory):
-    import imageio.v3 as iio
-
     from mhla_gen.testing_wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")
-    (root / "data").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(["a cat runs", "a dog swims"]):
-        frames = rng.integers(0, 255, (6, 40, 48, 3), dtype=np.uint8)
-        iio.imwrite(root / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
-        (root / "data" / f"{i}.txt").write_text(caption)
+    write_captioned_videos(root / "data")
     (root / "data" / "bad.mp4").write_bytes(b"\x00not a video")
     (root / "data" / "bad.txt").write_text("a bird flies")
     return root

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from train_helpers import REPO, read_metrics, run_inprocess
+from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
 from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
@@ -18,19 +18,12 @@ TINY = str(REPO / "configs" / "tiny" / "wan.yaml")  # 5 frames 32x32: latent (2,
 
 @pytest.fixture(scope="module")
 def i2v_setup(tmp_path_factory):
-    import imageio.v3 as iio
-
     from mhla_gen.testing_video import tiny_wan22_i2v_pipeline, tiny_wan_i2v_pipeline
 
     root = tmp_path_factory.mktemp("wan_i2v_train")
     tiny_wan22_i2v_pipeline().save_pretrained(root / "wan22")
     tiny_wan_i2v_pipeline().save_pretrained(root / "wan21")
-    (root / "data").mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(["a cat runs", "a dog swims"]):
-        frames = rng.integers(0, 255, (6, 40, 48, 3), dtype=np.uint8)
-        iio.imwrite(root / "data" / f"{i}.mp4", frames, fps=8, codec="libx264", plugin="pyav")
-        (root / "data" / f"{i}.txt").write_text(caption)
+    write_captioned_videos(root / "data")
     return root
 
 

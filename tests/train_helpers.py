@@ -92,3 +92,18 @@ def run_fsdp(script: str, *args: str, nproc: int = 2, timeout: int = 300):
     cmd += [str(REPO / "tests" / "fsdp_on_cpu.py"), str(launch_config), script]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
     return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_captioned_videos(folder: Path, height: int = 40, width: int = 48, frames: int = 6) -> Path:
+    """``folder/0.mp4``, ``1.mp4`` (random uint8 frames, seed 0, 8 fps) with ``0.txt`` / ``1.txt``
+    captions "a cat runs" / "a dog swims": the captioned-video data set of the Wan / SANA-Video tests."""
+    import imageio.v3 as iio
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i, caption in enumerate(["a cat runs", "a dog swims"]):
+        video = rng.integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
+        iio.imwrite(folder / f"{i}.mp4", video, fps=8, codec="libx264", plugin="pyav")
+        (folder / f"{i}.txt").write_text(caption)
+    return folder
