@@ -176,3 +176,19 @@ def test_loading_a_float32_transformer_as_float32_casts_nothing(tmp_path, dit_pi
     assert not [r for r in records if "kept in float32" in r.getMessage()]
     assert load_dit_pipeline(folder, torch_dtype=torch.float16, transformer_path=tmp_path / "final") \
         .transformer.dtype == torch.float16
+
+
+def test_video_samplers_refuse_frames_the_vae_cannot_encode():
+    """Wan and SANA-Video: ``--frames`` must be ``4k + 1`` (the VAE's temporal factor), one clear error."""
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.pipelines import SampleSettings
+    from mhla_gen.pipelines.sana_video import SanaVideoSampler
+    from mhla_gen.pipelines.wan import WanSampler
+    from mhla_gen.testing_video import tiny_sana_video_pipeline
+    from mhla_gen.testing_wan import tiny_wan_pipeline
+
+    for sampler, pipe, size in ((WanSampler, tiny_wan_pipeline(), (32, 32)),
+                                (SanaVideoSampler, tiny_sana_video_pipeline(), (32, 64))):
+        with pytest.raises(ConfigError, match=r"--frames 6 must be 4k \+ 1"):
+            sampler.fit_size(pipe, SampleSettings(height=size[0], width=size[1], frames=6))
+        assert sampler.fit_size(pipe, SampleSettings(height=size[0], width=size[1], frames=5)).frames == 5

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
 from mhla_gen.install import CONFIG_KEY, MHLA_MODEL_CLASSES, install_mhla, is_mhla_installed, stock_class_name
 from mhla_gen.loading import load_transformer
 from mhla_gen.serialization import saved_with_mhla
@@ -92,6 +93,14 @@ class SampleSettings:
         """``{pipeline keyword: value}`` of the settings that are set, ``names`` mapping keyword -> field."""
         values = {key: getattr(self, name) for key, name in names.items()}
         return {key: value for key, value in values.items() if value is not None}
+
+
+def check_frames(settings: SampleSettings, pipe) -> None:
+    """Video pipelines: ``--frames`` must be ``k·t + 1`` for the VAE's temporal factor ``t`` (None: the
+    pipeline's default); ``ConfigError`` naming the setting otherwise."""
+    temporal = pipe.vae_scale_factor_temporal
+    if settings.frames is not None and (settings.frames - 1) % temporal:
+        raise ConfigError(f"--frames {settings.frames} must be {temporal}k + 1")
 
 
 class PipelineSampler:

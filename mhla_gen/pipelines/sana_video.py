@@ -21,7 +21,7 @@ from diffusers import SanaVideoPipeline, SanaVideoTransformer3DModel
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 
-from . import PipelineSampler, SampleSettings, load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, check_frames, load_pipeline_transformer
 
 SANA_VIDEO_DEFAULT_SIZE = (480, 832)  # SanaVideoPipeline's default height and width
 
@@ -72,8 +72,7 @@ class SanaVideoSampler(PipelineSampler):
         for name, value in (("height", height), ("width", width)):
             if value % 32:
                 raise ConfigError(f"--{name} {value} is not a multiple of 32 (SanaVideoPipeline)")
-        if settings.frames is not None and (settings.frames - 1) % pipe.vae_scale_factor_temporal:
-            raise ConfigError(f"--frames {settings.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+        check_frames(settings, pipe)
         return dataclasses.replace(settings, height=height, width=width)
 
     @classmethod

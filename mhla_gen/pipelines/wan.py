@@ -31,7 +31,7 @@ from diffusers import DiffusionPipeline, WanImageToVideoPipeline, WanPipeline, W
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 
-from . import PipelineSampler, SampleSettings, load_pipeline_transformer
+from . import PipelineSampler, SampleSettings, check_frames, load_pipeline_transformer
 
 WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
@@ -149,8 +149,7 @@ class WanSampler(PipelineSampler):
                     f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len="
                     f"{config.rope_max_seq_len}; pass a smaller --height/--width"
                 )
-        if settings.frames is not None and (settings.frames - 1) % pipe.vae_scale_factor_temporal:
-            raise ConfigError(f"--frames {settings.frames} must be {pipe.vae_scale_factor_temporal}k + 1")
+        check_frames(settings, pipe)
         return dataclasses.replace(settings, height=height, width=width)
 
     @classmethod
