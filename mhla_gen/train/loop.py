@@ -240,7 +240,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     check_world_size(accelerator)
     local_batch = local_batch_size(cfg.train, accelerator.num_processes)
     task.validate()  # everything the run uses, before any work
-    check_apart(out, "output_dir", task.inputs(), holds_ok=task.written_inside())  # never where an input is
+    inputs = task.inputs()
+    check_apart(out, "output_dir", inputs, holds_ok=task.written_inside())  # never where an input is
     check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, cfg.train.global_batch_size)
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
@@ -252,8 +253,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         torch.backends.cuda.matmul.allow_tf32 = True
     set_seed(cfg.seed)  # same on every process: identical initial weights
     if accelerator.is_main_process:
-        prepare_output_dir(out, step, recorded_inputs(task))
-        config = with_resolved_inputs(task.run_config(), task.inputs())
+        prepare_output_dir(out, step, recorded_inputs(inputs))
+        config = with_resolved_inputs(task.run_config(), inputs)
         atomic_write_text(out / "config.yaml", config_to_yaml(config))  # before step 0
         ckpt.remove_partial(out)
     accelerator.wait_for_everyone()
@@ -321,12 +322,13 @@ def check_run_folder(out: Path) -> None:
 DATA_SETTINGS = ("data.path", "data.cache_dir", "data.prompts_file")  # recorded by path, not fingerprinted
 
 
-def recorded_inputs(task: TrainTask) -> dict:
-    """``{setting: input_record}`` of the task's inputs: resolved absolute paths, models fingerprinted."""
+def recorded_inputs(inputs: dict[str, str | None]) -> dict:
+    """``{setting: input_record}`` of the task's inputs (:meth:`TrainTask.inputs`): resolved absolute paths,
+    models fingerprinted."""
     return {
         setting: ({"path": str(Path(path).expanduser().resolve())} if setting in DATA_SETTINGS
                   else input_record(path))
-        for setting, path in task.inputs().items() if path
+        for setting, path in inputs.items() if path
     }
 
 
