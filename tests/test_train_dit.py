@@ -220,6 +220,36 @@ def test_ddpm_loss_is_zero_for_the_true_posterior():
     assert loss(wrong_var, x0, xt, noise, t).item() > 1e-3
 
 
+def test_ddpm_loss_min_snr_weighting():
+    """diffusion.snr_gamma: the ε term of each sample weighted by min(SNR_t, γ) / SNR_t (Min-SNR-γ, as
+    diffusers' training examples' --snr_gamma for ε prediction); off it is the plain mean, bit for bit;
+    the variance term is not weighted."""
+    from diffusers import DDPMScheduler
+
+    from mhla_gen.train.objectives import DDPMLoss
+
+    sched = DDPMScheduler(num_train_timesteps=1000, variance_type="learned_range", clip_sample=False)
+    x0, noise = torch.rand(3, 2, 4, 4) * 2 - 1, torch.randn(3, 2, 4, 4)
+    t = torch.tensor([3, 200, 900])  # SNR above γ, near it, far below
+    xt = sched.add_noise(x0, noise, t)
+    eps = noise + 0.1 * torch.randn_like(noise)
+    per_sample = ((eps - noise) ** 2).mean(dim=(1, 2, 3))
+    snr = (sched.alphas_cumprod / (1 - sched.alphas_cumprod))[t].double()
+    weight = (snr.clamp(max=5.0) / snr).float()
+    assert weight[0] < 0.1 and weight[2] == 1.0
+    torch.testing.assert_close(DDPMLoss(sched, learn_sigma=False, snr_gamma=5.0)(eps, x0, xt, noise, t),
+                               (weight * per_sample).mean(), rtol=1e-6, atol=0)
+    assert torch.equal(DDPMLoss(sched, learn_sigma=False)(eps, x0, xt, noise, t), per_sample.mean())
+    with_var = torch.cat([eps, torch.zeros_like(eps)], dim=1)
+    vb = DDPMLoss(sched)(with_var, x0, xt, noise, t) - per_sample.mean()
+    torch.testing.assert_close(DDPMLoss(sched, snr_gamma=5.0)(with_var, x0, xt, noise, t),
+                               (weight * per_sample).mean() + vb, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="diffusion.snr_gamma"):
+        from mhla_gen.train.config import DiffusionConfig
+
+        DiffusionConfig(snr_gamma=0.0)
+
+
 def test_ddpm_learned_range_matches_diffusers_scheduler():
     """Our interpolated log-variance is the one DDPMScheduler uses when sampling (t > 0)."""
     from diffusers import DDPMScheduler

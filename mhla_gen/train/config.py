@@ -250,8 +250,11 @@ class DiffusionConfig:
     beta_start: float = 0.0001
     beta_end: float = 0.02
     sampler: str = "ddim"  # ddim | dpm | ddpm
+    snr_gamma: float | None = None  # Min-SNR-γ loss weighting of the ε term (Hang et al. 2023); None: off
 
     def __post_init__(self):
+        if self.snr_gamma is not None and not self.snr_gamma > 0:
+            raise ValueError(f"diffusion.snr_gamma must be > 0 or null (off), got {self.snr_gamma}")
         if self.sampler not in ("ddim", "dpm", "ddpm"):
             raise ValueError(f"diffusion.sampler must be ddim, dpm or ddpm, got {self.sampler!r}")
         if self.num_train_timesteps < 2:

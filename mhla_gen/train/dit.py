@@ -61,7 +61,7 @@ class DiTTask(TrainTask):
             clip_sample=False,
             variance_type="learned_range" if cfg.model.learn_sigma else "fixed_small",
         )
-        self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma)
+        self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma, d.snr_gamma)
         self.vae = None  # the data's AutoencoderKL, frozen (setup); None in pixel space
         self.latent_scale = 1.0
         self.source = DIT_SOURCES[cfg.data.source](self)

@@ -54,7 +54,7 @@ class DDPMLoss:
         learn_sigma: the model outputs ``2C`` channels (ε and the variance interpolation ``v``).
     """
 
-    def __init__(self, scheduler, learn_sigma: bool = True):
+    def __init__(self, scheduler, learn_sigma: bool = True, snr_gamma: float | None = None):
         self.scheduler = scheduler
         self.learn_sigma = learn_sigma
         betas = scheduler.betas.double()
@@ -68,6 +68,9 @@ class DDPMLoss:
             "coef_xt": (1.0 - ac_prev) * (1.0 - betas).sqrt() / (1.0 - ac),
             "sqrt_recip_ac": (1.0 / ac).sqrt(),
             "sqrt_recipm1_ac": (1.0 / ac - 1.0).sqrt(),
+            # Min-SNR-γ weight of the ε term, min(SNR, γ) / SNR (1 everywhere when off)
+            "eps_weight": (ac / (1.0 - ac)).clamp(max=snr_gamma) / (ac / (1.0 - ac)) if snr_gamma
+            else torch.ones_like(ac),
         }
         self.tables = {k: v.float() for k, v in tables.items()}
 
@@ -92,13 +95,14 @@ class DDPMLoss:
     ) -> torch.Tensor:
         """Scalar loss. model_output ``(B, 2C or C, ...)``; x0, xt, noise ``(B, C, ...)``; t ``(B,)`` long."""
         model_output, x0, xt, noise = model_output.float(), x0.float(), xt.float(), noise.float()
+        weight = self._at("eps_weight", t, noise).flatten()
         if not self.learn_sigma:
-            return _mean_flat((noise - model_output) ** 2).mean()
+            return (weight * _mean_flat((noise - model_output) ** 2)).mean()
         channels = x0.shape[1]
         if model_output.shape[1] != 2 * channels:
             raise ValueError(f"learn_sigma needs {2 * channels} output channels, got {model_output.shape[1]}")
         eps, var_values = model_output[:, :channels], model_output[:, channels:]
-        mse = _mean_flat((noise - eps) ** 2)
+        mse = weight * _mean_flat((noise - eps) ** 2)
 
         # variational bound; the mean is frozen so L_vb only trains the variance head
         eps = eps.detach()
