@@ -46,7 +46,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import compare, fmt_comparison
-from mhla_gen.experiments import Arm, make_jobs, plot_arm_bands, study_records, summarize
+from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 from mhla_gen.train.config import DiTRunConfig, load_config
@@ -63,21 +63,21 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
                fid_samples=500, sample_steps=20),
     "256": dict(resolution=32, blocks=(4, 4), teacher_steps=1200, stage1_steps=150, steps=300, batch=32,
                 fid_samples=300, sample_steps=10),
-    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=1200, stage1_steps=150,
-                       steps=300, batch=32, fid_samples=300, sample_steps=10),
-    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), teacher_steps=1200, stage1_steps=150,
-                        steps=300, batch=16, fid_samples=200, sample_steps=10),
+    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=2400, stage1_steps=150,
+                       steps=600, batch=32, fid_samples=300, sample_steps=10, recipe=SHAPES_RECIPE),
+    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), teacher_steps=2400, stage1_steps=150,
+                        steps=600, batch=16, fid_samples=200, sample_steps=10, recipe=SHAPES_RECIPE),
     # --quick: CI-sized (about 10 min of 2 cores)
     "quick": dict(resolution=16, blocks=(2, 2), teacher_steps=200, stage1_steps=50, steps=100, batch=32,
                   fid_samples=200, sample_steps=10),
     "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), teacher_steps=200, stage1_steps=40,
-                         steps=80, batch=32, fid_samples=200, sample_steps=10),
+                         steps=80, batch=32, fid_samples=200, sample_steps=10, recipe=SHAPES_RECIPE),
     # --smoke: seconds (the tests)
     "smoke": dict(resolution=8, blocks=(2, 2), teacher_steps=4, stage1_steps=2, steps=4, batch=8,
                   fid_samples=20, sample_steps=2, tiny=True, val_triples=32),
     "shapes-smoke": dict(data="shapes", resolution=32, blocks=(2, 2), teacher_steps=4, stage1_steps=2,
                          steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True, patch=8,
-                         val_triples=32),
+                         val_triples=32, recipe=SHAPES_RECIPE),
 }
 STAGE1 = ("model.attention=mhla", "train.ema_decay=0")  # final/ and its errors: the trained weights
 
@@ -120,7 +120,9 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
 
 def base_overrides(grid: dict, model: dict) -> list[str]:
     """The grid's data, model and batch; the schedule is the config's (configs/dit_digits.yaml: 50 warm-up
-    steps, as the documented stage-2 command runs) unless an arm says otherwise."""
+    steps, as the documented stage-2 command runs) unless an arm says otherwise. On the shapes the
+    training runs (teachers, stage 2, from scratch; not stage 1, whose transfer loss has its own schedule)
+    add the grid's ``recipe`` (:data:`SHAPES_RECIPE`, as the study's) before the arm's own overrides."""
     return [
         f"data.source={grid.get('data', 'digits')}", f"data.resolution={grid['resolution']}",
         f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
@@ -141,7 +143,7 @@ def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed:
         cfg = load_config(DiTRunConfig, CONFIG, [
             *base_overrides(grid, model), f"model.attention={attention}", f"output_dir={folder}",
             f"seed={seed}", f"train.max_steps={grid['teacher_steps']}", "eval.fid_num_samples=0",
-            f"train.lr_warmup_steps={min(50, grid['teacher_steps'] // 10)}",
+            f"train.lr_warmup_steps={min(50, grid['teacher_steps'] // 10)}", *grid.get("recipe", ()),
         ])
         train(cfg, DiTTask(cfg))
     return folder / "final"
@@ -173,7 +175,7 @@ def plan(args) -> list:
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
         if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
-            scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
+            scratch = [Arm("mhla-scratch", (*grid.get("recipe", ()), "model.attention=mhla"), "scratch")]
             budget = grid["teacher_steps"] + grid["steps"]
             jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
                               grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
@@ -192,13 +194,14 @@ def compute(record: dict, teacher_steps: int) -> float:
 
 
 def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
-    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, and the stage-1 budget."""
+    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, the grid's recipe before
+    its own overrides (stage 2 only), and the stage-1 budget."""
     def resolve(items):
         soft, lin = str(teachers["softmax"]), str(teachers["linear"])
         return tuple(i.replace("@softmax", soft).replace("@linear", lin) for i in items)
 
     stage1 = (*resolve(arm.stage1), f"train.max_steps={grid['stage1_steps']}") if arm.stage1 else None
-    return Arm(arm.name, resolve(arm.overrides), arm.group, stage1)
+    return Arm(arm.name, (*grid.get("recipe", ()), *resolve(arm.overrides)), arm.group, stage1)
 
 
 def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Path:

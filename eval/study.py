@@ -44,7 +44,7 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import DataScores, compare, fmt_comparison, sampling_sd
-from mhla_gen.experiments import Arm, make_jobs, plot_arm_bands, study_records, summarize
+from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -57,19 +57,19 @@ MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)
 GRIDS = {  # grid -> data and budget (sized for about an hour of 2 CPU cores per grid, see README)
     "64": dict(resolution=16, blocks=(2, 2), steps=1500, batch=32, fid_samples=1000, sample_steps=20),
     "256": dict(resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500, sample_steps=10),
-    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500,
-                       sample_steps=10),
-    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), steps=1200, batch=16, fid_samples=300,
-                        sample_steps=10),
+    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), steps=2400, batch=32, fid_samples=500,
+                       sample_steps=10, recipe=SHAPES_RECIPE),
+    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), steps=2400, batch=16, fid_samples=300,
+                        sample_steps=10, recipe=SHAPES_RECIPE),
     # --quick: CI-sized (about 10 min of 2 cores): the main arms, 2 seeds, no ablations
     "quick": dict(resolution=16, blocks=(2, 2), steps=300, batch=32, fid_samples=300, sample_steps=10),
     "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), steps=200, batch=32, fid_samples=200,
-                         sample_steps=10),
+                         sample_steps=10, recipe=SHAPES_RECIPE),
     # --smoke: seconds, a tiny model (the tests)
     "smoke": dict(resolution=8, blocks=(2, 2), steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True,
                   val_triples=32),
     "shapes-smoke": dict(data="shapes", resolution=32, blocks=(2, 2), steps=4, batch=8, fid_samples=20,
-                         sample_steps=2, tiny=True, patch=8, val_triples=32),
+                         sample_steps=2, tiny=True, patch=8, val_triples=32, recipe=SHAPES_RECIPE),
 }
 TINY_MODEL = dict(hidden_size=16, depth=1, heads=2, patch_size=2)
 MAIN_ARMS = [Arm("softmax", ("model.attention=softmax",)), Arm("linear", ("model.attention=linear",)),
@@ -99,7 +99,7 @@ def base_overrides(grid: dict, model: dict) -> list[str]:
         *(f"model.{k}={v}" for k, v in model.items()),
         f"train.global_batch_size={grid['batch']}", f"train.lr_warmup_steps={min(50, steps // 10)}",
         f"log.every={max(1, steps // 30)}", "log.trackers=[]", "log.num_samples=1",
-        f"log.sample_steps={grid['sample_steps']}",
+        f"log.sample_steps={grid['sample_steps']}", *grid.get("recipe", ()),
     ]
 
 

@@ -57,6 +57,12 @@ logger = logging.getLogger(__name__)
 
 RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.folders.file_record)
 
+# How every run on the shapes trains, in both studies and every arm alike (docs/results/evidence.md,
+# 2026-11-26): with the digits' learning rate (1e-3) and the plain ε loss, the studies' 256-token DiT
+# still draws class-coloured speckle after 2400 steps; with 3e-3 and Min-SNR-5 weighting it draws
+# class-coloured blobs in the class's layout by step 1200.
+SHAPES_RECIPE = ("train.learning_rate=3e-3", "diffusion.snr_gamma=5")
+
 
 @dataclass(frozen=True)
 class Arm:

@@ -74,3 +74,27 @@ def test_fixed_pattern_is_the_releases():
     assert fixed_layers(10, 30) == list(range(0, 30, 3))  # Wan2.1 release: i % 3 == 0 stays softmax
     assert fixed_layers(2, 4) == [0, 3] and fixed_layers(3, 4) == [0, 3, 1]
     assert sweep_ks(4) == [1, 2] and sweep_ks(2) == [1] and sweep_ks(28) == list(range(1, 15))
+
+
+def test_shapes_recipe_reaches_training_runs_not_stage1(tmp_path):
+    """On the shapes, the teachers, every stage-2 run and MHLA from scratch train with the study's
+    recipe (before an arm's own overrides, so ``stage2-low-lr`` keeps its 3e-4); stage 1 keeps its own
+    schedule; the digits add nothing."""
+    import argparse
+
+    from mhla_gen.experiments import SHAPES_RECIPE
+
+    module = load_adaptation()
+    args = argparse.Namespace(grids=["shapes-smoke", "smoke"], steps=None, softmax_layers=False,
+                              arms=["softmax-continued", "mhla-stage1", "stage2-low-lr"],
+                              seeds=1, out=tmp_path, scratch=True, report_only=True, teachers_from=None)
+    jobs = module.plan(args)
+    for job in jobs:
+        shapes = job.extra["grid"] == "shapes-smoke"
+        assert all(o in job.overrides for o in SHAPES_RECIPE) == shapes, (job.arm, job.overrides)
+        if job.stage1 is not None:
+            assert not any(o in job.stage1 for o in SHAPES_RECIPE)
+    low = next(j for j in jobs if j.arm == "stage2-low-lr" and j.extra["grid"] == "shapes-smoke")
+    rates = [o for o in low.overrides if o.startswith("train.learning_rate=")]
+    assert rates[-1] == "train.learning_rate=3e-4"  # the last override wins
+    assert any(j.arm == "mhla-scratch" and j.extra["grid"] == "shapes-smoke" for j in jobs)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import mhla_gen.experiments as experiments
 from mhla_gen.errors import ConfigError
@@ -134,6 +135,11 @@ def test_study_on_the_shapes(tmp_path):
     table = (tmp_path / "study.md").read_text()
     assert "| all 3 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
     assert (tmp_path / "shapes-smoke" / "results" / "mhla" / "seed0" / "step0000004_features.npz").is_file()
+    for arm in ("softmax", "mhla"):  # the shapes' recipe reaches every arm's run (the digits keep theirs)
+        run = yaml.safe_load((tmp_path / "shapes-smoke" / "runs" / arm / "seed0" / "config.yaml").read_text())
+        assert run["train"]["learning_rate"] == 3e-3 and run["diffusion"]["snr_gamma"] == 5
+    digits = load_study().base_overrides(load_study().GRIDS["256"], load_study().MODEL)
+    assert not any(o.startswith(("train.learning_rate", "diffusion.snr_gamma")) for o in digits)
     with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
         load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])
 
