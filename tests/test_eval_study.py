@@ -138,8 +138,10 @@ def test_study_on_the_shapes(tmp_path):
     for arm in ("softmax", "mhla"):  # the shapes' recipe reaches every arm's run (the digits keep theirs)
         run = yaml.safe_load((tmp_path / "shapes-smoke" / "runs" / arm / "seed0" / "config.yaml").read_text())
         assert run["train"]["learning_rate"] == 3e-3 and run["diffusion"]["snr_gamma"] == 5
+        assert run["train"]["max_grad_norm"] == 1.0
     digits = load_study().base_overrides(load_study().GRIDS["256"], load_study().MODEL)
-    assert not any(o.startswith(("train.learning_rate", "diffusion.snr_gamma")) for o in digits)
+    assert not any(o.startswith(("train.learning_rate", "diffusion.snr_gamma", "train.max_grad_norm"))
+                   for o in digits)
     with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
         load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])
 
