@@ -103,25 +103,36 @@ def check_free(folder: str | Path, setting: str) -> None:
         raise _busy(folder, setting, pid)
 
 
+def _take(fd: int, where: str | Path, setting: str) -> None:
+    """Lock ``fd`` without waiting; if another process holds it, close ``fd`` and raise naming the holder."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _read_pid(fd)
+        os.close(fd)
+        raise _busy(where, setting, pid) from None
+
+
+def _hold(key: Path, fd: int, where: Path) -> None:
+    """Record this process in the locked ``fd`` (warning about a dead holder's leftover record) and keep
+    ``fd`` open under ``key`` until release."""
+    previous = _read_pid(fd)
+    if previous and previous != os.getpid() and not _alive(previous):
+        logger.warning("%s: cleared a stale lock record of pid %d (no longer running)", where, previous)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
+
+
 def lock_folder(folder: str | Path, setting: str) -> Path:
     """Hold ``folder``'s lock until :func:`release` or exit (``folder`` must exist and be ours)."""
     key = _key(folder)
     if fcntl is None or key in _held:
         return key
     fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _read_pid(fd)
-        os.close(fd)
-        raise _busy(folder, setting, pid) from None
-    previous = _read_pid(fd)
-    if previous and previous != os.getpid() and not _alive(previous):
-        logger.warning("%s: cleared a stale lock record of pid %d (no longer running)", key, previous)
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _held[key] = fd
+    _take(fd, folder, setting)
+    _hold(key, fd, key)
     return key
 
 
@@ -169,12 +180,7 @@ def lock_file(path: str | Path, setting: str) -> Path:
         return key
     while True:
         fd = _open_file_lock(lock, path, setting)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _read_pid(fd)
-            os.close(fd)
-            raise _busy(path, setting, pid) from None
+        _take(fd, path, setting)
         try:  # the holder removes the file on release: a descriptor of the removed file locks nothing
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -182,13 +188,7 @@ def lock_file(path: str | Path, setting: str) -> Path:
         if current:
             break
         os.close(fd)
-    previous = _read_pid(fd)
-    if previous and previous != os.getpid() and not _alive(previous):
-        logger.warning("%s: cleared a stale lock record of pid %d (no longer running)", lock, previous)
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _held[key] = fd
+    _hold(key, fd, lock)
     if not _files:
         atexit.register(_release_files)
     _files.add(key)
