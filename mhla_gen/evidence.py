@@ -165,8 +165,10 @@ MIN_EFFECTS = {"fid": ("relative", 0.10), "val_loss": ("relative", 0.02),
 
 
 def min_effect(metric: str, reference_mean: float) -> float:
-    """The stated minimum effect of ``metric`` (:data:`MIN_EFFECTS`) for a reference arm's mean."""
-    kind, size = MIN_EFFECTS.get(metric, ("relative", 0.10))
+    """The stated minimum effect of ``metric`` (:data:`MIN_EFFECTS`) for a reference arm's mean; a
+    validation-loss bucket (``val_loss_b2``) has the validation loss's."""
+    family = "val_loss" if metric.startswith("val_loss_b") else metric
+    kind, size = MIN_EFFECTS.get(family, ("relative", 0.10))
     return size * abs(reference_mean) if kind == "relative" else size
 
 

@@ -134,6 +134,9 @@ def test_study_on_the_shapes(tmp_path):
     assert all(r["grid"] == "shapes-smoke" and r["tokens"] == 16 for r in records)
     table = (tmp_path / "study.md").read_text()
     assert "| all 3 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
+    buckets = table.split("Validation loss per timestep bucket")[1]  # every step, every bucket
+    assert "| comparison | step | val_loss_b0 | val_loss_b1 | val_loss_b2 | val_loss_b3 |" in buckets
+    assert all(f"| mhla − softmax | {t} | " in buckets for t in (1, 2, 4))
     assert (tmp_path / "shapes-smoke" / "results" / "mhla" / "seed0" / "step0000004_features.npz").is_file()
     for arm in ("softmax", "mhla"):  # the shapes' recipe reaches every arm's run (the digits keep theirs)
         run = yaml.safe_load((tmp_path / "shapes-smoke" / "runs" / arm / "seed0" / "config.yaml").read_text())

@@ -13,7 +13,7 @@ from diffusers import DDPMScheduler
 
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.data.shapes import class_colour, class_count, shapes_tensors
-from mhla_gen.evidence import compare, detectable, fid_bootstrap, paired_bootstrap, verdict
+from mhla_gen.evidence import compare, detectable, fid_bootstrap, min_effect, paired_bootstrap, verdict
 from mhla_gen.metrics.shapes import property_scores
 from mhla_gen.testing import tiny_dit
 from mhla_gen.transfer import TransferHooks, end_to_end_errors, finalize, relative_error
@@ -103,6 +103,7 @@ def test_bootstraps_detectable_differences_and_verdicts():
     c = compare(records, "x", "y", "fid", 5)
     assert c["per_seed"] == {0: -10.0, 1: -9.5, 2: -10.5} and c["verdict"] == "resolved"
     assert c["min_effect"] == pytest.approx(0.1 * 21.0)
+    assert min_effect("val_loss_b2", 0.5) == pytest.approx(0.02 * 0.5)  # a bucket: the validation loss's
 
 
 # ------------------------------------------------------------------------------------- end to end
