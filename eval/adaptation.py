@@ -406,6 +406,29 @@ def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path)
             f"[{path.name}]({path.name})\n")
 
 
+def equal_compute_table(records: list[dict], grid: str, teacher_steps: int) -> str:
+    """Each conversion arm at the end of stage 2 against MHLA from scratch after the same number of
+    training steps (the teacher's plus stage 2's), paired by seed (the same sample noise and labels;
+    stage 1 adds its measured cost, reported beside it): FID and validation loss, with verdicts."""
+    recs = [r for r in records if r["grid"] == grid]
+    last = max(r["step"] for r in recs if r["arm"] != "mhla-scratch")
+    # the from-scratch records re-labelled by the stage-2 step at equal training steps
+    shifted = [dict(r, step=r["step"] - teacher_steps) for r in recs if r["arm"] == "mhla-scratch"]
+    pool = [r for r in recs if r["arm"] != "mhla-scratch"] + shifted
+    lines = [f"Conversion vs MHLA from scratch at equal training steps ({teacher_steps} + {last}; paired by "
+             "seed, first minus second, lower is better):", "",
+             "| comparison | seeds | stage-1 cost (forwards of one batch) | FID | val loss |",
+             "|---|---|---|---|---|"]
+    for arm in ("softmax-continued", "mhla-plain", "mhla-stage1"):
+        fid, val = (compare(pool, arm, "mhla-scratch", m, last) for m in ("fid", "val_loss"))
+        if fid["n"]:
+            stage1 = next(r for r in pool if r["arm"] == arm).get("stage1", {})
+            cost = f"{stage1['teacher_forward_equivalents']:.0f}" if stage1 else "0"
+            lines.append(f"| {arm} − mhla-scratch | {fid['n']} | {cost} of {3 * (teacher_steps + last)} | "
+                         f"{fmt_comparison(fid, 1)} | {fmt_comparison(val, 4)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -458,6 +481,7 @@ def main(argv=None) -> list[dict]:
         if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
             text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
                                      args.out / f"compute_{grid}.png"))
+            text.append(equal_compute_table(records, grid, GRIDS[grid]["teacher_steps"]))
     atomic_write_text(args.out / "adaptation.md", "\n".join(text))
     atomic_write_text(args.out / "adaptation.json", json.dumps(
         {"command": command, "records": records, **file_record("study")}, indent=1))

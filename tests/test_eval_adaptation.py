@@ -98,3 +98,24 @@ def test_shapes_recipe_reaches_training_runs_not_stage1(tmp_path):
     rates = [o for o in low.overrides if o.startswith("train.learning_rate=")]
     assert rates[-1] == "train.learning_rate=3e-4"  # the last override wins
     assert any(j.arm == "mhla-scratch" and j.extra["grid"] == "shapes-smoke" for j in jobs)
+
+
+def test_equal_compute_table_pairs_conversion_with_scratch_at_equal_steps():
+    """A conversion arm at the end of stage 2 is compared with MHLA from scratch after the teacher's plus
+    stage 2's steps (not with scratch's own step 400), paired by seed; stage 1's cost is shown."""
+    module = load_adaptation()
+    recs = []
+    for seed in range(3):
+        for step, fid in ((0, 300.0), (400, 50.0 + seed)):
+            recs.append(dict(grid="g", arm="mhla-plain", seed=seed, step=step, fid=fid, val_loss=0.02))
+            recs.append(dict(grid="g", arm="mhla-stage1", seed=seed, step=step, fid=fid - 5.0, val_loss=0.02,
+                             stage1={"teacher_forward_equivalents": 321.0}))
+        for step, fid in ((400, 500.0), (1900, 60.0 + 2 * seed)):  # scratch's own 400: far worse
+            recs.append(dict(grid="g", arm="mhla-scratch", seed=seed, step=step, fid=fid, val_loss=0.03))
+    table = module.equal_compute_table(recs, "g", teacher_steps=1500)
+    assert "(1500 + 400;" in table
+    row = next(line for line in table.splitlines() if line.startswith("| mhla-plain − mhla-scratch"))
+    assert "| 3 | 0 of 5700 |" in row and "-11.0 ± " in row and "**resolved**" in row  # 50+s − (60+2s)
+    stage1 = next(line for line in table.splitlines() if line.startswith("| mhla-stage1 − mhla-scratch"))
+    assert "| 321 of 5700 |" in stage1 and "-16.0 ± " in stage1
+    assert "softmax-continued" not in table  # no records: no row
