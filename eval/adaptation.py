@@ -308,11 +308,14 @@ def decisions(recs: list[dict], steps: list[int]) -> str:
              "loss; MDD = the difference these seeds detect with 80 % power):", "",
              f"| question | comparison | seeds | FID at step {quarter} | FID at step {last} | "
              "val loss at step "
-             f"{quarter} | val loss at step {last} |", "|---|---|---|---|---|---|---|"]
+             f"{quarter} | val loss at step {last} | mid-noise val loss (b2) at step {last} |",
+             "|---|---|---|---|---|---|---|---|"]
     for question, a, b in DECISIONS:
         if a in arms_ and b in arms_:
             cells = [compare(recs, a, b, m, s) for m in ("fid", "val_loss") for s in (quarter, last)]
-            text = [fmt_comparison(c, 4 if i > 1 else 1) for i, c in enumerate(cells)]
+            # the total is dominated by the least noisy bucket; b2 (t in the third quarter) sees the layout
+            cells.append(compare(recs, a, b, "val_loss_b2", last))
+            text = [fmt_comparison(c, {0: 1, 1: 1, 4: 5}.get(i, 4)) for i, c in enumerate(cells)]
             lines.append(f"| {question} | {a} − {b} | {cells[0]['n']} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 

@@ -119,3 +119,16 @@ def test_equal_compute_table_pairs_conversion_with_scratch_at_equal_steps():
     stage1 = next(line for line in table.splitlines() if line.startswith("| mhla-stage1 − mhla-scratch"))
     assert "| 321 of 5700 |" in stage1 and "-16.0 ± " in stage1
     assert "softmax-continued" not in table  # no records: no row
+
+
+def test_decisions_pair_the_mid_noise_validation_bucket():
+    """The decision table pairs FID and validation loss at a quarter of the budget and at its end, and the
+    mid-noise bucket (b2) at the end, where a difference the total hides can resolve."""
+    module = load_adaptation()
+    recs = [dict(arm=arm, seed=seed, step=step, fid=50.0, val_loss=0.05 + 0.001 * seed,
+                 val_loss_b2=0.004 + (0.0006 if arm == "mhla-stage1" else 0.0) + 0.00001 * seed)
+            for arm in ("mhla-plain", "mhla-stage1") for seed in range(3) for step in (0, 100, 400)]
+    table = module.decisions(recs, [0, 100, 400])
+    assert "| mid-noise val loss (b2) at step 400 |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| stage 1's head start"))
+    assert row.rstrip(" |").endswith("**resolved**, MDD 0.00000") and "+0.00060" in row
