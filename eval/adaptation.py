@@ -302,6 +302,10 @@ def decisions(recs: list[dict], steps: list[int]) -> str:
     quarter, last = max(1, steps[-1] // 4), steps[-1]
     quarter = min(steps, key=lambda s: abs(s - quarter))
     arms_ = {r["arm"] for r in recs}
+    # (metric, step, digits) per column; the total validation loss is dominated by the least noisy
+    # bucket, b2 (t in the third quarter) sees the layout
+    columns = [("fid", quarter, 1), ("fid", last, 1), ("val_loss", quarter, 4), ("val_loss", last, 4),
+               ("val_loss_b2", last, 5)]
     lines = ["Paired comparisons (first minus second; lower is better for both; resolved = the 95 % "
              "interval "
              "excludes 0, bounded = it lies within ± 10 % of the second arm's FID / 2 % of its validation "
@@ -312,11 +316,9 @@ def decisions(recs: list[dict], steps: list[int]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for question, a, b in DECISIONS:
         if a in arms_ and b in arms_:
-            cells = [compare(recs, a, b, m, s) for m in ("fid", "val_loss") for s in (quarter, last)]
-            # the total is dominated by the least noisy bucket; b2 (t in the third quarter) sees the layout
-            cells.append(compare(recs, a, b, "val_loss_b2", last))
-            text = [fmt_comparison(c, {0: 1, 1: 1, 4: 5}.get(i, 4)) for i, c in enumerate(cells)]
-            lines.append(f"| {question} | {a} − {b} | {cells[0]['n']} | " + " | ".join(text) + " |")
+            cells = [(compare(recs, a, b, metric, step), digits) for metric, step, digits in columns]
+            text = [fmt_comparison(c, digits) for c, digits in cells]
+            lines.append(f"| {question} | {a} − {b} | {cells[0][0]['n']} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -427,7 +429,8 @@ def equal_compute_table(records: list[dict], grid: str, teacher_steps: int) -> s
         if fid["n"]:
             stage1 = next(r for r in pool if r["arm"] == arm).get("stage1", {})
             cost = f"{stage1['teacher_forward_equivalents']:.0f}" if stage1 else "0"
-            lines.append(f"| {arm} − mhla-scratch | {fid['n']} | {cost} of {3 * (teacher_steps + last)} | "
+            total = compute({"arm": "mhla-scratch", "step": teacher_steps + last}, teacher_steps)
+            lines.append(f"| {arm} − mhla-scratch | {fid['n']} | {cost} of {total:.0f} | "
                          f"{fmt_comparison(fid, 1)} | {fmt_comparison(val, 4)} |")
     return "\n".join(lines) + "\n"
 
