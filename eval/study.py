@@ -119,9 +119,10 @@ def plan(args) -> list:
         arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
         jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
-        if name.split("-")[-1] in ("256", "smoke") and not args.no_ablations:  # at the end of the budget
+        ablations = [a for a in ABLATIONS if a.name in args.ablations]
+        if name.split("-")[-1] in ("256", "smoke") and ablations:  # at the end of the budget
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
-            jobs += make_jobs(args.out / name, CONFIG, base, ABLATIONS, ablation_seeds, [grid["steps"]],
+            jobs += make_jobs(args.out / name, CONFIG, base, ablations, ablation_seeds, [grid["steps"]],
                               grid["fid_samples"], extra, grid.get("val_triples", 512))
     return jobs
 
@@ -334,8 +335,9 @@ def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
             f"{sum(r.get('segment_seconds', 0) for r in records) / 3600:.1f} core-hours\n"]
     for grid in args.grids:
         text.append(grid_tables(records, grid, args.out))
-        plot_curves(records, grid, args.out / f"curves_{grid}.png")
-        plot_samples(records, grid, args.out, args.out / f"samples_{grid}.png")
+        if any(r["grid"] == grid and r["group"] == "main" for r in records):  # not with ablations only
+            plot_curves(records, grid, args.out / f"curves_{grid}.png")
+            plot_samples(records, grid, args.out, args.out / f"samples_{grid}.png")
     if speed:
         text.append("Throughput of the study's model (images/s; batch 8192 / tokens; the three attentions "
                     f"timed interleaved in one process, {torch.get_num_threads()} threads):\n\n"
@@ -377,8 +379,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--fid-samples", type=int, default=None)
     parser.add_argument("--val-triples", type=int, default=None,
                         help="fixed held-out (image, timestep, noise) triples of the validation loss (512)")
-    parser.add_argument("--arms", nargs="+", default=[a.name for a in MAIN_ARMS], metavar="ARM",
-                        help="main arms to run, in this order (default: softmax linear mhla)")
+    parser.add_argument("--arms", nargs="*", default=[a.name for a in MAIN_ARMS], metavar="ARM",
+                        help="main arms to run, in this order (default: softmax linear mhla; none: "
+                             "ablations only)")
+    parser.add_argument("--ablations", nargs="+", default=[a.name for a in ABLATIONS], metavar="ARM",
+                        help="ablation arms at 256 tokens (default: all of them)")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
@@ -396,7 +401,15 @@ def main(argv=None) -> list[dict]:
     if unknown or len(set(args.arms)) != len(args.arms):
         raise ConfigError(f"--arms {' '.join(args.arms)}: each must be one of "
                           f"{[a.name for a in MAIN_ARMS]}, once")
+    unknown = [n for n in args.ablations if n not in {a.name for a in ABLATIONS}]
+    if unknown or len(set(args.ablations)) != len(args.ablations):
+        raise ConfigError(f"--ablations {' '.join(args.ablations)}: each must be one of "
+                          f"{[a.name for a in ABLATIONS]}, once")
     args.grids = select_grids(args)
+    if args.no_ablations:
+        args.ablations = []
+    if not args.arms and not args.ablations:
+        raise ConfigError("--arms is empty and no ablation runs: nothing to run")
     args.out = Path(args.out)
     args.command = "python eval/study.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -162,6 +162,22 @@ def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
+def test_ablations_choose_the_ablation_arms(tmp_path, monkeypatch):
+    """--ablations runs the named ablations only; with an empty --arms, no main arm."""
+    study = load_study()
+    planned = []
+    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
+    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study.main(["--smoke", "--arms", "--ablations", "mhla+gate", "mhla+cpe", "--seeds", "1",
+                "--out", str(tmp_path / "a")])
+    assert sorted(j.arm for j in planned) == ["mhla+cpe", "mhla+gate"]
+    bad = (["--ablations", "bogus"], ["--ablations", "mhla+cpe", "mhla+cpe"], ["--arms", "--no-ablations"])
+    for argv in bad:
+        with pytest.raises(ConfigError, match="--arms|--ablations"):
+            study.main(["--smoke", *argv, "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()
+
+
 def _record_pid(path):
     import os
 
