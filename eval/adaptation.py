@@ -8,7 +8,8 @@ different ways, each arm with the same stage-2 budget and data, on the embedded 
     python eval/adaptation.py --smoke                       # seconds: a smoke test
 
 Teachers: DiTs of the study's size (eval/study.py) trained on the digits with softmax and with linear
-attention (cached under OUT/teachers by their settings, or taken from a finished study). Arms (stage 2 =
+attention (cached under OUT/teachers by their settings, or taken from a finished study; only those the
+chosen arms start from). Arms (stage 2 =
 train_dit.py with ``model.init_from``, the same budget, data and seed in every arm):
 
 * ``softmax-continued``: the softmax teacher trained on (the reference);
@@ -160,7 +161,6 @@ def plan(args) -> list:
     for name in args.grids:
         grid = dict(GRIDS[name], **({"steps": args.steps} if args.steps else {}))
         model = grid_model(grid)
-        teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")}
         default = {"smoke": SMOKE_ARMS, "quick": QUICK_ARMS}.get(name.split("-")[-1])
         wanted = args.arms or default
         sweep = sweep_arms(model["depth"], "model.init_from=@softmax", STAGE1) if args.softmax_layers \
@@ -168,8 +168,11 @@ def plan(args) -> list:
         if wanted is not None and sweep:  # the sweep's arms, and mhla-stage1 for K = 0
             wanted = {*wanted, "mhla-stage1", *(arm.name for arm in sweep)}
         candidates = [*arms(name, 1e-6, np.prod(grid["blocks"])), *sweep]
-        chosen = [with_teachers(arm, teachers, grid) for arm in candidates
-                  if wanted is None or arm.name in wanted]
+        chosen = [arm for arm in candidates if wanted is None or arm.name in wanted]
+        named = " ".join(item for arm in chosen for item in (*arm.overrides, *(arm.stage1 or ())))
+        teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")
+                    if f"@{a}" in named}  # only the teachers the chosen arms start from
+        chosen = [with_teachers(arm, teachers, grid) for arm in chosen]
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
@@ -197,8 +200,9 @@ def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
     """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, the grid's recipe before
     its own overrides (stage 2 only), and the stage-1 budget."""
     def resolve(items):
-        soft, lin = str(teachers["softmax"]), str(teachers["linear"])
-        return tuple(i.replace("@softmax", soft).replace("@linear", lin) for i in items)
+        for attention, path in teachers.items():
+            items = tuple(i.replace(f"@{attention}", str(path)) for i in items)
+        return items
 
     stage1 = (*resolve(arm.stage1), f"train.max_steps={grid['stage1_steps']}") if arm.stage1 else None
     return Arm(arm.name, (*grid.get("recipe", ()), *resolve(arm.overrides)), arm.group, stage1)

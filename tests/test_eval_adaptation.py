@@ -52,6 +52,28 @@ def test_adaptation_refuses_a_missing_study(tmp_path):
         load_adaptation().main(["--smoke", "--out", str(tmp_path / "a"), "--teachers-from", str(tmp_path)])
 
 
+def test_only_the_teachers_the_arms_start_from_are_needed(tmp_path):
+    """Arms that start from the softmax teacher need no linear teacher (none is trained or looked up);
+    an arm from the linear teacher still refuses a study without one."""
+    import argparse
+
+    from mhla_gen.errors import ConfigError
+
+    module = load_adaptation()
+    study = tmp_path / "study"
+    (study / "smoke" / "runs" / "softmax" / "seed0" / "final").mkdir(parents=True)
+    args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=1,
+                              arms=["mhla-plain", "mhla-stage1"], out=tmp_path / "out", scratch=False,
+                              report_only=False, teachers_from=study)
+    jobs = module.plan(args)
+    assert [j.arm for j in jobs] == ["mhla-plain", "mhla-stage1"]
+    starts = " ".join(o for j in jobs for o in (*j.overrides, *(j.stage1 or ())) if "init_from" in o)
+    assert str(study / "smoke" / "runs" / "softmax" / "seed0" / "final") in starts and "@" not in starts
+    args.arms = ["mhla-plain", "linear-continued"]
+    with pytest.raises(ConfigError, match="linear"):
+        module.plan(args)
+
+
 def test_softmax_layer_sweep_against_latency(tmp_path):
     """--softmax-layers: K = 1 .. depth/2 kept softmax layers by each ranking (depth 2 here: K = 1), each
     stage 1 keeping exactly K layers (the fixed pattern: layer 0), beside mhla-stage1 (K = 0), and a table
