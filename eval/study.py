@@ -244,7 +244,7 @@ def bucket_table(recs: list[dict], arms: list[str]) -> str:
     """The paired validation-loss difference per timestep bucket (``val_loss_b{k}``), at every evaluated
     step. The total is dominated by the least noisy bucket (the ε error is largest there), while a sample's
     layout is decided at the noisier ones, where a difference can resolve that the total hides."""
-    buckets = sorted(k for k in recs[0] if k.startswith("val_loss_b"))
+    buckets = [f"val_loss_b{k}" for k in range(sum(key.startswith("val_loss_b") for key in recs[0]))]
     if not buckets:  # records of an earlier version
         return ""
     steps = sorted({r["step"] for r in recs})

@@ -202,3 +202,14 @@ def test_parallel_runner_runs_each_job_in_a_fresh_process_and_stops_on_a_dead_wo
     assert len(pids) == (2 if sys.version_info >= (3, 11) else len(pids))
     with pytest.raises(BrokenProcessPool):
         experiments._map(_die, files, 2)
+
+
+def test_bucket_table_orders_buckets_by_number():
+    """Ten or more buckets keep their numeric order (b2 before b10), each paired by seed."""
+    buckets = [f"val_loss_b{k}" for k in range(11)]
+    recs = [{"arm": arm, "seed": seed, "step": 8, **{b: 0.01 * (k + 1) + 0.001 * seed + (arm == "mhla") * 1e-3
+                                                      for k, b in enumerate(buckets)}}
+            for arm in ("mhla", "softmax") for seed in (0, 1, 2)]
+    table = load_study().bucket_table(recs, ["softmax", "mhla"])
+    assert "| comparison | step | " + " | ".join(buckets) + " |" in table
+    assert table.count("| mhla − softmax | 8 | ") == 1
