@@ -19,6 +19,9 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
 * ``mhla-stage1-distill``: the same, stage 2 with output and attention distillation against the teacher;
 * ``mhla-stage1-all``: stage 1 trains every parameter of the converted layers (``transfer.trainable=all``:
   q/k/v/out projections too), not only MHLA's own (mixing), then stage 2;
+* ``mhla-stage1-e2e`` / ``mhla-stage1-all-e2e``: stage 1 with its end-to-end term
+  (``transfer.output_weight=1``: the converted model's output error against the teacher's beside the
+  per-layer errors), on MHLA's parameters / on every parameter of the converted layers, then stage 2;
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
 * from the linear teacher (64 tokens): ``linear-continued``, and MHLA installed with a ``uniform`` mixing
@@ -88,6 +91,7 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
     the stage-2 schedules on every grid)."""
     soft, lin = "model.init_from=@softmax", "model.init_from=@linear"
     distill = ("train.distill.output_weight=1", "train.distill.attention_weight=1")
+    e2e = "transfer.output_weight=1"  # stage 1's end-to-end term beside the per-layer errors
     main = [
         Arm("softmax-continued", (soft, "model.attention=softmax")),
         Arm("linear-plain", (soft, "model.attention=linear")),
@@ -96,6 +100,8 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("mhla-stage1-distill", distill, stage1=(soft, *STAGE1)),
         Arm("mhla-stage1-all", (), stage1=(soft, *STAGE1, "transfer.trainable=all")),
         Arm("mhla-stage1-qk", (), stage1=(soft, *STAGE1, "transfer.trainable=mhla+qk")),
+        Arm("mhla-stage1-e2e", (), stage1=(soft, *STAGE1, e2e)),
+        Arm("mhla-stage1-all-e2e", (), stage1=(soft, *STAGE1, "transfer.trainable=all", e2e)),
     ]
     schedules = [  # stage 2 from the same stage 1 as mhla-stage1 (and plain conversion without warm-up)
         Arm("mhla-plain-no-warmup", (soft, "model.attention=mhla", "train.lr_warmup_steps=0"), "schedule"),
@@ -289,6 +295,10 @@ DECISIONS = [  # (question, arm, other)
     ("stage 1's head start", "mhla-stage1", "mhla-plain"),
     ("stage 1 on q/k too", "mhla-stage1-qk", "mhla-stage1"),
     ("stage 1 on every parameter", "mhla-stage1-all", "mhla-stage1"),
+    ("stage 1 with the end-to-end term", "mhla-stage1-e2e", "mhla-stage1"),
+    ("the end-to-end term, every parameter", "mhla-stage1-all-e2e", "mhla-stage1-all"),
+    ("head start, every parameter", "mhla-stage1-all", "mhla-plain"),
+    ("head start, every parameter + end-to-end", "mhla-stage1-all-e2e", "mhla-plain"),
     ("distillation in stage 2", "mhla-stage1-distill", "mhla-stage1"),
     ("MHLA vs linear conversion", "mhla-plain", "linear-plain"),
     ("stage 2 without warm-up", "stage2-no-warmup", "mhla-stage1"),

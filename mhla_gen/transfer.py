@@ -28,6 +28,7 @@ layer's weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -82,7 +83,7 @@ class TransferHooks:
                 self.teachers[index] = teacher
         self.trainable = trainable
         self.stock = stock()
-        self.student_layers: set[int] | None = None  # end-to-end mode (see end_to_end_errors)
+        self.student_layers: set[int] | None = None  # end-to-end mode (see converted)
         self.errors: dict[int, torch.Tensor] = {}
         self.handles = [
             attn.register_forward_hook(self._hook(i), with_kwargs=True) for i, attn in self.layers.items()
@@ -101,6 +102,17 @@ class TransferHooks:
             return teacher_out.detach()
 
         return hook
+
+    @contextlib.contextmanager
+    def converted(self, mhla_layers=None):
+        """Within: the converted model itself, no teacher in the path and no error recorded: MHLA in
+        ``mhla_layers`` (default: every converted layer), the teacher's own attention in the others (what
+        :func:`finalize` makes of the rest)."""
+        self.student_layers = set(self.layers if mhla_layers is None else mhla_layers)
+        try:
+            yield
+        finally:
+            self.student_layers = None
 
     def teacher_output(self, index: int, attn: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
         teacher = self.teachers[index]
@@ -153,11 +165,8 @@ def end_to_end_errors(transformer: nn.Module, hooks: TransferHooks, batches: lis
     layers = sorted(hooks.layers)
 
     def error(softmax: list[int]) -> float:
-        hooks.student_layers = {j for j in layers if j not in softmax}
-        try:
+        with hooks.converted([j for j in layers if j not in softmax]):
             return float(sum(relative_error(output(x), t) for x, t in zip(batches, teacher)) / len(batches))
-        finally:
-            hooks.student_layers = None
 
     result = {"all_mhla": error([]), "keep_softmax": {i: error([i]) for i in layers} if each else {}}
     if chosen is not None:

@@ -77,6 +77,23 @@ def test_dit_stage1_lowers_the_errors_keeps_the_hardest_layer_and_feeds_stage2(d
     assert max_abs_diff(final_weights(tmp_path / "s2"), final_weights(tmp_path / "s1")) <= 3e-12
 
 
+def test_end_to_end_term_lowers_the_end_to_end_error_and_is_counted(dit_teacher, tmp_path):
+    """transfer.output_weight adds the converted model's output error to stage 1's objective: with every
+    converted attention module training, the end-to-end error drops below the plain conversion's more
+    than with the per-layer errors alone, and the second forward is counted in the stage's cost."""
+    reports = {}
+    for weight in (0, 10):
+        out = tmp_path / f"w{weight}"
+        dit_stage1(dit_teacher, out, "transfer.trainable=all", f"transfer.output_weight={weight}",
+                   "train.max_steps=12")
+        reports[weight] = json.loads((out / "transfer.json").read_text())
+    plain, e2e = reports[0], reports[10]
+    assert e2e["output_weight"] == 10 and plain["output_weight"] == 0
+    assert e2e["end_to_end_before"] == plain["end_to_end_before"]  # the same plain conversion
+    assert e2e["end_to_end_after"] < plain["end_to_end_after"] < plain["end_to_end_before"], reports
+    assert e2e["stage1_step_flops"] > 1.5 * plain["stage1_step_flops"]  # a second forward and its backward
+
+
 def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):
     dit_stage1(dit_teacher, tmp_path / "fixed", "hybrid.softmax_layers=[0]", "train.max_steps=1")
     assert json.loads((tmp_path / "fixed" / "transfer.json").read_text())["softmax_layers"] == [0]
@@ -87,6 +104,7 @@ def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):
         "model.attention=softmax": "leaves nothing to convert",
         "train.trainable=mhla": "leave train.trainable",
         "transfer.trainable=qk": "transfer.trainable must be one of",
+        "transfer.output_weight=-1": "transfer.output_weight must be a finite number >= 0",
     }
     for override, message in bad.items():
         with pytest.raises(ConfigError, match=message):

@@ -72,6 +72,46 @@ def test_every_layer_sees_the_teachers_input(base, trainable):
     assert set(errors) == set(converted_layers(model)) and all(0 < e < 10 for e in errors.values())
 
 
+def test_converted_runs_the_students_and_the_end_to_end_term():
+    """Within ``converted()`` the hooked model is the converted model itself (no teacher in the path, no
+    error recorded); stage 1's objective adds ``output_weight`` times that model's output error against
+    the teacher's, whose gradient reaches a layer through the layers after it."""
+    from types import SimpleNamespace
+
+    from mhla_gen.train.linearize import TransferConfig, TransferTask
+    from mhla_gen.transfer import relative_error
+
+    model, args, kwargs = _dit()
+    with torch.no_grad():
+        teacher = _forward(model, args, kwargs)
+    install_mhla(model, MHLAConfig(blocks=(2, 2)))
+    with torch.no_grad():
+        plain = _forward(model, args, kwargs)
+    hooks = TransferHooks(model, "mhla")
+    with torch.no_grad(), hooks.converted():
+        assert torch.equal(_forward(model, args, kwargs), plain) and hooks.pop_errors() == {}
+    with torch.no_grad():
+        assert torch.equal(_forward(model, args, kwargs), teacher)  # the teacher again outside
+    hooks.pop_errors()
+
+    inputs = dict(kwargs, hidden_states=args[0])
+    first = converted_layers(model)[0].processor.mixing.weight
+    losses, grads = {}, {}
+    for weight in (0.0, 2.0):
+        task = object.__new__(TransferTask)  # objective() reads the hooks and the transfer settings only
+        task.hooks, task.cfg = hooks, SimpleNamespace(transfer=TransferConfig(output_weight=weight))
+        loss = task.objective(model, inputs)
+        losses[weight], grads[weight] = loss.item(), torch.autograd.grad(loss, first)[0]
+    expected = 2.0 * relative_error(plain, teacher).item()
+    ulp = torch.finfo(torch.float32).eps * losses[2.0]  # the difference of two fp32 sums of that size
+    assert losses[2.0] - losses[0.0] == pytest.approx(expected, abs=4 * ulp)
+    with hooks.converted():  # the term's own gradient, from the converted model's forward
+        term = torch.autograd.grad(2.0 * relative_error(_forward(model, args, kwargs), teacher), first)[0]
+    grad_ulp = torch.finfo(torch.float32).eps * grads[2.0].abs().max()
+    assert term.abs().max() > 100 * grad_ulp  # it reaches the first layer
+    torch.testing.assert_close(grads[2.0] - grads[0.0], term, rtol=0, atol=4 * grad_ulp)
+
+
 def test_what_trains_per_setting():
     model, args, kwargs = _dit()
     install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 2]))

@@ -39,7 +39,15 @@ from ..bases import Base
 from ..flops import count_flops
 from ..folders import file_record, input_record
 from ..install import uninstall_mhla
-from ..transfer import TRAINABLE, TransferHooks, converted_layers, end_to_end_errors, finalize, hardest_layers
+from ..transfer import (
+    TRAINABLE,
+    TransferHooks,
+    converted_layers,
+    end_to_end_errors,
+    finalize,
+    hardest_layers,
+    relative_error,
+)
 from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, TrainConfig
 from .io import atomic_write_text, read_jsonl
@@ -55,14 +63,19 @@ REPORT_KIND = "transfer_report"
 @dataclass
 class TransferConfig:
     """What stage 1 trains (``mhla``: mixing, CPE, gate; ``mhla+qk``: also q/k projections; ``all``: every
-    parameter of the converted attention modules) and how many held-out batches measure each layer."""
+    parameter of the converted attention modules), how many held-out batches measure each layer, and
+    ``output_weight``: the weight of the end-to-end term (the converted model's output error against the
+    teacher's, on the same batch) beside the per-layer errors; 0 = per-layer attention transfer only."""
 
     trainable: str = "mhla"
     eval_batches: int = 4
+    output_weight: float = 0.0
 
     def __post_init__(self):
         if self.trainable not in TRAINABLE:
             raise ValueError(f"transfer.trainable must be one of {TRAINABLE}, got {self.trainable!r}")
+        if not 0 <= self.output_weight < float("inf"):
+            raise ValueError(f"transfer.output_weight must be a finite number >= 0, got {self.output_weight}")
         if self.eval_batches < 1:
             raise ValueError(f"transfer.eval_batches must be >= 1, got {self.eval_batches}")
 
@@ -226,10 +239,21 @@ class TransferTask(TrainTask):
         return self.dataset
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
-        """The mean over converted layers of each layer's relative error against the teacher layer."""
         inputs, _ = self.inner.model_inputs(batch, rnd)
-        model(**inputs, return_dict=False)
-        return torch.stack(list(self.hooks.pop_errors().values())).mean()
+        return self.objective(model, inputs)
+
+    def objective(self, model: nn.Module, inputs: dict) -> torch.Tensor:
+        """The mean over converted layers of each layer's relative error against the teacher layer, plus
+        ``transfer.output_weight`` times the end-to-end error: a second forward of the converted model
+        itself (MHLA in the path, so each layer also learns what the layers after it make of its error)
+        against the first forward's output, which is the teacher's (every hooked layer returns it)."""
+        teacher_out = model(**inputs, return_dict=False)[0]
+        loss = torch.stack(list(self.hooks.pop_errors().values())).mean()
+        if self.cfg.transfer.output_weight:
+            with self.hooks.converted():
+                student_out = model(**inputs, return_dict=False)[0]
+            loss = loss + self.cfg.transfer.output_weight * relative_error(student_out, teacher_out.detach())
+        return loss
 
     def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
         if self.hooks is not None and self.hooks.handles:  # hooked: the model computes the teacher
@@ -254,6 +278,7 @@ class TransferTask(TrainTask):
         self.inner.save_final(transformer, folder)
         self.report = {
             "teacher": self.teacher(), "trainable": self.cfg.transfer.trainable,
+            "output_weight": self.cfg.transfer.output_weight,
             "hybrid": self.cfg.hybrid.softmax_layers, "softmax_layers": softmax,
             "mhla_layers": sorted(converted_layers(transformer)),
             "errors_before": {str(i): before[i] for i in sorted(before)},
@@ -326,8 +351,7 @@ class TransferTask(TrainTask):
         inputs = self.eval_inputs()[0]
 
         def stage1_step():
-            transformer(**inputs, return_dict=False)
-            torch.stack(list(self.hooks.pop_errors().values())).mean().backward()
+            self.objective(transformer, inputs).backward()
 
         step_flops = count_flops(stage1_step)
         transformer.zero_grad(set_to_none=True)
