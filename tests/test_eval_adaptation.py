@@ -154,3 +154,12 @@ def test_decisions_pair_the_mid_noise_validation_bucket():
     assert "| mid-noise val loss (b2) at step 400 |" in table
     row = next(line for line in table.splitlines() if line.startswith("| stage 1's head start"))
     assert row.rstrip(" |").endswith("**resolved**, MDD 0.00000") and "+0.00060" in row
+
+
+def test_end_to_end_column_is_the_mean_over_seeds():
+    recs = [{"arm": "mhla-stage1", "seed": seed, "step": step,
+             "stage1": {"end_to_end_before": 0.1 - 0.05 * seed, "end_to_end_final": 0.06 - 0.02 * seed}}
+            for seed in (0, 1) for step in (0, 4)]
+    module = load_adaptation()
+    assert module.end_to_end(recs, "mhla-stage1") == "0.075 → 0.050"
+    assert module.end_to_end(recs, "mhla-plain") == "—"
