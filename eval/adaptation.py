@@ -83,7 +83,9 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
                          steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True, patch=8,
                          val_triples=32, recipe=SHAPES_RECIPE),
 }
-STAGE1 = ("model.attention=mhla", "train.ema_decay=0")  # final/ and its errors: the trained weights
+# stage 1 of mhla-stage1 and the schedule arms: MHLA's own parameters (the default trains every parameter of
+# the converted layers: mhla-stage1-all); ema 0: final/ and its errors are the trained weights
+STAGE1 = ("model.attention=mhla", "transfer.trainable=mhla", "train.ema_decay=0")
 
 
 def arms(grid: str, eps: float, blocks: int) -> list[Arm]:

@@ -62,12 +62,14 @@ REPORT_KIND = "transfer_report"
 
 @dataclass
 class TransferConfig:
-    """What stage 1 trains (``mhla``: mixing, CPE, gate; ``mhla+qk``: also q/k projections; ``all``: every
-    parameter of the converted attention modules), how many held-out batches measure each layer, and
+    """What stage 1 trains (``all``, the default: every parameter of the converted attention modules;
+    ``mhla``: mixing, CPE, gate only; ``mhla+qk``: also the q/k projections; on the digits ``all`` gives
+    the head start that survives a quarter of stage 2 and ``mhla`` none, docs/results/evidence.md), how
+    many held-out batches measure each layer, and
     ``output_weight``: the weight of the end-to-end term (the converted model's output error against the
     teacher's, on the same batch) beside the per-layer errors; 0 = per-layer attention transfer only."""
 
-    trainable: str = "mhla"
+    trainable: str = "all"
     eval_batches: int = 4
     output_weight: float = 0.0
 
