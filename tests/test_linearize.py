@@ -17,6 +17,7 @@ from train_helpers import (
     read_metrics,
     run_inprocess,
     run_killed,
+    run_torchrun,
     write_captioned_videos,
 )
 
@@ -92,6 +93,20 @@ def test_end_to_end_term_lowers_the_end_to_end_error_and_is_counted(dit_teacher,
     assert e2e["end_to_end_before"] == plain["end_to_end_before"]  # the same plain conversion
     assert e2e["end_to_end_after"] < plain["end_to_end_after"] < plain["end_to_end_before"], reports
     assert e2e["stage1_step_flops"] > 1.5 * plain["stage1_step_flops"]  # a second forward and its backward
+
+
+@pytest.mark.slow
+def test_end_to_end_term_runs_under_ddp(dit_teacher, tmp_path):
+    """The end-to-end term runs the model twice before one backward; two real gloo processes (DDP) train
+    with it and lower the end-to-end error. The world size is asserted from inside the run. (Not compared
+    with one process: stage 1's relative errors are normalised per process's shard of the batch.)"""
+    two = run_torchrun("linearize.py", "--config", TINY["dit"], f"model.init_from={dit_teacher}",
+                       "model.depth=3", "train.max_steps=4", "train.learning_rate=3e-3",
+                       "transfer.output_weight=10", "log.sample_every=0", f"output_dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert {r["num_processes"] for r in read_metrics(tmp_path / "two") if "loss" in r} == {2}
+    report = json.loads((tmp_path / "two" / "transfer.json").read_text())
+    assert report["output_weight"] == 10 and report["end_to_end_after"] < report["end_to_end_before"]
 
 
 def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):

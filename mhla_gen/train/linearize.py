@@ -62,12 +62,15 @@ REPORT_KIND = "transfer_report"
 
 @dataclass
 class TransferConfig:
-    """What stage 1 trains (``all``, the default: every parameter of the converted attention modules;
-    ``mhla``: mixing, CPE, gate only; ``mhla+qk``: also the q/k projections; on the digits ``all`` gives
-    the head start that survives a quarter of stage 2 and ``mhla`` none, docs/results/evidence.md), how
-    many held-out batches measure each layer, and
-    ``output_weight``: the weight of the end-to-end term (the converted model's output error against the
-    teacher's, on the same batch) beside the per-layer errors; 0 = per-layer attention transfer only."""
+    """What stage 1 trains and how it is measured.
+
+    * ``trainable``: ``all`` (default) every parameter of the converted attention modules; ``mhla`` the
+      mixing, CPE and gate only; ``mhla+qk`` also the q/k projections. On the digits ``all`` gives a head
+      start that survives a quarter of stage 2 and ``mhla`` none (docs/results/evidence.md).
+    * ``eval_batches``: held-out batches that measure each layer's error and the end-to-end error.
+    * ``output_weight``: the weight of the end-to-end term (the converted model's output error against
+      the teacher's, on the same batch) beside the mean per-layer error; 0 = attention transfer only.
+    """
 
     trainable: str = "all"
     eval_batches: int = 4
