@@ -9,8 +9,9 @@ python scripts/linearize.py --base wan --config configs/linearize/wan_1_3b_480p.
 Every MHLA layer learns to reproduce the frozen teacher layer's output from the teacher's own input
 (mhla_gen.transfer). Output: output_dir/final (the converted transformer: continue it with
 train_dit.py or finetune_*.py model.init_from=...), transfer.json and
-transfer_errors.png. Settings: the base script's, plus transfer.trainable (mhla | mhla+qk | all),
-transfer.eval_batches and hybrid.softmax_layers (null | auto:K | [layers]).
+transfer_errors.png. Settings: the base script's, plus transfer.trainable (all, the default | mhla |
+mhla+qk), transfer.output_weight (the end-to-end term; 0), transfer.eval_batches and
+hybrid.softmax_layers (null | auto:K | [layers]).
 """
 
 from mhla_gen.cli import linearize_main, run
