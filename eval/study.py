@@ -349,6 +349,13 @@ def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
     return report
 
 
+def check_names(flag: str, names: list[str], choices: list[Arm]) -> None:
+    """Each of ``names`` must be one of ``choices``' names, once (``ConfigError`` naming ``flag``)."""
+    known = [a.name for a in choices]
+    if any(n not in known for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"{flag} {' '.join(names)}: each must be one of {known}, once")
+
+
 def select_grids(args) -> list[str]:
     """The GRIDS keys of this call (--quick / --smoke also set seeds, jobs, ablations, throughput)."""
     if args.quick or args.smoke:
@@ -397,14 +404,8 @@ def main(argv=None) -> list[dict]:
     for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    unknown = [n for n in args.arms if n not in {a.name for a in MAIN_ARMS}]
-    if unknown or len(set(args.arms)) != len(args.arms):
-        raise ConfigError(f"--arms {' '.join(args.arms)}: each must be one of "
-                          f"{[a.name for a in MAIN_ARMS]}, once")
-    unknown = [n for n in args.ablations if n not in {a.name for a in ABLATIONS}]
-    if unknown or len(set(args.ablations)) != len(args.ablations):
-        raise ConfigError(f"--ablations {' '.join(args.ablations)}: each must be one of "
-                          f"{[a.name for a in ABLATIONS]}, once")
+    check_names("--arms", args.arms, MAIN_ARMS)
+    check_names("--ablations", args.ablations, ABLATIONS)
     args.grids = select_grids(args)
     if args.no_ablations:
         args.ablations = []
