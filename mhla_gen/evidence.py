@@ -172,13 +172,30 @@ def min_effect(metric: str, reference_mean: float) -> float:
     return size * abs(reference_mean) if kind == "relative" else size
 
 
+# Metrics that are a fraction of the scored samples (``fid_samples`` of them): their own sampling noise is
+# binomial, so it is known without a bootstrap.
+RATES = ("label_accuracy", "all_correct", "count_accuracy", "colour_accuracy", "symmetric_rate")
+
+
+def rate_sd(p: float, q: float, samples: int) -> float:
+    """The sampling spread of the difference of two rates ``p - q`` scored on ``samples`` samples each,
+    as if independent (common noise only lowers it): ``sqrt((p (1 - p) + q (1 - q)) / samples)``."""
+    return math.sqrt((p * (1 - p) + q * (1 - q)) / samples)
+
+
 def compare(records: list[dict], arm: str, other: str, metric: str, step: int, sampling_sd: float = math.nan
             ) -> dict:
     """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have: mean, 95 %
     t half-width ``ci``, ``n``, the minimum detectable difference ``mdd`` (from the spread of the paired
     differences), the stated ``min_effect`` (relative to ``other``'s mean) and the ``verdict``;
-    ``sampling_sd`` (the paired bootstrap spread of one sample set, if known) is carried along."""
-    by_seed = {(r["arm"], r["seed"]): r.get(metric, math.nan) for r in records if r["step"] == step}
+    ``sampling_sd`` (the paired bootstrap spread of one sample set, if known) is carried along.
+
+    For a rate (:data:`RATES`) ``ci`` is never narrower than the rates' own binomial noise allows
+    (``1.96 sd / sqrt(n)``, ``sd`` of :func:`rate_sd`; ``mdd`` likewise): a few seeds can agree by chance
+    (two seeds with the same difference give a t half-width of 0), which says nothing about the noise of
+    each score."""
+    at_step = {(r["arm"], r["seed"]): r for r in records if r["step"] == step}
+    by_seed = {key: r.get(metric, math.nan) for key, r in at_step.items()}
     seeds = sorted(s for a, s in by_seed if a == arm and (other, s) in by_seed)
     diffs = [by_seed[(arm, s)] - by_seed[(other, s)] for s in seeds]
     if not diffs:
@@ -186,6 +203,11 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int, s
                 "verdict": "undecided", "sampling_sd": sampling_sd}
     s = interval(diffs)
     sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else math.nan
+    if metric in RATES and len(diffs) > 1 and all(at_step[(arm, k)].get("fid_samples") for k in seeds):
+        sampling_sd = math.sqrt(np.mean([rate_sd(by_seed[(arm, k)], by_seed[(other, k)],
+                                                 at_step[(arm, k)]["fid_samples"]) ** 2 for k in seeds]))
+        s["ci"] = max(s["ci"], 1.959964 * sampling_sd / math.sqrt(len(diffs)))
+        sd = max(sd, sampling_sd)
     effect = min_effect(metric, float(np.mean([by_seed[(other, k)] for k in seeds])))
     return {**s, "mdd": detectable(sd, len(diffs)), "min_effect": effect,
             "verdict": verdict(s["mean"], s["ci"], effect), "sampling_sd": sampling_sd,

@@ -106,6 +106,22 @@ def test_bootstraps_detectable_differences_and_verdicts():
     assert min_effect("val_loss_b2", 0.5) == pytest.approx(0.02 * 0.5)  # a bucket: the validation loss's
 
 
+def test_a_rates_interval_is_never_narrower_than_its_own_sampling_noise():
+    """Two seeds with the same difference of a rate (3 samples in 300) give a t half-width of 0: the
+    verdict must not call that resolved (it is bounded: inside the 0.05 minimum effect); on 100 000 samples
+    per score the same difference is."""
+    def records(samples):
+        return [{"arm": a, "seed": s, "step": 1, "colour_accuracy": v, "fid_samples": samples}
+                for a, v in (("cpe", 0.98), ("plain", 0.99)) for s in (0, 1)]
+
+    few = compare(records(300), "cpe", "plain", "colour_accuracy", 1)
+    assert few["per_seed"] == {0: pytest.approx(-0.01), 1: pytest.approx(-0.01)}
+    assert few["verdict"] == "bounded"
+    floor = 1.959964 * math.sqrt((0.98 * 0.02 + 0.99 * 0.01) / 300) / math.sqrt(2)
+    assert few["ci"] == pytest.approx(floor) and few["mdd"] > 0
+    assert compare(records(100_000), "cpe", "plain", "colour_accuracy", 1)["verdict"] == "resolved"
+
+
 # ------------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("trainable", ["mhla", "all"])
 def test_end_to_end_errors_equal_the_finalized_models_output_error(trainable):
