@@ -28,7 +28,8 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
   matrix (``eps`` / M: exactly the teacher at step 0) or the paper's locality init;
 * ``--softmax-layers`` (any grid): K = 1 .. depth / 2 softmax layers chosen by the end-to-end ranking, by
   the per-layer error or by the release's fixed pattern, with each K's measured latency
-  (``mhla_gen.softmax_layers``: quality against latency).
+  (``mhla_gen.softmax_layers``: quality against latency; K = 0 is ``mhla-stage1-all``). ``--arms`` may
+  also name single sweep arms (``softmax1-e2e``, ``softmax2-fixed``, ...) without the whole sweep.
 
 FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
 ``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/adaptation.md,
@@ -86,6 +87,8 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
 # stage 1 of mhla-stage1 and the schedule arms: MHLA's own parameters (the default trains every parameter of
 # the converted layers: mhla-stage1-all); ema 0: final/ and its errors are the trained weights
 STAGE1 = ("model.attention=mhla", "transfer.trainable=mhla", "train.ema_decay=0")
+STAGE1_ALL = (*STAGE1, "transfer.trainable=all")  # the default stage 1: every parameter of converted layers
+SWEEP_K0 = "mhla-stage1-all"  # the softmax-layer sweep's K = 0: its stage 1 with no softmax layer kept
 
 
 def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
@@ -100,10 +103,10 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("mhla-plain", (soft, "model.attention=mhla")),
         Arm("mhla-stage1", (), stage1=(soft, *STAGE1)),
         Arm("mhla-stage1-distill", distill, stage1=(soft, *STAGE1)),
-        Arm("mhla-stage1-all", (), stage1=(soft, *STAGE1, "transfer.trainable=all")),
+        Arm("mhla-stage1-all", (), stage1=(soft, *STAGE1_ALL)),
         Arm("mhla-stage1-qk", (), stage1=(soft, *STAGE1, "transfer.trainable=mhla+qk")),
         Arm("mhla-stage1-e2e", (), stage1=(soft, *STAGE1, e2e)),
-        Arm("mhla-stage1-all-e2e", (), stage1=(soft, *STAGE1, "transfer.trainable=all", e2e)),
+        Arm("mhla-stage1-all-e2e", (), stage1=(soft, *STAGE1_ALL, e2e)),
     ]
     schedules = [  # stage 2 from the same stage 1 as mhla-stage1 (and plain conversion without warm-up)
         Arm("mhla-plain-no-warmup", (soft, "model.attention=mhla", "train.lr_warmup_steps=0"), "schedule"),
@@ -171,10 +174,11 @@ def plan(args) -> list:
         model = grid_model(grid)
         default = {"smoke": SMOKE_ARMS, "quick": QUICK_ARMS}.get(name.split("-")[-1])
         wanted = args.arms or default
-        sweep = sweep_arms(model["depth"], "model.init_from=@softmax", STAGE1) if args.softmax_layers \
-            else []
-        if wanted is not None and sweep:  # the sweep's arms, and mhla-stage1 for K = 0
-            wanted = {*wanted, "mhla-stage1", *(arm.name for arm in sweep)}
+        sweep = sweep_arms(model["depth"], "model.init_from=@softmax", STAGE1_ALL)
+        if wanted is not None and args.softmax_layers:  # every K, and mhla-stage1-all for K = 0
+            wanted = {*wanted, SWEEP_K0, *(arm.name for arm in sweep)}
+        elif wanted is None and not args.softmax_layers:
+            wanted = {arm.name for arm in arms(name, 1e-6, 4)}  # the sweep only when asked or named
         candidates = [*arms(name, 1e-6, np.prod(grid["blocks"])), *sweep]
         chosen = [arm for arm in candidates if wanted is None or arm.name in wanted]
         named = " ".join(item for arm in chosen for item in (*arm.overrides, *(arm.stage1 or ())))
@@ -234,6 +238,7 @@ def check_arms(args) -> None:
     if not args.arms:
         return
     known = {arm.name for name in args.grids for arm in arms(name, 1e-6, 4)}
+    known |= {arm.name for name in args.grids for arm in sweep_arms(grid_model(GRIDS[name])["depth"], "", ())}
     bad = [name for name in args.arms if name not in known]
     if bad:
         raise ConfigError(f"--arms {' '.join(bad)}: no such arm for --grids {' '.join(args.grids)}; "
@@ -388,7 +393,7 @@ def softmax_layer_report(records: list[dict], grid: str) -> str:
     ms = latency(build, [0, *sweep_ks(depth)], config["resolution"], max(2, 8192 // (
         (config["resolution"] // model["patch_size"]) ** 2)))
     recs = [r for r in records if r["grid"] == grid]
-    return sweep_table(recs, ms, depth)
+    return sweep_table(recs, ms, depth, SWEEP_K0)
 
 
 def select_grids(args) -> list[str]:

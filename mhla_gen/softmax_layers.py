@@ -1,8 +1,8 @@
 """Which layers to keep as softmax, for a given latency (issue 40, question 4b): the arms, the latency
 measurement and the table behind ``eval/adaptation.py --softmax-layers``.
 
-For every K = 1 .. depth / 2 (K = 0 is the all-MHLA ``mhla-stage1`` arm), three stage-1 conversions keep K
-layers as softmax, chosen
+For every K = 1 .. depth / 2 (K = 0 is the all-MHLA ``mhla-stage1-all`` arm), three stage-1 conversions (the
+default stage 1: every parameter of the converted layers) keep K layers as softmax, chosen
 
 * ``e2e``: by what keeping each layer does to the converted model's end-to-end error on held-out inputs
   (``hybrid.softmax_layers=auto:K``, the converter's default ranking);
@@ -71,9 +71,10 @@ def latency(build, ks: list[int], resolution: int, batch: int, repeats: int = 5)
     return {k: 1000 * float(np.median(v[1:])) / batch for k, v in times.items()}
 
 
-def sweep_table(recs: list[dict], ms: dict[int, float], depth: int) -> str:
+def sweep_table(recs: list[dict], ms: dict[int, float], depth: int, k0: str) -> str:
     """Markdown: per K the measured latency, each ranking's FID at the end of stage 2 (mean ± 95 %
-    t-interval), and the paired comparisons e2e − fixed and e2e − layer with their verdicts."""
+    t-interval; K = 0 is the arm ``k0``), and the paired comparisons e2e − fixed and e2e − layer with
+    their verdicts."""
     step = max(r["step"] for r in recs)
     stats = summarize(recs, "fid")
 
@@ -81,7 +82,7 @@ def sweep_table(recs: list[dict], ms: dict[int, float], depth: int) -> str:
         s = stats.get((arm, step))
         return "—" if s is None else f"{s['mean']:.1f}" + ("" if np.isnan(s["ci"]) else f" ± {s['ci']:.1f}")
 
-    rows = [(0, {"e2e": "mhla-stage1", "layer": "mhla-stage1", "fixed": "mhla-stage1"})]
+    rows = [(0, dict.fromkeys(RANKINGS, k0))]
     rows += [(k, {r: arm_name(r, k) for r in RANKINGS}) for k in sweep_ks(depth)]
     lines = [f"Softmax layers kept (of {depth}) against latency: FID at stage-2 step {step} per ranking, "
              "paired differences (resolved / bounded / undecided as above):", "",

@@ -72,18 +72,29 @@ def test_only_the_teachers_the_arms_start_from_are_needed(tmp_path):
     args.arms = ["mhla-plain", "linear-continued"]
     with pytest.raises(ConfigError, match="linear"):
         module.plan(args)
+    args.arms = ["softmax1-fixed"]  # one arm of the softmax-layer sweep, without the rest of it
+    module.check_arms(args)
+    (job,) = module.plan(args)
+    assert job.arm == "softmax1-fixed"
+    assert job.stage1[-3:-1] == ["transfer.trainable=all", "hybrid.softmax_layers=[0]"]
+    args.arms, args.grids = None, ["64"]  # every arm of the grid, but the sweep only with --softmax-layers
+    for name in ("softmax", "linear"):
+        (study / "64" / "runs" / name / "seed0" / "final").mkdir(parents=True)
+    planned = {j.arm for j in module.plan(args)}
+    assert "hybrid-auto" in planned and not [a for a in planned if a.startswith("softmax1-")]
 
 
 def test_softmax_layer_sweep_against_latency(tmp_path):
     """--softmax-layers: K = 1 .. depth/2 kept softmax layers by each ranking (depth 2 here: K = 1), each
-    stage 1 keeping exactly K layers (the fixed pattern: layer 0), beside mhla-stage1 (K = 0), and a table
+    stage 1 keeping exactly K layers (the fixed pattern: layer 0), beside mhla-stage1-all (K = 0), and a table
     with a measured latency per K and the paired e2e comparisons."""
     module = load_adaptation()
     records = module.main(["--smoke", "--softmax-layers", "--arms", "mhla-stage1", "--seeds", "1",
                            "--out", str(tmp_path)])
     stage1 = {r["arm"]: r["stage1"]["softmax_layers"] for r in records if "stage1" in r}
-    assert set(stage1) == {"mhla-stage1", "softmax1-e2e", "softmax1-layer", "softmax1-fixed"}
-    assert stage1["mhla-stage1"] == [] and stage1["softmax1-fixed"] == [0]
+    sweep = {f"softmax1-{r}" for r in ("e2e", "layer", "fixed")}
+    assert set(stage1) == {"mhla-stage1", "mhla-stage1-all", *sweep}
+    assert stage1["mhla-stage1-all"] == [] and stage1["softmax1-fixed"] == [0]
     assert all(len(stage1[f"softmax1-{r}"]) == 1 for r in ("e2e", "layer"))
     table = (tmp_path / "adaptation.md").read_text().split("Softmax layers kept (of 2)")[1]
     rows = [line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
