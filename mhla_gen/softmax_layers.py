@@ -71,27 +71,51 @@ def latency(build, ks: list[int], resolution: int, batch: int, repeats: int = 5)
     return {k: 1000 * float(np.median(v[1:])) / batch for k, v in times.items()}
 
 
+DIGITS = {"fid": 1, "val_loss": 4, "symmetric_rate": 3}  # decimals in the tables
+
+
 def sweep_table(recs: list[dict], ms: dict[int, float], depth: int, k0: str) -> str:
-    """Markdown: per K the measured latency, each ranking's FID at the end of stage 2 (mean ± 95 %
-    t-interval; K = 0 is the arm ``k0``), and the paired comparisons e2e − fixed and e2e − layer with
-    their verdicts."""
+    """Markdown, one table per metric (FID, validation loss, and on the shapes the symmetric rate) at the
+    end of stage 2: per K the measured latency, each ranking's mean ± 95 % t-interval (K = 0 is the arm
+    ``k0``) and the paired comparisons e2e − fixed, e2e − layer, e2e − K0 and fixed − K0 with verdicts."""
     step = max(r["step"] for r in recs)
-    stats = summarize(recs, "fid")
+    metrics = [m for m in DIGITS if any(m in r for r in recs)]
+    return "\n".join([chosen_layers(recs, depth)] + [metric_table(recs, metric, step, ms, depth, k0)
+                                                     for metric in metrics])
+
+
+def chosen_layers(recs: list[dict], depth: int) -> str:
+    """The layers each sweep arm kept as softmax, per seed (from its stage 1's ``transfer.json``)."""
+    kept = {(r["arm"], r["seed"]): r["stage1"]["softmax_layers"] for r in recs if "stage1" in r}
+    lines = ["Layers kept as softmax (per seed):", "", "| K | e2e | layer | fixed |", "|---|---|---|---|"]
+    for k in sweep_ks(depth):
+        cells = [", ".join(f"{kept[key]}" for key in sorted(key for key in kept if key[0] == arm_name(r, k)))
+                 or "—" for r in RANKINGS]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def metric_table(recs: list[dict], metric: str, step: int, ms: dict[int, float], depth: int, k0: str) -> str:
+    """:func:`sweep_table`'s table of one metric."""
+    stats, d = summarize(recs, metric), DIGITS[metric]
 
     def cell(arm):
         s = stats.get((arm, step))
-        return "—" if s is None else f"{s['mean']:.1f}" + ("" if np.isnan(s["ci"]) else f" ± {s['ci']:.1f}")
+        ci = "" if s is None or np.isnan(s["ci"]) else f" ± {s['ci']:.{d}f}"
+        return "—" if s is None else f"{s['mean']:.{d}f}{ci}"
 
-    rows = [(0, dict.fromkeys(RANKINGS, k0))]
-    rows += [(k, {r: arm_name(r, k) for r in RANKINGS}) for k in sweep_ks(depth)]
-    lines = [f"Softmax layers kept (of {depth}) against latency: FID at stage-2 step {step} per ranking, "
-             "paired differences (resolved / bounded / undecided as above):", "",
-             "| K | inference ms / image | e2e | layer | fixed | e2e − fixed | e2e − layer |",
-             "|---|---|---|---|---|---|---|"]
-    for k, names in rows:
-        pairs = ["—", "—"] if k == 0 else [
-            fmt_comparison(compare(recs, names["e2e"], names[other], "fid", step), 1)
-            for other in ("fixed", "layer")]
-        fids = " | ".join(cell(names[r]) for r in RANKINGS)
-        lines.append(f"| {k} | {ms.get(k, float('nan')):.2f} | {fids} | " + " | ".join(pairs) + " |")
+    def paired(a, b):
+        return fmt_comparison(compare(recs, a, b, metric, step), d)
+
+    lines = [f"Softmax layers kept (of {depth}) against latency: `{metric}` at stage-2 step {step} per "
+             "ranking, paired differences (resolved / bounded / undecided as above):", "",
+             "| K | inference ms / image | e2e | layer | fixed | e2e − fixed | e2e − layer | e2e − K0 | "
+             "fixed − K0 |", "|---|---|---|---|---|---|---|---|---|",
+             f"| 0 | {ms.get(0, float('nan')):.2f} | " + " | ".join([cell(k0)] * 3 + ["—"] * 4) + " |"]
+    for k in sweep_ks(depth):
+        names = {r: arm_name(r, k) for r in RANKINGS}
+        pairs = [paired(names["e2e"], names["fixed"]), paired(names["e2e"], names["layer"]),
+                 paired(names["e2e"], k0), paired(names["fixed"], k0)]
+        values = [cell(names[r]) for r in RANKINGS]
+        lines.append(f"| {k} | {ms.get(k, float('nan')):.2f} | " + " | ".join(values + pairs) + " |")
     return "\n".join(lines) + "\n"

@@ -99,6 +99,9 @@ def test_softmax_layer_sweep_against_latency(tmp_path):
     table = (tmp_path / "adaptation.md").read_text().split("Softmax layers kept (of 2)")[1]
     rows = [line for line in table.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
     assert len(rows) == 2 and all(float(row.split(" | ")[1]) > 0 for row in rows)  # latency measured
+    kept = (tmp_path / "adaptation.md").read_text().split("Layers kept as softmax")[1].split("Softmax")[0]
+    assert f"| 1 | {stage1['softmax1-e2e']} | {stage1['softmax1-layer']} | [0] |" in kept
+    assert "`val_loss` at stage-2 step" in (tmp_path / "adaptation.md").read_text()
 
 
 def test_fixed_pattern_is_the_releases():
