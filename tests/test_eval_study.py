@@ -178,6 +178,22 @@ def test_ablations_choose_the_ablation_arms(tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
+def test_the_one_softmax_layer_arm_runs_only_when_named(tmp_path, monkeypatch):
+    """mhla+softmax1 keeps the release's layer 0 as softmax (MHLA in layers 1-3 of the study's model), is
+    not among the default ablations, and is refused on a model too shallow to keep an MHLA layer."""
+    study = load_study()
+    planned = []
+    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
+    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla+softmax1",
+                "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
+    (job,) = planned
+    assert job.arm == "mhla+softmax1" and "mhla.layers=[1,2,3]" in job.overrides
+    assert "mhla+softmax1" not in [a.name for a in study.ABLATIONS]
+    with pytest.raises(ConfigError, match="none would stay MHLA"):
+        study.main(["--smoke", "--arms", "--ablations", "mhla+softmax1", "--out", str(tmp_path / "b")])
+
+
 def _record_pid(path):
     import os
 
