@@ -184,17 +184,18 @@ def plan(args) -> list:
         named = " ".join(item for arm in chosen for item in (*arm.overrides, *(arm.stage1 or ())))
         teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")
                     if f"@{a}" in named}  # only the teachers the chosen arms start from
-        chosen = [with_teachers(arm, teachers, grid) for arm in chosen]
+        chosen = [with_teachers(arm, teachers, grid["stage1_steps"]) for arm in chosen]
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
+        recipe = grid.get("recipe", ())  # the training runs' (stage 2, from scratch), not stage 1's
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
-                          grid["fid_samples"], extra, grid.get("val_triples", 512))
+                          grid["fid_samples"], extra, grid.get("val_triples", 512), recipe)
         if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
-            scratch = [Arm("mhla-scratch", (*grid.get("recipe", ()), "model.attention=mhla"), "scratch")]
+            scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
             budget = grid["teacher_steps"] + grid["steps"]
             jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
                               grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
-                              grid.get("val_triples", 512))
+                              grid.get("val_triples", 512), recipe)
     return jobs
 
 
@@ -208,16 +209,15 @@ def compute(record: dict, teacher_steps: int) -> float:
     return 3.0 * teacher_steps + stage1 + 3.0 * record["step"]
 
 
-def with_teachers(arm: Arm, teachers: dict[str, Path], grid: dict) -> Arm:
-    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, the grid's recipe before
-    its own overrides (stage 2 only), and the stage-1 budget."""
+def with_teachers(arm: Arm, teachers: dict[str, Path], stage1_steps: int) -> Arm:
+    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, and the stage-1 budget."""
     def resolve(items):
         for attention, path in teachers.items():
             items = tuple(i.replace(f"@{attention}", str(path)) for i in items)
         return items
 
-    stage1 = (*resolve(arm.stage1), f"train.max_steps={grid['stage1_steps']}") if arm.stage1 else None
-    return Arm(arm.name, (*grid.get("recipe", ()), *resolve(arm.overrides)), arm.group, stage1)
+    stage1 = (*resolve(arm.stage1), f"train.max_steps={stage1_steps}") if arm.stage1 else None
+    return Arm(arm.name, resolve(arm.overrides), arm.group, stage1)
 
 
 def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Path:

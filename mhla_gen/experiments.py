@@ -228,14 +228,16 @@ def attention_summary(transformer, scores: DataScores, seed: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- running
 def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: list[int], steps: list[int],
-              fid_samples: int, extra: dict | None = None, val_triples: int = 512) -> list[Job]:
+              fid_samples: int, extra: dict | None = None, val_triples: int = 512,
+              train: tuple[str, ...] = ()) -> list[Job]:
     """One job per (arm, seed), its folders under ``out`` (``out`` itself must be ours, see
-    :func:`run_jobs`)."""
+    :func:`run_jobs`). ``base`` applies to every run, ``train`` to the training runs only (not to stage
+    1, which has its own schedule), before the arm's own overrides."""
     jobs = []
     for arm in arms:
         for seed in seeds:
             run, results = (str(out / part / arm.name / f"seed{seed}") for part in ("runs", "results"))
-            job = Job(arm.name, seed, config, [*base, *arm.overrides], sorted(steps), run, results,
+            job = Job(arm.name, seed, config, [*base, *train, *arm.overrides], sorted(steps), run, results,
                       fid_samples, {"group": arm.group, **(extra or {})}, val_triples=val_triples)
             if arm.stage1 is not None:
                 job.stage1 = [*base, *arm.stage1]
