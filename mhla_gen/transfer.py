@@ -45,8 +45,19 @@ TRAINABLE = ("mhla", "mhla+qk", "all")
 
 def relative_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """``mean((student - teacher)²) / mean(teacher²)`` in fp32 (a scalar; 0 = exact, 1 = as far as 0)."""
+    return ratio(*error_terms(student, teacher))
+
+
+def error_terms(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean((student - teacher)²), mean(teacher²))`` in fp32: the relative error's numerator and its
+    denominator (detached). Kept apart so a data-parallel loss can average the denominator over every
+    process's shard before dividing (the error of the whole batch, not a mean of per-shard ratios)."""
     s, t = student.float(), teacher.float()
-    return (s - t).square().mean() / t.square().mean().clamp_min(1e-30)
+    return (s - t).square().mean(), t.square().mean().detach()
+
+
+def ratio(squared_error: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+    return squared_error / power.clamp_min(1e-30)
 
 
 def converted_layers(transformer: nn.Module) -> dict[int, nn.Module]:
@@ -57,8 +68,8 @@ def converted_layers(transformer: nn.Module) -> dict[int, nn.Module]:
 
 class TransferHooks:
     """Forward hooks that make every MHLA layer of ``transformer`` a student of the stock attention it
-    replaced (see the module docstring). ``errors`` holds each layer's relative error of the last forward,
-    differentiable in the student's parameters.
+    replaced (see the module docstring). ``terms`` holds each layer's relative error of the last forward as
+    its two :func:`error_terms`, the squared error differentiable in the student's parameters.
 
     Args:
         transformer: a model with MHLA installed on the layers to convert.
@@ -84,7 +95,7 @@ class TransferHooks:
         self.trainable = trainable
         self.stock = stock()
         self.student_layers: set[int] | None = None  # end-to-end mode (see converted)
-        self.errors: dict[int, torch.Tensor] = {}
+        self.terms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # error_terms of the last forward
         self.handles = [
             attn.register_forward_hook(self._hook(i), with_kwargs=True) for i, attn in self.layers.items()
         ]
@@ -98,7 +109,7 @@ class TransferHooks:
                     return self.teacher_output(index, attn, args, kwargs)
             with torch.no_grad():
                 teacher_out = self.teacher_output(index, attn, args, kwargs)
-            self.errors[index] = relative_error(student, teacher_out)
+            self.terms[index] = error_terms(student, teacher_out)
             return teacher_out.detach()
 
         return hook
@@ -137,9 +148,13 @@ class TransferHooks:
         return list(params.values())
 
     def pop_errors(self) -> dict[int, torch.Tensor]:
-        """The errors of the last forward (cleared: the next forward fills them again)."""
-        errors, self.errors = self.errors, {}
-        return errors
+        """Each layer's relative error of the last forward (cleared: the next forward fills them again)."""
+        return {i: ratio(*terms) for i, terms in self.pop_terms().items()}
+
+    def pop_terms(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's :func:`error_terms` of the last forward (cleared like :meth:`pop_errors`)."""
+        terms, self.terms = self.terms, {}
+        return terms
 
     def remove(self) -> None:
         for handle in self.handles:

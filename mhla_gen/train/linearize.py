@@ -44,9 +44,10 @@ from ..transfer import (
     TransferHooks,
     converted_layers,
     end_to_end_errors,
+    error_terms,
     finalize,
     hardest_layers,
-    relative_error,
+    ratio,
 )
 from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, TrainConfig
@@ -170,6 +171,7 @@ class TransferTask(TrainTask):
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
+        self.accelerator = None  # set by setup(): the processes whose shards make one batch
 
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
@@ -237,6 +239,7 @@ class TransferTask(TrainTask):
 
     def setup(self, accelerator) -> None:
         self.device = accelerator.device
+        self.accelerator = accelerator
         self.inner.setup(accelerator)
 
     def build_dataset(self, accelerator) -> Dataset:
@@ -245,19 +248,33 @@ class TransferTask(TrainTask):
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         inputs, _ = self.inner.model_inputs(batch, rnd)
-        return self.objective(model, inputs)
+        return self.objective(model, inputs, whole_batch=True)
 
-    def objective(self, model: nn.Module, inputs: dict) -> torch.Tensor:
+    def objective(self, model: nn.Module, inputs: dict, whole_batch: bool = False) -> torch.Tensor:
         """The mean over converted layers of each layer's relative error against the teacher layer, plus
         ``transfer.output_weight`` times the end-to-end error: a second forward of the converted model
         itself (MHLA in the path, so each layer also learns what the layers after it make of its error)
-        against the first forward's output, which is the teacher's (every hooked layer returns it)."""
+        against the first forward's output, which is the teacher's (every hooked layer returns it).
+
+        With ``whole_batch`` (training: every process calls it) each relative error divides by the
+        teacher's power averaged over every process's shard, so data-parallel processes (whose gradients
+        DDP averages) train on the error of the whole batch: the same run as one process with the same
+        global batch."""
         teacher_out = model(**inputs, return_dict=False)[0]
-        loss = torch.stack(list(self.hooks.pop_errors().values())).mean()
+        terms = list(self.hooks.pop_terms().values())  # (squared error, teacher power) per layer
         if self.cfg.transfer.output_weight:
             with self.hooks.converted():
                 student_out = model(**inputs, return_dict=False)[0]
-            loss = loss + self.cfg.transfer.output_weight * relative_error(student_out, teacher_out.detach())
+            terms.append(error_terms(student_out, teacher_out.detach()))
+        squared = torch.stack([sq for sq, _ in terms])
+        power = torch.stack([p for _, p in terms])
+        if whole_batch and self.accelerator is not None and self.accelerator.num_processes > 1:
+            power = self.accelerator.reduce(power, reduction="mean")
+        errors = ratio(squared, power)
+        layers = len(self.hooks.layers)
+        loss = errors[:layers].mean()
+        if self.cfg.transfer.output_weight:
+            loss = loss + self.cfg.transfer.output_weight * errors[layers]
         return loss
 
     def sample_images(self, transformer: nn.Module) -> tuple[list, int]:
