@@ -116,6 +116,24 @@ def test_two_processes_match_one_with_the_end_to_end_term(dit_teacher, tmp_path)
     assert report["output_weight"] == 10 and report["end_to_end_after"] < report["end_to_end_before"]
 
 
+@pytest.mark.slow
+def test_stage2_distillation_on_two_processes_matches_one(dit_teacher, tmp_path):
+    """Stage 2 with both distillation terms: two gloo processes train as one with the same global batch
+    (each relative error normalised over the whole batch). World size asserted from inside the run."""
+    dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
+    args = ("--config", TINY["dit"], f"model.init_from={tmp_path / 's1' / 'final'}", "train.max_steps=2",
+            "train.ema_decay=0", "log.sample_every=0", "train.distill.output_weight=1",
+            "train.distill.attention_weight=1")
+    run_inprocess("train_dit.py", *args, f"output_dir={tmp_path / 'one'}")
+    two = run_torchrun("train_dit.py", *args, f"output_dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_records, two_records = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["num_processes"] for r in two_records] == [2, 2]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in two_records]),
+                               torch.tensor([r["loss"] for r in one_records]), rtol=1e-5, atol=1e-7)
+    assert max_abs_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "two")) < 1e-5
+
+
 def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):
     dit_stage1(dit_teacher, tmp_path / "fixed", "hybrid.softmax_layers=[0]", "train.max_steps=1")
     assert json.loads((tmp_path / "fixed" / "transfer.json").read_text())["softmax_layers"] == [0]

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
-from ..transfer import relative_error
+from ..transfer import error_terms, ratio
 
 
 class _LayerOutputs:
@@ -47,11 +47,16 @@ class Distiller:
         teacher: the frozen teacher transformer (same family and layer count as ``student``).
         student: the transformer being trained (hooks go on its MHLA layers).
         output_weight, attention_weight: the weights of the two terms.
+        power_mean: averages the teachers' powers (each relative error's denominator) over data-parallel
+            processes (e.g. ``accelerator.reduce(t, "mean")``), so each error is the whole batch's and N
+            processes train as one with the same global batch; the default keeps this process's own.
     """
 
-    def __init__(self, teacher: nn.Module, student: nn.Module, output_weight: float, attention_weight: float):
+    def __init__(self, teacher: nn.Module, student: nn.Module, output_weight: float, attention_weight: float,
+                 power_mean=None):
         self.teacher = teacher.eval().requires_grad_(False)
         self.output_weight, self.attention_weight = output_weight, attention_weight
+        self.power_mean = power_mean or (lambda power: power)
         layers = base_for_model(student).processor.self_attention(student)
         mhla = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
         if attention_weight > 0 and not mhla:
@@ -62,11 +67,16 @@ class Distiller:
     def __call__(self, student_output: torch.Tensor, inputs: dict) -> torch.Tensor:
         with torch.no_grad():
             teacher_output = self.teacher(**inputs, return_dict=False)[0]
-        terms = student_output.new_zeros((), dtype=torch.float32)
-        if self.output_weight > 0:
-            terms = terms + self.output_weight * relative_error(student_output, teacher_output)
         student, teacher = self.student_layers.pop(), self.teacher_layers.pop()
-        if self.attention_weight > 0:
-            per_layer = [relative_error(student[i], teacher[i]) for i in student]
-            terms = terms + self.attention_weight * torch.stack(per_layer).mean()
-        return terms
+        output = [error_terms(student_output, teacher_output)] if self.output_weight > 0 else []
+        layers = [error_terms(student[i], teacher[i]) for i in student] if self.attention_weight > 0 else []
+        total = student_output.new_zeros((), dtype=torch.float32)
+        if not output + layers:
+            return total
+        squared = torch.stack([sq for sq, _ in output + layers])
+        errors = ratio(squared, self.power_mean(torch.stack([p for _, p in output + layers])))
+        if output:
+            total = total + self.output_weight * errors[0]
+        if layers:
+            total = total + self.attention_weight * errors[len(output):].mean()
+        return total

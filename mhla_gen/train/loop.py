@@ -388,7 +388,9 @@ def build(run: Run) -> None:
         if tc.distill.enabled:
             teacher = task.distill_teacher().to(accelerator.device)
             weights = tc.distill.output_weight, tc.distill.attention_weight
-            task.distiller = Distiller(teacher, transformer, *weights)
+            whole_batch = (lambda power: accelerator.reduce(power, reduction="mean")) \
+                if accelerator.num_processes > 1 else None
+            task.distiller = Distiller(teacher, transformer, *weights, power_mean=whole_batch)
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
