@@ -57,10 +57,11 @@ def sweep_arms(depth: int, teacher: str, stage1: tuple[str, ...]) -> list[Arm]:
 @torch.no_grad()
 def latency(build, ks: list[int], resolution: int, batch: int, repeats: int = 5) -> dict[int, float]:
     """Inference milliseconds per image of ``build(k)`` (a model with ``k`` softmax layers) for each ``k``,
-    timed interleaved in this process on latents ``(batch, 1, resolution, resolution)`` (medians of
-    ``repeats`` rounds after one warm-up round)."""
+    timed interleaved in this process on latents ``(batch, in_channels, resolution, resolution)`` (the
+    models' own channels: 1 for the digits, 3 for the shapes; medians of ``repeats`` rounds after one
+    warm-up round)."""
     models = {k: build(k).eval() for k in ks}
-    x = torch.randn(batch, 1, resolution, resolution)
+    x = torch.randn(batch, models[ks[0]].config.in_channels, resolution, resolution)
     t, y = torch.randint(0, 1000, (batch,)), torch.randint(0, 10, (batch,))
     times = {k: [] for k in ks}
     for _ in range(repeats + 1):

@@ -104,6 +104,17 @@ def test_softmax_layer_sweep_against_latency(tmp_path):
     assert "`val_loss` at stage-2 step" in (tmp_path / "adaptation.md").read_text()
 
 
+def test_latency_feeds_each_model_its_own_channels():
+    """The sweep's latency runs models of the data's channels (3 for the shapes, 1 for the digits)."""
+    from mhla_gen.softmax_layers import latency
+    from mhla_gen.testing import tiny_dit
+
+    for channels in (1, 3):
+        ms = latency(lambda k, c=channels: tiny_dit(in_channels=c, out_channels=c), [0, 1],
+                     tiny_dit().config.sample_size, batch=2, repeats=1)
+        assert set(ms) == {0, 1} and all(v > 0 for v in ms.values())
+
+
 def test_fixed_pattern_is_the_releases():
     from mhla_gen.softmax_layers import fixed_layers, sweep_ks
 
