@@ -46,7 +46,6 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import DataScores, compare, fmt_comparison, sampling_sd
 from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
 from mhla_gen.folders import file_record
-from mhla_gen.softmax_layers import fixed_layers
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -81,21 +80,24 @@ ABLATIONS = [  # each against plain MHLA, same seeds
     Arm("mhla+cpe", ("model.attention=mhla", "mhla.cpe_kernel=3"), "ablation"),
     Arm("mhla+gate", ("model.attention=mhla", "mhla.gate=true"), "ablation"),
 ]
-# MHLA keeping one softmax layer, the release's pattern (layer 0; mhla.layers is filled in per model depth):
-# run only when named (--ablations mhla+softmax1)
-HYBRID = Arm("mhla+softmax1", ("model.attention=mhla", "mhla.layers=@hybrid"), "ablation")
+# MHLA keeping one softmax layer, layer L (layer 0 is the release's pattern; mhla.layers is filled in per
+# model depth): run only when named (--ablations mhla+softmax@1)
+HYBRIDS = [Arm(f"mhla+softmax@{i}", ("model.attention=mhla", f"mhla.layers=@keep{i}"), "ablation")
+           for i in range(MODEL["depth"])]
 
 
 def with_layers(arm: Arm, depth: int) -> Arm:
-    """``arm`` with ``mhla.layers=@hybrid`` made the MHLA layers of a depth-``depth`` model that keeps
-    :func:`~mhla_gen.softmax_layers.fixed_layers` ``(1, depth)`` as softmax."""
-    if "mhla.layers=@hybrid" not in arm.overrides:
+    """``arm`` with ``mhla.layers=@keepL`` made the MHLA layers of a depth-``depth`` model that keeps
+    layer ``L`` as softmax."""
+    keep = [o for o in arm.overrides if o.startswith("mhla.layers=@keep")]
+    if not keep:
         return arm
-    if depth < 2:
-        raise ConfigError(f"--ablations {arm.name}: the model has {depth} layer, none would stay MHLA")
-    mhla = [i for i in range(depth) if i not in fixed_layers(1, depth)]
-    layers = f"mhla.layers=[{','.join(map(str, mhla))}]"
-    return Arm(arm.name, tuple(layers if o == "mhla.layers=@hybrid" else o for o in arm.overrides), arm.group)
+    layer = int(keep[0].removeprefix("mhla.layers=@keep"))
+    if depth < 2 or layer >= depth:
+        raise ConfigError(f"--ablations {arm.name}: the model has {depth} layer(s); keeping layer {layer} "
+                          "as softmax needs it to exist and at least one MHLA layer beside it")
+    layers = f"mhla.layers=[{','.join(str(i) for i in range(depth) if i != layer)}]"
+    return Arm(arm.name, tuple(layers if o == keep[0] else o for o in arm.overrides), arm.group)
 
 
 def grid_key(data: str, name: str) -> str:
@@ -135,7 +137,8 @@ def plan(args) -> list:
         arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
         jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
-        ablations = [with_layers(a, model["depth"]) for a in (*ABLATIONS, HYBRID) if a.name in args.ablations]
+        named = [a for a in (*ABLATIONS, *HYBRIDS) if a.name in args.ablations]
+        ablations = [with_layers(a, model["depth"]) for a in named]
         if name.split("-")[-1] in ("256", "smoke") and ablations:  # at the end of the budget
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
             jobs += make_jobs(args.out / name, CONFIG, base, ablations, ablation_seeds, [grid["steps"]],
@@ -406,8 +409,8 @@ def main(argv=None) -> list[dict]:
                         help="main arms to run, in this order (default: softmax linear mhla; none: "
                              "ablations only)")
     parser.add_argument("--ablations", nargs="+", default=[a.name for a in ABLATIONS], metavar="ARM",
-                        help="ablation arms at 256 tokens (default: all the paper's; mhla+softmax1, "
-                             "one softmax layer, only when named)")
+                        help="ablation arms at 256 tokens (default: all the paper's; mhla+softmax@L, "
+                             "MHLA keeping layer L as softmax, only when named)")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
@@ -422,7 +425,7 @@ def main(argv=None) -> list[dict]:
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_names("--arms", args.arms, MAIN_ARMS)
-    check_names("--ablations", args.ablations, [*ABLATIONS, HYBRID])
+    check_names("--ablations", args.ablations, [*ABLATIONS, *HYBRIDS])
     args.grids = select_grids(args)
     if args.no_ablations:
         args.ablations = []

@@ -178,20 +178,20 @@ def test_ablations_choose_the_ablation_arms(tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
-def test_the_one_softmax_layer_arm_runs_only_when_named(tmp_path, monkeypatch):
-    """mhla+softmax1 keeps the release's layer 0 as softmax (MHLA in layers 1-3 of the study's model), is
-    not among the default ablations, and is refused on a model too shallow to keep an MHLA layer."""
+def test_the_one_softmax_layer_arms_run_only_when_named(tmp_path, monkeypatch):
+    """mhla+softmax@L keeps layer L as softmax (MHLA in the study model's other layers), is not among the
+    default ablations, and is refused on a model too shallow to keep an MHLA layer."""
     study = load_study()
     planned = []
     monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
     monkeypatch.setattr(study, "write_report", lambda *a: "")
-    study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla+softmax1",
-                "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
-    (job,) = planned
-    assert job.arm == "mhla+softmax1" and "mhla.layers=[1,2,3]" in job.overrides
-    assert "mhla+softmax1" not in [a.name for a in study.ABLATIONS]
-    with pytest.raises(ConfigError, match="none would stay MHLA"):
-        study.main(["--smoke", "--arms", "--ablations", "mhla+softmax1", "--out", str(tmp_path / "b")])
+    study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla+softmax@0",
+                "mhla+softmax@1", "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
+    layers = {j.arm: [o for o in j.overrides if o.startswith("mhla.layers")] for j in planned}
+    assert layers == {"mhla+softmax@0": ["mhla.layers=[1,2,3]"], "mhla+softmax@1": ["mhla.layers=[0,2,3]"]}
+    assert not [a for a in study.ABLATIONS if a.name.startswith("mhla+softmax")]
+    with pytest.raises(ConfigError, match="at least one MHLA layer"):
+        study.main(["--smoke", "--arms", "--ablations", "mhla+softmax@0", "--out", str(tmp_path / "b")])
 
 
 def _record_pid(path):
