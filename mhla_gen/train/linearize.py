@@ -262,6 +262,7 @@ class TransferTask(TrainTask):
         global batch."""
         teacher_out = model(**inputs, return_dict=False)[0]
         terms = list(self.hooks.pop_terms().values())  # (squared error, teacher power) per layer
+        layers = len(terms)
         if self.cfg.transfer.output_weight:
             with self.hooks.converted():
                 student_out = model(**inputs, return_dict=False)[0]
@@ -271,7 +272,6 @@ class TransferTask(TrainTask):
         if whole_batch and self.accelerator is not None and self.accelerator.num_processes > 1:
             power = self.accelerator.reduce(power, reduction="mean")
         errors = ratio(squared, power)
-        layers = len(self.hooks.layers)
         loss = errors[:layers].mean()
         if self.cfg.transfer.output_weight:
             loss = loss + self.cfg.transfer.output_weight * errors[layers]
