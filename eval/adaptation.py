@@ -177,8 +177,8 @@ def plan(args) -> list:
         sweep = sweep_arms(model["depth"], "model.init_from=@softmax", STAGE1_ALL)
         if wanted is not None and args.softmax_layers:  # every K, and mhla-stage1-all for K = 0
             wanted = {*wanted, SWEEP_K0, *(arm.name for arm in sweep)}
-        elif wanted is None and not args.softmax_layers:
-            wanted = {arm.name for arm in arms(name, 1e-6, 4)}  # the sweep only when asked or named
+        if wanted is None and not args.softmax_layers:  # the sweep only when asked or named
+            sweep = []
         candidates = [*arms(name, 1e-6, np.prod(grid["blocks"])), *sweep]
         chosen = [arm for arm in candidates if wanted is None or arm.name in wanted]
         named = " ".join(item for arm in chosen for item in (*arm.overrides, *(arm.stage1 or ())))

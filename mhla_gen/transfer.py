@@ -60,6 +60,13 @@ def ratio(squared_error: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
     return squared_error / power.clamp_min(1e-30)
 
 
+def relative_errors(terms: list[tuple[torch.Tensor, torch.Tensor]], power_mean=None) -> torch.Tensor:
+    """The relative errors ``(len(terms),)`` of :func:`error_terms` pairs, each squared error divided by
+    its teacher power after ``power_mean`` (e.g. the mean over data-parallel processes; None: as is)."""
+    power = torch.stack([p for _, p in terms])
+    return ratio(torch.stack([sq for sq, _ in terms]), power if power_mean is None else power_mean(power))
+
+
 def converted_layers(transformer: nn.Module) -> dict[int, nn.Module]:
     """``{layer index: attention module}`` of the self-attention layers that run MHLA."""
     layers = base_for_model(transformer).processor.self_attention(transformer)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
-from ..transfer import error_terms, ratio
+from ..transfer import error_terms, relative_errors
 
 
 class _LayerOutputs:
@@ -56,7 +56,7 @@ class Distiller:
                  power_mean=None):
         self.teacher = teacher.eval().requires_grad_(False)
         self.output_weight, self.attention_weight = output_weight, attention_weight
-        self.power_mean = power_mean or (lambda power: power)
+        self.power_mean = power_mean
         layers = base_for_model(student).processor.self_attention(student)
         mhla = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
         if attention_weight > 0 and not mhla:
@@ -73,8 +73,7 @@ class Distiller:
         total = student_output.new_zeros((), dtype=torch.float32)
         if not output + layers:
             return total
-        squared = torch.stack([sq for sq, _ in output + layers])
-        errors = ratio(squared, self.power_mean(torch.stack([p for _, p in output + layers])))
+        errors = relative_errors(output + layers, self.power_mean)
         if output:
             total = total + self.output_weight * errors[0]
         if layers:

@@ -47,12 +47,12 @@ from ..transfer import (
     error_terms,
     finalize,
     hardest_layers,
-    ratio,
+    relative_errors,
 )
 from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, TrainConfig
 from .io import atomic_write_text, read_jsonl
-from .loop import TrainTask
+from .loop import TrainTask, processes_mean
 from .randomness import StepRandom
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class TransferTask(TrainTask):
         self.hooks: TransferHooks | None = None
         self.dataset: Dataset | None = None
         self.device = torch.device("cpu")
-        self.accelerator = None  # set by setup(): the processes whose shards make one batch
+        self.power_mean = None  # set by setup(): the mean over the processes whose shards make one batch
 
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
@@ -239,7 +239,7 @@ class TransferTask(TrainTask):
 
     def setup(self, accelerator) -> None:
         self.device = accelerator.device
-        self.accelerator = accelerator
+        self.power_mean = processes_mean(accelerator)
         self.inner.setup(accelerator)
 
     def build_dataset(self, accelerator) -> Dataset:
@@ -267,11 +267,7 @@ class TransferTask(TrainTask):
             with self.hooks.converted():
                 student_out = model(**inputs, return_dict=False)[0]
             terms.append(error_terms(student_out, teacher_out.detach()))
-        squared = torch.stack([sq for sq, _ in terms])
-        power = torch.stack([p for _, p in terms])
-        if whole_batch and self.accelerator is not None and self.accelerator.num_processes > 1:
-            power = self.accelerator.reduce(power, reduction="mean")
-        errors = ratio(squared, power)
+        errors = relative_errors(terms, self.power_mean if whole_batch else None)
         loss = errors[:layers].mean()
         if self.cfg.transfer.output_weight:
             loss = loss + self.cfg.transfer.output_weight * errors[layers]

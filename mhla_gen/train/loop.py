@@ -368,6 +368,14 @@ def prepare_output_dir(out: Path, start: int, inputs: dict | None = None) -> Non
 
 
 # ----------------------------------------------------------------------- 2. build: model, optimizer, data
+def processes_mean(accelerator):
+    """The mean of a tensor over data-parallel processes (every process must call it), or None with one
+    process: what makes a ratio of batch means the whole batch's rather than each shard's."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda tensor: accelerator.reduce(tensor, reduction="mean")
+
+
 def build(run: Run) -> None:
     """Transformer (trainable parameters chosen), optimizer and LR schedule, the task's frozen parts and
     data, all prepared by Accelerate; the EMA of the prepared (maybe sharded) parameters; then the
@@ -388,9 +396,7 @@ def build(run: Run) -> None:
         if tc.distill.enabled:
             teacher = task.distill_teacher().to(accelerator.device)
             weights = tc.distill.output_weight, tc.distill.attention_weight
-            whole_batch = (lambda power: accelerator.reduce(power, reduction="mean")) \
-                if accelerator.num_processes > 1 else None
-            task.distiller = Distiller(teacher, transformer, *weights, power_mean=whole_batch)
+            task.distiller = Distiller(teacher, transformer, *weights, power_mean=processes_mean(accelerator))
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
