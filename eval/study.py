@@ -84,6 +84,11 @@ ABLATIONS = [  # each against plain MHLA, same seeds
 # model depth): run only when named (--ablations mhla+softmax@1)
 HYBRIDS = [Arm(f"mhla+softmax@{i}", ("model.attention=mhla", f"mhla.layers=@keep{i}"), "ablation")
            for i in range(MODEL["depth"])]
+# MHLA with more, smaller blocks (the paper's M) at 256 tokens: 8x8 blocks of 2x2 tokens (M^2 = 4096 > N) and
+# 16x16 blocks of one token (the learned mixing alone can place every token): run only when named
+BLOCK_ARMS = [Arm(f"mhla-blocks{b}x{b}", ("model.attention=mhla", f"mhla.blocks=[{b},{b}]"), "ablation")
+              for b in (8, 16)]
+NAMED_ONLY = [*HYBRIDS, *BLOCK_ARMS]
 
 
 def with_layers(arm: Arm, depth: int) -> Arm:
@@ -98,6 +103,18 @@ def with_layers(arm: Arm, depth: int) -> Arm:
                           "as softmax needs it to exist and at least one MHLA layer beside it")
     layers = f"mhla.layers=[{','.join(str(i) for i in range(depth) if i != layer)}]"
     return Arm(arm.name, tuple(layers if o == keep[0] else o for o in arm.overrides), arm.group)
+
+
+def check_blocks(arm: Arm, side: int) -> Arm:
+    """``arm``, refused when its own ``mhla.blocks=[a,b]`` asks for more blocks per axis than the
+    ``side`` x ``side`` token grid has tokens."""
+    for o in arm.overrides:
+        if o.startswith("mhla.blocks="):
+            blocks = [int(b) for b in o.removeprefix("mhla.blocks=").strip("[]").split(",")]
+            if max(blocks) > side:
+                raise ConfigError(f"--ablations {arm.name}: {blocks} blocks do not fit a {side}x{side} "
+                                  "token grid (at most one block per token)")
+    return arm
 
 
 def grid_key(data: str, name: str) -> str:
@@ -137,8 +154,9 @@ def plan(args) -> list:
         arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
         jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, eval_steps(grid["steps"]),
                           grid["fid_samples"], extra, grid.get("val_triples", 512))
-        named = [a for a in (*ABLATIONS, *HYBRIDS) if a.name in args.ablations]
-        ablations = [with_layers(a, model["depth"]) for a in named]
+        named = [a for a in (*ABLATIONS, *NAMED_ONLY) if a.name in args.ablations]
+        side = grid["resolution"] // model["patch_size"]
+        ablations = [check_blocks(with_layers(a, model["depth"]), side) for a in named]
         if name.split("-")[-1] in ("256", "smoke") and ablations:  # at the end of the budget
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
             jobs += make_jobs(args.out / name, CONFIG, base, ablations, ablation_seeds, [grid["steps"]],
@@ -410,7 +428,8 @@ def main(argv=None) -> list[dict]:
                              "ablations only)")
     parser.add_argument("--ablations", nargs="+", default=[a.name for a in ABLATIONS], metavar="ARM",
                         help="ablation arms at 256 tokens (default: all the paper's; mhla+softmax@L, "
-                             "MHLA keeping layer L as softmax, only when named)")
+                             "MHLA keeping layer L as softmax, and mhla-blocksBxB, MHLA with BxB blocks, "
+                             "only when named)")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--ablation-seeds", type=int, default=None,
                         help="seeds of the ablation arms (default: --seeds; the first ones)")
@@ -425,7 +444,7 @@ def main(argv=None) -> list[dict]:
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_names("--arms", args.arms, MAIN_ARMS)
-    check_names("--ablations", args.ablations, [*ABLATIONS, *HYBRIDS])
+    check_names("--ablations", args.ablations, [*ABLATIONS, *NAMED_ONLY])
     args.grids = select_grids(args)
     if args.no_ablations:
         args.ablations = []

@@ -194,6 +194,23 @@ def test_the_one_softmax_layer_arms_run_only_when_named(tmp_path, monkeypatch):
         study.main(["--smoke", "--arms", "--ablations", "mhla+softmax@0", "--out", str(tmp_path / "b")])
 
 
+def test_the_block_count_arms_run_only_when_named(tmp_path, monkeypatch):
+    """mhla-blocksBxB overrides the grid's MHLA blocks (after them, so it wins), is not among the default
+    ablations, and is refused before any work where the token grid is smaller than its blocks."""
+    study = load_study()
+    planned = []
+    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
+    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla-blocks8x8",
+                "mhla-blocks16x16", "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
+    blocks = {j.arm: [o for o in j.overrides if o.startswith("mhla.blocks")][-1] for j in planned}
+    assert blocks == {"mhla-blocks8x8": "mhla.blocks=[8,8]", "mhla-blocks16x16": "mhla.blocks=[16,16]"}
+    assert not [a for a in study.ABLATIONS if a.name.startswith("mhla-blocks")]
+    with pytest.raises(ConfigError, match=r"\[8, 8\] blocks do not fit a 4x4"):
+        study.main(["--smoke", "--arms", "--ablations", "mhla-blocks8x8", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()
+
+
 def _record_pid(path):
     import os
 
