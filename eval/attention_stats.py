@@ -5,7 +5,9 @@
 
 The model folder is anything ``load_transformer`` reads (saved with or without MHLA). Inputs are noised
 latents at --timestep (DDPM linear schedule): the embedded digits with --digits (pixel-space 1-channel
-models), pure noise otherwise. Maps are N × N per head, so N (tokens per layer) must stay small.
+models), held-out drawn shapes with --shapes (pixel-space 3-channel models), pure noise otherwise. On an
+image grid each layer also reports its mirror mass (attention on the horizontally mirrored token). Maps
+are N × N per head, so N (tokens per layer) must stay small.
 Output: ``attention_stats.json`` and ``.png`` in ``--out-dir`` (default: ``attention_stats/`` beside the
 model folder, e.g. inside its training run, whose folder rule knows it); the folder must be new, empty or
 one this script wrote (mhla_gen.folders).
@@ -21,6 +23,7 @@ import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
+from mhla_gen.data.shapes import HELD_OUT_SEED, shapes_tensors
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.loading import load_transformer
@@ -40,6 +43,12 @@ def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.
     return images[pick] * 2 - 1, labels[pick]
 
 
+def shapes_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` held-out drawn shapes ``(B, 3, size, size)`` in [-1, 1] (every class in turn) and labels."""
+    images, labels = shapes_tensors(size, batch, seed=HELD_OUT_SEED + seed)
+    return images * 2 - 1, labels
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +59,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--size", type=int, default=None, help="latent size (default: model sample_size)")
     parser.add_argument("--frames", type=int, default=3, help="latent frames (Wan)")
     parser.add_argument("--timestep", type=int, default=500)
-    parser.add_argument("--digits", action="store_true", help="noise real digits instead of pure noise")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--digits", action="store_true", help="noise real digits instead of pure noise")
+    data.add_argument("--shapes", action="store_true", help="noise held-out drawn shapes instead")
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -72,6 +83,11 @@ def main(argv=None) -> list[dict]:
             raise ValueError(f"--digits needs a 1-channel pixel-space model, {args.model!r} has "
                              f"in_channels={model.config.in_channels}")
         images, labels = digits_batch(args.batch, args.size or model.config.sample_size, args.seed)
+    if args.shapes:
+        if model.config.in_channels != 3:
+            raise ValueError(f"--shapes needs a 3-channel pixel-space model, {args.model!r} has "
+                             f"in_channels={model.config.in_channels}")
+        images, labels = shapes_batch(args.batch, args.size or model.config.sample_size, args.seed)
     kwargs = example_inputs(model, args.batch, args.size, args.frames, args.timestep, images, labels,
                             args.seed)
     stats = attention_statistics(model, lambda: model(**kwargs), max_tokens=args.max_tokens)

@@ -51,6 +51,21 @@ def row_entropy(attn: torch.Tensor) -> torch.Tensor:
     return ent.mean(dim=-1)
 
 
+def mirror_mass(attn: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+    """Mean attention each query puts on the key at its mirror image across the grid's vertical axis
+    (same row, last axis reversed: token ``(.., r, c)`` -> ``(.., r, W-1-c)``), per map: ``(B, H)``.
+
+    The uniform map scores ``1 / N``; a map that copies from the mirror position scores 1. It measures
+    whether a layer can route the exact token the shapes' mirror symmetry needs.
+    """
+    n = attn.shape[-1]
+    if len(grid) < 2 or torch.Size(grid).numel() != n:
+        raise ValueError(f"mirror_mass needs a 2D or 3D token grid with N = {n} tokens, got grid {grid}")
+    mirror = torch.arange(n).reshape(grid).flip(-1).reshape(n)  # (N,): key index of each query's mirror
+    index = mirror.to(attn.device).view(n, 1).expand(*attn.shape[:-1], 1)  # (B, H, N, 1)
+    return attn.double().gather(-1, index).squeeze(-1).mean(-1)
+
+
 def compare_attention(q, k, layout: BlockLayout, mixing, feature_map="relu") -> dict[str, dict[str, float]]:
     """Rank and entropy of softmax, linear and MHLA maps built from the same q, k (averaged over B, H)."""
     stats = {}

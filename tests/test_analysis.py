@@ -13,7 +13,7 @@ from mhla_gen import (
     locality_init,
     row_entropy,
 )
-from mhla_gen.analysis import ATTENTION_KINDS
+from mhla_gen.analysis import ATTENTION_KINDS, mirror_mass
 
 
 @pytest.fixture
@@ -75,3 +75,24 @@ def test_bad_arguments_raise(setup):
         attention_matrix(q, k, "cosine")
     with pytest.raises(ValueError, match="layout and a mixing"):
         attention_matrix(q, k, "mhla")
+
+
+@pytest.mark.parametrize("grid", [(4, 6), (2, 3, 4)])
+def test_mirror_mass_scores_the_horizontally_mirrored_key(grid):
+    n = math.prod(grid)
+    index = torch.arange(n).reshape(grid)
+    mirror = torch.zeros(1, 2, n, n)
+    mirror[..., index.reshape(n), index.flip(-1).reshape(n)] = 1.0  # each query copies its mirror token
+    assert mirror_mass(mirror, grid).tolist() == [[1.0, 1.0]]
+    assert mirror_mass(torch.full((1, 1, n, n), 1 / n), grid).item() == pytest.approx(1 / n)
+    assert mirror_mass(torch.eye(n)[None, None], grid).item() == 0.0  # even width: no token is its mirror
+    other = torch.zeros(1, 1, n, n)  # mirrored across the other axis instead
+    other[..., index.reshape(n), index.flip(-2).reshape(n)] = 1.0
+    assert mirror_mass(other, grid).item() == 0.0
+
+
+def test_mirror_mass_refuses_a_grid_that_is_not_the_maps():
+    with pytest.raises(ValueError, match="2D or 3D token grid with N = 16"):
+        mirror_mass(torch.eye(16)[None, None], (4, 5))
+    with pytest.raises(ValueError, match="2D or 3D"):
+        mirror_mass(torch.eye(16)[None, None], (16,))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mhla_gen.analysis import attention_matrix
+from mhla_gen.analysis import attention_matrix, mirror_mass
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla
 from mhla_gen.metrics.attention import (
@@ -62,6 +62,19 @@ def test_one_block_mhla_equals_linear_attention_stats():
             -(linear * linear.clamp_min(1e-300).log()).sum(-1).mean().item(), rel=1e-9)
 
 
+def test_mirror_mass_is_that_of_the_layers_maps():
+    model = install_mhla(tiny_dit().eval(), MHLAConfig(blocks=(2, 2)))
+    stats = attention_statistics(model, run_forward(model))
+    with capture_qk(model) as records, torch.no_grad():
+        run_forward(model)()
+    for s, slot in zip(stats, records.values()):
+        proc = slot["attn"].processor
+        maps = attention_matrix(slot["q"], slot["k"], "mhla", proc.layout(slot["grid"], 16), proc.mixing())
+        per_head = mirror_mass(maps, slot["grid"]).mean(0)
+        assert s["mirror_mass"] == pytest.approx(per_head.mean().item(), rel=1e-9)
+        assert s["mirror_mass_best_head"] == pytest.approx(per_head.max().item(), rel=1e-9)
+
+
 def test_too_many_tokens_and_outputs(tmp_path):
     model = tiny_dit().eval()
     with pytest.raises(ValueError, match="max_tokens"):
@@ -86,3 +99,9 @@ def test_attention_stats_cli_on_a_saved_mhla_dit(tmp_path):
     assert [s["kind"] for s in stats] == ["mhla", "mhla"]
     written = json.loads((tmp_path / "attention_stats" / "attention_stats.json").read_text())
     assert written == stats and (tmp_path / "attention_stats" / "attention_stats.png").exists()
+    with pytest.raises(ValueError, match="--shapes needs a 3-channel"):
+        module.main(["--model", str(tmp_path / "final"), "--shapes", "--out-dir", str(tmp_path / "s")])
+    rgb = install_mhla(tiny_dit(in_channels=3, out_channels=6, sample_size=32), MHLAConfig(blocks=(4, 4)))
+    rgb.save_pretrained(tmp_path / "rgb")
+    stats = module.main(["--model", str(tmp_path / "rgb"), "--shapes", "--batch", "2"])
+    assert all(0 <= s["mirror_mass"] <= s["mirror_mass_best_head"] <= 1 for s in stats)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..analysis import attention_matrix, attention_rank, row_entropy
+from ..analysis import attention_matrix, attention_rank, mirror_mass, row_entropy
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
 from ..processors.grid import latent_from_call
@@ -93,7 +93,9 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
 
     Each entry: ``{"layer", "kind", "tokens", "heads", "rank", "rank_fraction", "entropy",
     "max_entropy"}`` — rank and entropy (nats) averaged over batch and heads; ``max_entropy = log N`` is
-    the uniform map's entropy.
+    the uniform map's entropy. On an image / video token grid also ``"mirror_mass"`` (averaged over heads)
+    and ``"mirror_mass_best_head"`` (the head that routes most): :func:`mhla_gen.analysis.mirror_mass`,
+    whose uniform value is ``1 / N``.
     """
     with capture_qk(transformer) as records:
         run()
@@ -118,6 +120,10 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
             "rank": rank, "rank_fraction": rank / n, "entropy": row_entropy(maps).mean().item(),
             "max_entropy": float(torch.log(torch.tensor(float(n)))),
         })
+        grid = slot["grid"]
+        if grid is not None and len(grid) >= 2 and torch.Size(grid).numel() == n:
+            per_head = mirror_mass(maps, tuple(grid)).mean(0)  # (H,)
+            stats[-1].update(mirror_mass=per_head.mean().item(), mirror_mass_best_head=per_head.max().item())
     return stats
 
 
