@@ -66,6 +66,18 @@ def mirror_mass(attn: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
     return attn.double().gather(-1, index).squeeze(-1).mean(-1)
 
 
+def mirror_block_share(mixing: torch.Tensor, blocks: tuple[int, ...]) -> float:
+    """Mean share of each query block's mixing row on its mirrored key block (:func:`mirror_mass` at
+    block level): ``mixing`` ``(M, M)`` over a row-major block grid ``blocks``. Uniform rows score
+    ``1 / M``; rows that take only the mirrored block score 1."""
+    m = mixing.shape[-1]
+    if len(blocks) < 2 or torch.Size(blocks).numel() != m:
+        raise ValueError(f"mirror_block_share needs a 2D or 3D block grid of M = {m} blocks, got {blocks}")
+    mirror = torch.arange(m).reshape(blocks).flip(-1).reshape(m, 1).to(mixing.device)
+    rows = mixing.double()
+    return (rows.gather(-1, mirror).squeeze(-1) / rows.sum(-1)).mean().item()
+
+
 def compare_attention(q, k, layout: BlockLayout, mixing, feature_map="relu") -> dict[str, dict[str, float]]:
     """Rank and entropy of softmax, linear and MHLA maps built from the same q, k (averaged over B, H)."""
     stats = {}

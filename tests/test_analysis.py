@@ -13,7 +13,7 @@ from mhla_gen import (
     locality_init,
     row_entropy,
 )
-from mhla_gen.analysis import ATTENTION_KINDS, mirror_mass
+from mhla_gen.analysis import ATTENTION_KINDS, mirror_block_share, mirror_mass
 
 
 @pytest.fixture
@@ -96,3 +96,15 @@ def test_mirror_mass_refuses_a_grid_that_is_not_the_maps():
         mirror_mass(torch.eye(16)[None, None], (4, 5))
     with pytest.raises(ValueError, match="2D or 3D"):
         mirror_mass(torch.eye(16)[None, None], (16,))
+
+
+def test_mirror_block_share_reads_the_mixing_rows():
+    blocks = (2, 4)
+    mirror = torch.tensor([3, 2, 1, 0, 7, 6, 5, 4])
+    routed = torch.full((8, 8), 0.1)
+    routed[torch.arange(8), mirror] = 0.3  # 0.3 of each row's 1.0 on the mirrored block
+    assert mirror_block_share(routed, blocks) == pytest.approx(0.3)
+    assert mirror_block_share(torch.ones(8, 8), blocks) == pytest.approx(1 / 8)
+    assert mirror_block_share(torch.eye(8), blocks) == 0.0
+    with pytest.raises(ValueError, match="block grid of M = 8"):
+        mirror_block_share(torch.eye(8), (8,))

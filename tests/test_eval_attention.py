@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mhla_gen.analysis import attention_matrix, mirror_mass
+from mhla_gen.analysis import attention_matrix, mirror_block_share, mirror_mass
 from mhla_gen.config import MHLAConfig
 from mhla_gen.install import install_mhla
 from mhla_gen.metrics.attention import (
@@ -73,6 +73,7 @@ def test_mirror_mass_is_that_of_the_layers_maps():
         per_head = mirror_mass(maps, slot["grid"]).mean(0)
         assert s["mirror_mass"] == pytest.approx(per_head.mean().item(), rel=1e-9)
         assert s["mirror_mass_best_head"] == pytest.approx(per_head.max().item(), rel=1e-9)
+        assert s["mirror_block_share"] == mirror_block_share(proc.mixing(), (2, 2))
 
 
 def test_too_many_tokens_and_outputs(tmp_path):

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..analysis import attention_matrix, attention_rank, mirror_mass, row_entropy
+from ..analysis import attention_matrix, attention_rank, mirror_block_share, mirror_mass, row_entropy
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
 from ..processors.grid import latent_from_call
@@ -95,7 +95,8 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
     "max_entropy"}`` — rank and entropy (nats) averaged over batch and heads; ``max_entropy = log N`` is
     the uniform map's entropy. On an image / video token grid also ``"mirror_mass"`` (averaged over heads)
     and ``"mirror_mass_best_head"`` (the head that routes most): :func:`mhla_gen.analysis.mirror_mass`,
-    whose uniform value is ``1 / N``.
+    whose uniform value is ``1 / N``; MHLA layers on such a grid also ``"mirror_block_share"``, the same
+    question asked of their mixing matrix (:func:`mhla_gen.analysis.mirror_block_share`, uniform ``1 / M``).
     """
     with capture_qk(transformer) as records:
         run()
@@ -103,28 +104,37 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
     for index, slot in records.items():
         if "q" not in slot:
             raise ValueError(f"self-attention layer {index} was not called by run()")
-        q, k, attn = slot["q"], slot["k"], slot["attn"]
+        q = slot["q"]
         n = q.shape[2]
         if n > max_tokens:
             raise ValueError(f"layer {index} has {n} tokens > max_tokens={max_tokens}: the N×N maps would be "
                              "too large; use a smaller resolution or raise max_tokens")
-        if slot["kind"] == "mhla":
-            proc = attn.processor
-            maps = attention_matrix(q, k, "mhla", proc.layout(slot["grid"], n), proc.mixing().detach(),
-                                    proc.cfg.feature_map)
-        else:
-            maps = attention_matrix(q, k, slot["kind"])
+        maps, stat = _layer_maps(slot, n)
         rank = attention_rank(maps, rtol=rtol).double().mean().item()
         stats.append({
             "layer": index, "kind": slot["kind"], "tokens": n, "heads": q.shape[1],
             "rank": rank, "rank_fraction": rank / n, "entropy": row_entropy(maps).mean().item(),
-            "max_entropy": float(torch.log(torch.tensor(float(n)))),
+            "max_entropy": float(torch.log(torch.tensor(float(n)))), **stat,
         })
-        grid = slot["grid"]
-        if grid is not None and len(grid) >= 2 and torch.Size(grid).numel() == n:
-            per_head = mirror_mass(maps, tuple(grid)).mean(0)  # (H,)
-            stats[-1].update(mirror_mass=per_head.mean().item(), mirror_mass_best_head=per_head.max().item())
     return stats
+
+
+def _layer_maps(slot: dict, n: int) -> tuple[torch.Tensor, dict]:
+    """One captured layer's row-stochastic maps ``(B, H, N, N)`` and its mirror statistics (on an image
+    or video grid: ``mirror_mass`` per head, mean and best; MHLA also ``mirror_block_share``)."""
+    q, k, attn, grid = slot["q"], slot["k"], slot["attn"], slot["grid"]
+    stat = {}
+    if slot["kind"] == "mhla":
+        layout, mixing = attn.processor.layout(grid, n), attn.processor.mixing().detach()
+        maps = attention_matrix(q, k, "mhla", layout, mixing, attn.processor.cfg.feature_map)
+        if len(layout.blocks) >= 2:
+            stat["mirror_block_share"] = mirror_block_share(mixing, layout.blocks)
+    else:
+        maps = attention_matrix(q, k, slot["kind"])
+    if grid is not None and len(grid) >= 2 and torch.Size(grid).numel() == n:
+        per_head = mirror_mass(maps, tuple(grid)).mean(0)  # (H,)
+        stat.update(mirror_mass=per_head.mean().item(), mirror_mass_best_head=per_head.max().item())
+    return maps, stat
 
 
 def save_attention_statistics(stats: list[dict], json_path: str | os.PathLike, png_path=None,
