@@ -188,12 +188,13 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int, s
     """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have: mean, 95 %
     t half-width ``ci``, ``n``, the minimum detectable difference ``mdd`` (from the spread of the paired
     differences), the stated ``min_effect`` (relative to ``other``'s mean) and the ``verdict``;
-    ``sampling_sd`` (the paired bootstrap spread of one sample set, if known) is carried along.
+    ``sampling_sd`` is the spread of one seed's difference from sampling alone (for the FID, the paired
+    bootstrap of one sample set, when known).
 
-    For a rate (:data:`RATES`) ``ci`` is never narrower than the rates' own binomial noise allows
-    (``1.96 sd / sqrt(n)``, ``sd`` of :func:`rate_sd`; ``mdd`` likewise): a few seeds can agree by chance
-    (two seeds with the same difference give a t half-width of 0), which says nothing about the noise of
-    each score."""
+    ``ci`` is never narrower than that sampling noise allows (``1.96 sampling_sd / sqrt(n)``; ``mdd``
+    likewise): a few seeds can agree by chance (two seeds with the same difference give a t half-width
+    of 0), which says nothing about the noise of each score. For a rate (:data:`RATES`) the noise is
+    known without a bootstrap: :func:`rate_sd`."""
     at_step = {(r["arm"], r["seed"]): r for r in records if r["step"] == step}
     by_seed = {key: r.get(metric, math.nan) for key, r in at_step.items()}
     seeds = sorted(s for a, s in by_seed if a == arm and (other, s) in by_seed)
@@ -203,9 +204,10 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int, s
                 "verdict": "undecided", "sampling_sd": sampling_sd}
     s = interval(diffs)
     sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else math.nan
-    if metric in RATES and len(diffs) > 1 and all(at_step[(arm, k)].get("fid_samples") for k in seeds):
+    if metric in RATES and all(at_step[(arm, k)].get("fid_samples") for k in seeds):
         sampling_sd = math.sqrt(np.mean([rate_sd(by_seed[(arm, k)], by_seed[(other, k)],
                                                  at_step[(arm, k)]["fid_samples"]) ** 2 for k in seeds]))
+    if len(diffs) > 1 and math.isfinite(sampling_sd):
         s["ci"] = max(s["ci"], 1.959964 * sampling_sd / math.sqrt(len(diffs)))
         sd = max(sd, sampling_sd)
     effect = min_effect(metric, float(np.mean([by_seed[(other, k)] for k in seeds])))

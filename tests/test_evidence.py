@@ -122,6 +122,19 @@ def test_a_rates_interval_is_never_narrower_than_its_own_sampling_noise():
     assert compare(records(100_000), "cpe", "plain", "colour_accuracy", 1)["verdict"] == "resolved"
 
 
+def test_a_fids_interval_is_never_narrower_than_its_known_sampling_noise():
+    """Two seeds whose FID differences agree to 1 (+129, +130) resolve on their t-interval alone; with the
+    paired bootstrap spread of one sample set (160) the interval is at least 1.96 * 160 / sqrt(2)."""
+    records = [{"arm": a, "seed": s, "step": 1, "fid": v}
+               for a, vals in (("uniform", (537.0, 1077.0)), ("plain", (408.0, 947.0))) for s, v in
+               enumerate(vals)]
+    assert compare(records, "uniform", "plain", "fid", 1)["verdict"] == "resolved"
+    noisy = compare(records, "uniform", "plain", "fid", 1, sampling_sd=160.0)
+    assert noisy["ci"] == pytest.approx(1.959964 * 160 / math.sqrt(2)) and noisy["verdict"] == "undecided"
+    assert noisy["mdd"] >= detectable(160.0, 2)
+    assert compare(records, "uniform", "plain", "fid", 1, sampling_sd=1.0)["verdict"] == "resolved"
+
+
 # ------------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("trainable", ["mhla", "all"])
 def test_end_to_end_errors_equal_the_finalized_models_output_error(trainable):
