@@ -59,9 +59,8 @@ def mirror_mass(attn: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
     whether a layer can route the exact token the shapes' mirror symmetry needs.
     """
     n = attn.shape[-1]
-    if len(grid) < 2 or torch.Size(grid).numel() != n:
-        raise ValueError(f"mirror_mass needs a 2D or 3D token grid with N = {n} tokens, got grid {grid}")
-    mirror = torch.arange(n).reshape(grid).flip(-1).reshape(n)  # (N,): key index of each query's mirror
+    refusal = f"mirror_mass needs a 2D or 3D token grid with N = {n} tokens, got grid {grid}"
+    mirror = _mirror_index(grid, n, refusal)
     index = mirror.to(attn.device).view(n, 1).expand(*attn.shape[:-1], 1)  # (B, H, N, 1)
     return attn.double().gather(-1, index).squeeze(-1).mean(-1)
 
@@ -71,11 +70,18 @@ def mirror_block_share(mixing: torch.Tensor, blocks: tuple[int, ...]) -> float:
     block level): ``mixing`` ``(M, M)`` over a row-major block grid ``blocks``. Uniform rows score
     ``1 / M``; rows that take only the mirrored block score 1."""
     m = mixing.shape[-1]
-    if len(blocks) < 2 or torch.Size(blocks).numel() != m:
-        raise ValueError(f"mirror_block_share needs a 2D or 3D block grid of M = {m} blocks, got {blocks}")
-    mirror = torch.arange(m).reshape(blocks).flip(-1).reshape(m, 1).to(mixing.device)
+    refusal = f"mirror_block_share needs a 2D or 3D block grid of M = {m} blocks, got {blocks}"
+    mirror = _mirror_index(blocks, m, refusal).view(m, 1)
     rows = mixing.double()
-    return (rows.gather(-1, mirror).squeeze(-1) / rows.sum(-1)).mean().item()
+    return (rows.gather(-1, mirror.to(mixing.device)).squeeze(-1) / rows.sum(-1)).mean().item()
+
+
+def _mirror_index(grid: tuple[int, ...], n: int, refusal: str) -> torch.Tensor:
+    """``(n,)``: the row-major index of each cell's mirror across ``grid``'s vertical axis (last axis
+    reversed); ValueError(``refusal``) unless ``grid`` is 2D / 3D with ``n`` cells."""
+    if len(grid) < 2 or torch.Size(grid).numel() != n:
+        raise ValueError(refusal)
+    return torch.arange(n).reshape(grid).flip(-1).reshape(n)
 
 
 def compare_attention(q, k, layout: BlockLayout, mixing, feature_map="relu") -> dict[str, dict[str, float]]:
