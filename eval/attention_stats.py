@@ -49,6 +49,10 @@ def shapes_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.
     return images * 2 - 1, labels
 
 
+# --digits / --shapes: the pixel channels the model must have, and the batch it is fed
+DATA_BATCHES = {"digits": (1, digits_batch), "shapes": (3, shapes_batch)}
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,16 +82,13 @@ def main(argv=None) -> list[dict]:
 
     model = load_transformer(args.model)
     images = labels = None
-    if args.digits:
-        if model.config.in_channels != 1:
-            raise ValueError(f"--digits needs a 1-channel pixel-space model, {args.model!r} has "
+    data = "digits" if args.digits else "shapes" if args.shapes else None
+    if data:
+        channels, draw = DATA_BATCHES[data]
+        if model.config.in_channels != channels:
+            raise ValueError(f"--{data} needs a {channels}-channel pixel-space model, {args.model!r} has "
                              f"in_channels={model.config.in_channels}")
-        images, labels = digits_batch(args.batch, args.size or model.config.sample_size, args.seed)
-    if args.shapes:
-        if model.config.in_channels != 3:
-            raise ValueError(f"--shapes needs a 3-channel pixel-space model, {args.model!r} has "
-                             f"in_channels={model.config.in_channels}")
-        images, labels = shapes_batch(args.batch, args.size or model.config.sample_size, args.seed)
+        images, labels = draw(args.batch, args.size or model.config.sample_size, args.seed)
     kwargs = example_inputs(model, args.batch, args.size, args.frames, args.timestep, images, labels,
                             args.seed)
     stats = attention_statistics(model, lambda: model(**kwargs), max_tokens=args.max_tokens)
