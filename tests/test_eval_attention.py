@@ -51,12 +51,17 @@ def test_kinds_and_ranges():
             assert s["max_entropy"] == pytest.approx(math.log(tokens))
 
 
-def test_one_block_mhla_equals_linear_attention_stats():
-    model = install_mhla(tiny_dit().eval(), MHLAConfig(blocks=(1, 1)))
+def stats_beside_captures(model):
+    """``(layer statistics, captured slot)`` pairs of two identical forwards of ``model``."""
     stats = attention_statistics(model, run_forward(model))
     with capture_qk(model) as records, torch.no_grad():
         run_forward(model)()
-    for s, slot in zip(stats, records.values()):
+    return list(zip(stats, records.values()))
+
+
+def test_one_block_mhla_equals_linear_attention_stats():
+    model = install_mhla(tiny_dit().eval(), MHLAConfig(blocks=(1, 1)))
+    for s, slot in stats_beside_captures(model):
         linear = attention_matrix(slot["q"], slot["k"], "linear")
         assert s["entropy"] == pytest.approx(
             -(linear * linear.clamp_min(1e-300).log()).sum(-1).mean().item(), rel=1e-9)
@@ -64,10 +69,7 @@ def test_one_block_mhla_equals_linear_attention_stats():
 
 def test_mirror_mass_is_that_of_the_layers_maps():
     model = install_mhla(tiny_dit().eval(), MHLAConfig(blocks=(2, 2)))
-    stats = attention_statistics(model, run_forward(model))
-    with capture_qk(model) as records, torch.no_grad():
-        run_forward(model)()
-    for s, slot in zip(stats, records.values()):
+    for s, slot in stats_beside_captures(model):
         proc = slot["attn"].processor
         maps = attention_matrix(slot["q"], slot["k"], "mhla", proc.layout(slot["grid"], 16), proc.mixing())
         per_head = mirror_mass(maps, slot["grid"]).mean(0)

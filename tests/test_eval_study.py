@@ -149,11 +149,17 @@ def test_study_on_the_shapes(tmp_path):
         load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])
 
 
-def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
+def planning_study(monkeypatch):
+    """The study module with its runner and report replaced: ``main`` only plans, into the returned list."""
     study = load_study()
     planned = []
     monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
     monkeypatch.setattr(study, "write_report", lambda *a: "")
+    return study, planned
+
+
+def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
+    study, planned = planning_study(monkeypatch)
     study.main(["--smoke", "--arms", "mhla", "softmax", "--no-ablations", "--out", str(tmp_path / "a")])
     assert [(j.arm, j.seed) for j in planned] == [("mhla", 0), ("mhla", 1), ("softmax", 0), ("softmax", 1)]
     for arms in (["bogus"], ["mhla", "mhla"]):
@@ -164,10 +170,7 @@ def test_arms_choose_and_order_the_main_arms(tmp_path, monkeypatch):
 
 def test_ablations_choose_the_ablation_arms(tmp_path, monkeypatch):
     """--ablations runs the named ablations only; with an empty --arms, no main arm."""
-    study = load_study()
-    planned = []
-    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
-    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study, planned = planning_study(monkeypatch)
     study.main(["--smoke", "--arms", "--ablations", "mhla+gate", "mhla+cpe", "--seeds", "1",
                 "--out", str(tmp_path / "a")])
     assert sorted(j.arm for j in planned) == ["mhla+cpe", "mhla+gate"]
@@ -181,10 +184,7 @@ def test_ablations_choose_the_ablation_arms(tmp_path, monkeypatch):
 def test_the_one_softmax_layer_arms_run_only_when_named(tmp_path, monkeypatch):
     """mhla+softmax@L keeps layer L as softmax (MHLA in the study model's other layers), is not among the
     default ablations, and is refused on a model too shallow to keep an MHLA layer."""
-    study = load_study()
-    planned = []
-    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
-    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study, planned = planning_study(monkeypatch)
     study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla+softmax@0",
                 "mhla+softmax@1", "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
     layers = {j.arm: [o for o in j.overrides if o.startswith("mhla.layers")] for j in planned}
@@ -197,10 +197,7 @@ def test_the_one_softmax_layer_arms_run_only_when_named(tmp_path, monkeypatch):
 def test_the_block_count_arms_run_only_when_named(tmp_path, monkeypatch):
     """mhla-blocksBxB overrides the grid's MHLA blocks (after them, so it wins), is not among the default
     ablations, and is refused before any work where the token grid is smaller than its blocks."""
-    study = load_study()
-    planned = []
-    monkeypatch.setattr(study, "study_records", lambda out, jobs, *a: planned.extend(jobs) or [])
-    monkeypatch.setattr(study, "write_report", lambda *a: "")
+    study, planned = planning_study(monkeypatch)
     study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla-blocks8x8",
                 "mhla-blocks16x16", "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
     blocks = {j.arm: [o for o in j.overrides if o.startswith("mhla.blocks")][-1] for j in planned}
