@@ -102,20 +102,30 @@ def _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config=N
     return (out, *grads), tuple(saved)
 
 
-def _rel_errors(got, expected) -> dict[str, float]:
+def _term_scale(q, k, v, g, layout, mixing, feature_map, normalize):
+    """float64 ``(out, dq, dk, dv, dmixing)`` of the oracle on ``|v|`` and ``|g|``: with a nonnegative feature
+    map and no normaliser every product summed is then nonnegative, so each entry is the sum of the
+    magnitudes of the terms its reduction adds (what rounding error scales with), not the sum itself,
+    which can cancel (one block, M = 1: dmixing is one scalar summed over B·H·N·d·e products)."""
+    return _oracle(q, k, v.abs(), g.abs(), layout, mixing, feature_map, normalize)
+
+
+def _rel_errors(got, expected, scale=None) -> dict[str, float]:
+    """``max |got - ref|`` over the larger of ``max |ref|`` and ``max`` of the term magnitudes ``scale``."""
     names = ("out", "dq", "dk", "dv", "dmixing")
+    scale = scale or expected
     return {
-        name: ((a.double() - b).abs().max() / b.abs().max()).item()
-        for name, a, b in zip(names, got, expected)
+        name: ((a.double() - b).abs().max() / max(b.abs().max(), s.abs().max())).item()
+        for name, a, b, s in zip(names, got, expected, scale)
         if a is not None
     }
 
 
-def _assert_close(got, expected, tol):
+def _assert_close(got, expected, tol, scale=None):
     for name, a, b in zip(("out", "dq", "dk", "dv", "dmixing"), got, expected):
         assert a is not None and a.shape == b.shape, name
         assert torch.isfinite(a).all(), name
-    errors = _rel_errors(got, expected)
+    errors = _rel_errors(got, expected, scale)
     assert max(errors.values()) <= tol, errors
 
 
@@ -148,7 +158,8 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 def tolerance(dtype, b: int, h: int, n: int, d: int) -> float:
     """The largest relative error (``max |got - ref| / max |ref|``) the kernels may have, from the arithmetic
     rather than from one machine's measurement: every tensor is a fp32 sum of at most ``b·h·n·(d+1)``
-    products (dmixing's, the longest reduction), whose rounding error stays below λ·√n·u with high
+    products (dmixing's, the longest reduction), whose rounding error relative to the sum of the terms'
+    magnitudes (:func:`_term_scale`; the sum itself can cancel) stays below λ·√n·u with high
     probability (Higham & Mary, SIAM J. Sci. Comput. 2019; λ = 4); 16-bit inputs, state operands and
     results add a few roundings of their own unit roundoff (4 u). Measured (interpreter, torch 2.15,
     triton 3.9): fp32 at most 1.05e-6 against bounds of 1.2e-5..4.4e-5; fp16 at most 9.3e-4 against 2e-3."""
@@ -163,8 +174,8 @@ def _check_case(tm, case, dtype):
     mixing = _mixing(layout)
     got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
     assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, feature_map, normalize),
-                  tolerance(dtype, b, h, layout.num_tokens, d))
+    oracle = (q, k, v, g, layout, mixing, feature_map, normalize)
+    _assert_close(got, _oracle(*oracle), tolerance(dtype, b, h, layout.num_tokens, d), _term_scale(*oracle))
 
 
 @interpreter_only
@@ -346,8 +357,8 @@ GPU_CASES = [
     ((4, 3), (4, 3), 64, "elu+1", True, {}),
     ((9, 11), (4, 4), 128, "relu+1e-6", True, dict(block_t=16, block_d=64, split=3)),
 ]
-# Not measured yet (no GPU so far): fp32 should match the interpreter's ~5e-7 (ieee dots; TF32 off);
-# fp16 the interpreter's 7.5e-4; bf16 about 8x fp16 (unit roundoff 2^-8 vs 2^-11). Tighten once measured.
+# Measured on one H200 (2026-11-27, torch 2.11, triton 3.6; errors as _rel_errors): fp32 at most 8.2e-7,
+# fp16 6.4e-4, bf16 4.7e-3 (7x fp16; unit roundoff 2^-8 vs 2^-11), each 3x or more under `tolerance`.
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -361,7 +372,8 @@ def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize,
     mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
     assert got[0].is_cuda and [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, feature_map, normalize), tol)
+    oracle = (q, k, v, g, layout, mixing, feature_map, normalize)
+    _assert_close(got, _oracle(*oracle), tol, _term_scale(*oracle))
 
 
 @pytest.mark.gpu
