@@ -1,6 +1,6 @@
 """Every GPU check in one command and one Markdown report, for the few minutes a GPU is lent:
 
-    python scripts/gpu_check.py --out REPORT.md            # about 8 minutes on one H100
+    python scripts/gpu_check.py --out REPORT.md   # 279 s on one H200 (2026-11-27); limits sum to 8 min
 
 Sections, each run as its own process with a time limit (a section that fails or runs out of time is
 reported with its output and the next one runs; the exit status is 1 when any section did not pass):
