@@ -84,10 +84,12 @@ ABLATIONS = [  # each against plain MHLA, same seeds
 # model depth): run only when named (--ablations mhla+softmax@1)
 HYBRIDS = [Arm(f"mhla+softmax@{i}", ("model.attention=mhla", f"mhla.layers=@keep{i}"), "ablation")
            for i in range(MODEL["depth"])]
-# MHLA with more, smaller blocks (the paper's M) at 256 tokens: 8x8 blocks of 2x2 tokens (M^2 = 4096 > N) and
-# 16x16 blocks of one token (the learned mixing alone can place every token): run only when named
-BLOCK_ARMS = [Arm(f"mhla-blocks{b}x{b}", ("model.attention=mhla", f"mhla.blocks=[{b},{b}]"), "ablation")
-              for b in (8, 16)]
+# MHLA with more, smaller blocks (the paper's M) at 256 tokens, [rows, columns] of blocks: 8x8 blocks of 2x2
+# tokens (M^2 = 4096 > N); 16x16 blocks of one token (the learned mixing alone can place every token);
+# and blocks of two tokens one column wide (8x16) or one row tall (16x8), which tell whether the shapes'
+# left-right mirror needs blocks one column wide: run only when named
+BLOCK_ARMS = [Arm(f"mhla-blocks{a}x{b}", ("model.attention=mhla", f"mhla.blocks=[{a},{b}]"), "ablation")
+              for a, b in ((8, 8), (16, 16), (8, 16), (16, 8))]
 NAMED_ONLY = [*HYBRIDS, *BLOCK_ARMS]
 
 

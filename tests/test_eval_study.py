@@ -195,13 +195,15 @@ def test_the_one_softmax_layer_arms_run_only_when_named(tmp_path, monkeypatch):
 
 
 def test_the_block_count_arms_run_only_when_named(tmp_path, monkeypatch):
-    """mhla-blocksBxB overrides the grid's MHLA blocks (after them, so it wins), is not among the default
+    """mhla-blocksAxB overrides the grid's MHLA blocks (after them, so it wins), is not among the default
     ablations, and is refused before any work where the token grid is smaller than its blocks."""
     study, planned = planning_study(monkeypatch)
     study.main(["--data", "shapes", "--grids", "256", "--arms", "--ablations", "mhla-blocks8x8",
-                "mhla-blocks16x16", "--seeds", "1", "--no-throughput", "--out", str(tmp_path / "a")])
+                "mhla-blocks16x16", "mhla-blocks8x16", "mhla-blocks16x8", "--seeds", "1", "--no-throughput",
+                "--out", str(tmp_path / "a")])
     blocks = {j.arm: [o for o in j.overrides if o.startswith("mhla.blocks")][-1] for j in planned}
-    assert blocks == {"mhla-blocks8x8": "mhla.blocks=[8,8]", "mhla-blocks16x16": "mhla.blocks=[16,16]"}
+    assert blocks == {"mhla-blocks8x8": "mhla.blocks=[8,8]", "mhla-blocks16x16": "mhla.blocks=[16,16]",
+                      "mhla-blocks8x16": "mhla.blocks=[8,16]", "mhla-blocks16x8": "mhla.blocks=[16,8]"}
     assert not [a for a in study.ABLATIONS if a.name.startswith("mhla-blocks")]
     with pytest.raises(ConfigError, match=r"\[8, 8\] blocks do not fit a 4x4"):
         study.main(["--smoke", "--arms", "--ablations", "mhla-blocks8x8", "--out", str(tmp_path / "b")])
