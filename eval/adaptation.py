@@ -411,6 +411,11 @@ def select_grids(args) -> list[str]:
     return [key(n) for n in names]
 
 
+def conversion_arms(records: list[dict]) -> list[str]:
+    """Every arm of ``records`` but the from-scratch one, sorted: whatever ``--arms`` ran."""
+    return sorted({r["arm"] for r in records} - {"mhla-scratch"})
+
+
 def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path) -> str:
     """FID against total training compute (:func:`compute`) for the from-scratch arm and the conversion
     arms, mean over seeds with a 95 % band; returns a markdown paragraph pointing at the plot."""
@@ -422,7 +427,7 @@ def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path)
     recs = [r for r in records if r["grid"] == grid]
     stats = summarize(recs, "fid")
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for arm in ("mhla-scratch", "softmax-continued", "mhla-plain", "mhla-stage1"):
+    for arm in ["mhla-scratch", *conversion_arms(recs)]:
         steps = sorted(s for a, s in stats if a == arm)
         if not steps:
             continue
@@ -455,7 +460,7 @@ def equal_compute_table(records: list[dict], grid: str, teacher_steps: int) -> s
              "seed, first minus second, lower is better):", "",
              "| comparison | seeds | stage-1 cost (forwards of one batch) | FID | val loss |",
              "|---|---|---|---|---|"]
-    for arm in ("softmax-continued", "mhla-plain", "mhla-stage1"):
+    for arm in conversion_arms(recs):
         fid, val = (compare(pool, arm, "mhla-scratch", m, last) for m in ("fid", "val_loss"))
         if fid["n"]:
             stage1 = next(r for r in pool if r["arm"] == arm).get("stage1", {})

@@ -157,6 +157,8 @@ def test_equal_compute_table_pairs_conversion_with_scratch_at_equal_steps():
             recs.append(dict(grid="g", arm="mhla-plain", seed=seed, step=step, fid=fid, val_loss=0.02))
             recs.append(dict(grid="g", arm="mhla-stage1", seed=seed, step=step, fid=fid - 5.0, val_loss=0.02,
                              stage1={"teacher_forward_equivalents": 321.0}))
+            recs.append(dict(grid="g", arm="mhla-stage1-all", seed=seed, step=step, fid=fid - 7.0,
+                             val_loss=0.02, stage1={"teacher_forward_equivalents": 654.0}))
         for step, fid in ((400, 500.0), (1900, 60.0 + 2 * seed)):  # scratch's own 400: far worse
             recs.append(dict(grid="g", arm="mhla-scratch", seed=seed, step=step, fid=fid, val_loss=0.03))
     table = module.equal_compute_table(recs, "g", teacher_steps=1500)
@@ -165,6 +167,8 @@ def test_equal_compute_table_pairs_conversion_with_scratch_at_equal_steps():
     assert "| 3 | 0 of 5700 |" in row and "-11.0 ± " in row and "**resolved**" in row  # 50+s − (60+2s)
     stage1 = next(line for line in table.splitlines() if line.startswith("| mhla-stage1 − mhla-scratch"))
     assert "| 321 of 5700 |" in stage1 and "-16.0 ± " in stage1
+    every = next(line for line in table.splitlines() if line.startswith("| mhla-stage1-all − mhla-scratch"))
+    assert "| 654 of 5700 |" in every and "-18.0 ± " in every  # any arm --arms ran gets its row
     assert "softmax-continued" not in table  # no records: no row
 
 
