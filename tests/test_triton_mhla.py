@@ -129,6 +129,12 @@ def _assert_close(got, expected, tol, scale=None):
     assert max(errors.values()) <= tol, errors
 
 
+def _assert_matches_oracle(got, tol, *oracle):
+    """:func:`_assert_close` against the float64 oracle of ``oracle`` (``_oracle``'s arguments), errors
+    relative to its terms' magnitudes (:func:`_term_scale`): what :func:`tolerance` bounds."""
+    _assert_close(got, _oracle(*oracle), tol, _term_scale(*oracle))
+
+
 # --------------------------------------------------------------------------------------------------
 # interpreter: forward and all gradients vs the float64 oracle
 
@@ -175,8 +181,8 @@ def _check_case(tm, case, dtype):
     mixing = _mixing(layout)
     got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
     assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    oracle = (q, k, v, g, layout, mixing, feature_map, normalize)
-    _assert_close(got, _oracle(*oracle), tolerance(dtype, b, h, layout.num_tokens, d), _term_scale(*oracle))
+    _assert_matches_oracle(got, tolerance(dtype, b, h, layout.num_tokens, d),
+                           q, k, v, g, layout, mixing, feature_map, normalize)
 
 
 @interpreter_only
@@ -373,8 +379,7 @@ def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize,
     mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
     assert got[0].is_cuda and [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    oracle = (q, k, v, g, layout, mixing, feature_map, normalize)
-    _assert_close(got, _oracle(*oracle), tol, _term_scale(*oracle))
+    _assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, feature_map, normalize)
 
 
 @pytest.mark.gpu
