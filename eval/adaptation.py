@@ -412,8 +412,8 @@ def select_grids(args) -> list[str]:
 
 
 def conversion_arms(records: list[dict]) -> list[str]:
-    """Every arm of ``records`` but the from-scratch one, sorted: whatever ``--arms`` ran."""
-    return sorted({r["arm"] for r in records} - {"mhla-scratch"})
+    """Every arm of ``records`` but the from-scratch one, in the records' order: whatever ``--arms`` ran."""
+    return [arm for arm in dict.fromkeys(r["arm"] for r in records) if arm != "mhla-scratch"]
 
 
 def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path) -> str:
