@@ -295,7 +295,10 @@ def grid_report(records: list[dict], grid: str) -> str:
         first = "—" if target is None else within(stats, arm, target, steps)
         lines.append(f"| {arm} | {stats[(arm, steps[-1])]['n']} | " + " | ".join(cells)
                      + f" | {fmt(acc[(arm, steps[-1])], 3)} | {first} | {cost} | {end_to_end(recs, arm)} |")
-    return "\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + decisions(recs, steps)
+    shapes = r0.get("data") == "shapes"
+    props = properties_table(recs, steps, arms_) + "\n" if shapes else ""
+    return ("\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + props
+            + decisions(recs, steps, shapes))
 
 
 def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
@@ -306,6 +309,33 @@ def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
     for arm in arms_:
         lines.append(f"| {arm} | " + " | ".join(fmt(stats[(arm, s)], 4) for s in steps) + " |")
     return "\n".join(lines) + "\n"
+
+
+PROPERTIES = (  # the shapes' exact scores (mhla_gen.metrics.shapes): (metric, header, digits)
+    ("all_correct", "all 3 properties ↑", 3), ("count_accuracy", "count ↑", 3),
+    ("colour_accuracy", "colour ↑", 3), ("symmetric_rate", "symmetric ↑", 3),
+    ("symmetry_error", "symmetry error ↓", 3),
+)
+
+
+def properties_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
+    """On the shapes: each arm's exact property scores at a quarter of stage 2 and at its end (mean ±
+    95 % t-interval), the numbers the FID's noise cannot hide."""
+    quarter, last = quarter_step(steps), steps[-1]
+    stats = {m: summarize(recs, m) for m, _, _ in PROPERTIES}
+    heads = [f"{h} at {s}" for s in (quarter, last) for _, h, _ in PROPERTIES]
+    lines = ["Exact property scores on the same samples (mean ± 95 % t-interval):", "",
+             "| arm | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for arm in arms_:
+        cells = [fmt(stats[m][(arm, s)], d) if (arm, s) in stats[m] else "—"
+                 for s in (quarter, last) for m, _, d in PROPERTIES]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def quarter_step(steps: list[int]) -> int:
+    """The evaluated step nearest a quarter of the stage-2 budget (``steps[-1]``)."""
+    return min(steps, key=lambda s: abs(s - max(1, steps[-1] // 4)))
 
 
 DECISIONS = [  # (question, arm, other)
@@ -327,27 +357,30 @@ DECISIONS = [  # (question, arm, other)
 ]
 
 
-def decisions(recs: list[dict], steps: list[int]) -> str:
+def decisions(recs: list[dict], steps: list[int], shapes: bool = False) -> str:
     """Each question as a paired comparison (same seed, data order and sample noise) at a quarter of the
-    stage-2 budget and at its end: interval, verdict, minimum detectable difference (MDD)."""
-    quarter, last = max(1, steps[-1] // 4), steps[-1]
-    quarter = min(steps, key=lambda s: abs(s - quarter))
+    stage-2 budget and at its end: interval, verdict, minimum detectable difference (MDD). On the shapes
+    the count accuracy and symmetric rate at the end too (higher is better)."""
+    quarter, last = quarter_step(steps), steps[-1]
     arms_ = {r["arm"] for r in recs}
-    # (metric, step, digits) per column; the total validation loss is dominated by the least noisy
-    # bucket, b2 (t in the third quarter) sees the layout
-    columns = [("fid", quarter, 1), ("fid", last, 1), ("val_loss", quarter, 4), ("val_loss", last, 4),
-               ("val_loss_b2", last, 5)]
-    lines = ["Paired comparisons (first minus second; lower is better for both; resolved = the 95 % "
-             "interval "
-             "excludes 0, bounded = it lies within ± 10 % of the second arm's FID / 2 % of its validation "
-             "loss; MDD = the difference these seeds detect with 80 % power):", "",
-             f"| question | comparison | seeds | FID at step {quarter} | FID at step {last} | "
-             "val loss at step "
-             f"{quarter} | val loss at step {last} | mid-noise val loss (b2) at step {last} |",
-             "|---|---|---|---|---|---|---|---|"]
+    # (metric, step, digits, header) per column; the total validation loss is dominated by the least
+    # noisy bucket, b2 (t in the third quarter) sees the layout
+    columns = [("fid", quarter, 1, f"FID at step {quarter}"), ("fid", last, 1, f"FID at step {last}"),
+               ("val_loss", quarter, 4, f"val loss at step {quarter}"),
+               ("val_loss", last, 4, f"val loss at step {last}"),
+               ("val_loss_b2", last, 5, f"mid-noise val loss (b2) at step {last}")]
+    if shapes:
+        columns += [("count_accuracy", last, 3, f"count ↑ at step {last}"),
+                    ("symmetric_rate", last, 3, f"symmetric ↑ at step {last}")]
+    lines = ["Paired comparisons (first minus second; lower is better for FID and validation loss; resolved "
+             "= the 95 % interval excludes 0, bounded = it lies within ± 10 % of the second arm's FID / 2 % "
+             "of its validation loss / 0.05 of a rate; MDD = the difference these seeds detect with 80 % "
+             "power):", "",
+             "| question | comparison | seeds | " + " | ".join(c[3] for c in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
     for question, a, b in DECISIONS:
         if a in arms_ and b in arms_:
-            cells = [(compare(recs, a, b, metric, step), digits) for metric, step, digits in columns]
+            cells = [(compare(recs, a, b, metric, step), digits) for metric, step, digits, _ in columns]
             text = [fmt_comparison(c, digits) for c, digits in cells]
             lines.append(f"| {question} | {a} − {b} | {cells[0][0]['n']} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"

@@ -185,6 +185,28 @@ def test_decisions_pair_the_mid_noise_validation_bucket():
     assert row.rstrip(" |").endswith("**resolved**, MDD 0.00000") and "+0.00060" in row
 
 
+def test_shapes_report_carries_the_exact_properties():
+    """On the shapes the report shows each arm's property scores at a quarter of stage 2 and at its end,
+    and the decision table pairs the count accuracy and symmetric rate (rates: never narrower than their
+    binomial noise on the scored samples); on the digits neither appears."""
+    module = load_adaptation()
+    recs = [dict(grid="g", data="shapes", tokens=256, fid_samples=300, val_triples=64, arm=arm, seed=seed,
+                 step=step, fid=50.0, val_loss=0.02, val_loss_b2=0.004, label_accuracy=0.9,
+                 all_correct=0.1, count_accuracy=0.3, colour_accuracy=0.9, symmetry_error=0.05,
+                 symmetric_rate=(0.6 if arm == "mhla-stage1" else 0.1) + 0.01 * seed)
+            for arm in ("mhla-plain", "mhla-stage1") for seed in range(3) for step in (0, 150, 600)]
+    report = module.grid_report(recs, "g")
+    assert "| arm | all 3 properties ↑ at 150 |" in report and "symmetry error ↓ at 600 |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| mhla-stage1 | 0.100"))
+    assert "0.610 ± 0.025" in row  # symmetric at 600: 0.60, 0.61, 0.62
+    head = next(line for line in report.splitlines() if line.startswith("| question |"))
+    assert head.endswith("| count ↑ at step 600 | symmetric ↑ at step 600 |")
+    decision = next(line for line in report.splitlines() if line.startswith("| stage 1's head start"))
+    assert decision.rstrip(" |").split(" | ")[-1].startswith("+0.500 ± ") and "**resolved**" in decision
+    digits = module.decisions([dict(r, data="digits") for r in recs], [0, 150, 600])
+    assert "symmetric" not in digits and "count" not in digits
+
+
 def test_end_to_end_column_is_the_mean_over_seeds():
     recs = [{"arm": "mhla-stage1", "seed": seed, "step": step,
              "stage1": {"end_to_end_before": 0.1 - 0.05 * seed, "end_to_end_final": 0.06 - 0.02 * seed}}
