@@ -295,10 +295,9 @@ def grid_report(records: list[dict], grid: str) -> str:
         first = "—" if target is None else within(stats, arm, target, steps)
         lines.append(f"| {arm} | {stats[(arm, steps[-1])]['n']} | " + " | ".join(cells)
                      + f" | {fmt(acc[(arm, steps[-1])], 3)} | {first} | {cost} | {end_to_end(recs, arm)} |")
-    shapes = r0.get("data") == "shapes"
-    props = properties_table(recs, steps, arms_) + "\n" if shapes else ""
+    props = properties_table(recs, steps, arms_) + "\n" if on_shapes(recs) else ""
     return ("\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + props
-            + decisions(recs, steps, shapes))
+            + decisions(recs, steps))
 
 
 def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
@@ -333,6 +332,11 @@ def properties_table(recs: list[dict], steps: list[int], arms_: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
+def on_shapes(recs: list[dict]) -> bool:
+    """Whether ``recs`` (one grid's records) score the shapes, which carry the exact properties."""
+    return recs[0].get("data") == "shapes"
+
+
 def quarter_step(steps: list[int]) -> int:
     """The evaluated step nearest a quarter of the stage-2 budget (``steps[-1]``)."""
     return min(steps, key=lambda s: abs(s - max(1, steps[-1] // 4)))
@@ -357,7 +361,7 @@ DECISIONS = [  # (question, arm, other)
 ]
 
 
-def decisions(recs: list[dict], steps: list[int], shapes: bool = False) -> str:
+def decisions(recs: list[dict], steps: list[int]) -> str:
     """Each question as a paired comparison (same seed, data order and sample noise) at a quarter of the
     stage-2 budget and at its end: interval, verdict, minimum detectable difference (MDD). On the shapes
     the count accuracy and symmetric rate at the end too (higher is better)."""
@@ -369,7 +373,7 @@ def decisions(recs: list[dict], steps: list[int], shapes: bool = False) -> str:
                ("val_loss", quarter, 4, f"val loss at step {quarter}"),
                ("val_loss", last, 4, f"val loss at step {last}"),
                ("val_loss_b2", last, 5, f"mid-noise val loss (b2) at step {last}")]
-    if shapes:
+    if on_shapes(recs):
         columns += [("count_accuracy", last, 3, f"count ↑ at step {last}"),
                     ("symmetric_rate", last, 3, f"symmetric ↑ at step {last}")]
     lines = ["Paired comparisons (first minus second; lower is better for FID and validation loss; resolved "

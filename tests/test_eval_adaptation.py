@@ -203,8 +203,8 @@ def test_shapes_report_carries_the_exact_properties():
     assert head.endswith("| count ↑ at step 600 | symmetric ↑ at step 600 |")
     decision = next(line for line in report.splitlines() if line.startswith("| stage 1's head start"))
     assert decision.rstrip(" |").split(" | ")[-1].startswith("+0.500 ± ") and "**resolved**" in decision
-    digits = module.decisions([dict(r, data="digits") for r in recs], [0, 150, 600])
-    assert "symmetric" not in digits and "count" not in digits
+    digits = module.grid_report([dict(r, data="digits") for r in recs], "g")
+    assert "Exact property" not in digits and "symmetric" not in digits and "count" not in digits
 
 
 def test_end_to_end_column_is_the_mean_over_seeds():
