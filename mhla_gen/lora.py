@@ -32,10 +32,16 @@ diffusers' own ``pipe.load_lora_weights(folder)`` hands the file to ``pipe.trans
 ``unload_lora_weights`` / ``fuse_lora`` / ``set_adapters`` act on the low-rank adapter only: the MHLA
 parameters loaded with it are the model's attention weights from then on (``fuse_lora()`` followed by
 ``unload_lora_weights()`` keeps exactly the LoRA + MHLA model).
+
+DiT: diffusers' ``DiTTransformer2DModel`` has no ``add_adapter`` and ``DiTPipeline`` no LoRA loader, so
+:func:`add_lora` injects the same peft adapter layers with peft's ``inject_adapter_in_model`` (what
+``add_adapter`` calls) and a DiT run saves :func:`merged_lora_copy`: the adapter merged into the weights,
+a plain (MHLA) DiT folder every DiT loader reads.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -45,7 +51,8 @@ from pathlib import Path
 import torch
 from diffusers.loaders.lora_base import LoraBaseMixin, _fetch_state_dict
 from diffusers.loaders.peft import PeftAdapterMixin
-from peft import LoraConfig
+from diffusers.utils.peft_utils import recurse_remove_peft_layers
+from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
@@ -91,14 +98,6 @@ def check_lora_settings(rank, alpha, rank_name: str = "rank", alpha_name: str = 
         raise ValueError(f"{alpha_name} must be a positive (finite) number, got {alpha!r}")
 
 
-def _check_peft_support(transformer: nn.Module) -> None:
-    if not isinstance(transformer, PeftAdapterMixin):
-        raise ValueError(
-            f"{type(transformer).__name__} has no diffusers LoRA support (PeftAdapterMixin); "
-            "LoRA works for SanaTransformer2DModel and WanTransformer3DModel"
-        )
-
-
 def mark_mhla_trainable(transformer: nn.Module) -> nn.Module:
     """``requires_grad=True`` on every MHLA parameter (undoes peft's freeze); returns ``transformer``."""
     for param in mhla_parameters(transformer).values():
@@ -114,11 +113,13 @@ def add_lora(
     adapter_name: str = "default",
     **lora_kwargs,
 ) -> nn.Module:
-    """Add a LoRA adapter (diffusers ``add_adapter``) and keep the MHLA parameters trainable; in place.
+    """Add a LoRA adapter and keep the MHLA parameters trainable; in place. The adapter comes from
+    diffusers' ``add_adapter`` where the model has it (SANA, Wan), else from peft's
+    ``inject_adapter_in_model``, which ``add_adapter`` calls (DiT: the same adapter layers).
 
     Args:
-        transformer: a SANA or Wan transformer, with or without MHLA installed (installing it later is
-            fine too: ``install_mhla`` creates trainable parameters).
+        transformer: a SANA, Wan or DiT transformer, with or without MHLA installed (installing it later
+            is fine too: ``install_mhla`` creates trainable parameters).
         rank, alpha: ``LoraConfig(r=rank, lora_alpha=alpha)``; the update is scaled by ``alpha / rank``.
         target_modules: module names (suffixes) that get an adapter; default q/k/v/out of every attention
             layer (self- and cross-attention).
@@ -127,13 +128,37 @@ def add_lora(
     Returns:
         ``transformer``: only the adapter and MHLA parameters require grad.
     Raises:
-        ValueError: a model without diffusers' PEFT support (DiT), or a bad rank / alpha.
+        ValueError: a bad rank / alpha.
     """
-    _check_peft_support(transformer)
     check_lora_settings(rank, alpha)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), **lora_kwargs)
-    transformer.add_adapter(config, adapter_name=adapter_name)
+    if isinstance(transformer, PeftAdapterMixin):
+        transformer.add_adapter(config, adapter_name=adapter_name)
+    else:  # freezes every other parameter, as add_adapter does
+        inject_adapter_in_model(config, transformer, adapter_name=adapter_name)
     return mark_mhla_trainable(transformer)
+
+
+def merged_lora_copy(transformer: nn.Module) -> nn.Module:
+    """A copy of ``transformer`` with every LoRA adapter merged into its base weight (peft's ``merge``)
+    and the adapter layers replaced by their base layers (diffusers' ``recurse_remove_peft_layers``, what
+    ``unload_lora`` uses): the plain model, MHLA included, that ``save_pretrained`` writes and every loader
+    reads. ``transformer`` itself is left as it is (a copy costs one model's memory, once per run).
+
+    Raises:
+        ValueError: the transformer has no LoRA adapter.
+    """
+    if not lora_parameters(transformer):
+        raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter to merge")
+    merged = copy.deepcopy(transformer)
+    for module in merged.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge(safe_merge=True)  # raises on non-finite merged weights
+    recurse_remove_peft_layers(merged)
+    for attr in ("peft_config", "_hf_peft_config_loaded"):
+        if attr in merged.__dict__:
+            delattr(merged, attr)
+    return merged
 
 
 def lora_parameters(transformer: nn.Module) -> dict[str, nn.Parameter]:
@@ -199,7 +224,7 @@ def save_lora_mhla(
     """Write the LoRA adapter, the MHLA parameters and a manifest into ``folder``; returns it.
 
     Args:
-        transformer: a model with a LoRA adapter (MHLA optional).
+        transformer: a SANA or Wan model with a LoRA adapter (MHLA optional).
         folder: the output folder (created).
         base: the pretrained checkpoint (folder or hub id) whose weights the adapter applies to; an
             existing local folder is recorded as an absolute path.
@@ -208,6 +233,11 @@ def save_lora_mhla(
     """
     if adapter_name not in getattr(transformer, "peft_config", {}):
         raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter named {adapter_name!r}")
+    if not isinstance(transformer, PeftAdapterMixin):
+        raise ValueError(
+            f"{type(transformer).__name__} has no diffusers LoRA loader to read the adapter back: save "
+            "merged_lora_copy(transformer) with save_pretrained instead"
+        )
     if not base:
         raise ValueError("base must name the pretrained checkpoint the adapter was trained on")
     folder = Path(folder)

@@ -19,6 +19,7 @@ from mhla_gen.lora import (
     add_lora,
     lora_parameters,
     lora_training_parameters,
+    merged_lora_copy,
     save_lora_mhla,
 )
 from mhla_gen.testing import sana_forward, tiny_dit, tiny_sana, tiny_sana_pipeline
@@ -175,8 +176,10 @@ def test_bad_settings_and_models_raise_clear_errors():
         add_lora(tiny_sana(), rank=0, alpha=4)
     with pytest.raises(ValueError, match="alpha must be a positive"):
         add_lora(tiny_sana(), rank=4, alpha=-1.0)
-    with pytest.raises(ValueError, match="DiTTransformer2DModel has no diffusers LoRA support"):
-        add_lora(tiny_dit(), rank=4, alpha=4)
+    with pytest.raises(ValueError, match="DiTTransformer2DModel has no diffusers LoRA loader"):
+        save_lora_mhla(add_lora(tiny_dit(), rank=4, alpha=4), "unused", base="x")
+    with pytest.raises(ValueError, match="no LoRA adapter to merge"):
+        merged_lora_copy(tiny_dit())
     with pytest.raises(ValueError, match="no LoRA adapter"):
         lora_training_parameters(install_mhla(tiny_sana(), SANA_CFG))
     with pytest.raises(ValueError, match="no LoRA adapter named"):
@@ -201,8 +204,7 @@ def test_training_config_validates_lora_settings():
     ]:
         with pytest.raises(ValueError, match=key):
             load_config(SanaRunConfig, sana, ["train.trainable=lora", bad])
-    with pytest.raises(ValueError, match="train.trainable=lora is for the fine-tuning scripts"):
-        load_config(DiTRunConfig, None, ["train.trainable=lora"])
+    assert load_config(DiTRunConfig, None, ["train.trainable=lora"]).train.trainable == "lora"
 
 
 def test_default_adapter_starts_from_the_mhla_model_exactly():
@@ -212,3 +214,31 @@ def test_default_adapter_starts_from_the_mhla_model_exactly():
     before = sana_forward(model)
     add_lora(model, rank=4, alpha=8)
     assert torch.equal(sana_forward(model), before)
+
+
+def dit_forward(model) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, model.config.in_channels, 8, 8, generator=g)
+    return model(x, timestep=torch.tensor([100, 700]), class_labels=torch.tensor([1, 3])).sample
+
+
+@pytest.mark.parametrize("base", ["dit", "sana"])
+def test_merged_copy_is_the_lora_model_without_adapter_layers(base):
+    """DiT has no diffusers add_adapter: add_lora injects peft's layers itself, and merged_lora_copy gives
+    the plain MHLA model with the same output (to float32 rounding of W + B A), leaving the original as
+    it was."""
+    if base == "dit":
+        model, forward, cfg = tiny_dit(), dit_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3)
+    else:
+        model, forward, cfg = tiny_sana(), sana_train_forward, SANA_CFG
+    plain_keys = set(install_mhla(model, cfg).state_dict())
+    add_lora(model, rank=4, alpha=8, init_lora_weights=False).eval()  # B random: the adapter moves the output
+    assert_lora_and_mhla_train(model, forward)
+    with torch.no_grad():
+        with_adapter = forward(model)
+        merged = merged_lora_copy(model).eval()
+        assert not lora_parameters(merged) and set(merged.state_dict()) == plain_keys
+        assert merged.mhla_config == cfg and not hasattr(merged, "peft_config")
+        torch.testing.assert_close(forward(merged), with_adapter, rtol=1e-5, atol=1e-5)
+        assert lora_parameters(model)  # the original keeps its adapter
+        torch.testing.assert_close(forward(model), with_adapter, rtol=0, atol=0)

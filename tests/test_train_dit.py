@@ -303,6 +303,42 @@ def test_init_from_pretrained_softmax_dit(tmp_path):
         DiTTask(cfg).build_transformer()
 
 
+def test_lora_stage2_merges_into_final_keeps_the_base_and_resumes_exactly(tmp_path):
+    """train.trainable=lora on a pretrained DiT: the adapter (q/k/v/out) and MHLA train, every other weight
+    stays the pretrained one; final/ is a plain MHLA DiT folder with the adapter merged in; a split run
+    ends bit-identical to a whole one; a full-parameter run refuses the LoRA checkpoint."""
+    from diffusers import DiTTransformer2DModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import load_file
+
+    from mhla_gen import load_transformer
+    from mhla_gen.install import is_mhla_installed
+
+    pretrained = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=1,
+                                       out_channels=2, num_layers=2, sample_size=8, patch_size=2)
+    pretrained.save_pretrained(tmp_path / "dit" / "transformer")
+    lora = (f"model.init_from={tmp_path / 'dit'}", "train.trainable=lora", "train.lora_rank=2",
+            "train.lora_alpha=4", "log.sample_every=0")
+    train(tmp_path / "whole", *lora, "train.max_steps=3")
+    train(tmp_path / "split", *lora, "train.max_steps=2")
+    train(tmp_path / "split", *lora, "train.max_steps=3")  # resume=latest: step 3 only
+    assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3]
+    assert max_abs_diff(final_weights(tmp_path / "split"), final_weights(tmp_path / "whole")) == 0.0
+
+    final, base = final_weights(tmp_path / "whole"), pretrained.state_dict()
+    assert not any("lora" in k or "base_layer" in k for k in final)
+    adapted = [k for k in base if any(f".{p}.weight" in k for p in ("to_q", "to_k", "to_v", "to_out.0"))]
+    assert len(adapted) == 4 * 2 and all(not torch.equal(final[k], base[k]) for k in adapted)
+    assert all(torch.equal(final[k], base[k]) for k in base if k not in adapted)  # the rest frozen
+    model = load_transformer(tmp_path / "whole" / "final")
+    assert is_mhla_installed(model) and not any(isinstance(m, BaseTunerLayer) for m in model.modules())
+    state = load_file(tmp_path / "whole" / "checkpoints" / "checkpoint_3" / "model.safetensors")
+    assert any("lora_B" in k for k in state)
+
+    with pytest.raises(ValueError, match="lora"):
+        train(tmp_path / "split", f"model.init_from={tmp_path / 'dit'}", "train.max_steps=4")
+
+
 @pytest.mark.parametrize("attention", ["softmax", "mhla"])
 def test_bf16_mixed_precision_with_gradient_checkpointing(tmp_path, attention):
     train(

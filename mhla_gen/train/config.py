@@ -83,8 +83,9 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | fp16 | bf16
     gradient_checkpointing: bool = False
     trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate) | lora (see below)
-    # trainable=lora (SANA / Wan): a peft LoRA adapter on every attention's to_q/to_k/to_v/to_out.0 plus
-    # the MHLA parameters are trained, the rest is frozen; final/ holds adapter + MHLA (mhla_gen.lora)
+    # trainable=lora: a peft LoRA adapter on every attention's to_q/to_k/to_v/to_out.0 plus the MHLA
+    # parameters are trained, the rest is frozen; final/ holds adapter + MHLA for SANA / Wan
+    # (mhla_gen.lora), the adapter merged into the weights for DiT (DiTPipeline has no LoRA loader)
     lora_rank: int = 16
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     ema_decay: float = 0.9999  # 0 = no EMA
@@ -283,13 +284,6 @@ class DiTRunConfig(RunConfig):
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.train.trainable == "lora":  # diffusers' DiT has no PEFT (add_adapter) support
-            raise ValueError(
-                "train.trainable=lora is for the fine-tuning scripts (finetune_sana.py, finetune_wan.py); "
-                "train_dit.py takes train.trainable=all or mhla"
-            )
 
 
 # ------------------------------------------------------------------------------------ SANA and Wan

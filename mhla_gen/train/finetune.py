@@ -68,13 +68,11 @@ class FlowFinetuneTask(TrainTask):
     def signature(self) -> dict:
         attention, mhla = self.attention()
         mhla = attention_mhla_config(attention, mhla)
-        tc = self.cfg.train
         return {
             "pretrained": self.cfg.model.pretrained,
             "attention": attention,
             "mhla": mhla.to_dict() if mhla is not None else None,
-            # None (not absent) otherwise, so checkpoints written before LoRA existed still match
-            "lora": {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None,
+            "lora": self.lora_signature(),
             # likewise None without a start point (the key's name before model.init_from)
             "transformer": self.start.ref,
             "expert": None if self.cfg.model.expert == "transformer" else self.cfg.model.expert,

@@ -124,6 +124,12 @@ class TrainTask:
         """Settings that decide the parameter shapes; a checkpoint made with others is refused."""
         raise NotImplementedError
 
+    def lora_signature(self) -> dict | None:
+        """The signature's ``lora`` entry: rank and alpha of a ``train.trainable=lora`` run, else None
+        (not absent, so checkpoints written before LoRA existed still match)."""
+        tc = self.cfg.train
+        return {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None
+
     def build_transformer(self) -> nn.Module:
         """The transformer to train, MHLA installed (float32 master weights)."""
         raise NotImplementedError
