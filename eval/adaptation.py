@@ -22,6 +22,10 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
 * ``mhla-stage1-e2e`` / ``mhla-stage1-all-e2e``: stage 1 with its end-to-end term
   (``transfer.output_weight=1``: the converted model's output error against the teacher's beside the
   per-layer errors), on MHLA's parameters / on every parameter of the converted layers, then stage 2;
+* the stage-2 schedules, from ``mhla-stage1``'s stage 1 (group ``schedule``): ``stage2-no-warmup``,
+  ``stage2-low-lr``, ``stage2-from-stage1-ema``, ``stage2-output-distill``, ``stage2-mhla-only`` and
+  ``stage2-lora`` (LoRA-style: a rank-8 adapter on q/k/v/out plus MHLA's parameters);
+  ``mhla-plain-no-warmup``;
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
 * from the linear teacher (64 tokens): ``linear-continued``, and MHLA installed with a ``uniform`` mixing
@@ -88,6 +92,8 @@ GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler 
 # the converted layers: mhla-stage1-all); ema 0: final/ and its errors are the trained weights
 STAGE1 = ("model.attention=mhla", "transfer.trainable=mhla", "train.ema_decay=0")
 STAGE1_ALL = (*STAGE1, "transfer.trainable=all")  # the default stage 1: every parameter of converted layers
+# LoRA-style stage 2 as the LLM converters run it (LoLCATs: rank 8, alpha 16 on q/k/v/out), MHLA trained too
+LORA = ("train.trainable=lora", "train.lora_rank=8", "train.lora_alpha=16")
 SWEEP_K0 = "mhla-stage1-all"  # the softmax-layer sweep's K = 0: its stage 1 with no softmax layer kept
 
 
@@ -115,6 +121,7 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("stage2-from-stage1-ema", (), "schedule", stage1=(soft, *STAGE1[:-1], "train.ema_decay=0.99")),
         Arm("stage2-output-distill", ("train.distill.output_weight=1",), "schedule", stage1=(soft, *STAGE1)),
         Arm("stage2-mhla-only", ("train.trainable=mhla",), "schedule", stage1=(soft, *STAGE1)),
+        Arm("stage2-lora", LORA, "schedule", stage1=(soft, *STAGE1)),
     ]
     main += schedules
     if grid.split("-")[-1] != "64" and grid not in ("smoke", "quick"):
@@ -358,6 +365,7 @@ DECISIONS = [  # (question, arm, other)
     ("stage 2 from the stage-1 EMA", "stage2-from-stage1-ema", "mhla-stage1"),
     ("stage 2 with output distillation only", "stage2-output-distill", "mhla-stage1"),
     ("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1"),
+    ("LoRA-style stage 2", "stage2-lora", "mhla-stage1"),
 ]
 
 
