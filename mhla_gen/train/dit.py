@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from ..config import MHLAConfig
 from ..data import digits_tensors
-from ..lora import add_lora, merged_lora_copy
 from ..metrics.extractors import digits_extractor, extract_features
 from ..metrics.fid import fid_from_features
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
@@ -232,16 +231,7 @@ class DiTTask(TrainTask):
             dit_initialize_(transformer)
             install_attention(transformer, m.attention, self.cfg.mhla)
         disable_block_label_dropout(transformer)
-        if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
-            add_lora(transformer, self.cfg.train.lora_rank, self.cfg.train.lora_alpha)
-        return transformer
-
-    def save_final(self, transformer: nn.Module, folder: Path) -> None:
-        """The whole transformer (``save_pretrained``); a LoRA run's adapter merged into its weights first
-        (``DiTPipeline`` has no LoRA loader): ``final/`` is a plain (MHLA) DiT folder either way."""
-        if self.cfg.train.trainable == "lora":
-            transformer = merged_lora_copy(transformer)
-        super().save_final(transformer, folder)
+        return self.with_lora(transformer)  # final/ merges it (DiTPipeline has no LoRA loader)
 
     # ----------------------------------------------------------------------------------- data
     def setup(self, accelerator) -> None:

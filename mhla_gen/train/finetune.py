@@ -26,7 +26,7 @@ from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.latents import FEATURE_CACHE, check_cache_target
 from ..install import stock_class_name
-from ..lora import add_lora, is_lora_folder, save_lora_mhla
+from ..lora import is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
 from .caption_sources import CAPTION_SOURCES
@@ -118,9 +118,7 @@ class FlowFinetuneTask(TrainTask):
                 m.pretrained, subfolder=self.cfg.model.expert, revision=m.revision, dtype=torch.float32
             )
             install_attention(transformer, m.attention, self.cfg.mhla)
-        if self.cfg.train.trainable == "lora":  # adapter on to_q/k/v/out.0, MHLA parameters kept trainable
-            add_lora(transformer, self.cfg.train.lora_rank, self.cfg.train.lora_alpha)
-        return transformer
+        return self.with_lora(transformer)
 
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
         """LoRA runs: adapter + MHLA parameters + the pretrained checkpoint's name (``load_transformer``

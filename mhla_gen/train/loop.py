@@ -63,7 +63,7 @@ from ..folders import (
     write_marker,
 )
 from ..locks import die_with_launcher, release
-from ..lora import lora_training_parameters
+from ..lora import add_lora, lora_training_parameters, merged_lora_copy
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
@@ -167,8 +167,18 @@ class TrainTask:
         """``(PIL images, columns)`` for a sample grid, through the real diffusers pipeline."""
         return [], 1
 
+    def with_lora(self, transformer: nn.Module) -> nn.Module:
+        """``train.trainable=lora``: a LoRA adapter on every attention's q/k/v/out.0, the MHLA parameters
+        kept trainable (``mhla_gen.lora.add_lora``); ``transformer`` as it is otherwise."""
+        tc = self.cfg.train
+        return add_lora(transformer, tc.lora_rank, tc.lora_alpha) if tc.trainable == "lora" else transformer
+
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
-        """Write the final weights into ``folder`` (main process): ``save_pretrained`` by default."""
+        """Write the final weights into ``folder`` (main process): ``save_pretrained``, a LoRA run's adapter
+        merged into the weights first (a plain model folder; a task whose pipelines load LoRA folders
+        overrides this)."""
+        if self.cfg.train.trainable == "lora":
+            transformer = merged_lora_copy(transformer)
         transformer.save_pretrained(str(folder))
 
     def model_record(self) -> dict:
