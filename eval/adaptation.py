@@ -24,7 +24,8 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
   per-layer errors), on MHLA's parameters / on every parameter of the converted layers, then stage 2;
 * the stage-2 schedules, from ``mhla-stage1``'s stage 1 (group ``schedule``): ``stage2-no-warmup``,
   ``stage2-low-lr``, ``stage2-from-stage1-ema``, ``stage2-output-distill``, ``stage2-mhla-only`` and
-  ``stage2-lora`` (LoRA-style: a rank-8 adapter on q/k/v/out plus MHLA's parameters);
+  ``stage2-lora`` (LoRA-style: a rank-8 adapter on q/k/v/out plus MHLA's parameters) and
+  ``stage2-lora-high-lr`` (the same at peak 1e-2);
   ``mhla-plain-no-warmup``;
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
@@ -122,6 +123,8 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("stage2-output-distill", ("train.distill.output_weight=1",), "schedule", stage1=(soft, *STAGE1)),
         Arm("stage2-mhla-only", ("train.trainable=mhla",), "schedule", stage1=(soft, *STAGE1)),
         Arm("stage2-lora", LORA, "schedule", stage1=(soft, *STAGE1)),
+        # LoRA is usually run at a higher peak LR than full fine-tuning
+        Arm("stage2-lora-high-lr", (*LORA, "train.learning_rate=1e-2"), "schedule", stage1=(soft, *STAGE1)),
     ]
     main += schedules
     if grid.split("-")[-1] != "64" and grid not in ("smoke", "quick"):
@@ -366,6 +369,7 @@ DECISIONS = [  # (question, arm, other)
     ("stage 2 with output distillation only", "stage2-output-distill", "mhla-stage1"),
     ("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1"),
     ("LoRA-style stage 2", "stage2-lora", "mhla-stage1"),
+    ("LoRA-style stage 2 at a higher peak LR", "stage2-lora-high-lr", "mhla-stage1"),
 ]
 
 
