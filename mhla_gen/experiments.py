@@ -318,17 +318,22 @@ def summarize(records: list[dict], metric: str) -> dict[tuple[str, int], dict]:
     return {key: interval(values) for key, values in sorted(groups.items())}
 
 
+ARM_STYLES, ARM_MARKERS = ("-", "--", ":", "-."), ("o", "s", "^", "D")  # arms 1-10, 11-20, ...
+
+
 def plot_arm_bands(ax, stats: dict[tuple[str, int], dict], records: list[dict], alpha: float) -> None:
     """One line per arm of ``records`` (mean over seeds, :func:`summarize` ``stats``) with a band: the 95 %
-    interval, or min-max where an interval is undefined (one seed)."""
-    for arm in dict.fromkeys(r["arm"] for r in records):
+    interval, or min-max where an interval is undefined (one seed). The colours repeat every 10 arms, so
+    each further 10 get another line style and marker."""
+    for i, arm in enumerate(dict.fromkeys(r["arm"] for r in records)):
         steps = sorted(s for a, s in stats if a == arm)
         mean = np.array([stats[(arm, s)]["mean"] for s in steps])
         half = np.array([stats[(arm, s)]["ci"] for s in steps])
         low, high = (mean - half, mean + half) if np.isfinite(half).all() else (
             [stats[(arm, s)]["min"] for s in steps], [stats[(arm, s)]["max"] for s in steps])
-        ax.plot(steps, mean, marker="o", label=arm)
-        ax.fill_between(steps, low, high, alpha=alpha)
+        style = i // 10 % len(ARM_STYLES)
+        (line,) = ax.plot(steps, mean, ARM_STYLES[style], marker=ARM_MARKERS[style], label=arm)
+        ax.fill_between(steps, low, high, alpha=alpha, color=line.get_color())
 
 
 def paired(records: list[dict], arm: str, other: str, metric: str, step: int) -> dict:

@@ -104,6 +104,27 @@ def test_intervals_and_paired_differences():
     assert p["mean"] == pytest.approx(-2 / 3)
 
 
+def test_arm_bands_tell_more_than_ten_arms_apart():
+    """The colours repeat every 10 arms: arm 11 must differ from arm 1 in line style; each band in its
+    line's colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"arm": f"arm{i}", "seed": 0, "step": s} for i in range(12) for s in (0, 1)]
+    stats = {(r["arm"], r["step"]): {"mean": 1.0, "ci": 0.1, "min": 0.9, "max": 1.1} for r in records}
+    fig, ax = plt.subplots()
+    experiments.plot_arm_bands(ax, stats, records, alpha=0.1)
+    lines = ax.get_lines()
+    looks = [(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines]
+    assert len(lines) == 12 and len(set(looks)) == 12
+    same = matplotlib.colors.same_color
+    assert all(same(band.get_facecolor()[0][:3], matplotlib.colors.to_rgb(line.get_color()))
+               for band, line in zip(ax.collections, lines, strict=True))
+    plt.close(fig)
+
+
 def test_every_arm_and_seed_is_scored_on_the_same_noise_and_triples(tmp_path):
     """Common random numbers: the evaluation of one model does not depend on the run's seed (samples,
     labels, validation triples), so paired differences between arms and seeds measure the models."""
