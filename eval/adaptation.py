@@ -25,7 +25,8 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
 * the stage-2 schedules, from ``mhla-stage1``'s stage 1 (group ``schedule``): ``stage2-no-warmup``,
   ``stage2-low-lr``, ``stage2-from-stage1-ema``, ``stage2-output-distill``, ``stage2-mhla-only`` and
   ``stage2-lora`` (LoRA-style: a rank-8 adapter on q/k/v/out plus MHLA's parameters) and
-  ``stage2-lora-high-lr`` (the same at peak 1e-2);
+  ``stage2-lora-high-lr`` (the same at peak 1e-2); ``stage2-lora-after-all`` and
+  ``stage2-no-warmup-after-all`` from the default stage 1 (every parameter, ``mhla-stage1-all``'s);
   ``mhla-plain-no-warmup``;
 * ``hybrid-auto`` / ``hybrid-fixed`` (64 tokens): stage 1, then one softmax layer kept, chosen by the
   stage-1 error (``auto:1``) or fixed (layer 0, the release's pattern);
@@ -125,6 +126,10 @@ def arms(grid: str, eps: float, blocks: int) -> list[Arm]:
         Arm("stage2-lora", LORA, "schedule", stage1=(soft, *STAGE1)),
         # LoRA is usually run at a higher peak LR than full fine-tuning
         Arm("stage2-lora-high-lr", (*LORA, "train.learning_rate=1e-2"), "schedule", stage1=(soft, *STAGE1)),
+        # after the default stage 1 (every parameter; LoLCATs' order: attention transfer, then LoRA)
+        Arm("stage2-lora-after-all", LORA, "schedule", stage1=(soft, *STAGE1_ALL)),
+        Arm("stage2-no-warmup-after-all", ("train.lr_warmup_steps=0",), "schedule",
+            stage1=(soft, *STAGE1_ALL)),
     ]
     main += schedules
     if grid.split("-")[-1] != "64" and grid not in ("smoke", "quick"):
@@ -370,6 +375,8 @@ DECISIONS = [  # (question, arm, other)
     ("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1"),
     ("LoRA-style stage 2", "stage2-lora", "mhla-stage1"),
     ("LoRA-style stage 2 at a higher peak LR", "stage2-lora-high-lr", "mhla-stage1"),
+    ("LoRA-style stage 2 after stage 1 on every parameter", "stage2-lora-after-all", "mhla-stage1-all"),
+    ("no warm-up after stage 1 on every parameter", "stage2-no-warmup-after-all", "mhla-stage1-all"),
 ]
 
 

@@ -285,7 +285,6 @@ class DiTRunConfig(RunConfig):
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-
 # ------------------------------------------------------------------------------------ SANA and Wan
 @dataclass
 class FinetuneModelConfig:
