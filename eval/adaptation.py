@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -225,10 +226,11 @@ def compute(record: dict, teacher_steps: int) -> float:
 
 
 def with_teachers(arm: Arm, teachers: dict[str, Path], stage1_steps: int) -> Arm:
-    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders, and the stage-1 budget."""
+    """``arm`` with ``@softmax`` / ``@linear`` replaced by the teachers' folders (absolute: a stage-1 run is
+    found by its settings, which must not depend on how ``--out`` was spelled), and the stage-1 budget."""
     def resolve(items):
         for attention, path in teachers.items():
-            items = tuple(i.replace(f"@{attention}", str(path)) for i in items)
+            items = tuple(i.replace(f"@{attention}", os.path.abspath(path)) for i in items)
         return items
 
     stage1 = (*resolve(arm.stage1), f"train.max_steps={stage1_steps}") if arm.stage1 else None

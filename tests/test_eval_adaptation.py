@@ -52,6 +52,25 @@ def test_adaptation_refuses_a_missing_study(tmp_path):
         load_adaptation().main(["--smoke", "--out", str(tmp_path / "a"), "--teachers-from", str(tmp_path)])
 
 
+def test_stage1_runs_are_found_however_the_paths_are_spelled(tmp_path, monkeypatch):
+    """A relative --out / --teachers-from names the same stage-1 runs and teachers as the absolute one
+    (a resumed study must not redo stage 1 because the shell's spelling changed)."""
+    import argparse
+
+    module = load_adaptation()
+    (tmp_path / "study" / "smoke" / "runs" / "softmax" / "seed0" / "final").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+
+    def planned(root):
+        args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=1,
+                                  arms=["mhla-stage1"], out=root / "out", scratch=False,
+                                  report_only=False, teachers_from=root / "study")
+        (job,) = module.plan(args)
+        return Path(job.stage1_dir).resolve(), [o for o in job.stage1 if "init_from" in o]
+
+    assert planned(Path(".")) == planned(tmp_path)
+
+
 def test_only_the_teachers_the_arms_start_from_are_needed(tmp_path):
     """Arms that start from the softmax teacher need no linear teacher (none is trained or looked up);
     an arm from the linear teacher still refuses a study without one."""
