@@ -216,7 +216,8 @@ def test_default_adapter_starts_from_the_mhla_model_exactly():
     assert torch.equal(sana_forward(model), before)
 
 
-def dit_forward(model) -> torch.Tensor:
+def dit_train_forward(model) -> torch.Tensor:
+    """mhla_gen.testing.dit_forward with gradients (it runs under no_grad)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, model.config.in_channels, 8, 8, generator=g)
     return model(x, timestep=torch.tensor([100, 700]), class_labels=torch.tensor([1, 3])).sample
@@ -228,7 +229,7 @@ def test_merged_copy_is_the_lora_model_without_adapter_layers(base):
     the plain MHLA model with the same output (to float32 rounding of W + B A), leaving the original as
     it was."""
     if base == "dit":
-        model, forward, cfg = tiny_dit(), dit_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3)
+        model, forward, cfg = tiny_dit(), dit_train_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3)
     else:
         model, forward, cfg = tiny_sana(), sana_train_forward, SANA_CFG
     plain_keys = set(install_mhla(model, cfg).state_dict())

@@ -276,23 +276,24 @@ def test_resume_from_explicit_checkpoint_path(reference_run, tmp_path):
         train(tmp_path / "run2", f"resume={tmp_path}")
 
 
+def save_pretrained_dit(folder):
+    """A pretrained softmax DiT for the tiny config's data (default init, not adaLN-zero), saved as a
+    pipeline's ``transformer/`` under ``folder``; returns the model."""
+    from diffusers import DiTTransformer2DModel
+
+    pretrained = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=1,
+                                       out_channels=2, num_layers=2, sample_size=8, patch_size=2)
+    pretrained.save_pretrained(folder / "transformer")
+    return pretrained
+
+
 def test_init_from_pretrained_softmax_dit(tmp_path):
     """The paper's fast adaptation: a pretrained (softmax) DiT's weights, MHLA installed on top."""
-    from diffusers import DiTTransformer2DModel
 
     from mhla_gen.train.config import DiTRunConfig, load_config
     from mhla_gen.train.dit import DiTTask
 
-    pretrained = DiTTransformer2DModel(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=1,
-        out_channels=2,
-        num_layers=2,
-        sample_size=8,
-        patch_size=2,
-    )
-    pretrained.save_pretrained(tmp_path / "dit" / "transformer")
+    pretrained = save_pretrained_dit(tmp_path / "dit")
     cfg = load_config(DiTRunConfig, TINY, [f"model.init_from={tmp_path / 'dit'}"])
     model = DiTTask(cfg).build_transformer()
     assert model.mhla_config.blocks == (2, 2)
@@ -307,16 +308,13 @@ def test_lora_stage2_merges_into_final_keeps_the_base_and_resumes_exactly(tmp_pa
     """train.trainable=lora on a pretrained DiT: the adapter (q/k/v/out) and MHLA train, every other weight
     stays the pretrained one; final/ is a plain MHLA DiT folder with the adapter merged in; a split run
     ends bit-identical to a whole one; a full-parameter run refuses the LoRA checkpoint."""
-    from diffusers import DiTTransformer2DModel
     from peft.tuners.tuners_utils import BaseTunerLayer
     from safetensors.torch import load_file
 
     from mhla_gen import load_transformer
     from mhla_gen.install import is_mhla_installed
 
-    pretrained = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=1,
-                                       out_channels=2, num_layers=2, sample_size=8, patch_size=2)
-    pretrained.save_pretrained(tmp_path / "dit" / "transformer")
+    pretrained = save_pretrained_dit(tmp_path / "dit")
     lora = (f"model.init_from={tmp_path / 'dit'}", "train.trainable=lora", "train.lora_rank=2",
             "train.lora_alpha=4", "log.sample_every=0")
     train(tmp_path / "whole", *lora, "train.max_steps=3")
