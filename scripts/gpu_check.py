@@ -1,16 +1,18 @@
 """Every GPU check in one command and one Markdown report, for the few minutes a GPU is lent:
 
-    python scripts/gpu_check.py --out REPORT.md   # 279 s on one H200 (2026-11-27); limits sum to 8 min
+    python scripts/gpu_check.py --out REPORT.md   # 308 s on one H200 (2026-11-28); limits sum to 12.5 min
 
 Sections, each run as its own process with a time limit (a section that fails or runs out of time is
 reported with its output and the next one runs; the exit status is 1 when any section did not pass):
 
 1. ``gpu tests``: ``pytest -m gpu`` (the CUDA-only tests: Triton kernels, compile, bf16 training steps);
-2. ``operator benchmark``: ``bench_attention.py`` in bf16: the model-shape tables (SDPA with the
+2. ``profile``: ``profile_mhla.py``: per-kernel GPU time at the model shapes, host vs GPU time per call,
+   one Wan2.1-1.3B block split by op;
+3. ``operator benchmark``: ``bench_attention.py`` in bf16: the model-shape tables (SDPA with the
    FlashAttention backend, SANA's linear attention, MHLA through PyTorch, the registered op and the Triton
    kernels) for Wan2.1-1.3B at 480p, SANA and DiT; the Wan 480p token grid against an evenly divisible one;
    square grids with SDPA, linear attention and MHLA; each with its peak memory;
-3. ``Wan2.1-1.3B step``: ``bench_wan_step.py``: one 480p, 81-frame denoising step with random weights, bf16:
+4. ``Wan2.1-1.3B step``: ``bench_wan_step.py``: one 480p, 81-frame denoising step with random weights, bf16:
    stock attention vs the MHLA hybrid vs MHLA in every layer, with peak memory per variant.
 
 The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit), then a
@@ -45,8 +47,9 @@ from mhla_gen.train.io import atomic_write_text  # noqa: E402
 BENCH_DIR = REPO / "benchmarks"  # where the benchmark scripts live: the one line to change if they move
 BENCH_ATTENTION = BENCH_DIR / "bench_attention.py"
 BENCH_WAN_STEP = BENCH_DIR / "bench_wan_step.py"
+PROFILE = BENCH_DIR / "profile_mhla.py"
 REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report is ours to replace
-OUTPUT_TAIL_LINES = 150
+OUTPUT_TAIL_LINES = 600  # the profile section prints ~400 lines
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,15 @@ class SectionResult:
 
 
 def default_sections(python: str = sys.executable) -> list[Section]:
-    """The three sections, time limits summing to 8 minutes."""
+    """The four sections, time limits summing to 12.5 minutes."""
     tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(REPO / "tests")]
     operator = [python, str(BENCH_ATTENTION), "--device", "cuda", "--dtype", "bf16", "--repeats", "5",
                 "--shapes", "wan480", "sana4096", "dit256", "--grids", "21x30x52:3x5x10", "21x30x50:3x5x10",
                 "--sizes", "4096", "16384", "65536", "--blocks", "16", "64", "--skip-sdpa-above", "65536"]
     wan_step = [python, str(BENCH_WAN_STEP), "--device", "cuda", "--dtype", "bf16", "--reps", "3"]
-    return [Section("gpu tests", tests, 180), Section("operator benchmark", operator, 120),
-            Section("Wan2.1-1.3B step", wan_step, 180)]
+    profile = [python, str(PROFILE)]
+    return [Section("gpu tests", tests, 300), Section("profile", profile, 150),
+            Section("operator benchmark", operator, 120), Section("Wan2.1-1.3B step", wan_step, 180)]
 
 
 def _version(module: str) -> str:
