@@ -8,8 +8,9 @@ What the MHLA processors call per layer (``mhla_gen.ops.rope.wan_rotary_pair``):
 ``(B, H, N, d)`` as heads-interleaved views of ``(B, N, H·d)`` projections, Wan's ``(1, N, 1, d)`` tables.
 Prints a Markdown table: per backend, the median time of the forward (no grad) and of forward +
 backward, the effective bandwidth of the forward (q, k read once and written once: what the kernel
-moves; the reference moves about six times more) and the speed-up over the reference. Every backend's
-result is checked bit-identical to the reference's before it is timed. The Triton backend runs on CUDA
+moves; the reference moves about six times more), the speed-up over the reference, and whether the
+forward gave the reference's bits (it should: a "NO" is a bug to report; the times are printed anyway).
+The Triton backend runs on CUDA
 (or on CPU under ``TRITON_INTERPRET=1``); elsewhere its row says why it is missing.
 """
 
@@ -66,12 +67,11 @@ def backend_missing(backend: str, device) -> str | None:
     return None
 
 
-def measure(backend: str, q, k, cos, sin, expected, repeats: int) -> tuple[float, float]:
-    """(forward ms, forward + backward ms) after checking the forward against ``expected``."""
+def measure(backend: str, q, k, cos, sin, expected, repeats: int) -> tuple[float, float, bool]:
+    """(forward ms, forward + backward ms, whether the forward equals ``expected`` bit for bit)."""
     with torch.no_grad():
         got = wan_rotary_pair(q, k, cos, sin, backend=backend)
-    if not all(torch.equal(a, b) for a, b in zip(got, expected)):
-        raise AssertionError(f"RoPE backend {backend!r} differs from the reference")
+    same = all(torch.equal(a, b) for a, b in zip(got, expected))
     qg, kg = (x.detach().requires_grad_() for x in (q, k))
     grads = tuple(torch.randn_like(x) for x in (q, k))
 
@@ -83,7 +83,7 @@ def measure(backend: str, q, k, cos, sin, expected, repeats: int) -> tuple[float
         outs = wan_rotary_pair(qg, kg, cos, sin, backend=backend)
         torch.autograd.backward(outs, grads)
 
-    return time_ms(forward, q.device, repeats), time_ms(forward_backward, q.device, repeats)
+    return time_ms(forward, q.device, repeats), time_ms(forward_backward, q.device, repeats), same
 
 
 def main(argv=None) -> int:
@@ -113,18 +113,18 @@ def main(argv=None) -> int:
     print(f"device={device} dtype={args.dtype} tables={args.table_dtype} B={args.batch} H={args.heads} "
           f"N={args.tokens} d={args.dim} repeats={args.repeats} torch={torch.__version__}")
     print("times in ms (median); GB/s = (q, k read + rq, rk written) / forward time\n")
-    print("| backend | fwd | fwd+bwd | fwd GB/s | fwd vs reference | fwd+bwd vs reference |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| backend | fwd | fwd+bwd | fwd GB/s | fwd vs reference | fwd+bwd vs reference | same bits |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     base = None
     for backend in BACKENDS:
         missing = backend_missing(backend, device)
         if missing:
-            print(f"| {backend} | - | - | - | {missing} | |")
+            print(f"| {backend} | - | - | - | {missing} | | |")
             continue
-        fwd, fwd_bwd = measure(backend, q, k, cos, sin, expected, args.repeats)
+        fwd, fwd_bwd, same = measure(backend, q, k, cos, sin, expected, args.repeats)
         base = base or (fwd, fwd_bwd)
         print(f"| {backend} | {fwd:.3f} | {fwd_bwd:.3f} | {moved / fwd / 1e6:.1f} | "
-              f"{base[0] / fwd:.2f}x | {base[1] / fwd_bwd:.2f}x |", flush=True)
+              f"{base[0] / fwd:.2f}x | {base[1] / fwd_bwd:.2f}x | {'yes' if same else 'NO'} |", flush=True)
     return 0
 
 

@@ -171,7 +171,8 @@ def test_bench_rope_plumbing(capsys):
     argv = ["--device", "cpu", "--tokens", "33", "--heads", "2", "--dim", "8", "--repeats", "1"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| reference |" in out and "| pytorch |" in out and "| triton | - |" in out
+    assert "| reference |" in out and "| triton | - |" in out
+    assert [line.endswith("| yes |") for line in out.splitlines() if line.startswith("| pytorch |")] == [True]
 
 
 # --------------------------------------------------------------------------------------------------
