@@ -9,6 +9,9 @@ numerator uses the rotated features ``R φ(q) · R φ(k)`` while the normaliser 
 
     o_t = Σ_s W[b(t), b(s)] (R_t φ(q_t))·(R_s φ(k_s)) v_s / (Σ_s W[b(t), b(s)] φ(q_t)·φ(k_s) + eps)
 
+RoPE is Wan's interleaved rotation, the same tables (a ``WanRotaryPosEmbed``), applied by
+:func:`~mhla_gen.ops.rope.wan_rotary_pair` (one Triton launch for φ(q) and φ(k) on CUDA).
+
 The stock layer is this with one block (or any blocks and uniform mixing, rows ``1/M``) and eps ``1e-15``;
 uniform mixing divides numerator and normaliser by ``M``, so ``eps = 1e-15 / M`` gives the stock output
 exactly (up to fp32 round-off): a conversion starts where the checkpoint is, as for SANA.

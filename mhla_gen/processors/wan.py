@@ -16,6 +16,10 @@ Where RoPE goes (``MHLAConfig.wan_rope``), with ``R`` the rotation of token ``t`
   ``φ(q) · φ(k)`` without RoPE. The release runs it with ``normalize=False`` and RMS-normalises each
   head's output instead (``wan_head_norm``; its ``g_norm``, here :attr:`WanMHLAProcessor.head_norm`).
 
+RoPE itself is :func:`~mhla_gen.ops.rope.wan_rotary_pair`: q and k in one Triton launch on CUDA (read
+once, written once, fp32 inside), the plain :func:`~mhla_gen.ops.rope.apply_wan_rotary` on CPU and under
+``torch.compile``; bit-identical either way (``ops/rope.py``).
+
 Order after the attention core: head norm -> merge heads -> CPE / gate (base class) -> ``to_out``.
 
 The token grid comes with the rotary embedding: ``install_mhla`` hooks ``transformer.rope`` so that it
@@ -43,26 +47,10 @@ from torch import nn
 from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
+from ..ops.rope import apply_wan_rotary, wan_rotary_pair  # noqa: F401 (the reference, importable here)
 from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from .base import MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
-
-
-def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's interleaved RoPE, as in ``WanAttnProcessor``, computed in fp32 (or float64 for float64 x).
-
-    Args:
-        x: ``(B, heads, N, d)``; coordinate pairs ``(2i, 2i+1)`` are rotated together.
-        freqs_cos, freqs_sin: ``(1, N, 1, d)`` from ``WanRotaryPosEmbed`` (each value repeated twice).
-    Returns:
-        ``(B, heads, N, d)`` in ``x.dtype``.
-    """
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    cos = freqs_cos.transpose(1, 2)[..., 0::2].to(dtype)  # (1, 1, N, d / 2)
-    sin = freqs_sin.transpose(1, 2)[..., 1::2].to(dtype)
-    x1, x2 = x.to(dtype).unflatten(-1, (-1, 2)).unbind(-1)  # even / odd coordinates, (B, heads, N, d / 2)
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, heads, N, d / 2, 2)
-    return rotated.flatten(-2).to(x.dtype)
 
 
 def mhla_rope_on_numerator(q, k, v, rotary_emb, layout, mixing, feature_map: str, normalize: bool,
@@ -74,7 +62,7 @@ def mhla_rope_on_numerator(q, k, v, rotary_emb, layout, mixing, feature_map: str
     acc = accumulation_dtype(q.dtype)
     phi = get_feature_map(feature_map)
     fq, fk = phi(q.to(acc)), phi(k.to(acc))  # (B, heads, N, d)
-    rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
+    rq, rk = wan_rotary_pair(fq, fk, *rotary_emb)
     # Σ_s W[b(t), b(s)] (R φ(q_t))·(R φ(k_s)) v_s
     numerator = mhla_attention(rq, rk, v.to(acc), layout, mixing, feature_map="identity", normalize=False)
     if not normalize:
@@ -157,7 +145,7 @@ class WanMHLAProcessor(MHLAProcessor):
         """MHLA with Wan's RoPE placed as ``cfg.wan_rope`` says. q, k, v ``(B, heads, N, d)`` -> same."""
         grid = rotary_emb.grid
         if self.cfg.wan_rope == "before_phi":
-            return self.attend(apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb), v, grid)
+            return self.attend(*wan_rotary_pair(q, k, *rotary_emb), v, grid)
         cfg = self.cfg  # after_phi_numerator
         return mhla_rope_on_numerator(q, k, v, rotary_emb, self.layout(grid, q.shape[2]), self.mixing(),
                                       cfg.feature_map, cfg.normalize, cfg.eps)
@@ -170,12 +158,12 @@ class WanMHLAProcessor(MHLAProcessor):
         phi = get_feature_map(cfg.feature_map)
         args = (rotary_emb.grid, cfg.blocks, self.mixing(), cfg.normalize, cfg.eps)
         if cfg.wan_rope == "before_phi":
-            fq = phi(apply_wan_rotary(q, *rotary_emb).to(acc))  # as the op: rotate, cast, φ
-            fk = phi(apply_wan_rotary(k, *rotary_emb).to(acc))
+            rq, rk = wan_rotary_pair(q, k, *rotary_emb)
+            fq, fk = phi(rq.to(acc)), phi(rk.to(acc))  # as the op: rotate, cast, φ
             out = mhla_shard(fq, fk, v.to(acc), *args, shard=shard)
         else:  # after_phi_numerator: RoPE on φ(q), φ(k) in the numerator, plain φ in the normaliser
             fq, fk = phi(q.to(acc)), phi(k.to(acc))
-            rq, rk = apply_wan_rotary(fq, *rotary_emb), apply_wan_rotary(fk, *rotary_emb)
+            rq, rk = wan_rotary_pair(fq, fk, *rotary_emb)
             out = mhla_shard(rq, rk, v.to(acc), *args, shard=shard, q_norm_features=fq, k_norm_features=fk)
         return cast_output(out, q.dtype)
 
