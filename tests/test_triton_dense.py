@@ -60,8 +60,9 @@ def test_dense_kernels_in_interpreter():
 
 @pytest.fixture(scope="module")
 def tm():
+    """The Triton backend (``triton_backend``), which runs the dense path or the blocked one."""
     pytest.importorskip("triton")
-    return importlib.import_module("mhla_gen.ops.triton_mhla")
+    return importlib.import_module("mhla_gen.ops.triton_backend")
 
 
 @pytest.fixture(scope="module")

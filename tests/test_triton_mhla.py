@@ -73,9 +73,10 @@ def kernel_path(request):
 
 @pytest.fixture(scope="module")
 def tm():
-    """The kernel module (built for the interpreter in the child run, for the GPU otherwise)."""
+    """The Triton backend (``triton_backend``: the blocked kernels of ``triton_mhla`` unless a test forces the
+    dense path), built for the interpreter in the child run, for the GPU otherwise."""
     pytest.importorskip("triton")
-    return importlib.import_module("mhla_gen.ops.triton_mhla")
+    return importlib.import_module("mhla_gen.ops.triton_backend")
 
 
 # --------------------------------------------------------------------------------------------------

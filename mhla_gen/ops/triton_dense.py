@@ -37,6 +37,7 @@ for fp16 those three are first scaled by a power of two so that their largest en
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ from .triton_mhla import (
     _DOT_DTYPES,
     FEATURE_IDS,
     TileConfig,
+    _check,
     _dot_operand,
     _dphi,
     _Geometry,
@@ -408,7 +410,7 @@ def _dense_dkv_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# host side (called by triton_mhla.forward / backward / forward_outputs_like after their checks)
+# host side: the contract of triton_mhla.forward / backward (``mhla.py``), same arguments
 
 
 def _constexprs(dtype: torch.dtype, feature_map: str, tiles: DenseTiles, d: int, e: int) -> dict:
@@ -424,27 +426,30 @@ def _mixing_table(mixing: torch.Tensor) -> torch.Tensor:
     return mixing.to(torch.float32).contiguous()
 
 
-def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, normalize: bool):
-    """Empty ``(out, state, norm, den)`` as :func:`forward` returns them: state and norm empty."""
-    (b, h, n, e) = v.shape
+def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], normalize: bool):
+    """Empty ``(out, state, norm, den)`` with the shapes, dtypes and strides :func:`forward` returns (the
+    op's fake implementation on this path): state and norm empty."""
+    b, h, n, e = v.shape
     den = q.new_empty(b, h, n, dtype=torch.float32) if normalize else q.new_empty(0, dtype=torch.float32)
     return (heads_interleaved_empty(b, h, n, e, q), q.new_empty(0, dtype=torch.float32),
             q.new_empty(0, dtype=torch.float32), den)
 
 
-def forward(q, k, v, geometry: _Geometry, mixing, feature_map: str, normalize: bool, eps: float,
-            config: TileConfig | None = None):
-    """Dense MHLA forward, one launch. Arguments as ``triton_mhla.forward`` (checked there).
+def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str, normalize: bool,
+            eps: float, *, config: TileConfig | None = None):
+    """Dense MHLA forward, one launch. Arguments and checks as ``triton_mhla.forward``.
 
     Returns ``(out, state, norm, den)`` (``mhla.Saved``): out ``(B, H, N, e)`` in q's dtype on
     heads-interleaved memory (fp16 clipped to ±65504); state and norm empty fp32 (the dense backward
     needs neither; an empty state marks a dense forward, :func:`ran_dense`); den ``(B, H, N)`` fp32
     contiguous, ``Σ_s A[t, s] + eps`` (empty without the normaliser).
     """
+    geometry = _Geometry.of(grid, blocks)
+    _check(q, k, v, mixing, geometry, feature_map)
     b, h, n, d = q.shape
     e = v.shape[-1]
     tiles = dense_tiles(d, e, config)
-    out, state, norm, den = forward_outputs_like(q, v, normalize)
+    out, state, norm, den = forward_outputs_like(q, v, blocks, normalize)
     _dense_fwd_kernel[(triton.cdiv(n, tiles.block_q), b * h)](
         q, k, v, _mixing_table(mixing), out, den if normalize else q,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -455,46 +460,70 @@ def forward(q, k, v, geometry: _Geometry, mixing, feature_map: str, normalize: b
     return out, state, norm, den
 
 
-def backward(grad_out, q, k, v, geometry: _Geometry, mixing, feature_map: str, normalize: bool, out, den,
-             needs, config: TileConfig | None = None):
-    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward` (None where ``needs`` is False): at most two
+def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str,
+             normalize: bool, eps: float, out, state, norm, den, needs: Sequence[bool], *,
+             config: TileConfig | None = None):
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward`, None where ``needs[i]`` is False: at most two
     launches, kernel 1 (query tiles: g_den, dq, ∂W partials) then kernel 2 (key tiles: dk, dv).
 
-    Arguments as ``triton_mhla.backward``; ``den`` is what :func:`forward` saved. dq, dk, dv in the dtypes
-    of q, k, v on heads-interleaved memory; dmixing ``(M, M)`` in mixing's dtype.
+    Arguments as ``triton_mhla.backward``; of the saved tensors only ``den`` is read (eps is in it). dq, dk,
+    dv in the dtypes of q, k, v on heads-interleaved memory; dmixing ``(M, M)`` in mixing's dtype.
     """
+    geometry = _Geometry.of(grid, blocks)
+    _check(q, k, v, mixing, geometry, feature_map)
     need_q, need_k, need_v, need_w = (bool(x) for x in needs)
     b, h, n, d = q.shape
-    e, m = v.shape[-1], geometry.num_blocks
-    tiles = dense_tiles(d, e, config)
+    tiles = dense_tiles(d, v.shape[-1], config)
     w = _mixing_table(mixing)
-    need_kv = need_k or need_v
-    gden = q.new_empty(b, h, n, dtype=torch.float32) if normalize and need_kv else None  # g_den for kernel 2
-    dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
-    dmixing = None
+    # g_den (B, H, N) fp32, written by kernel 1 for kernel 2
+    gden = q.new_empty(b, h, n, dtype=torch.float32) if normalize and (need_k or need_v) else None
+    dq, dmixing = None, None
     if need_q or need_w or gden is not None:
-        num_q_tiles = triton.cdiv(n, tiles.block_q)
-        partials = q.new_empty(num_q_tiles, b * h, m, m, dtype=torch.float32) if need_w else None
-        _dense_dq_kernel[(num_q_tiles, b * h)](
-            q, k, v, w, grad_out, out, den if normalize else q, _ptr(gden, q), _ptr(dq, q), _ptr(partials, q),
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *out.stride(), *_strides(dq, 4),
-            b * h, h, n, m, d, e, *geometry.args(),
-            NORMALIZE=normalize, STORE_GDEN=gden is not None, COMPUTE_DQ=need_q, COMPUTE_DW=need_w,
-            BM=_pow2(m), **_constexprs(q.dtype, feature_map, tiles, d, e),
-        )
-        if need_w:  # Σ over query tiles and batch·heads: a fixed-order reduction, no atomics
-            dmixing = partials.sum(dim=(0, 1)).to(mixing.dtype)
+        dq, dmixing = _query_pass(grad_out, q, k, v, geometry, w, feature_map, normalize, out, den, gden,
+                                  need_q, need_w, tiles)
+        dmixing = None if dmixing is None else dmixing.to(mixing.dtype)
+    dk, dv = None, None
+    if need_k or need_v:
+        dk, dv = _key_pass(grad_out, q, k, v, geometry, w, feature_map, normalize, den, gden, need_k, need_v,
+                           tiles)
+    return dq, dk, dv, dmixing
+
+
+def _query_pass(grad_out, q, k, v, geometry: _Geometry, w, feature_map: str, normalize: bool, out, den, gden,
+                need_q: bool, need_w: bool, tiles: DenseTiles):
+    """Kernel 1: ``(dq, dW)`` (None where not needed); writes ``gden`` when given. dW ``(M, M)`` fp32 is
+    the sum of the programs' ``(M, M)`` partials over query tiles and batch·heads (``torch.sum``: a fixed
+    reduction order, no atomics)."""
+    b, h, n, d = q.shape
+    e, m = v.shape[-1], geometry.num_blocks
+    num_q_tiles = triton.cdiv(n, tiles.block_q)
+    dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
+    partials = q.new_empty(num_q_tiles, b * h, m, m, dtype=torch.float32) if need_w else None
+    _dense_dq_kernel[(num_q_tiles, b * h)](
+        q, k, v, w, grad_out, out, den if normalize else q, _ptr(gden, q), _ptr(dq, q), _ptr(partials, q),
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *out.stride(), *_strides(dq, 4),
+        b * h, h, n, m, d, e, *geometry.args(),
+        NORMALIZE=normalize, STORE_GDEN=gden is not None, COMPUTE_DQ=need_q, COMPUTE_DW=need_w,
+        BM=_pow2(m), **_constexprs(q.dtype, feature_map, tiles, d, e),
+    )
+    return dq, None if partials is None else partials.sum(dim=(0, 1))
+
+
+def _key_pass(grad_out, q, k, v, geometry: _Geometry, w, feature_map: str, normalize: bool, den, gden,
+              need_k: bool, need_v: bool, tiles: DenseTiles):
+    """Kernel 2: ``(dk, dv)`` (None where not needed), reading den and g_den (with the normaliser)."""
+    b, h, n, d = k.shape
+    e = v.shape[-1]
     dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
     dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
-    if need_kv:
-        _dense_dkv_kernel[(triton.cdiv(n, tiles.block_k), b * h)](
-            q, k, v, w, grad_out, den if normalize else q, _ptr(gden, q), _ptr(dk, q), _ptr(dv, q),
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *_strides(dk, 4), *_strides(dv, 4),
-            h, n, m, d, e, *geometry.args(),
-            NORMALIZE=normalize, COMPUTE_DK=need_k, COMPUTE_DV=need_v,
-            **_constexprs(q.dtype, feature_map, tiles, d, e),
-        )
-    return dq, dk, dv, dmixing
+    _dense_dkv_kernel[(triton.cdiv(n, tiles.block_k), b * h)](
+        q, k, v, w, grad_out, den if normalize else q, _ptr(gden, q), _ptr(dk, q), _ptr(dv, q),
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *_strides(dk, 4), *_strides(dv, 4),
+        h, n, geometry.num_blocks, d, e, *geometry.args(),
+        NORMALIZE=normalize, COMPUTE_DK=need_k, COMPUTE_DV=need_v,
+        **_constexprs(q.dtype, feature_map, tiles, d, e),
+    )
+    return dk, dv
 
 
 __all__ = [

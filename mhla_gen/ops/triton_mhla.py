@@ -512,8 +512,6 @@ def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int]
     """Empty ``(out, state, norm, den)`` with the shapes, dtypes and strides :func:`forward` returns (the
     op's fake implementation)."""
     (b, h, n, e), d, m = v.shape, q.shape[-1], math.prod(blocks)
-    if _dense().uses_dense_path(n, m, d):
-        return _dense().forward_outputs_like(q, v, normalize)
     out = heads_interleaved_empty(b, h, n, e, q)
     state = q.new_empty(m, b, h, d, e, dtype=torch.float32).permute(1, 2, 0, 3, 4)
     if normalize:
@@ -522,13 +520,6 @@ def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int]
     else:
         norm, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     return out, state, norm, den
-
-
-def _dense():
-    """``triton_dense``, the path for small N (imported here: it imports this module's device helpers)."""
-    from . import triton_dense
-
-    return triton_dense
 
 
 def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
@@ -584,8 +575,6 @@ def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature
     _check(q, k, v, mixing, geometry, feature_map)
     b, h, n, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
-    if _dense().uses_dense_path(n, m, d):
-        return _dense().forward(q, k, v, geometry, mixing, feature_map, normalize, eps, config)
     cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
 
     s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
@@ -626,9 +615,6 @@ def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixi
     """
     geometry = _Geometry.of(grid, blocks)
     _check(q, k, v, mixing, geometry, feature_map)
-    if _dense().ran_dense(state):  # the forward ran the dense path: so does the backward
-        return _dense().backward(grad_out, q, k, v, geometry, mixing, feature_map, normalize, out, den, needs,
-                                 config)
     need_q, need_k, need_v, need_w = (bool(x) for x in needs)
     b, h, _, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
