@@ -309,6 +309,7 @@ def test_uses_dense_path(td):
     assert not td.uses_dense_path(256, td.DENSE_MAX_BLOCKS + 1, 72)
     assert not td.uses_dense_path(256, 16, td.DENSE_MAX_HEAD_DIM + 1)
     assert td.uses_dense_path(4096, 16, 72, max_tokens=4096)  # a tuning table's crossover
+    assert not td.uses_dense_path(256, td.DENSE_BLOCK_LIMIT + 1, 72, max_blocks=10**6)
     assert not td.uses_dense_path(256, 16, 72, False) and td.uses_dense_path(32760, 100, 128, True)
     with td.triton_path("blocked"):
         assert not td.uses_dense_path(256, 16, 72)

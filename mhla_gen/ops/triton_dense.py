@@ -82,7 +82,8 @@ def uses_dense_path(num_tokens: int, num_blocks: int, head_dim: int, override: b
     """Whether the Triton backend's forward runs the dense path for these static shapes.
 
     ``override`` (True / False) decides outright; None: the path forced by :func:`triton_path`, else the
-    crossover ``num_tokens <= max_tokens and num_blocks <= max_blocks and head_dim <= DENSE_MAX_HEAD_DIM``.
+    crossover ``num_tokens <= max_tokens and num_blocks <= max_blocks and head_dim <= DENSE_MAX_HEAD_DIM``
+    (``num_blocks <= DENSE_BLOCK_LIMIT`` whatever ``max_blocks`` says).
     Deterministic in its arguments (and the forced path): the op's fake implementation and its real one
     must agree, since the two paths save different tensors. Raises ValueError when the dense path is
     forced with more than ``DENSE_BLOCK_LIMIT`` blocks.
@@ -91,7 +92,8 @@ def uses_dense_path(num_tokens: int, num_blocks: int, head_dim: int, override: b
     if choice is None and _forced_path != "auto":
         choice = _forced_path == "dense"
     if choice is None:
-        return num_tokens <= max_tokens and num_blocks <= max_blocks and head_dim <= DENSE_MAX_HEAD_DIM
+        blocks_fit = num_blocks <= min(max_blocks, DENSE_BLOCK_LIMIT)
+        return num_tokens <= max_tokens and blocks_fit and head_dim <= DENSE_MAX_HEAD_DIM
     if choice and num_blocks > DENSE_BLOCK_LIMIT:
         raise ValueError(f"the dense MHLA path takes at most {DENSE_BLOCK_LIMIT} blocks, got {num_blocks}")
     return bool(choice)
@@ -175,6 +177,14 @@ def _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c):
 
 
 @triton.jit
+def _store_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, x):
+    """Store the fp32 tile ``x`` ``[len(tok), len(o_c)]`` into rows ``tok`` of the (N, C) matrix at ``base``,
+    in that matrix's dtype, inside the masks."""
+    ptrs = base + tok.to(tl.int64)[:, None] * stride_n + o_c[None, :] * stride_c
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
 def _feature_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, FEATURE: tl.constexpr):
     """``(x, φ(x))`` fp32 tiles of q or k rows ``tok``; φ is zeroed outside the masks (φ(0) = 1 for elu+1)."""
     x = _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c).to(tl.float32)
@@ -248,9 +258,7 @@ def _dense_fwd_kernel(
         tl.store(den + i_bh.to(tl.int64) * N + tok_q, b_den, mask=m_q)
     if CLIP_FP16:
         acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    p_o = (out + i_b * stride_ob + i_h * stride_oh
-           + tok_q.to(tl.int64)[:, None] * stride_on + o_e[None, :] * stride_oe)
-    tl.store(p_o, acc.to(out.dtype.element_ty), mask=m_q[:, None] & m_e[None, :])
+    _store_rows(out + i_b * stride_ob + i_h * stride_oh, tok_q, m_q, stride_on, o_e, m_e, stride_oe, acc)
 
 
 @triton.jit
@@ -329,12 +337,10 @@ def _dense_dq_kernel(
                 acc_dw += _scaled_dot(b_da * b_p, onehot_k, DOT_DTYPE, SCALE, PRECISION)
 
         if COMPUTE_DQ:
-            p_dq = (dq + i_b * stride_dqb + i_h * stride_dqh
-                    + tok_q.to(tl.int64)[:, None] * stride_dqn + o_d[None, :] * stride_dqd)
-            b_dq = acc_dfq * _dphi(b_q, FEATURE)
-            tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=m_q[:, None] & m_d[None, :])
+            dq_base = dq + i_b * stride_dqb + i_h * stride_dqh
+            _store_rows(dq_base, tok_q, m_q, stride_dqn, o_d, m_d, stride_dqd, acc_dfq * _dphi(b_q, FEATURE))
         if COMPUTE_DW:
-            # [i, j] = Σ_t onehot(b(t))[t, i] acc_dw[t, j]: [BM, BQ] @ [BQ, BM], exact fp32
+            # [i, j] = Σ_t onehot(b(t))[t, i] acc_dw[t, j]: [BM, BQ] @ [BQ, BM] in fp32 (no operand rounding)
             onehot_q = ((blk_q[:, None] == o_m[None, :]) & m_q[:, None]).to(tl.float32)  # [BQ, BM]
             b_dw = tl.dot(tl.trans(onehot_q), acc_dw, input_precision="ieee")
             p_dw = dw + (i_q * BH + i_bh).to(tl.int64) * M * M + o_m[:, None] * M + o_m[None, :]
@@ -399,14 +405,11 @@ def _dense_dkv_kernel(
             acc_dfk += _scaled_dot(tl.trans(b_da * b_w), b_fq, DOT_DTYPE, SCALE, PRECISION)  # [BK, BD]
 
     if COMPUTE_DK:
-        p_dk = (dk + i_b * stride_dkb + i_h * stride_dkh
-                + tok_k.to(tl.int64)[:, None] * stride_dkn + o_d[None, :] * stride_dkd)
-        b_dk = acc_dfk * _dphi(b_k, FEATURE)
-        tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_k[:, None] & m_d[None, :])
+        _store_rows(dk + i_b * stride_dkb + i_h * stride_dkh, tok_k, m_k, stride_dkn, o_d, m_d, stride_dkd,
+                    acc_dfk * _dphi(b_k, FEATURE))
     if COMPUTE_DV:
-        p_dv = (dv + i_b * stride_dvb + i_h * stride_dvh
-                + tok_k.to(tl.int64)[:, None] * stride_dvn + o_e[None, :] * stride_dve)
-        tl.store(p_dv, acc_dv.to(dv.dtype.element_ty), mask=m_k[:, None] & m_e[None, :])
+        _store_rows(dv + i_b * stride_dvb + i_h * stride_dvh, tok_k, m_k, stride_dvn, o_e, m_e, stride_dve,
+                    acc_dv)
 
 
 # --------------------------------------------------------------------------------------------------
