@@ -8,6 +8,10 @@ built at import). So :func:`test_kernels_in_interpreter` runs this file's interp
 (its dots accumulate fp16 products in fp32, like tensor cores) but loads bf16 wrongly, so bf16 runs only
 in the ``gpu``-marked tests.
 
+The Triton backend has two paths (blocked kernels, and the dense kernels of ``triton_dense.py`` for small
+N); the autouse fixture ``kernel_path`` pins the blocked one here unless a test asks for both
+(``tests/test_triton_dense.py`` has the dense path's own tests).
+
 Errors are ``max |got - ref| / max |ref|`` per tensor (output and each gradient). Tiny tiles
 (``block_t`` 2-8, d- and e-tiles of 8) make blocks span several token tiles, so every kernel loop
 runs more than once on these small grids.
@@ -52,11 +56,27 @@ def test_kernels_in_interpreter():
     assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-5000:]
 
 
+@pytest.fixture(autouse=True)
+def kernel_path(request):
+    """The Triton backend's path every test here runs: ``"blocked"`` (the four-kernel path these tests were
+    written for; the small shapes here would otherwise take the dense path, ``triton_dense.py``), or the
+    test's indirect ``kernel_path`` parameter. Without Triton there is nothing to force."""
+    path = getattr(request, "param", "blocked")
+    try:
+        from mhla_gen.ops.triton_dense import triton_path
+    except ImportError:
+        yield path
+        return
+    with triton_path(path):
+        yield path
+
+
 @pytest.fixture(scope="module")
 def tm():
-    """The kernel module (built for the interpreter in the child run, for the GPU otherwise)."""
+    """The Triton backend (``triton_backend``: the blocked kernels of ``triton_mhla`` unless a test forces the
+    dense path), built for the interpreter in the child run, for the GPU otherwise."""
     pytest.importorskip("triton")
-    return importlib.import_module("mhla_gen.ops.triton_mhla")
+    return importlib.import_module("mhla_gen.ops.triton_backend")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,27 +194,34 @@ def tolerance(dtype, b: int, h: int, n: int, d: int) -> float:
     return fp32 if dtype == torch.float32 else fp32 + 4 * UNIT_ROUNDOFF[dtype]
 
 
-def _check_case(tm, case, dtype):
+def _check_case(tm, case, dtype, path):
     grid, blocks, d, feature_map, normalize, config, (b, h) = CASES[case]
     layout = BlockLayout(grid, blocks)
     q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype)
     mixing = _mixing(layout)
-    got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
+    got, (state, *_) = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype,
+                            tm.TileConfig(**config))
+    assert (state.numel() == 0) == (path == "dense")  # the dense path saves no state
     assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    _assert_matches_oracle(got, tolerance(dtype, b, h, layout.num_tokens, d),
+    n = layout.num_tokens
+    sums = n * n if path == "dense" else n  # the dense path's ∂W sums b·h·n² products dA[t, s]·P[t, s]
+    _assert_matches_oracle(got, tolerance(dtype, b, h, sums, d),
                            q, k, v, g, layout, mixing, feature_map, normalize)
 
 
 @interpreter_only
+@pytest.mark.parametrize("kernel_path", ["blocked", "dense"], indirect=True)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
-def test_matches_oracle_fp32(tm, case):
-    _check_case(tm, case, torch.float32)
+def test_matches_oracle_fp32(tm, case, kernel_path):
+    """Both paths of the Triton backend (the dense one takes tiles of 16 tokens: ``tl.dot``'s minimum)."""
+    _check_case(tm, case, torch.float32, kernel_path)
 
 
 @interpreter_only
+@pytest.mark.parametrize("kernel_path", ["blocked", "dense"], indirect=True)
 @pytest.mark.parametrize("case", FP16_CASES, ids=[CASE_IDS[i] for i in FP16_CASES])
-def test_matches_oracle_fp16(tm, case):
-    _check_case(tm, case, torch.float16)
+def test_matches_oracle_fp16(tm, case, kernel_path):
+    _check_case(tm, case, torch.float16, kernel_path)
 
 
 @interpreter_only
@@ -370,9 +397,10 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel_path", ["blocked", "dense"], indirect=True)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("grid, blocks, d, feature_map, normalize, config", GPU_CASES)
-def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize, config):
+def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize, config, kernel_path):
     layout = BlockLayout(grid, blocks)
     q, k, v, g = _strided_inputs(2, 3, layout.num_tokens, d, dtype, "cuda")
     tol = tolerance(dtype, 2, 3, layout.num_tokens, d)

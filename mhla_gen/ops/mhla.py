@@ -8,9 +8,10 @@ and CUDA graphs see one opaque node per layer, so MHLA models compile like stock
 Two backends implement the op, behind one contract (:class:`Saved` and the four functions below):
 
 * ``"pytorch"``: ``blocked.py``, sub-grid by sub-grid in PyTorch; any device and float dtype.
-* ``"triton"``: ``triton_mhla.py``, Triton kernels for CUDA tensors of one dtype of fp32/fp16/bf16 with
-  value dim = key dim. Imported on first use: ``import mhla_gen`` and CPU runs never import it (nor
-  Triton through it).
+* ``"triton"``: ``triton_backend.py``, Triton kernels for CUDA tensors of one dtype of fp32/fp16/bf16 with
+  value dim = key dim: the dense path for small N (``triton_dense.py``) or the blocked kernels
+  (``triton_mhla.py``), chosen from static shapes. Imported on first use: ``import mhla_gen`` and CPU runs
+  never import it (nor Triton through it).
 
 Each backend module defines, with the same arguments in the same order::
 
@@ -108,12 +109,14 @@ class Saved(NamedTuple):
         state: the block states backward starts from.
             pytorch: ``(M, B, H, c, d)``, ``[S z]ᵀ`` per block in sub-grid block order (the normaliser
             ``z`` is row ``e``), mixed ``(W [S z])ᵀ`` or not (``blocked.saves_summaries``).
-            triton: ``(B, H, M, d, e)``, the mixed ``S̃``, a view of ``(M, B, H, d, e)`` memory.
+            triton: ``(B, H, M, d, e)``, the mixed ``S̃``, a view of ``(M, B, H, d, e)`` memory; empty on
+            the dense path (small N, ``triton_dense.py``), which needs no state (and is recognised by it).
         norm: the mixed normaliser ``z̃``.
             pytorch: empty (``z`` is a row of ``state``).
-            triton: ``(B, H, M, d)``, a view of ``(M, B, H, d)`` memory; empty without the normaliser.
-        den: ``(B, H, N)``, ``φ(q_t)·z̃_{b(t)} + eps`` per token (both backends); empty without the
-            normaliser.
+            triton: ``(B, H, M, d)``, a view of ``(M, B, H, d)`` memory; empty without the normaliser and
+            on the dense path.
+        den: ``(B, H, N)``, ``φ(q_t)·z̃_{b(t)} + eps`` per token (both backends; the dense path's
+            ``Σ_s A[t, s] + eps`` is the same number); empty without the normaliser.
     """
 
     state: Tensor
@@ -204,9 +207,9 @@ def _backend_module(backend: str) -> ModuleType:
     if backend == "pytorch":
         return blocked
     if backend == "triton":
-        from . import triton_mhla  # here, not at the top: importing it imports triton
+        from . import triton_backend  # here, not at the top: importing it imports triton
 
-        return triton_mhla
+        return triton_backend
     raise ValueError(f"unknown MHLA backend {backend!r}; choose 'pytorch' or 'triton'")
 
 
