@@ -37,6 +37,8 @@ from ..layout import SubGrid, layout_for
 from .checks import accumulation_dtype, autocast_off, mix_blocks
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
+BACKWARD_READS_OUT = True  # backward reads ``out`` for G·o (mhla.Saved)
+
 
 def _rows(sub: SubGrid, bh: int) -> slice:
     """The sub-grid's rows of a stacked ``(M·B·H, ·, ·)`` tensor (``bh = B·H`` rows per block)."""
