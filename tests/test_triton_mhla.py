@@ -499,6 +499,32 @@ def test_saved_state_dtypes(tm):
     assert tm.state_dtype(torch.bfloat16, fp32_state_dots=True) == torch.float32
 
 
+@interpreter_only
+def test_tuner_writes_a_table_tile_config_reads(monkeypatch, tmp_path, capsys):
+    """``benchmarks/tune_mhla_tiles.py`` in the interpreter (a tiny shape, two candidates): each checked
+    against the PyTorch backend and timed, the fastest written under the device's name and the shape's
+    class, other entries kept; ``tile_config`` then returns it for that class."""
+    from mhla_gen.ops import tile_table, triton_mhla
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from test_tune_mhla_tiles import load_tuner, table_with
+
+    out = tmp_path / "tiles.json"
+    other = table_with({"block_t": 32}, device="NVIDIA H200", key="d128-e128-bf16-L256")
+    out.write_text(tile_table.dumps(other))
+    load_tuner().main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--max-candidates", "2",
+                       "--repeats", "1", "--out", str(out)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and all(row.endswith(" ms |") for row in rows)
+    table = tile_table.read_table(out)
+    assert table["devices"]["NVIDIA H200"]["d128-e128-bf16-L256"]["config"] == {"block_t": 32}
+    entry = table["devices"]["cpu"]["d16-e16-fp32-L16"]
+    assert entry["config"]["block_t"] in (64, 128) and entry["ms"] <= entry["default_ms"]
+    monkeypatch.setattr(tile_table, "TABLE_PATH", out)
+    cfg = triton_mhla.tile_config(16, 16, 4, 1, 6, torch.device("cpu"), dtype=torch.float32)
+    assert cfg.block_t == entry["config"]["block_t"]
+
+
 # --------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU): compiled kernels, bf16 included, default and tiled launch configs
 
