@@ -145,11 +145,11 @@ def table_key(shape: Shape, dtype: torch.dtype) -> str:
 def inputs(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """``(q, k, v, grad_out, mixing)``: heads-interleaved q, k, v and grad_out as the processors pass them,
     the locality-init mixing matrix in fp32."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     layout = BlockLayout(shape.grid, shape.blocks)
     n = layout.num_tokens
-    q, k, v, g = (torch.randn(shape.batch, n, shape.heads, shape.dim, generator=gen).to(device, dtype)
-                  .transpose(1, 2) for _ in range(4))
+    q, k, v, g = (torch.randn(shape.batch, n, shape.heads, shape.dim, generator=gen, device=device)
+                  .to(dtype).transpose(1, 2) for _ in range(4))
     return q, k, v, g, locality_init(layout).to(device, torch.float32)
 
 

@@ -147,3 +147,15 @@ def test_tuner_refuses_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     tuner.main([*cpu, "--out", str(foreign), "--overwrite"])  # the user said so: the sweep starts afresh
     assert swept and swept[0][2] == tile_table.empty_table()
+
+
+@pytest.mark.gpu
+def test_tuner_on_cuda(tmp_path, capsys):
+    """The sweep on CUDA (CUDA-event timing, bf16) on a tiny shape: the table gets this GPU's entry."""
+    tuner = load_tuner()
+    out = tmp_path / "tiles.json"
+    tuner.main(["--shapes", "tiny", "--max-candidates", "2", "--repeats", "2", "--out", str(out)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and all(row.endswith(" ms |") for row in rows)
+    (classes,) = tile_table.read_table(out)["devices"].values()
+    assert list(classes) == ["d16-e16-bf16-L16"]
