@@ -1,10 +1,10 @@
 """Triton kernels for the block mixing of the Triton MHLA backend (``triton_mhla.py``), on tensor cores.
 
 States are block-major rows: ``x`` is ``(M, C)`` with contiguous rows, C = B·H·d·e for the summaries
-S (or their gradients) and C = B·H·d for the normalisers z. Two operations, each one kernel launch:
+S (or their gradients) and C = B·H·d for the normalisers z. Two operations:
 
-    mix:   y = w x and yz = w xz            S̃ = W S, z̃ = W z (forward), dS = Wᵀ dS̃, dz = Wᵀ dz̃ (backward)
-    gram:  g = a bᵀ + az bzᵀ                dW = Σ_{batch, heads} <dS̃_i, S_j> + <dz̃_i, z_j>
+    mix:   y = w x and yz = w xz     one launch: S̃ = W S, z̃ = W z; backward dS = Wᵀ dS̃, dz = Wᵀ dz̃
+    gram:  g = a bᵀ + az bzᵀ         two launches: dW = Σ_{batch, heads} <dS̃_i, S_j> + <dz̃_i, z_j>
 
 ``mix`` reads ``x`` in any dtype and multiplies in fp32 (``w`` and ``x`` as fp32 dot operands, tf32 or
 ieee as the caller says), writing ``y`` in the caller's storage dtype and ``yz`` in fp32. ``gram`` takes
@@ -129,6 +129,14 @@ def _sum_kernel(part, out, NPART, NUMEL, BLOCK: tl.constexpr):
 # host side
 
 
+def _check_rows(*states: torch.Tensor | None) -> None:
+    """The kernels index ``(M, C)`` rows as ``row * C + column``: contiguous memory only."""
+    for x in states:
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"block-major states must be contiguous, got shape {tuple(x.shape)}, "
+                             f"strides {x.stride()}")
+
+
 def mix_tiles(m: int, block_c: int | None = None) -> tuple[int, int, int]:
     """``(BM, BK, BC)`` of :func:`mix` for M blocks: row tiles of up to 64 blocks, 32 blocks per dot
     step, and columns so that the fp32 accumulator is about 8192 values (64 registers a thread at 4 warps)."""
@@ -141,6 +149,7 @@ def mix(w: torch.Tensor, x: torch.Tensor, xz: torch.Tensor | None, dtype: torch.
     """``(w @ x, w @ xz)``: x ``(M, ...)`` with contiguous rows in any float dtype, the result like x in
     ``dtype``; xz ``(M, ...)`` contiguous (or None), the result in fp32. w ``(M, M)``, any strides and
     float dtype (``w.T`` mixes back). ``precision``: the fp32 dots' ``input_precision``."""
+    _check_rows(x, xz)
     m = w.shape[0]
     c, cz = x[0].numel(), 0 if xz is None else xz[0].numel()
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -164,6 +173,7 @@ def gram(a: torch.Tensor, b: torch.Tensor, az: torch.Tensor | None, bz: torch.Te
     """``a bᵀ + az bzᵀ`` ``(M, M)`` in ``dtype`` over the rows of a, b ``(M, ...)`` (contiguous rows, one
     dtype: bf16 or fp32) and az, bz (fp32, or None). ``precision``: input_precision of fp32 dots;
     ``split``: programs along a's columns (:func:`gram_split`); az's columns are cut into the same chunks."""
+    _check_rows(a, b, az, bz)
     m, c = a.shape[0], a[0].numel()
     cz = 0 if az is None else az[0].numel()
     bi, bj, bk = min(64, _pow2(m)), min(256, _pow2(m)), 64
