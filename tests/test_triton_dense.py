@@ -225,7 +225,8 @@ def test_launches_per_call(td, launches, path):
         assert forward == ["_dense_fwd_kernel"]
         assert launches == ["_dense_dq_kernel", "_dense_dkv_kernel"]
     else:
-        assert "_summary_kernel" in forward and "_summary_kernel" in launches, (forward, launches)
+        # exact blocked counts are pinned in tests/test_triton_mhla.py (test_launches_per_call)
+        assert "_summary_kernel" in forward and "_dq_dstate_kernel" in launches, (forward, launches)
         assert not set(DENSE_KERNELS) & set(forward + launches)
 
 

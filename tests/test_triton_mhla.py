@@ -114,11 +114,13 @@ def _mixing(layout, seed=1):
 
 
 def _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config=None, needs=NEEDS_ALL):
-    """``((out, dq, dk, dv, dmixing), (state, norm, den))`` from the kernels' forward and backward."""
+    """``((out, dq, dk, dv, dmixing), (state, norm, den))`` from the kernels' forward and backward (which
+    gets ``out`` only where it reads it, an empty tensor otherwise, as the op passes it)."""
     qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
     args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), feature_map, normalize, EPS)
     out, *saved = tm.forward(*args, config=config)
-    grads = tm.backward(gx, *args, out, *saved, needs, config=config)
+    kept = out if tm.backward_reads_out(saved[0]) else out.new_empty(0)
+    grads = tm.backward(gx, *args, kept, *saved, needs, config=config)
     return (out, *grads), tuple(saved)
 
 
@@ -187,9 +189,9 @@ def tolerance(dtype, b: int, h: int, n: int, d: int) -> float:
     products (dmixing's, the longest reduction), whose rounding error relative to the sum of the terms'
     magnitudes (:func:`_term_scale`; the sum itself can cancel) stays below λ·√n·u with high
     probability (Higham & Mary, SIAM J. Sci. Comput. 2019; λ = 4); 16-bit inputs, state operands and
-    results add a few roundings of their own unit roundoff (4 u). Measured (interpreter, torch 2.15,
-    triton 3.9, relative to max |ref| alone): fp32 at most 1.05e-6 against bounds of 1.2e-5..4.4e-5; fp16 at
-    most 9.3e-4 against 2e-3."""
+    results add a few roundings of their own unit roundoff (4 u). Measured (interpreter, 2026-11-28, torch
+    2.14, triton 3.8, relative to max |ref| alone): fp32 at most 5.8e-7 against bounds of 3.5e-6..1.5e-5;
+    fp16 at most 1.0e-3 against 2e-3."""
     fp32 = 4 * math.sqrt(b * h * n * (d + 1)) * UNIT_ROUNDOFF[torch.float32]
     return fp32 if dtype == torch.float32 else fp32 + 4 * UNIT_ROUNDOFF[dtype]
 
@@ -260,31 +262,34 @@ def _one_block_dw_terms(q, k, v, g, w: float) -> float:
 
 
 @interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("normalize", [True, False])
-def test_forward_states_and_layouts(tm, normalize):
-    """S~, z~, den against float64 sums over the layout's blocks; out on heads-interleaved memory; shapes,
-    dtypes and strides as ``forward_outputs_like`` promises (what a fake implementation returns)."""
+def test_forward_states_and_layouts(tm, normalize, dtype):
+    """The saved states are the UNMIXED S and z (the backward mixes them again) in the state dtype (fp32
+    for fp32 and fp16 inputs; bf16 ones: ``test_saved_state_dtypes``), den = φ(q)·z̃ + eps against float64
+    sums over the layout's blocks; out on heads-interleaved memory; shapes, dtypes and strides as
+    ``forward_outputs_like`` promises (what a fake implementation returns)."""
     layout = BlockLayout((5, 7), (2, 3))
     b, h, n, d, m = 2, 2, layout.num_tokens, 8, layout.num_blocks
-    q, k, v, _ = _strided_inputs(b, h, n, d, torch.float32)
+    q, k, v, _ = _strided_inputs(b, h, n, d, dtype)
     mixing = _mixing(layout)
-    got = tm.forward(_cast(q, torch.float32), _cast(k, torch.float32), _cast(v, torch.float32),
-                     layout.grid, layout.blocks, mixing.float(), "elu+1", normalize, EPS,
-                     config=tm.TileConfig(block_t=4))
-    for x, y in zip(got, tm.forward_outputs_like(q.float(), v.float(), layout.blocks, normalize)):
+    got = tm.forward(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype), layout.grid, layout.blocks,
+                     mixing.float(), "elu+1", normalize, EPS, config=tm.TileConfig(block_t=4))
+    for x, y in zip(got, tm.forward_outputs_like(q.to(dtype), v.to(dtype), layout.blocks, normalize)):
         assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
-    out, state, norm, den = got  # the op's contract (mhla.Saved): state = S̃, norm = z̃
+    out, state, norm, den = got  # the op's contract (mhla.Saved): state = S, norm = z
     assert out.transpose(1, 2).is_contiguous()  # (B, N, H, e) memory
+    assert state.dtype == torch.float32 and state.permute(2, 0, 1, 3, 4).is_contiguous()  # (M, B, H, d, e)
 
     fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
     onehot = torch.nn.functional.one_hot(layout.block_index, m).double()  # (N, M)
     s = torch.einsum("nm,bhnd,bhne->bhmde", onehot, fk, v)  # S_j
-    s_mix = torch.einsum("ij,bhjde->bhide", mixing, s)
-    tol = tolerance(torch.float32, b, h, n, d)
-    torch.testing.assert_close(state.double(), s_mix, rtol=tol, atol=tol * s_mix.abs().max().item())
+    tol = tolerance(dtype, b, h, n, d)  # fp16: its φ(k) dot operands
+    torch.testing.assert_close(state.double(), s, rtol=tol, atol=tol * s.abs().max().item())
     if normalize:
-        z_mix = torch.einsum("ij,nj,bhnd->bhid", mixing, onehot, fk)
-        torch.testing.assert_close(norm.double(), z_mix, rtol=tol, atol=0)
+        z = torch.einsum("nm,bhnd->bhmd", onehot, fk)
+        torch.testing.assert_close(norm.double(), z, rtol=tolerance(torch.float32, b, h, n, d), atol=0)
+        z_mix = torch.einsum("ij,bhjd->bhid", mixing, z)
         expected_den = torch.einsum("bhnd,bhnd->bhn", fq, z_mix[:, :, layout.block_index]) + EPS
         torch.testing.assert_close(den.double(), expected_den, rtol=tol, atol=0)
     else:
@@ -292,19 +297,21 @@ def test_forward_states_and_layouts(tm, normalize):
 
 
 @interpreter_only
-def test_gradient_subsets(tm):
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gradient_subsets(tm, normalize):
     """Every single input, two of them, and none: the same values as with all four (and None elsewhere);
     shapes, dtypes and strides as ``backward_outputs_like`` promises."""
     layout = BlockLayout((5, 7), (2, 3))
     q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
     mixing = _mixing(layout)
     q, k, v, g = (_cast(x, torch.float32) for x in (q, k, v, g))
-    args = (q, k, v, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
+    args = (q, k, v, layout.grid, layout.blocks, mixing.float(), "relu", normalize, EPS)
     cfg = tm.TileConfig(block_t=8)
     out, *saved = tm.forward(*args, config=cfg)
-    backward = lambda needs: tm.backward(g, *args, out, *saved, needs, config=cfg)  # noqa: E731
+    backward = lambda needs: tm.backward(g, *args, out.new_empty(0), *saved, needs, config=cfg)  # noqa: E731
     full = backward(NEEDS_ALL)
-    for needs in [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 0, 0, 1), (0, 0, 0, 0)]:
+    singles = [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
+    for needs in [*singles, (1, 0, 0, 1), (0, 1, 1, 0), (0, 0, 0, 0)]:
         like = tm.backward_outputs_like(q, k, v, mixing.float(), needs)
         for need, a, b, fake in zip(needs, backward(needs), full, like):
             assert (a is None and fake is None) if not need else torch.equal(a, b), needs
@@ -324,13 +331,13 @@ def test_fp16_large_states_and_clipping(tm):
     # a per-channel sign shared by all tokens, so that sums over a block's tokens grow linearly
     common = torch.randn(16, generator=torch.Generator().manual_seed(5), dtype=torch.float64).sign()
 
-    big_v = half((v + common) * 4000)  # |v| < 2e4, |S~| ~ 1.3e5
+    big_v = half((v + common) * 4000)  # |v| < 2e4, |S|, |S~| ~ 1e5
     got, (state, _, _) = _run(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
-    assert state.abs().max() > 1e5
-    # G·o with o rounded to fp16 on top of the usual fp16 roundings: twice the fp16 bound (measured 1.7e-3
-    # in dq and dmixing, the same with fp32 state dots)
+    assert state.abs().max() > 1e5  # the saved unmixed S (fp32 for fp16 inputs); S~ is larger still
+    # G·o comes from the fp32 state product φ(q)·(S~ G), not from the fp16-rounded output: the usual fp16
+    # bound holds (measured 1.1e-3 in dq against 2.0e-3; 1.7e-3 when G·o read the fp16 output)
     fp16_tol = tolerance(torch.float16, 1, 2, layout.num_tokens, 16)
-    _assert_close(got, _oracle(q, k, big_v, g, layout, mixing, "relu", True), 2 * fp16_tol)
+    _assert_close(got, _oracle(q, k, big_v, g, layout, mixing, "relu", True), fp16_tol)
 
     out, *_ = tm.forward(*(_cast(x, torch.float16) for x in (q, k, big_v)), layout.grid, layout.blocks,
                          mixing.float(), "relu", False, EPS, config=cfg)
@@ -381,6 +388,172 @@ def test_rejects_bad_inputs(tm):
 
 
 # --------------------------------------------------------------------------------------------------
+# interpreter: the mixing kernels against the plain GEMMs, launches per call, what the op keeps
+
+
+def _gemm_bound(w, x, length: int):
+    """Elementwise bound on an fp32 sum of ``length`` products, |Σ - fl(Σ)| <= γ_n Σ|w||x| (+1 u for the
+    stored result), for ``w @ x``."""
+    return (length + 1) * UNIT_ROUNDOFF[torch.float32] * (w.abs() @ x.abs())
+
+
+# (M, state shape after the block axis, normaliser shape or None, mix_block_c): M = 70 is two row tiles
+# of 64 and three dot steps of 32; no column tile divides the column counts
+MIX_CASES = [(70, (2, 3, 40), (2, 3, 5), None), (5, (1, 2, 8, 8), None, 32), (16, (2, 7), (2, 3), 64)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("m, shape, zshape, block_c", MIX_CASES)
+def test_mixing_kernel_matches_mix_blocks(m, shape, zshape, block_c):
+    """S~ = W S and z~ = W z in one launch (``triton_mixing.mix``) against ``checks.mix_blocks`` in
+    float64, with W and with the strided Wᵀ of the backward, within the fp32 GEMM bound elementwise."""
+    from mhla_gen.ops import triton_mixing
+    from mhla_gen.ops.checks import mix_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    w = 0.1 + torch.rand(m, m, generator=gen)
+    x = torch.randn(m, *shape, generator=gen)
+    xz = None if zshape is None else torch.randn(m, *zshape, generator=gen)
+    for weights in (w, w.T):
+        y, yz = triton_mixing.mix(weights, x, xz, torch.float32, "ieee", block_c)
+        assert y.shape == x.shape and y.dtype == torch.float32 and y.is_contiguous()
+        for got, src in ((y, x), (yz, xz)):
+            if src is None:
+                assert got is None
+                continue
+            expected = mix_blocks(weights.double(), src.double())
+            bound = _gemm_bound(weights.double(), src.double().view(m, -1), m).view_as(src)
+            assert ((got.double() - expected).abs() <= bound).all(), (got.double() - expected).abs().max()
+
+
+@interpreter_only
+@pytest.mark.parametrize("with_z", [True, False])
+@pytest.mark.parametrize("split", [1, 3])
+def test_gram_kernel_matches_gemm(split, with_z):
+    """dW = dS~ Sᵀ + dz~ zᵀ (``triton_mixing.gram``: split reductions, their sum in a second launch)
+    against the float64 GEMMs, within the fp32 bound elementwise; M = 70 spans two row tiles."""
+    from mhla_gen.ops import triton_mixing
+
+    m, gen = 70, torch.Generator().manual_seed(4)
+    a, b = (torch.randn(m, 2, 3, 20, generator=gen) for _ in range(2))
+    az, bz = (torch.randn(m, 2, 7, generator=gen) if with_z else None for _ in range(2))
+    got = triton_mixing.gram(a, b, az, bz, "ieee", torch.float32, split)
+    pairs = [(a.double().view(m, -1), b.double().view(m, -1))]
+    if with_z:
+        pairs.append((az.double().view(m, -1), bz.double().view(m, -1)))
+    expected = sum(x @ y.T for x, y in pairs)
+    length = sum(x.shape[1] for x, _ in pairs)
+    bound = sum(_gemm_bound(x, y.T, length) for x, y in pairs)
+    assert got.shape == (m, m) and got.dtype == torch.float32
+    assert ((got.double() - expected).abs() <= bound).all(), (got.double() - expected).abs().max()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the kernels the Triton backend launches from now on, in order (a spy on
+    ``triton_mixing.launch``, the one launch entry)."""
+    from mhla_gen.ops import triton_mixing
+
+    names, original = [], triton_mixing.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__)
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_mixing, "launch", spy)
+    return names
+
+
+FORWARD_LAUNCHES = ["_summary_kernel", "_mix_kernel", "_output_kernel"]
+ALL_GRADIENTS = [
+    "_mix_kernel", "_dq_dstate_kernel", "_gram_kernel", "_sum_kernel", "_mix_kernel", "_dkv_kernel"
+]
+# (normalize, needs) -> the backward's launches: S~ is mixed again only for dq or for G·o (normaliser)
+BACKWARD_LAUNCHES = {
+    (True, (1, 1, 1, 1)): ALL_GRADIENTS,
+    (False, (1, 1, 1, 1)): ALL_GRADIENTS,
+    (True, (0, 1, 1, 0)): ["_mix_kernel", "_dq_dstate_kernel", "_mix_kernel", "_dkv_kernel"],
+    (False, (0, 1, 1, 0)): ["_dq_dstate_kernel", "_mix_kernel", "_dkv_kernel"],
+    (False, (1, 0, 0, 0)): ["_mix_kernel", "_dq_dstate_kernel"],
+    (True, (0, 0, 0, 1)): ["_mix_kernel", "_dq_dstate_kernel", "_gram_kernel", "_sum_kernel"],
+    (True, (0, 0, 0, 0)): [],
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalize, needs", list(BACKWARD_LAUNCHES), ids=str)
+def test_launches_per_call(tm, launches, normalize, needs):
+    """Forward: 3 launches; backward: 6 with every gradient, fewer for subsets (a count that grows fails
+    here). Every launch goes through ``triton_mixing.launch``."""
+    layout = BlockLayout((5, 7), (2, 3))
+    q, k, v, g = (_cast(x, torch.float32) for x in _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32))
+    args = (q, k, v, layout.grid, layout.blocks, _mixing(layout).float(), "relu", normalize, EPS)
+    out, *saved = tm.forward(*args, config=tm.TileConfig(block_t=8))
+    assert launches == FORWARD_LAUNCHES
+    launches.clear()
+    tm.backward(g, *args, out.new_empty(0), *saved, needs, config=tm.TileConfig(block_t=8))
+    assert launches == BACKWARD_LAUNCHES[normalize, needs]
+
+
+@interpreter_only
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
+def test_op_saves_out_only_where_backward_reads_it(backend):
+    """The op keeps ``out`` for the PyTorch backend's backward (G·o) and an empty tensor in its place for
+    the Triton backend's, whose dq kernel gets G·o from the states."""
+    from mhla_gen.ops import mhla_attention
+
+    layout = BlockLayout((4, 6), (2, 2))
+    inputs = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)[:3]
+    q, k, v = (x.float().requires_grad_() for x in inputs)
+    mixing = _mixing(layout).float().requires_grad_()
+    out = mhla_attention(q, k, v, layout, mixing, backend=backend)
+    saved_out = out.grad_fn.saved_tensors[4]  # (q, k, v, mixing, out, *Saved)
+    assert saved_out.shape == ((0,) if backend == "triton" else out.shape)
+
+
+def test_saved_state_dtypes(tm):
+    """What the forward keeps (the fake outputs the op allocates under compile): the unmixed S in the state
+    dtype, bf16 for bf16 inputs and fp32 for fp16 and fp32 (fp16 cannot hold summaries over thousands of
+    tokens); z and den fp32; S a permuted view of (M, B, H, d, e) memory (no GPU needed: the real forward's
+    dtypes and strides are compared with these in ``test_forward_states_and_layouts`` and on CUDA)."""
+    for dtype, state in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                         (torch.float32, torch.float32)):
+        q = torch.empty(2, 3, 35, 8, dtype=dtype)
+        out, s, z, den = tm.forward_outputs_like(q, q, (2, 3), True)
+        assert tm.triton_mhla.state_dtype(dtype) == s.dtype == state
+        assert (s.shape, s.permute(2, 0, 1, 3, 4).is_contiguous()) == ((2, 3, 6, 8, 8), True)
+        assert z.dtype == den.dtype == torch.float32 and z.shape == (2, 3, 6, 8) and den.shape == (2, 3, 35)
+        assert out.dtype == dtype
+    assert tm.triton_mhla.state_dtype(torch.bfloat16, fp32_state_dots=True) == torch.float32
+
+
+@interpreter_only
+def test_tuner_writes_a_table_tile_config_reads(monkeypatch, tmp_path, capsys):
+    """``benchmarks/tune_mhla_tiles.py`` in the interpreter (a tiny shape, two candidates): each checked
+    against the PyTorch backend and timed, the fastest written under the device's name and the shape's
+    class, other entries kept; ``tile_config`` then returns it for that class."""
+    from mhla_gen.ops import tile_table, triton_mhla
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from test_tune_mhla_tiles import load_tuner, table_with
+
+    out = tmp_path / "tiles.json"
+    other = table_with({"block_t": 32}, device="NVIDIA H200", key="d128-e128-bf16-L256")
+    out.write_text(tile_table.dumps(other))
+    load_tuner().main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--max-candidates", "2",
+                       "--repeats", "1", "--out", str(out)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and all(row.endswith(" ms |") for row in rows)
+    table = tile_table.read_table(out)
+    assert table["devices"]["NVIDIA H200"]["d128-e128-bf16-L256"]["config"] == {"block_t": 32}
+    entry = table["devices"]["cpu"]["d16-e16-fp32-L16"]
+    assert entry["config"]["block_t"] in (64, 128) and entry["ms"] <= entry["default_ms"]
+    monkeypatch.setattr(tile_table, "TABLE_PATH", out)
+    cfg = triton_mhla.tile_config(16, 16, 4, 1, 6, torch.device("cpu"), dtype=torch.float32)
+    assert cfg.block_t == entry["config"]["block_t"]
+
+
+# --------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU): compiled kernels, bf16 included, default and tiled launch configs
 
 GPU_CASES = [
@@ -421,6 +594,43 @@ def test_cuda_wan_like_shape(tm, dtype):
     mixing = _mixing(layout).cuda()
     got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
     _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_cuda_sana_like_shape(tm, dtype):
+    """SANA-1.6B's attention shape at 1024 tokens: head dim 32, (32, 32) grid in (4, 4) blocks of 64
+    tokens, batch 2 and 6 of its 70 heads; default launch configuration (tile table or heuristic)."""
+    layout = BlockLayout((32, 32), (4, 4))
+    q, k, v, g = _strided_inputs(2, 6, layout.num_tokens, 32, dtype, "cuda")
+    tol = tolerance(dtype, 2, 6, layout.num_tokens, 32)
+    mixing = _mixing(layout).cuda()
+    got, saved = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), tol)
+    fake = tm.forward_outputs_like(_cast(q, dtype), _cast(v, dtype), layout.blocks, True)[1:]
+    for x, y in zip(saved, fake):  # bf16 states for bf16 inputs, as the fake says
+        assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_mixing_kernel(dtype):
+    """The mixing kernel on tensor cores (tf32 dots; bf16 states in and out) against ``mix_blocks`` in
+    float64: within tf32's rounding of W and the states (2^-11 each) plus the stored result's rounding,
+    relative to the terms' magnitudes; M = 150 as at Wan."""
+    from mhla_gen.ops import triton_mixing
+    from mhla_gen.ops.checks import mix_blocks
+
+    m, gen = 150, torch.Generator().manual_seed(3)
+    w = (0.1 + torch.rand(m, m, generator=gen)).cuda()
+    x = torch.randn(m, 4, 64, 64, generator=gen).to("cuda", dtype)
+    xz = torch.randn(m, 4, 64, generator=gen).cuda()
+    y, yz = triton_mixing.mix(w, x, xz, dtype, "tf32")
+    for got, src in ((y, x), (yz, xz)):
+        expected = mix_blocks(w.double(), src.double())
+        scale = mix_blocks(w.double(), src.double().abs())
+        rounding = 2 * 2.0**-11 + UNIT_ROUNDOFF[got.dtype] + m * UNIT_ROUNDOFF[torch.float32]
+        assert ((got.double() - expected).abs() <= rounding * scale).all()
 
 
 @pytest.mark.gpu

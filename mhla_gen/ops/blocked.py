@@ -38,6 +38,11 @@ from .checks import accumulation_dtype, autocast_off, mix_blocks
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
 
 
+def backward_reads_out(state) -> bool:
+    """The backward reads ``out`` for G·o whatever the forward saved (``mhla.Saved``)."""
+    return True
+
+
 def _rows(sub: SubGrid, bh: int) -> slice:
     """The sub-grid's rows of a stacked ``(M·B·H, ·, ·)`` tensor (``bh = B·H`` rows per block)."""
     return slice(sub.offset * bh, (sub.offset + sub.num_blocks) * bh)

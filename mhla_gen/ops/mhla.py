@@ -20,6 +20,8 @@ Each backend module defines, with the same arguments in the same order::
     backward(grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps,
              out, state, norm, den, needs)                              -> (dq, dk, dv, dmixing)
     backward_outputs_like(q, k, v, mixing, needs)                       -> the same, empty
+    backward_reads_out(state) -> bool   whether backward reads ``out`` for the forward that saved
+                                        ``state`` (else the op keeps an empty tensor in its place)
 
 The ``*_outputs_like`` functions return empty tensors with the shapes, dtypes and strides of the real
 results: they are the op's fake implementations, what compiled graphs allocate. ``needs`` says which of
@@ -100,23 +102,26 @@ class Saved(NamedTuple):
     """What the op's forward returns after ``out`` for its backward: outputs 1-3 of
     ``torch.ops.mhla_gen.mhla``, inputs of ``mhla_gen::mhla_backward`` and of each backend's ``backward``.
 
-    All three are in the accumulation dtype (fp32 for bf16/fp16 inputs), never need a gradient, and are
-    read only by the ``backward`` of the backend whose ``forward`` made them. ``M`` blocks, ``c = e + 1``
-    with the normaliser (else ``e``); an unused slot is an empty tensor (outputs of a custom op may not
-    be None, nor alias each other).
+    None needs a gradient, and each is read only by the ``backward`` of the backend whose ``forward``
+    made it. ``M`` blocks, ``c = e + 1`` with the normaliser (else ``e``); an unused slot is an empty
+    tensor (outputs of a custom op may not be None, nor alias each other). The op also saves ``out`` where
+    the backend's ``backward_reads_out(state)`` says so (pytorch; triton's dense path), an empty tensor in
+    its place otherwise (triton's blocked path: ``G·o`` comes from the states).
 
     Attributes:
         state: the block states backward starts from.
-            pytorch: ``(M, B, H, c, d)``, ``[S z]ᵀ`` per block in sub-grid block order (the normaliser
-            ``z`` is row ``e``), mixed ``(W [S z])ᵀ`` or not (``blocked.saves_summaries``).
-            triton: ``(B, H, M, d, e)``, the mixed ``S̃``, a view of ``(M, B, H, d, e)`` memory; empty on
-            the dense path (small N, ``triton_dense.py``), which needs no state (and is recognised by it).
-        norm: the mixed normaliser ``z̃``.
+            pytorch: ``(M, B, H, c, d)`` in the accumulation dtype (fp32 for bf16/fp16 inputs), ``[S z]ᵀ``
+            per block in sub-grid block order (the normaliser ``z`` is row ``e``), mixed ``(W [S z])ᵀ`` or
+            not (``blocked.saves_summaries``).
+            triton: ``(B, H, M, d, e)``, the unmixed ``S`` in ``triton_mhla.state_dtype`` (bf16 for bf16
+            inputs, else fp32), a view of ``(M, B, H, d, e)`` memory; empty on the dense path (small N,
+            ``triton_dense.py``), which needs no state (and is recognised by it).
+        norm: the normaliser.
             pytorch: empty (``z`` is a row of ``state``).
-            triton: ``(B, H, M, d)``, a view of ``(M, B, H, d)`` memory; empty without the normaliser and
-            on the dense path.
-        den: ``(B, H, N)``, ``φ(q_t)·z̃_{b(t)} + eps`` per token (both backends; the dense path's
-            ``Σ_s A[t, s] + eps`` is the same number); empty without the normaliser.
+            triton: ``(B, H, M, d)`` fp32, the unmixed ``z``, a view of ``(M, B, H, d)`` memory; empty
+            without the normaliser and on the dense path.
+        den: ``(B, H, N)`` in the accumulation dtype, ``φ(q_t)·z̃_{b(t)} + eps`` per token (both backends;
+            the dense path's ``Σ_s A[t, s] + eps`` is the same number); empty without the normaliser.
     """
 
     state: Tensor
@@ -260,6 +265,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend = inputs
     out, *saved = output
     saved = Saved(*saved)
+    if not _backend_module(backend).backward_reads_out(saved.state):
+        out = out.new_empty(0)  # its backward does not read out (triton blocked: G·o from the states)
     ctx.save_for_backward(q, k, v, mixing, out, *saved)
     # The saved tensors are outputs only so that backward can read them: no gradient flows into them,
     # and autograd must not materialise zero gradients for them (an (M, B, H, c, d) fill per call).

@@ -2,8 +2,8 @@
 
 * dense (``triton_dense.py``): MHLA as attention without softmax, one kernel forward and two backward;
   ``O(N² d)``, so for small N.
-* blocked (``triton_mhla.py``): block summaries, mixing GEMM, output; four launches forward, eight or
-  nine backward; ``O(N d²)``.
+* blocked (``triton_mhla.py``): block summaries, mixing kernel, output; three launches forward, up to six
+  backward; ``O(N d²)``.
 
 The forward and its fake choose the path from static shapes (:func:`triton_dense.uses_dense_path`: token
 count, blocks, head dim), so the fake implementation returns what the real forward saves. The backward
@@ -44,6 +44,12 @@ def forward_outputs_like(q, v, blocks: Sequence[int], normalize: bool):
     return _path(q, blocks).forward_outputs_like(q, v, blocks, normalize)
 
 
+def backward_reads_out(state) -> bool:
+    """Whether the backward of the forward that saved ``state`` reads ``out``: the dense path's does (its
+    query kernel computes G·o), the blocked path's gets G·o from the states."""
+    return triton_dense.ran_dense(state)
+
+
 def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str,
              normalize: bool, eps: float, out, state, norm, den, needs: Sequence[bool], *,
              config: TileConfig | None = None):
@@ -58,6 +64,7 @@ __all__ = [
     "TileConfig",
     "backward",
     "backward_outputs_like",
+    "backward_reads_out",
     "forward",
     "forward_outputs_like",
 ]

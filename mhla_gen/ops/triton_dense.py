@@ -5,8 +5,8 @@ MHLA is attention with weights ``A[t, s] = W[b(t), b(s)] · φ(q_t)·φ(k_s)`` (
 
     o_t = Σ_s A[t, s] v_s / den_t      den_t = Σ_s A[t, s] + eps      (normalize=False: o_t = Σ_s A[t, s] v_s)
 
-Where N is small the blocked kernels (``triton_mhla.py``: summaries, mixing GEMM, output; four launches
-forward, eight or nine backward) spend their time in passes and launches, not in arithmetic. Here the same
+Where N is small the blocked kernels (``triton_mhla.py``: summaries, mixing, output; three launches
+forward, up to six backward) spend their time in passes and launches, not in arithmetic. Here the same
 function is one kernel in the FlashAttention pattern, without the softmax and so without any running
 maximum: a program owns a tile of queries of one (batch, head) and loops over all key tiles, ``P = φ(Q)
 φ(K)ᵀ``, ``A = P ∘ W[b(t), b(s)]`` (gathered from the ``M x M`` table), ``acc += A V``, ``rowsum += Σ_s A``.

@@ -8,40 +8,70 @@ tests check them without a GPU (``tests/test_triton_mhla.py``).
 
 Math (``b(t)`` = block of token t, ``W`` the ``M x M`` mixing matrix, φ the feature map)::
 
-    S_j = Σ_{s∈j} φ(k_s) v_sᵀ    z_j = Σ_{s∈j} φ(k_s)          (kernel 1, per key block)
-    S̃_i = Σ_j W[i, j] S_j        z̃_i = Σ_j W[i, j] z_j         (one GEMM over all batch·heads)
-    den_t = φ(q_t)·z̃_{b(t)} + eps   o_t = φ(q_t)ᵀ S̃_{b(t)} / den_t  (kernel 2, per query block)
+    S_j = Σ_{s∈j} φ(k_s) v_sᵀ    z_j = Σ_{s∈j} φ(k_s)          (summary kernel, per key block)
+    S̃_i = Σ_j W[i, j] S_j        z̃_i = Σ_j W[i, j] z_j         (mixing kernel, triton_mixing.py)
+    den_t = φ(q_t)·z̃_{b(t)} + eps   o_t = φ(q_t)ᵀ S̃_{b(t)} / den_t  (output kernel, per query block)
 
-Backward, with ``G`` the output gradient, ``g_num_t = G_t / den_t`` and ``g_den_t = -(G_t·o_t) / den_t``
-(without normalisation ``g_num = G`` and there is no ``g_den``)::
+The forward keeps the unmixed S, z for the backward (``mhla.Saved``). Backward, with ``G`` the output
+gradient, ``g_num_t = G_t / den_t`` and ``g_den_t = -(G_t·o_t) / den_t`` (without normalisation
+``g_num = G`` and there is no ``g_den``)::
 
-    dφ(q_t) = S̃_{b(t)} g_num_t + g_den_t z̃_{b(t)}                          (kernel 3, per query block,
-    dS̃_i = Σ_{t∈i} φ(q_t) g_num_tᵀ     dz̃_i = Σ_{t∈i} g_den_t φ(q_t)        in the same pass)
-    dW[i, j] = Σ_{batch, heads} <dS̃_i, S_j> + <dz̃_i, z_j>                  (GEMM; S, z from kernel 1 again)
-    dS_j = Σ_i W[i, j] dS̃_i            dz_j = Σ_i W[i, j] dz̃_i             (GEMM)
-    dφ(k_s) = dS_{b(s)} v_s + dz_{b(s)}   dv_s = dS_{b(s)}ᵀ φ(k_s)            (kernel 4, per key block)
+    S̃ = W S, z̃ = W z again                                                  (mixing kernel)
+    G_t·o_t = φ(q_t)·(S̃_{b(t)} G_t) / den_t                                  (dq/dS̃ kernel, per query
+    dφ(q_t) = S̃_{b(t)} g_num_t + g_den_t z̃_{b(t)}                             block, one pass; S̃ G_t is
+    dS̃_i = Σ_{t∈i} φ(q_t) g_num_tᵀ     dz̃_i = Σ_{t∈i} g_den_t φ(q_t)        the dot dφ(q) needs anyway)
+    dW[i, j] = Σ_{batch, heads} <dS̃_i, S_j> + <dz̃_i, z_j>                  (gram kernel + its sum)
+    dS_j = Σ_i W[i, j] dS̃_i            dz_j = Σ_i W[i, j] dz̃_i             (mixing kernel, Wᵀ)
+    dφ(k_s) = dS_{b(s)} v_s + dz_{b(s)}   dv_s = dS_{b(s)}ᵀ φ(k_s)            (dk/dv kernel, per key block)
 
-Each kernel's program owns one (block, batch·head) pair and loops over that block's tokens in tiles of
-``BT``; token indices come from the block's coordinates arithmetically (no padding, no index tensors), so
-uneven grids (an axis of length L in b blocks: the first L % b blocks one token longer) cost nothing
-extra. q, k, v, the output gradient and the outputs are read and written through their strides (the
-processors pass heads-interleaved views ``(B, N, H, d).transpose(1, 2)``).
+So the backward reads neither ``out`` (G·o comes from S̃ G_t, which needs the whole d: the dq kernel is
+not tiled over d) nor k and v before the dk/dv kernel. Launches per call (all through
+``triton_mixing.launch``): forward 3 (summary, mixing, output); backward with every gradient 6 (mixing,
+dq/dS̃, gram, its sum, mixing back, dk/dv), fewer for subsets (no mixing of S̃ when neither dq nor the
+normaliser needs it, no gram without dW, no mixing back and dk/dv without dk, dv). Before 2026-11-28 the
+forward took 4 and the backward 10 (the summaries rebuilt from k and v, fp32 GEMMs and their reductions).
 
-Precision: summaries, normalisers and every accumulator are fp32. Dot operands are the input dtype
-(tensor cores for bf16/fp16): φ(k), φ(q), φ(q)/den and the fp32 states S̃ (forward, dq) and dS (dk, dv)
-are cast to it; for fp16 a state is first scaled by a power of two so its largest entry is about 2^14
-(fp16's range is 6.5e4; summaries over thousands of tokens exceed it), and the dot's fp32 result is scaled
-back. Normalisers (φ(q)·z̃, G·o) are fp32 vector reductions, never half-precision dots. The fp16 state
-operands add little to the error that fp16 rounding of the outputs and gradients sets anyway
-(``TileConfig.fp32_state_dots`` runs those dots in fp32 instead, for comparisons). fp32 inputs use
-``input_precision="tf32"`` iff ``torch.backends.cuda.matmul.allow_tf32`` (else "ieee"). The mixing GEMMs
-are ``torch.matmul`` in fp32 (they follow the same flag).
+Each token-loop kernel's program owns one (block, batch·head) pair and loops over that block's tokens in
+tiles of ``BT``; token indices come from the block's coordinates arithmetically (no padding, no index
+tensors), so uneven grids (an axis of length L in b blocks: the first L % b blocks one token longer) cost
+nothing extra. q, k, v, the output gradient and the outputs are read and written through their strides
+(the processors pass heads-interleaved views ``(B, N, H, d).transpose(1, 2)``).
 
-HBM traffic of the forward: q, k, v read once and the output written once, plus the fp32 summaries
-(``M·B·H·d·e·4`` bytes) written by kernel 1, read and written by the mixing GEMM and read by kernel 2.
-That is small where blocks hold many tokens (SANA-1.6B at 4096 px: 9 MB of summaries next to 590 MB of
-q, k, v, out) but not at Wan 480p (236 MB each way next to 805 MB: at most ~46% of the traffic is q, k,
-v, out) nor at DiT sizes (where the summaries fit in L2).
+Precision. Every accumulator is fp32, and so are the normalisers z, z̃, dz̃, dz and den (tiny). Dot
+operands are the input dtype (tensor cores for bf16/fp16): φ(k), φ(q), φ(q)/den and the states S̃ (output,
+dq) and dS (dk, dv). The states S, S̃, dS̃, dS are *stored* in :func:`state_dtype`: bf16 for bf16 inputs,
+since the kernels round S̃ and dS to bf16 for their dots anyway (S and dS̃, the mixing's inputs, take one
+bf16 rounding more than before, 2^-9 relative, inside bf16's own output rounding); fp32 for fp16 inputs,
+because fp16 cannot hold summaries over thousands of tokens (|S| grows with the block length; 6.5e4 is
+fp16's largest value) and a scaled fp16 copy would need a power-of-two scale per (block, batch·head)
+carried through the mixing (W[i, j] times block j's scale, per column) for traffic that matters only at
+Wan-sized states, which Wan runs in bf16; fp32 for fp32 inputs. Where fp16 dots read an fp32 state, the
+state is first scaled by a power of two so its largest entry is about 2^14 and the dot's fp32 result is
+scaled back. G·o and φ(q)·z̃ are fp32 vector reductions. The mixing multiplies in fp32 on tensor cores:
+tf32 dots for bf16/fp16 inputs (W rounded to tf32, 2^-11 relative; bf16 states are exact in tf32), and for
+fp32 inputs ``input_precision="tf32"`` iff ``torch.backends.cuda.matmul.allow_tf32`` (else "ieee"), as for
+the token kernels' fp32 dots. dW sums bf16 states as bf16 dot operands (exact products) and fp32 states
+with the mixing's precision. ``TileConfig.fp32_state_dots`` keeps the states in fp32 and runs every dot
+against them and the mixing in fp32 ("ieee"; no tensor cores for those; for precision comparisons).
+
+HBM traffic per call, on paper (bf16 inputs; T = one (B, H, N, d) tensor, S = the states, M·B·H·d·e·2
+bytes in bf16; z, den and W add under 1 %). The tensors that must move are 4 T forward (q, k, v, out) and
+7 T backward (q, k, v, G, dq, dk, dv). Forward: k, v read and S written (summary), S read and S̃ written
+(mixing), q and S̃ read and out written (output): 4 T + 4 S. Backward: S read and S̃ written (mixing), q,
+G, S̃ read and dq, dS̃ written (dq/dS̃), dS̃ and S read (gram), dS̃ read and dS written (mixing back), k, v,
+dS read and dk, dv written (dk/dv): 7 T + 8 S. Until 2026-11-28 (fp32 states S₃₂ = 2 S, the summaries
+rebuilt from k and v, ``out`` read back for G·o) it was 4 T + 4 S₃₂ forward and 10 T + 8 S₃₂ backward:
+
+    shape (B=2)                       T       S      forward    backward   11 T / all moved
+    Wan2.1-1.3B 480p (H=12, d=128,    201 MB  118 MB 1287 MB    2371 MB    61 %
+      N=32,760, M=150)                               (was 1759) (was 3918) (was 39 %)
+    SANA-1.6B 4096 px (H=70, d=32,    147 MB  4.6 MB 616 MB     1076 MB    95 %
+      N=16,384, M=16)                                (was 634)  (was 1553) (was 74 %)
+
+At Wan the states still move 8 times per forward + backward, so even at copy bandwidth these kernels
+would reach at most 61 % of it for the 11 tensors; at SANA the states are negligible and what is left is
+the kernels' own speed. Launch parameters come from a per-GPU table tuned offline (``tile_table.py``,
+``benchmarks/tune_mhla_tiles.py``) or from the heuristic of :func:`tile_config`.
 """
 
 from __future__ import annotations
@@ -54,7 +84,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import mix_blocks
+from . import tile_table
+from . import triton_mixing as mixing_kernels
 
 # feature map name -> the FEATURE constexpr of the kernels (names as in feature_maps.FEATURE_MAPS)
 FEATURE_IDS = {"relu": 0, "elu+1": 1, "elu": 1, "relu+1e-6": 2, "identity": 3}
@@ -131,20 +162,24 @@ def _block_tokens(r, s0, s1, s2, n1, n2, length, G1, G2):
 
 @triton.jit
 def _dot_operand(x, DOT_DTYPE: tl.constexpr, SCALE: tl.constexpr):
-    """An fp32 state tile as a dot operand: ``(x / c).to(DOT_DTYPE), c``.
+    """A state tile (fp32 or bf16) as a dot operand: ``(x / c).to(DOT_DTYPE), c``.
 
-    SCALE (fp16): c is a power of two that puts max|x| near 2^14, safely inside fp16's range; the
-    caller multiplies the dot's fp32 result by c. Otherwise c = 1.
+    SCALE (fp16 dots on fp32 states): c is a power of two that puts max|x| near 2^14, safely inside
+    fp16's range; the caller multiplies the dot's fp32 result by c. Otherwise c = 1 and x is only cast.
     """
-    c = 1.0
     if SCALE:
+        x = x.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         c = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(amax)) - 14.0), 1.0)
-    return (x / c).to(DOT_DTYPE), c
+        y = (x / c).to(DOT_DTYPE)
+    else:
+        c = 1.0
+        y = x.to(DOT_DTYPE)
+    return y, c
 
 
 # --------------------------------------------------------------------------------------------------
-# kernels
+# kernels (the mixing and the gram are in triton_mixing.py)
 
 
 @triton.jit
@@ -158,7 +193,8 @@ def _summary_kernel(
 ):
     """S_j[d-tile] = Σ_{s∈j} φ(k_s)[d-tile] v_sᵀ and z_j[d-tile] = Σ_{s∈j} φ(k_s)[d-tile].
 
-    Grid (M, B*H, cdiv(D, BD)). Writes ``s_out`` (M, B*H, D, E) and ``z_out`` (M, B*H, D), contiguous fp32.
+    Grid (M, B*H, cdiv(D, BD)). Writes ``s_out`` (M, B*H, D, E) in its dtype (the state dtype) and
+    ``z_out`` (M, B*H, D) fp32, both contiguous.
     """
     i_m, i_bh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -183,9 +219,9 @@ def _summary_kernel(
         if WITH_Z:
             acc_z += tl.sum(b_fk, axis=1)
 
-    row = (i_m * BH + i_bh).to(tl.int64)  # (block, batch·head) row of the summary buffers
+    row = (i_m * BH + i_bh).to(tl.int64)  # (block, batch·head) row of the state buffers
     p_s = s_out + row * D * E + o_d[:, None] * E + o_e[None, :]
-    tl.store(p_s, acc, mask=m_d[:, None] & m_e[None, :])
+    tl.store(p_s, acc.to(s_out.dtype.element_ty), mask=m_d[:, None] & m_e[None, :])
     if WITH_Z:
         tl.store(z_out + row * D + o_d, acc_z, mask=m_d)
 
@@ -194,11 +230,9 @@ def _summary_kernel(
 def _output_kernel(
     q, s_mix, z_mix, out, den,
     stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_sb, stride_sh, stride_sm, stride_sd, stride_se,
-    stride_zb, stride_zh, stride_zm, stride_zd,
     stride_ob, stride_oh, stride_on, stride_oe,
     stride_db, stride_dh, stride_dn,
-    H, D, E, eps, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    BH, H, D, E, eps, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
     FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     STATE_DTYPE: tl.constexpr, SCALE: tl.constexpr, CLIP_FP16: tl.constexpr, SPLIT: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
@@ -206,7 +240,8 @@ def _output_kernel(
     """o_t[e-tile] = φ(q_t)ᵀ S̃_i[:, e-tile] / den_t for the tokens t of query block i.
 
     Grid (M * SPLIT, B*H, cdiv(E, BE)): program (i * SPLIT + s) takes the block's token tiles
-    s, s + SPLIT, ... . The e-tile-0 programs also write den (B, H, N).
+    s, s + SPLIT, ... . ``s_mix`` (M, B*H, D, E) and ``z_mix`` (M, B*H, D) contiguous. The e-tile-0
+    programs also write den (B, H, N).
     """
     i_ms, i_bh, i_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_m, i_s = i_ms // SPLIT, i_ms % SPLIT
@@ -217,12 +252,11 @@ def _output_kernel(
     m_d, m_e = o_d < D, o_e < E
 
     # the block's mixed state S̃_i[:, e-tile] [BD, BE] (and z̃_i [BD]), loaded once per program
-    p_s = (s_mix + i_b * stride_sb + i_h * stride_sh + i_m * stride_sm
-           + o_d[:, None] * stride_sd + o_e[None, :] * stride_se)
+    row = (i_m * BH + i_bh).to(tl.int64)
+    p_s = s_mix + row * D * E + o_d[:, None] * E + o_e[None, :]
     b_s, c_s = _dot_operand(tl.load(p_s, mask=m_d[:, None] & m_e[None, :], other=0.0), STATE_DTYPE, SCALE)
     if NORMALIZE:
-        p_z = z_mix + i_b * stride_zb + i_h * stride_zh + i_m * stride_zm + o_d * stride_zd
-        b_z = tl.load(p_z, mask=m_d, other=0.0)
+        b_z = tl.load(z_mix + row * D + o_d, mask=m_d, other=0.0)
 
     q_base = q + i_b * stride_qb + i_h * stride_qh
     o_base = out + i_b * stride_ob + i_h * stride_oh
@@ -246,40 +280,38 @@ def _output_kernel(
 
 @triton.jit
 def _dq_dstate_kernel(
-    q, g, o, den, s_mix, z_mix, dq, ds_out, dz_out,
+    q, g, den, s_mix, z_mix, dq, ds_out, dz_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_gb, stride_gh, stride_gn, stride_ge,
-    stride_ob, stride_oh, stride_on, stride_oe,
     stride_db, stride_dh, stride_dn,
-    stride_sb, stride_sh, stride_sm, stride_sd, stride_se,
-    stride_zb, stride_zh, stride_zm, stride_zd,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     BH, H, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
     FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     STATE_DTYPE: tl.constexpr, SCALE: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DSTATE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
 ):
-    """One pass over query block i: dq (d-tile) and dS̃_i[d-tile, :], dz̃_i[d-tile].
+    """One pass over query block i: dq, and dS̃_i, dz̃_i. Whole d and e per program (BD, BE >= D, E).
 
-    Grid (M, B*H, cdiv(D, BD)). Per token tile, with g_num = G / den and g_den = -(G·o) / den:
-        dφ(q) = (G S̃_iᵀ) / den + g_den z̃_i        dq = φ'(q) * dφ(q)
-        dS̃_i += φ(q)ᵀ g_num                        dz̃_i += Σ_t g_den_t φ(q_t)
-    Writes ``ds_out`` (M, B*H, D, E) and ``dz_out`` (M, B*H, D), contiguous fp32.
+    Grid (M, B*H). Per token tile, with GS = G S̃_iᵀ [BT, D] (the dot dφ(q) needs), G·o = φ(q)·GS / den,
+    g_num = G / den and g_den = -(G·o) / den:
+        dφ(q) = GS / den + g_den z̃_i        dq = φ'(q) * dφ(q)
+        dS̃_i += φ(q)ᵀ g_num                 dz̃_i += Σ_t g_den_t φ(q_t)
+    ``s_mix`` (M, B*H, D, E) and ``z_mix`` (M, B*H, D) contiguous; writes ``ds_out`` (M, B*H, D, E) in its
+    dtype (the state dtype) and ``dz_out`` (M, B*H, D) fp32, contiguous.
     """
-    i_m, i_bh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     s0, s1, s2, n1, n2, length = _block_box(i_m, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
-    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = tl.arange(0, BD)
     o_e = tl.arange(0, BE)
     m_d, m_e = o_d < D, o_e < E
+    row = (i_m * BH + i_bh).to(tl.int64)
 
-    if COMPUTE_DQ:  # S̃_i[d-tile, :] as a dot operand [BD, BE], and z̃_i[d-tile]
-        p_s = (s_mix + i_b * stride_sb + i_h * stride_sh + i_m * stride_sm
-               + o_d[:, None] * stride_sd + o_e[None, :] * stride_se)
+    if COMPUTE_DQ or NORMALIZE:  # S̃_i as a dot operand [BD, BE]; z̃_i
+        p_s = s_mix + row * D * E + o_d[:, None] * E + o_e[None, :]
         b_s, c_s = _dot_operand(tl.load(p_s, mask=m_d[:, None] & m_e[None, :], other=0.0), STATE_DTYPE, SCALE)
-    if NORMALIZE:
-        p_z = z_mix + i_b * stride_zb + i_h * stride_zh + i_m * stride_zm + o_d * stride_zd
-        b_z = tl.load(p_z, mask=m_d, other=0.0)
+    if COMPUTE_DQ and NORMALIZE:
+        b_z = tl.load(z_mix + row * D + o_d, mask=m_d, other=0.0)
 
     acc_s = tl.zeros([BD, BE], dtype=tl.float32)
     acc_z = tl.zeros([BD], dtype=tl.float32)
@@ -288,22 +320,22 @@ def _dq_dstate_kernel(
     for r0 in range(0, length, BT):
         tok, m_t = _block_tokens(r0 + tl.arange(0, BT), s0, s1, s2, n1, n2, length, G1, G2)
         m_qt = m_t[:, None] & m_d[None, :]
-        m_gt = m_t[:, None] & m_e[None, :]
         b_q = tl.load(q_base + tok[:, None] * stride_qn + o_d[None, :] * stride_qd, mask=m_qt, other=0.0)
         b_q = b_q.to(tl.float32)
         b_fq = tl.where(m_qt, _phi(b_q, FEATURE), 0.0)  # [BT, BD]
-        b_g = tl.load(g_base + tok[:, None] * stride_gn + o_e[None, :] * stride_ge, mask=m_gt, other=0.0)
+        b_g = tl.load(g_base + tok[:, None] * stride_gn + o_e[None, :] * stride_ge,
+                      mask=m_t[:, None] & m_e[None, :], other=0.0)
+        if COMPUTE_DQ or NORMALIZE:
+            # GS = G S̃_iᵀ: [BT, BE] @ [BE, BD], fp32
+            b_gs = tl.dot(b_g.to(STATE_DTYPE), tl.trans(b_s), input_precision=PRECISION) * c_s
         if NORMALIZE:
-            p_den = den + i_b * stride_db + i_h * stride_dh + tok * stride_dn
-            b_rden = 1.0 / tl.load(p_den, mask=m_t, other=1.0)  # [BT]
-            p_o = o + i_b * stride_ob + i_h * stride_oh + tok[:, None] * stride_on + o_e[None, :] * stride_oe
-            b_o = tl.load(p_o, mask=m_gt, other=0.0).to(tl.float32)
-            b_gden = -tl.sum(b_g.to(tl.float32) * b_o, axis=1) * b_rden  # [BT]
+            b_rden = 1.0 / tl.load(den + i_b * stride_db + i_h * stride_dh + tok * stride_dn, mask=m_t,
+                                   other=1.0)  # [BT]
+            b_gden = -tl.sum(b_fq * b_gs, axis=1) * b_rden * b_rden  # -(G·o) / den, G·o = φ(q)·GS / den
         if COMPUTE_DQ:
-            # G S̃_iᵀ: [BT, BE] @ [BE, BD]; the 1/den row scale is applied to the fp32 result
-            b_dfq = tl.dot(b_g.to(STATE_DTYPE), tl.trans(b_s), input_precision=PRECISION) * c_s
+            b_dfq = b_gs
             if NORMALIZE:
-                b_dfq = b_dfq * b_rden[:, None] + b_gden[:, None] * b_z[None, :]
+                b_dfq = b_gs * b_rden[:, None] + b_gden[:, None] * b_z[None, :]
             b_dq = b_dfq * _dphi(b_q, FEATURE)
             p_dq = (dq + i_b * stride_dqb + i_h * stride_dqh
                     + tok[:, None] * stride_dqn + o_d[None, :] * stride_dqd)
@@ -316,9 +348,8 @@ def _dq_dstate_kernel(
             acc_s += tl.dot(tl.trans(b_a.to(DOT_DTYPE)), b_g.to(DOT_DTYPE), input_precision=PRECISION)
 
     if COMPUTE_DSTATE:
-        row = (i_m * BH + i_bh).to(tl.int64)
         p_ds = ds_out + row * D * E + o_d[:, None] * E + o_e[None, :]
-        tl.store(p_ds, acc_s, mask=m_d[:, None] & m_e[None, :])
+        tl.store(p_ds, acc_s.to(ds_out.dtype.element_ty), mask=m_d[:, None] & m_e[None, :])
         if NORMALIZE:
             tl.store(dz_out + row * D + o_d, acc_z, mask=m_d)
 
@@ -339,7 +370,7 @@ def _dkv_kernel(
     """dk, dv for the tokens s of key block j from dS_j (D, E) and dz_j (D):
         dφ(k_s) = dS_j v_s + dz_j     dk = φ'(k) * dφ(k)     dv_s = dS_jᵀ φ(k_s)
 
-    Grid (M * SPLIT, B*H); ``ds`` (M, B*H, D, E) and ``dz`` (M, B*H, D) contiguous fp32.
+    Grid (M * SPLIT, B*H); ``ds`` (M, B*H, D, E) in the state dtype and ``dz`` (M, B*H, D) fp32, contiguous.
     """
     i_ms, i_bh = tl.program_id(0), tl.program_id(1)
     i_m, i_s = i_ms // SPLIT, i_ms % SPLIT
@@ -383,15 +414,23 @@ def _dkv_kernel(
 # host side
 
 
+
+def backward_reads_out(state) -> bool:
+    """The backward gets G·o from the states, not from ``out`` (``mhla.Saved``): the op keeps none."""
+    return False
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Launch parameters. ``None`` fields are chosen by :func:`tile_config`.
 
-    block_t: tokens per tile. block_d: d-tile of the summary and dq kernels (<= next power of two of d).
+    block_t: tokens per tile. block_d: d-tile of the summary kernel (<= next power of two of d).
     block_e: e-tile of the output kernel. split: programs per block in the output and dk/dv kernels
-    (each takes every split-th token tile). num_warps: warps per program. fp32_state_dots: for bf16/fp16
-    inputs, run the dots against S~ and dS in fp32 ("ieee") instead of the input dtype (no tensor cores;
-    for precision comparisons).
+    (each takes every split-th token tile). num_warps, num_stages: of the token-loop kernels (num_stages:
+    the depth of Triton's software pipelining of their loops; None is Triton's default). mix_block_c:
+    columns per program of the mixing kernel. fp32_state_dots: for bf16/fp16 inputs, keep the states in
+    fp32 and run the dots against them and the mixing in fp32 ("ieee") instead of the input dtype and tf32
+    (no tensor cores there; for precision comparisons).
     """
 
     block_t: int | None = None
@@ -399,6 +438,8 @@ class TileConfig:
     block_e: int | None = None
     split: int | None = None
     num_warps: int | None = None
+    num_stages: int | None = None
+    mix_block_c: int | None = None
     fp32_state_dots: bool = False
 
 
@@ -406,29 +447,51 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every tile dim >= 16
 
 
-def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len: int, device,
-                override: TileConfig | None = None) -> TileConfig:
-    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture).
+def device_name(device: torch.device) -> str:
+    """The tile table's device key: the CUDA device's name (``"NVIDIA H200"``), else the device type."""
+    return torch.cuda.get_device_properties(device).name if device.type == "cuda" else device.type
 
-    Full d and e per program (d, e <= 128 for the bases: a [128, 128] fp32 accumulator is 64
-    registers per thread at 8 warps); 32-token tiles for d or e above 64, else 64; the query-side
-    kernels split a block over several programs only when there are fewer (block, batch·head) pairs
-    than about two waves of the device.
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len: int, device,
+                override: TileConfig | None = None, *, dtype: torch.dtype | None = None) -> TileConfig:
+    """Launch parameters: each field from ``override``, else from the tile table entry of this device and
+    shape class (``tile_table.py``; only with ``dtype``, the inputs' dtype), else the heuristic below.
+    Nothing is timed at run time, so CUDA-graph capture sees the same launches every call.
+
+    Heuristic: full d and e per program (d, e <= 128 for the bases: a [128, 128] fp32 accumulator is 64
+    registers per thread at 8 warps); 32-token tiles for d or e above 64, else 64; the output and dk/dv
+    kernels split a block over several programs only when there are fewer (block, batch·head) pairs than
+    about two waves of the device. The summary and dq/dS̃ kernels are not split: at the models' shapes
+    there are thousands of pairs (Wan 480p 3600, SANA 4096 px 2240 at batch 2, against 264 programs for
+    two waves of an H200's 132 multiprocessors); smaller problems go to the dense path.
     """
     override = override or TileConfig()
+    tuned = {}
+    if dtype is not None:
+        tuned = tile_table.lookup(device_name(device), tile_table.shape_class(d, e, dtype, max_block_len))
+
+    def pick(name: str, default):
+        value = getattr(override, name)
+        return value if value is not None else tuned.get(name, default)
+
     bd, be = _pow2(d), _pow2(e)
-    block_t = override.block_t or (32 if max(bd, be) > 64 else 64)
+    block_t = pick("block_t", 32 if max(bd, be) > 64 else 64)
     split = override.split
     if split is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         tiles = triton.cdiv(max_block_len, block_t)
-        split = max(1, min(tiles, triton.cdiv(2 * sms, num_blocks * batch_heads)))
+        split = max(1, min(tiles, triton.cdiv(2 * _multiprocessors(device), num_blocks * batch_heads)))
     return TileConfig(
         block_t=block_t,
-        block_d=override.block_d or bd,
-        block_e=override.block_e or be,
+        block_d=pick("block_d", bd),
+        block_e=pick("block_e", be),
         split=split,
-        num_warps=override.num_warps or (8 if bd * be > 64 * 64 else 4),
+        num_warps=pick("num_warps", 8 if bd * be > 64 * 64 else 4),
+        num_stages=pick("num_stages", None),
+        mix_block_c=pick("mix_block_c", None),
         fp32_state_dots=override.fp32_state_dots,
     )
 
@@ -485,15 +548,30 @@ def _check(q, k, v, mixing, geometry: _Geometry, feature_map: str) -> None:
         raise ValueError(f"mixing must be ({m}, {m}) for blocks {geometry.blocks}, got {tuple(mixing.shape)}")
 
 
+def state_dtype(dtype: torch.dtype, fp32_state_dots: bool = False) -> torch.dtype:
+    """The dtype the states S, S̃, dS̃, dS are stored in for inputs of ``dtype``: bf16 for bf16 (unless
+    ``fp32_state_dots``), fp32 for fp16 and fp32 (module docstring: Precision)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and not fp32_state_dots else torch.float32
+
+
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: only fp32 operands use it; they follow torch's TF32 switch."""
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+def _mixing_precision(dtype: torch.dtype, cfg: TileConfig) -> str:
+    """input_precision of the mixing's fp32 dots for inputs of ``dtype``: tf32 for bf16/fp16 ("ieee" with
+    ``fp32_state_dots``), torch's TF32 switch for fp32."""
+    if dtype == torch.float32:
+        return _precision(dtype)
+    return "ieee" if cfg.fp32_state_dots else "tf32"
+
+
 def _common(dtype: torch.dtype, feature_map: str, cfg: TileConfig) -> dict:
-    """Constexpr kwargs shared by the kernels."""
+    """Constexpr and launch kwargs shared by the token-loop kernels."""
+    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     return dict(FEATURE=FEATURE_IDS[feature_map], DOT_DTYPE=_DOT_DTYPES[dtype], PRECISION=_precision(dtype),
-                BT=cfg.block_t, num_warps=cfg.num_warps)
+                BT=cfg.block_t, num_warps=cfg.num_warps, **stages)
 
 
 def _state_dots(dtype: torch.dtype, cfg: TileConfig) -> dict:
@@ -513,7 +591,7 @@ def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int]
     op's fake implementation)."""
     (b, h, n, e), d, m = v.shape, q.shape[-1], math.prod(blocks)
     out = heads_interleaved_empty(b, h, n, e, q)
-    state = q.new_empty(m, b, h, d, e, dtype=torch.float32).permute(1, 2, 0, 3, 4)
+    state = q.new_empty(m, b, h, d, e, dtype=state_dtype(q.dtype)).permute(1, 2, 0, 3, 4)
     if normalize:
         norm = q.new_empty(m, b, h, d, dtype=torch.float32).permute(1, 2, 0, 3)
         den = q.new_empty(b, h, n, dtype=torch.float32)
@@ -540,17 +618,25 @@ def backward_outputs_like(q, k, v, mixing, needs: Sequence[bool]):
 
 
 def _summaries(k, v, geometry: _Geometry, feature_map: str, with_z: bool, cfg: TileConfig):
-    """Kernel 1: ``(S, z)``: S (M, B*H, d, e) and z (M, B*H, d) (or None), contiguous fp32."""
+    """Summary kernel: ``(S, z)``: S (M, B*H, d, e) in the state dtype and z (M, B*H, d) fp32 (or None),
+    contiguous."""
     b, h, n, d = k.shape
     e, m = v.shape[-1], geometry.num_blocks
-    s = torch.empty(m, b * h, d, e, dtype=torch.float32, device=k.device)
+    s = torch.empty(m, b * h, d, e, dtype=state_dtype(k.dtype, cfg.fp32_state_dots), device=k.device)
     z = torch.empty(m, b * h, d, dtype=torch.float32, device=k.device) if with_z else None
-    grid = (m, b * h, triton.cdiv(d, cfg.block_d))
-    _summary_kernel[grid](
+    mixing_kernels.launch(
+        _summary_kernel, (m, b * h, triton.cdiv(d, cfg.block_d)),
         k, v, s, _ptr(z, s), *k.stride(), *v.stride(), b * h, h, d, e, *geometry.args(),
         WITH_Z=with_z, BD=cfg.block_d, BE=_pow2(e), **_common(k.dtype, feature_map, cfg),
     )
     return s, z
+
+
+def _mix(w, x, xz, dtype: torch.dtype, cfg: TileConfig):
+    """The mixing kernel: ``(w x, w xz)`` over block-major states (M, ...), w x in the state dtype of
+    inputs of ``dtype``, w xz fp32 (None for xz None)."""
+    store = state_dtype(dtype, cfg.fp32_state_dots)
+    return mixing_kernels.mix(w, x, xz, store, _mixing_precision(dtype, cfg), cfg.mix_block_c)
 
 
 def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str, normalize: bool,
@@ -560,43 +646,45 @@ def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature
     Args:
         q, k: ``(B, H, N, d)``; v: ``(B, H, N, e)`` with e == d; one dtype of fp32/fp16/bf16; any strides.
         grid, blocks: token grid and blocks per axis, 1D/2D/3D (uneven allowed).
-        mixing: ``(M, M)``, any float dtype (used in fp32).
+        mixing: ``(M, M)``, any float dtype and strides (read as fp32).
         feature_map: ``relu``, ``elu+1`` (alias ``elu``), ``relu+1e-6`` or ``identity``.
         config: launch parameters overriding :func:`tile_config` (tests, tuning).
     Returns:
         ``(out, state, norm, den)`` (the op's contract, ``mhla.Saved``):
         out ``(B, H, N, e)`` in q's dtype on heads-interleaved memory ``(B, N, H, e)`` (fp16 clipped
-        to ±65504); state ``(B, H, M, d, e)`` fp32 (S̃, a permuted view of ``(M, B, H, d, e)``);
-        norm ``(B, H, M, d)`` fp32 (z̃, a view of ``(M, B, H, d)``) and den ``(B, H, N)`` fp32
-        contiguous (φ(q)·z̃ + eps); the last two are ``torch.empty(0)`` without normalisation.
-        Shapes, dtypes and strides as :func:`forward_outputs_like`.
+        to ±65504); state ``(B, H, M, d, e)``, the unmixed summaries S in :func:`state_dtype` (a permuted
+        view of ``(M, B, H, d, e)`` memory); norm ``(B, H, M, d)`` fp32, the unmixed z (a view of
+        ``(M, B, H, d)``), and den ``(B, H, N)`` fp32 contiguous (φ(q)·z̃ + eps); the last two are
+        ``torch.empty(0)`` without normalisation. Shapes, dtypes and strides as :func:`forward_outputs_like`.
     """
     geometry = _Geometry.of(grid, blocks)
     _check(q, k, v, mixing, geometry, feature_map)
     b, h, n, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
-    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
+    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config, dtype=q.dtype)
 
     s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
-    w = mixing.to(torch.float32)
-    s_mix = mix_blocks(w, s).view(m, b, h, d, e).permute(1, 2, 0, 3, 4)  # S̃: (B, H, M, d, e)
-    del s
+    s_mix, z_mix = _mix(mixing, s, z, q.dtype, cfg)  # S̃ (M, B*H, d, e), z̃ (M, B*H, d)
     out = heads_interleaved_empty(b, h, n, e, q)
-    # two tensors: outputs of a custom op may not alias each other
-    z_mix, den = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
-    if normalize:
-        z_mix = mix_blocks(w, z).view(m, b, h, d).permute(1, 2, 0, 3)  # z̃: (B, H, M, d)
-        den = q.new_empty(b, h, n, dtype=torch.float32)
-    z_in, den_out = (z_mix, den) if normalize else (None, None)
-    launch = (m * cfg.split, b * h, triton.cdiv(e, cfg.block_e))
-    _output_kernel[launch](
-        q, s_mix, _ptr(z_in, q), out, _ptr(den_out, q),
-        *q.stride(), *s_mix.stride(), *_strides(z_in, 4), *out.stride(), *_strides(den_out, 3),
-        h, d, e, float(eps), *geometry.args(),
+    den = q.new_empty(b, h, n, dtype=torch.float32) if normalize else q.new_empty(0, dtype=torch.float32)
+    den_out = den if normalize else None
+    mixing_kernels.launch(
+        _output_kernel, (m * cfg.split, b * h, triton.cdiv(e, cfg.block_e)),
+        q, s_mix, _ptr(z_mix, q), out, _ptr(den_out, q),
+        *q.stride(), *out.stride(), *_strides(den_out, 3), b * h, h, d, e, float(eps), *geometry.args(),
         NORMALIZE=normalize, CLIP_FP16=q.dtype == torch.float16, **_state_dots(q.dtype, cfg),
         SPLIT=cfg.split, BD=_pow2(d), BE=cfg.block_e, **_common(q.dtype, feature_map, cfg),
     )
-    return out, s_mix, z_mix, den
+    # outputs of a custom op may not alias each other: S and z are separate buffers, as are the empties
+    state = s.view(m, b, h, d, e).permute(1, 2, 0, 3, 4)
+    norm = z.view(m, b, h, d).permute(1, 2, 0, 3) if normalize else q.new_empty(0, dtype=torch.float32)
+    return out, state, norm, den
+
+
+def _block_rows(x: torch.Tensor) -> torch.Tensor:
+    """A saved state ``(B, H, M, ...)`` as block-major rows ``(M, B·H·...)``: a view of the forward's
+    ``(M, B, H, ...)`` memory (a copy for other strides)."""
+    return x.movedim(2, 0).reshape(x.shape[2], -1)
 
 
 def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str,
@@ -607,7 +695,8 @@ def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixi
     Args:
         grad_out: ``(B, H, N, e)``, any strides and float dtype (read as is, cast in the kernels).
         q, k, v, grid, blocks, mixing, feature_map, normalize, eps: the forward's arguments.
-        out, state, norm, den: what the forward returned (any strides); ``eps`` is already in den.
+        out: not read (G·o comes from S̃ in the dq kernel; the op passes an empty tensor).
+        state, norm, den: what the forward returned (the unmixed S and z, any strides; den, with eps).
         needs: which of (q, k, v, mixing) need a gradient.
     Returns:
         dq, dk, dv in the dtypes of q, k, v on heads-interleaved memory like ``out``; dmixing ``(M, M)``
@@ -618,63 +707,66 @@ def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixi
     need_q, need_k, need_v, need_w = (bool(x) for x in needs)
     b, h, _, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
-    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config)
+    cfg = tile_config(d, e, m, b * h, geometry.max_block_len, q.device, config, dtype=q.dtype)
     need_state = need_k or need_v or need_w  # dS̃ feeds dW and, mixed back, dk and dv
     if not (need_q or need_state):
         return None, None, None, None
-    dq, ds_mix, dz_mix = _query_grads(grad_out, q, out, state, norm, den, geometry, feature_map,
-                                      normalize, need_q, need_state, cfg)
+    s, z = _block_rows(state), _block_rows(norm) if normalize else None  # S, z: (M, B·H·d·e), (M, B·H·d)
+    dq, ds_mix, dz_mix = _query_grads(grad_out, q, mixing, s, z, den, geometry, feature_map, normalize,
+                                      need_q, need_state, cfg)
     if not need_state:
         return dq, None, None, None
 
     dmixing = None
-    if need_w:  # dW[i, j] = Σ_{b,h} <dS̃_i, S_j> + <dz̃_i, z_j>, with S and z rebuilt by kernel 1
-        s, z = _summaries(k, v, geometry, feature_map, normalize, cfg)
-        dmixing = ds_mix.view(m, -1) @ s.view(m, -1).T
-        if normalize:
-            dmixing += dz_mix.view(m, -1) @ z.view(m, -1).T
-        dmixing = dmixing.to(mixing.dtype)
-        del s, z
+    if need_w:  # dW[i, j] = Σ_{b,h} <dS̃_i, S_j> + <dz̃_i, z_j>
+        split = mixing_kernels.gram_split(m, s.shape[1], _multiprocessors(q.device))
+        dmixing = mixing_kernels.gram(ds_mix, s.to(ds_mix.dtype), dz_mix, z, _mixing_precision(q.dtype, cfg),
+                                      mixing.dtype, split)
     if not (need_k or need_v):
         return dq, None, None, dmixing
-    w = mixing.to(torch.float32)
-    ds = mix_blocks(w.T, ds_mix)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
-    dz = mix_blocks(w.T, dz_mix) if normalize else None
+    ds, dz = _mix(mixing.T, ds_mix, dz_mix, q.dtype, cfg)  # dS_j = Σ_i W[i, j] dS̃_i: (M, B*H, d, e)
     del ds_mix, dz_mix
     dk, dv = _key_value_grads(k, v, ds, dz, geometry, feature_map, normalize, need_k, need_v, cfg)
     return dq, dk, dv, dmixing
 
 
-def _query_grads(grad_out, q, out, s_mix, z_mix, den, geometry: _Geometry, feature_map: str,
-                 normalize: bool, need_q: bool, need_state: bool, cfg: TileConfig):
-    """Kernel 3: ``(dq, dS̃, dz̃)``: dq like ``out`` (or None), dS̃ ``(M, B*H, d, e)`` and dz̃
-    ``(M, B*H, d)`` fp32 (None unless ``need_state``; dz̃ also None without the normaliser)."""
+def _query_grads(grad_out, q, mixing, s, z, den, geometry: _Geometry, feature_map: str, normalize: bool,
+                 need_q: bool, need_state: bool, cfg: TileConfig):
+    """S̃ (and z̃) mixed again from the saved S, z where needed, then the dq/dS̃ kernel: ``(dq, dS̃, dz̃)``:
+    dq heads-interleaved (or None), dS̃ ``(M, B*H, d, e)`` in the state dtype and dz̃ ``(M, B*H, d)`` fp32
+    (None unless ``need_state``; dz̃ also None without the normaliser)."""
     b, h, n, d = q.shape
-    e, m = out.shape[-1], geometry.num_blocks
+    e, m = grad_out.shape[-1], geometry.num_blocks
+    s_mix = z_mix = None
+    if need_q or normalize:  # S̃ for dφ(q) and for G·o; z̃ only for dφ(q)'s g_den z̃
+        s_mix, z_mix = _mix(mixing, s, z if need_q and normalize else None, q.dtype, cfg)
     dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
-    ds_mix = q.new_empty(m, b * h, d, e, dtype=torch.float32) if need_state else None  # dS~
+    store = state_dtype(q.dtype, cfg.fp32_state_dots)
+    ds_mix = q.new_empty(m, b * h, d, e, dtype=store) if need_state else None  # dS~
     dz_mix = q.new_empty(m, b * h, d, dtype=torch.float32) if need_state and normalize else None  # dz~
-    z_in, den_in = (z_mix, den) if normalize else (None, None)
-    _dq_dstate_kernel[(m, b * h, triton.cdiv(d, cfg.block_d))](
-        q, grad_out, out, _ptr(den_in, q), s_mix, _ptr(z_in, q), _ptr(dq, q), _ptr(ds_mix, q),
+    den_in = den if normalize else None
+    mixing_kernels.launch(
+        _dq_dstate_kernel, (m, b * h),
+        q, grad_out, _ptr(den_in, q), _ptr(s_mix, q), _ptr(z_mix, q), _ptr(dq, q), _ptr(ds_mix, q),
         _ptr(dz_mix, q),
-        *q.stride(), *grad_out.stride(), *out.stride(), *_strides(den_in, 3), *s_mix.stride(),
-        *_strides(z_in, 4), *_strides(dq, 4),
+        *q.stride(), *grad_out.stride(), *_strides(den_in, 3), *_strides(dq, 4),
         b * h, h, d, e, *geometry.args(),
         NORMALIZE=normalize, **_state_dots(q.dtype, cfg), COMPUTE_DQ=need_q, COMPUTE_DSTATE=need_state,
-        BD=cfg.block_d, BE=_pow2(e), **_common(q.dtype, feature_map, cfg),
+        BD=_pow2(d), BE=_pow2(e), **_common(q.dtype, feature_map, cfg),
     )
     return dq, ds_mix, dz_mix
 
 
 def _key_value_grads(k, v, ds, dz, geometry: _Geometry, feature_map: str, normalize: bool, need_k: bool,
                      need_v: bool, cfg: TileConfig):
-    """Kernel 4: ``(dk, dv)`` (None where not needed) from dS ``(M, B*H, d, e)`` and dz ``(M, B*H, d)``."""
+    """dk/dv kernel: ``(dk, dv)`` (None where not needed) from dS ``(M, B*H, d, e)`` in the state dtype
+    and dz ``(M, B*H, d)`` fp32."""
     b, h, n, d = k.shape
     e, m = v.shape[-1], geometry.num_blocks
     dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
     dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
-    _dkv_kernel[(m * cfg.split, b * h)](
+    mixing_kernels.launch(
+        _dkv_kernel, (m * cfg.split, b * h),
         k, v, ds, _ptr(dz, ds), _ptr(dk, ds), _ptr(dv, ds),
         *k.stride(), *v.stride(), *_strides(dk, 4), *_strides(dv, 4),
         b * h, h, d, e, *geometry.args(),
@@ -689,7 +781,9 @@ __all__ = [
     "TileConfig",
     "backward",
     "backward_outputs_like",
+    "device_name",
     "forward",
     "forward_outputs_like",
+    "state_dtype",
     "tile_config",
 ]
