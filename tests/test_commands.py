@@ -140,7 +140,7 @@ def test_python_dash_m_mhla_gen_runs_a_command(tmp_path):
 
 
 def test_generate_takes_a_config_by_name(tmp_path, monkeypatch):
-    """``generate --config eval/dit_digits``: the shipped file is read (its run_config is then missing here)."""
+    """``generate --config eval/dit_digits``: the shipped file is read (its run_config is missing here)."""
     from mhla_gen.commands.generate import main as generate
 
     monkeypatch.chdir(tmp_path)
@@ -148,3 +148,13 @@ def test_generate_takes_a_config_by_name(tmp_path, monkeypatch):
         generate(["--config", "eval/dit_digits", f"output_dir={tmp_path / 'samples'}"])
     with pytest.raises(FileNotFoundError, match=r"--config 'eval/nope' is no file"):
         generate(["--config", "eval/nope"])
+
+
+def test_every_config_the_docs_name_ships():
+    """``configs/<name>.yaml`` or ``mhla_gen/configs/<name>.yaml`` in README and docs/ is a shipped config."""
+    import re
+
+    texts = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+    named = {m for path in texts for m in re.findall(r"(?<![\w/])(?:mhla_gen/)?configs/([\w/.-]+\.yaml)",
+                                                     path.read_text())}
+    assert len(named) > 5 and sorted(n for n in named if shipped_config(n) is None) == []
