@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from mhla_gen.cli import expand_path, run
+from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import compare, fmt_comparison
 from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
@@ -66,8 +67,7 @@ from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 from mhla_gen.train.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "dit_digits.yaml")
+CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)  # eval/study.py's
 TINY_MODEL = dict(hidden_size=16, depth=2, heads=2, patch_size=2)
 GRIDS = {  # teacher budget, stage-1 and stage-2 budgets, FID samples / sampler steps

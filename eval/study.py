@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from mhla_gen.cli import expand_path, run
+from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
 from mhla_gen.evidence import DataScores, compare, fmt_comparison, sampling_sd
 from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
@@ -50,8 +51,7 @@ from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "dit_digits.yaml")
+CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)
 GRIDS = {  # grid -> data and budget (the digits: about an hour of 2 CPU cores per grid, see README)

@@ -1,5 +1,6 @@
-"""What every entry point (scripts/, eval/, ``python -m mhla_gen.adopt``) does with a user's mistake:
-one line, exit status 2; and the command line the training scripts share (:func:`train_main`).
+"""The ``mhla-gen`` command (:func:`main`: ``mhla-gen NAME ARGS``, also ``python -m mhla_gen NAME ARGS``);
+what every entry point does with a user's mistake: one line, exit status 2 (:func:`run`); and the command
+line the training commands share (:func:`train_main`).
 
 Settings and paths are checked at start-up, before anything is written, and raise
 :class:`~mhla_gen.errors.ConfigError` (a ``ValueError``), ``FileNotFoundError`` or another ``OSError``
@@ -12,6 +13,7 @@ instead. Called in-process (``main(argv)``, the tests), the exceptions propagate
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -61,19 +63,23 @@ def parse_run_args(
     parser.add_argument(
         "--config",
         default=default_config,
-        help=f"YAML listing deviations from the defaults (default: {default_config})",
+        help="YAML listing deviations from the defaults: a path or a shipped config's name, e.g. tiny/dit "
+        f"(`mhla-gen configs` lists them; default: {default_config})",
     )
     parser.add_argument(
         "overrides", nargs="*", help="OmegaConf dotlist, e.g. train.max_steps=10 output_dir=runs/x"
     )
     args = parser.parse_args(argv)
+    from .configs import resolve_config
+
+    config = None if args.config is None else resolve_config(args.config, "--config")  # a path or a name
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # "Saving current state to ..."
     # (mhla_gen.train.checkpoint logs one line once a checkpoint is in place)
     from .train.config import load_config
 
-    return load_config(schema, args.config, args.overrides)
+    return load_config(schema, config, args.overrides)
 
 
 def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
@@ -120,3 +126,38 @@ def train_main(
     record = trainable(base, "base")
     cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
     return train(cfg, record.task.load()(cfg), callbacks)
+
+
+def command_parser(prog: str) -> argparse.ArgumentParser:
+    """The top-level parser: ``--help`` lists every command with its one line; ``--version``."""
+    from . import __version__
+    from .commands import COMMANDS
+
+    width = max(map(len, COMMANDS)) + 2
+    listing = "\n".join(f"  {name:<{width}}{command.summary}" for name, command in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog=prog, usage=f"{prog} [-h] [--version] COMMAND [ARGS ...]",
+        description="MHLA (Multi-Head Linear Attention) for image and video diffusion: train, convert, "
+                    "sample and evaluate.",
+        epilog=f"commands:\n{listing}\n\n`{prog} COMMAND --help` shows a command's own options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mhla_gen {__version__}")
+    parser.add_argument("command", metavar="COMMAND", choices=list(COMMANDS), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "mhla-gen") -> None:
+    """``mhla-gen COMMAND ARGS``: run the command's ``main(ARGS)`` through :func:`run` (its errors in one
+    line, ``<prog> COMMAND: error: ...``, exit status 2). Only the chosen command's module is imported."""
+    from .commands import COMMANDS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = command_parser(prog).parse_args(argv[:1]).command  # -h, --version, unknown names: argparse's
+    module = importlib.import_module(COMMANDS[name].module)
+    sys.argv = [f"{prog} {name}", *argv[1:]]  # the command's usage line and error prefix name it
+    run(lambda: module.main(argv[1:]))
+
+
+if __name__ == "__main__":
+    main(prog="python -m mhla_gen.cli")

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     if args and args[0] == "linearize":
         linearize_main(args[1:], callbacks=[kill])
         return
-    default_config = str(REPO / "configs" / "dit_digits.yaml")
+    default_config = str(REPO / "mhla_gen" / "configs" / "dit_digits.yaml")
     train_main("dit", "train_dit.py with fault injection", default_config, args, callbacks=[kill])
 
 

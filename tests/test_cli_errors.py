@@ -15,7 +15,7 @@ from train_helpers import REPO, _reset_accelerate
 
 from mhla_gen.cli import run
 
-TINY_SANA = str(REPO / "configs" / "tiny" / "sana.yaml")
+TINY_SANA = str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml")
 
 
 def fails_in_one_line(script: str, argv: list[str], capsys, monkeypatch) -> str:

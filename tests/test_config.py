@@ -10,7 +10,8 @@ import yaml
 from mhla_gen.train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
 from mhla_gen.train.finetune_sana_video import SanaVideoRunConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "mhla_gen" / "configs"
 SCHEMAS = {"dit": DiTRunConfig, "sana": SanaRunConfig, "wan": WanRunConfig, "sana-video": SanaVideoRunConfig}
 TRAINING_YAMLS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("accelerate", "eval"))
 
@@ -124,7 +125,7 @@ def test_documented_output_dirs_are_the_configs():
     """Commands in the README and configs/eval that read a training run's final/ name its output_dir."""
     import re
 
-    readme = (CONFIGS.parent / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     texts = [readme] + [p.read_text() for p in (CONFIGS / "eval").glob("*.yaml")]
     finals = {m for t in texts for m in re.findall(r"(runs/[\w.-]+)/final", t)}
     outputs = {load_config(schema_for(p), p).output_dir for p in TRAINING_YAMLS}

@@ -26,7 +26,7 @@ def tiny_run(tmp_path_factory):
     from mhla_gen.train.dit import DiTTask
 
     run = tmp_path_factory.mktemp("run")
-    cfg = load_config(DiTRunConfig, ROOT / "configs" / "dit_digits.yaml", [
+    cfg = load_config(DiTRunConfig, ROOT / "mhla_gen" / "configs" / "dit_digits.yaml", [
         f"output_dir={run}", "data.resolution=8", "model.hidden_size=16", "model.depth=1", "model.heads=2"])
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     DiTTask(cfg).build_transformer().save_pretrained(run / "final")
@@ -150,7 +150,7 @@ def test_generate_latent_space_run_decodes_with_its_vae(tmp_path):
     tiny_autoencoder_kl().save_pretrained(tmp_path / "vae")  # 2x spatial compression, 4 channels
     (tmp_path / "data" / "a").mkdir(parents=True)
     run = tmp_path / "run"
-    cfg = load_config(DiTRunConfig, ROOT / "configs" / "dit_digits.yaml", [
+    cfg = load_config(DiTRunConfig, ROOT / "mhla_gen" / "configs" / "dit_digits.yaml", [
         f"output_dir={run}", "data.source=folder", f"data.path={tmp_path / 'data'}",
         f"data.vae={tmp_path / 'vae'}", "data.resolution=16", "model.num_classes=2",
         "model.hidden_size=16", "model.depth=1", "model.heads=2", "model.patch_size=2"])

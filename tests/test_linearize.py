@@ -26,7 +26,7 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.folders import read_marker
 from mhla_gen.processors import MHLAProcessor
 
-TINY = {base: str(REPO / "configs" / "tiny" / f"{base}.yaml") for base in ("dit", "sana", "wan")}
+TINY = {base: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{base}.yaml") for base in ("dit", "sana", "wan")}
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ def test_training_config_validates_lora_settings():
 
     from mhla_gen.train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
 
-    sana = str(REPO / "configs" / "tiny" / "sana.yaml")
+    sana = str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml")
     cfg = load_config(WanRunConfig, None, ["train.trainable=lora", "train.lora_rank=4", "train.lora_alpha=2"])
     assert (cfg.train.trainable, cfg.train.lora_rank, cfg.train.lora_alpha) == ("lora", 4, 2.0)
     for bad, key in [

@@ -6,6 +6,7 @@ remaining early crashes. Every case of the issue is a test here; user bytes are 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -645,11 +646,19 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
 DELETERS = {
     "mhla_gen/folders.py": "remove_listed, replace_with, discard (a marked folder holding what it lists)",
     "mhla_gen/data/teacher.py": "its own parts/ files by name once assembled",
-    "eval/generate.py": "the manifest shards it listed",
+    "mhla_gen/commands/generate.py": "the manifest shards it listed",
     "mhla_gen/locks.py": "the .<name>.mhla_gen.lock file it created (or a pid record of a killed writer)",
 }
 PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher", "prompts_file",
                "cache_dir")
+
+
+def entry_source(script: str) -> str:
+    """The script's source; for a thin script, also the command it runs (``mhla_gen/commands/<name>.py``)."""
+    source = (REPO / script).read_text()
+    for module in re.findall(r"^from (mhla_gen\.commands\.\w+) import main$", source, flags=re.M):
+        source += (REPO / f"{module.replace('.', '/')}.py").read_text()
+    return source
 
 
 def test_every_entry_point_checks_apart_and_every_deleter_is_known():
@@ -659,7 +668,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
     scripts = {str(p.relative_to(REPO)) for d in folders for p in (REPO / d).glob("*.py")}
     assert scripts == set(ENTRY_POINTS), "classify every entry point in ENTRY_POINTS"
     for script, how in ENTRY_POINTS.items():
-        source = (REPO / script).read_text()
+        source = entry_source(script)
         assert how is None or how in source or "train_main" in source or "linearize_main" in source, script
         if "claim(" in source or "fresh_temp(" in source or "os.replace(" in source:
             assert how is not None, f"{script} writes a folder without an apart check"

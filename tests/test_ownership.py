@@ -25,7 +25,7 @@ from train_helpers import REPO, run_inprocess
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import MARKER, read_marker, write_marker
 
-TINY_DIT = str(REPO / "configs" / "tiny" / "dit.yaml")
+TINY_DIT = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
 
 
 def load_script(path: str):
@@ -60,6 +60,8 @@ def _work_entry_points():
     before any of them."""
     import diffusers
 
+    import mhla_gen.commands.attention_stats
+    import mhla_gen.commands.convert_wan
     import mhla_gen.convert_wan
     import mhla_gen.loading
     import mhla_gen.pipelines.dit
@@ -68,7 +70,10 @@ def _work_entry_points():
 
     return [(DiTTask, "build_transformer"), (diffusers.AutoencoderKL, "from_pretrained"),
             (mhla_gen.convert_wan, "convert_wan_checkpoint"), (mhla_gen.loading, "load_transformer"),
-            (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load")]
+            (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load"),
+            # the names the commands imported (the scripts re-export the commands' modules)
+            (mhla_gen.commands.convert_wan, "convert_wan_checkpoint"),
+            (mhla_gen.commands.attention_stats, "load_transformer")]
 
 
 def _no_work(*args, **kwargs):

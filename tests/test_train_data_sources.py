@@ -99,7 +99,7 @@ def _class_data(root, rng) -> None:
 
 def finetune(kind: str, root, out, *overrides):
     run_inprocess(
-        f"finetune_{kind}.py", "--config", str(REPO / "configs" / "tiny" / f"{kind}.yaml"),
+        f"finetune_{kind}.py", "--config", str(REPO / "mhla_gen" / "configs" / "tiny" / f"{kind}.yaml"),
         f"model.pretrained={root / kind}", f"output_dir={out}", "train.max_steps=2", "log.sample_every=0",
         *overrides,
     )
@@ -139,7 +139,7 @@ def test_load_dataset_folder_trains_like_the_folder(sources, folder_weights, tmp
 
 
 def test_dit_class_labelled_hf_dataset_trains_like_class_folders(sources, tmp_path):
-    args = ("--config", str(REPO / "configs" / "tiny" / "dit.yaml"), "train.max_steps=2",
+    args = ("--config", str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml"), "train.max_steps=2",
             "log.sample_every=0", "data.vae=null", "train.global_batch_size=4")
     run_inprocess("train_dit.py", *args, "data.source=folder", f"data.path={sources / 'classes'}",
                   f"output_dir={tmp_path / 'folder'}")
@@ -178,7 +178,7 @@ def test_sources_are_checked_before_any_work(sources, tmp_path, overrides, error
 def test_dit_hf_class_count_is_checked(sources, tmp_path):
     message = r"model.num_classes=7 but .* has 10 classes \(its 'label' column\)"
     with pytest.raises(ConfigError, match=message):
-        run_inprocess("train_dit.py", "--config", str(REPO / "configs" / "tiny" / "dit.yaml"),
+        run_inprocess("train_dit.py", "--config", str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml"),
                       "data.source=hf", f"data.path={sources / 'hf_classes'}", "data.image_column=img",
                       "data.vae=null", "model.num_classes=7", f"output_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()

@@ -23,7 +23,7 @@ from train_helpers import (
 
 from mhla_gen.errors import ConfigError
 
-TINY = str(REPO / "configs" / "tiny" / "dit.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
 
 
 def train(out, *overrides):

@@ -10,7 +10,7 @@ from train_helpers import REPO, read_metrics, run_inprocess
 
 from mhla_gen.errors import ConfigError
 
-TINY = str(REPO / "configs" / "tiny" / "dit.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
 
 
 def _tensorboard(folder) -> dict:

@@ -26,7 +26,7 @@ from train_helpers import (
 
 from mhla_gen.errors import ConfigError
 
-DIT = str(REPO / "configs" / "tiny" / "dit.yaml")
+DIT = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
 # Adam's step lr * m / (sqrt(v) + eps) turns a rounding difference in a near-zero gradient into a step of up
 # to lr; with eps = 1 it is ~ lr * g, so 2-shard vs 1-tensor sums differ by rounding (~1e-7 x |g|) only, and
 # an EMA or gather mistake (a change of the size of the steps, ~1e-3 here) stands out
@@ -98,7 +98,7 @@ def test_finetune_fsdp2_with_ema_matches_one_process(finetune_setup, tmp_path, k
     data = root / ("images" if kind == "sana" else "videos")
     script = f"finetune_{kind}.py"
     args = (
-        "--config", str(REPO / "configs" / "tiny" / f"{kind}.yaml"), f"model.pretrained={root / kind}",
+        "--config", f"tiny/{kind}", f"model.pretrained={root / kind}",  # a shipped config by name
         f"data.path={data}", "train.max_steps=2", "train.ema_decay=0.5", "log.sample_every=0",
         f"data.cache_dir={tmp_path / 'cache'}", *WELL_CONDITIONED,
     )

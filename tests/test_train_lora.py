@@ -55,7 +55,7 @@ def finetune(script: str, setup, out, *overrides):
     run_inprocess(
         script,
         "--config",
-        str(REPO / "configs" / "tiny" / ("sana.yaml" if "sana" in script else "wan.yaml")),
+        str(REPO / "mhla_gen" / "configs" / "tiny" / ("sana.yaml" if "sana" in script else "wan.yaml")),
         f"model.pretrained={setup / 'ckpt'}",
         f"data.path={setup / 'data'}",
         f"data.cache_dir={setup / 'cache'}",  # encoded once, shared by the runs
@@ -128,7 +128,7 @@ def test_lora_checkpoint_refused_by_a_full_run(sana_setup, tmp_path):
         run_inprocess(
             "finetune_sana.py",
             "--config",
-            str(REPO / "configs" / "tiny" / "sana.yaml"),
+            str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml"),
             f"model.pretrained={sana_setup / 'ckpt'}",
             f"data.path={sana_setup / 'data'}",
             f"data.cache_dir={sana_setup / 'cache'}",

@@ -11,7 +11,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from train_helpers import REPO, final_weights, max_abs_diff, read_metrics, run_inprocess
 
-TINY = str(REPO / "configs" / "tiny" / "sana.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_vid
 from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
 
-TINY = str(REPO / "configs" / "tiny" / "sana-video.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "sana-video.yaml")
 M = 4  # blocks (1, 2, 2)
 
 
@@ -74,12 +74,13 @@ def test_converter_config_starts_exactly_at_the_checkpoint():
     import math
 
     from mhla_gen.bases import base_for
+    from mhla_gen.configs import resolve_config
     from mhla_gen.processors.sana_video import SANA_VIDEO_EPS
     from mhla_gen.train.config import load_config
     from mhla_gen.train.linearize import stage1_schema
 
     base = base_for("sana-video")
-    cfg = load_config(stage1_schema(base), REPO / base.converter_config)
+    cfg = load_config(stage1_schema(base), resolve_config(base.converter_config))
     blocks = cfg.mhla.blocks
     assert all(b <= g for b, g in zip(blocks, (21, 30, 52))) and len(blocks) == 3
     assert cfg.mhla.mixing_init == "uniform"

@@ -15,7 +15,7 @@ from train_helpers import (
     write_captioned_videos,
 )
 
-TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")

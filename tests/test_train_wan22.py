@@ -14,7 +14,7 @@ from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
 from mhla_gen.testing_video import WAN22_T2V_BOUNDARY, tiny_wan22_pipeline
 
-TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_vid
 from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
 
-TINY = str(REPO / "configs" / "tiny" / "wan.yaml")  # 5 frames 32x32: latent (2, 4, 4), tokens (2, 2, 2)
+# 5 frames 32x32: latent (2, 4, 4), tokens (2, 2, 2)
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")

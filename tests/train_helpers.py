@@ -88,7 +88,7 @@ def run_fsdp(script: str, *args: str, nproc: int = 2, timeout: int = 300):
     """``scripts/<script> args`` on ``nproc`` gloo ranks with Accelerate's FSDP2 forced on CPU through the
     launch config ``configs/accelerate/fsdp.yaml`` (tests/fsdp_on_cpu.py says how and why)."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    launch_config = REPO / "configs" / "accelerate" / "fsdp.yaml"
+    launch_config = REPO / "mhla_gen" / "configs" / "accelerate" / "fsdp.yaml"
     cmd += [str(REPO / "tests" / "fsdp_on_cpu.py"), str(launch_config), script]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
     return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -66,8 +66,9 @@ class Base:
         run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
             task yet, the base samples, installs, saves and loads only).
         task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
-        converter_config: the stage-1 config (``scripts/linearize.py --base NAME``) for its real size
-            (None without a training task).
+        converter_config: the shipped stage-1 config (``mhla-gen linearize --base NAME --config X``) for
+            its real size, by name (``mhla_gen.configs``: ``linearize/wan_1_3b_480p``; None without a
+            training task).
         text_dim: the transformer config key of the caption-embedding width (None without captions).
         diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
             run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).

@@ -40,7 +40,7 @@ BASE = WanI2VBase(
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune_wan_i2v:WanI2VTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanI2VSampler"),
-    converter_config="configs/linearize/wan-i2v_14b_480p.yaml",
+    converter_config="linearize/wan-i2v_14b_480p",
     text_dim="text_dim",
     diffusers_tests=None,  # the wan record runs diffusers' WanTransformer3DModel suite
 )

@@ -1,7 +1,7 @@
 """Per-layer rank and mean row entropy of a saved transformer's self-attention maps (JSON + PNG).
 
-    python eval/attention_stats.py --model runs/dit_digits/final --digits
-    python eval/attention_stats.py --model runs/sana/final --size 16 --batch 2 --out-dir runs/sana/attn
+    mhla-gen attention-stats --model runs/dit_digits/final --digits
+    mhla-gen attention-stats --model runs/sana/final --size 16 --batch 2 --out-dir runs/sana/attn
 
 The model folder is anything ``load_transformer`` reads (saved with or without MHLA). Inputs are noised
 latents at --timestep (DDPM linear schedule): the embedded digits with --digits (pixel-space 1-channel

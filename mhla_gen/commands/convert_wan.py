@@ -1,6 +1,6 @@
 """Convert the released Wan-MHLA checkpoint (original Wan key names) into a diffusers transformer folder.
 
-    python scripts/convert_wan_mhla.py --checkpoint ckpts/wan_mhla.safetensors \
+    mhla-gen convert-wan --checkpoint ckpts/wan_mhla.safetensors \
         --config-from Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out converted/wan-mhla --dtype bf16
 
 ``--config-from`` is a diffusers Wan pipeline (local folder or hub id), its ``transformer`` folder, or

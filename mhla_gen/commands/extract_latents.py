@@ -1,8 +1,8 @@
 """Encode an ImageNet-style class folder into a DiT latent cache (image + flip, ADM center crop).
 
-    python scripts/extract_latents.py --data /data/imagenet/train --out /data/imagenet256_latents \
+    mhla-gen extract-latents --data /data/imagenet/train --out /data/imagenet256_latents \
         --vae stabilityai/sd-vae-ft-ema --resolution 256
-    python scripts/train_dit.py --config configs/dit_xl2_imagenet256.yaml data.source=latents \
+    mhla-gen train-dit --config dit_xl2_imagenet256 data.source=latents \
         data.path=/data/imagenet256_latents
 """
 

@@ -1,7 +1,7 @@
 """Score a folder / .npz of generated images against a reference: FID, sFID, KID, IS, precision, recall.
 
-    python eval/fid.py --samples samples/x --ref digits                    # writes samples/x.fid.json
-    python eval/fid.py --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
+    mhla-gen fid --samples samples/x --ref digits                    # writes samples/x.fid.json
+    mhla-gen fid --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
         --extractor inception --inception-weights ~/weights/inception-2015-12-05.pt
 
 --samples / --ref: a folder of images (PNG/JPEG, searched recursively), an ``.npz`` whose ``arr_0``

@@ -1,7 +1,8 @@
 """Fine-tune a pretrained Sana diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
-python scripts/finetune_sana.py --config configs/sana_mhla.yaml model.pretrained=PATH_OR_HUB_ID data.path=DIR
-accelerate launch --config_file configs/accelerate/ddp.yaml scripts/finetune_sana.py --config ... key=value
+mhla-gen finetune-sana --config sana_mhla model.pretrained=PATH_OR_HUB_ID data.path=DIR
+accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana \
+    --config ... key=value
 
 Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.SanaTask).
 """

@@ -1,7 +1,8 @@
 """Fine-tune a pretrained SANA-Video diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
-python scripts/finetune_sana_video.py --config configs/sana-video_mhla.yaml data.path=DIR
-accelerate launch --config_file configs/accelerate/ddp.yaml scripts/finetune_sana_video.py --config ... k=v
+mhla-gen finetune-sana-video --config sana-video_mhla data.path=DIR
+accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana-video \
+    --config ... key=value
 
 Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
 mhla_gen.train.finetune_sana_video.SanaVideoTask).

@@ -1,7 +1,8 @@
 """Fine-tune a pretrained Wan diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
-python scripts/finetune_wan.py --config configs/wan_mhla_hybrid.yaml model.pretrained=PATH data.path=DIR
-accelerate launch --config_file configs/accelerate/ddp.yaml scripts/finetune_wan.py --config ... key=value
+mhla-gen finetune-wan --config wan_mhla_hybrid model.pretrained=PATH data.path=DIR
+accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-wan \
+    --config ... key=value
 
 Same program as finetune_sana.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.WanTask).
 """

@@ -1,8 +1,9 @@
 """Fine-tune a pretrained Wan image-to-video diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
-python scripts/finetune_wan_i2v.py --config configs/wan_mhla_hybrid.yaml \
+mhla-gen finetune-wan-i2v --config wan_mhla_hybrid \
     model.pretrained=Wan-AI/Wan2.1-I2V-14B-480P-Diffusers data.path=DIR
-accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/finetune_wan_i2v.py --config ... k=v
+accelerate launch --config_file "$(mhla-gen configs accelerate/fsdp)" -m mhla_gen finetune-wan-i2v \
+    --config ... key=value
 
 Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
 mhla_gen.train.finetune_wan_i2v.WanI2VTask): each video's first frame is its condition.

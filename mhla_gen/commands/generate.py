@@ -1,9 +1,9 @@
 """Generate an evaluation sample set: files + manifest, sharded over Accelerate processes, resumable.
 
-    python eval/generate.py --config configs/eval/dit_digits.yaml
-    accelerate launch --num_processes 8 eval/generate.py --config configs/eval/dit_imagenet256.yaml
-    python eval/generate.py --config configs/eval/wan_prompts.yaml output_dir=samples/wan steps=30
-    python eval/generate.py base=wan-i2v model=WAN_I2V_DIR prompts_file=pairs.jsonl max_sequence_length=512
+    mhla-gen generate --config eval/dit_digits
+    accelerate launch --num_processes 8 -m mhla_gen generate --config eval/dit_xl2_imagenet256
+    mhla-gen generate --config eval/wan_prompts output_dir=samples/wan steps=30
+    mhla-gen generate base=wan-i2v model=WAN_I2V_DIR prompts_file=pairs.jsonl max_sequence_length=512
 
 Output (``output_dir``): ``{index:06d}.png`` (images) or ``.mp4`` (video), ``manifest.jsonl`` (one line per
 sample: index, file, label or prompt (and image), seed, config hash), ``config.yaml`` and, for images,
@@ -28,6 +28,7 @@ import torch
 from mhla_gen.bases import BASES, Base, base_for
 from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
+from mhla_gen.configs import resolve_config
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, claim, listed, owned, record_files
 from mhla_gen.locks import die_with_launcher, release
@@ -364,10 +365,12 @@ def main(argv=None) -> Path:
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML listing deviations from GenerateConfig")
+    parser.add_argument("--config", default=None, help="YAML listing deviations from GenerateConfig: a path "
+                        "or a shipped config's name, e.g. eval/dit_digits (`mhla-gen configs` lists them)")
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist, e.g. steps=25 output_dir=samples/x")
     args = parser.parse_args(argv)
-    return generate(load_generate_config(args.config, args.overrides))
+    config = None if args.config is None else resolve_config(args.config, "--config")
+    return generate(load_generate_config(config, args.overrides))
 
 
 if __name__ == "__main__":

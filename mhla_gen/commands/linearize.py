@@ -1,10 +1,10 @@
 """Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers.
 
-python scripts/linearize.py --config configs/dit_digits.yaml model.init_from=runs/softmax/final \
+mhla-gen linearize --config dit_digits model.init_from=runs/softmax/final \
     output_dir=runs/linearize_digits train.ema_decay=0
-python scripts/linearize.py --config configs/linearize/dit_xl2_256.yaml data.path=/data/imagenet/train
-python scripts/linearize.py --base sana --config configs/linearize/sana_600m_1024.yaml data.path=DIR
-python scripts/linearize.py --base wan --config configs/linearize/wan_1_3b_480p.yaml data.path=DIR
+mhla-gen linearize --config linearize/dit_xl2_256 data.path=/data/imagenet/train
+mhla-gen linearize --base sana --config linearize/sana_600m_1024 data.path=DIR
+mhla-gen linearize --base wan --config linearize/wan_1_3b_480p data.path=DIR
 
 Every MHLA layer learns to reproduce the frozen teacher layer's output from the teacher's own input
 (mhla_gen.transfer). Output: output_dir/final (the converted transformer: continue it with

@@ -1,12 +1,12 @@
 """Sample images (DiT, SANA) or videos (Wan) from an MHLA model with the stock diffusers pipelines.
 
-    python scripts/sample.py --base dit --model runs/dit/pipeline --labels 1 2 3 --steps 50 --guidance 4
-    python scripts/sample.py --base dit --model PIPE_DIR --transformer runs/dit/final --labels 0 1
-    python scripts/sample.py --base sana --model SANA_DIR --transformer runs/sana/final \
+    mhla-gen sample --base dit --model runs/dit/pipeline --labels 1 2 3 --steps 50 --guidance 4
+    mhla-gen sample --base dit --model PIPE_DIR --transformer runs/dit/final --labels 0 1
+    mhla-gen sample --base sana --model SANA_DIR --transformer runs/sana/final \
         --prompt "a red cat" "a blue dog" --height 512 --width 512 --dtype bf16 --device cuda
-    python scripts/sample.py --base wan --model WAN_DIR --transformer runs/wan/final \
+    mhla-gen sample --base wan --model WAN_DIR --transformer runs/wan/final \
         --prompt "a cat surfing" --height 480 --width 832 --frames 81 --dtype bf16 --device cuda
-    python scripts/sample.py --base wan-i2v --model WAN_I2V_DIR --transformer runs/wan-i2v/final \
+    mhla-gen sample --base wan-i2v --model WAN_I2V_DIR --transformer runs/wan-i2v/final \
         --prompt "a cat surfing" "a dog running" --image cat.png dog.png --dtype bf16 --device cuda
 
 ``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;

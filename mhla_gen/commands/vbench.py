@@ -1,10 +1,10 @@
 """VBench-style scores for a folder of MP4s: per-video and aggregated JSON.
 
-    python eval/vbench.py --videos samples/wan                 # writes samples/wan.vbench.json
-    python eval/vbench.py --videos DIR --subject-model ~/w/dino-vitb16 --background-model ~/w/clip-vit-b32 \
+    mhla-gen vbench --videos samples/wan                 # writes samples/wan.vbench.json
+    mhla-gen vbench --videos DIR --subject-model ~/w/dino-vitb16 --background-model ~/w/clip-vit-b32 \
         --raft-weights ~/w/raft_large_C_T_V2-1bb1363a.pth --aesthetic-clip ~/w/clip-vit-l14 \
         --aesthetic-head ~/w/sa_0_4_vit_l_14_linear.pth
-    python eval/vbench.py --videos DIR --use-vbench --vbench-info VBench_full_info.json   # the real package
+    mhla-gen vbench --videos DIR --use-vbench --vbench-info VBench_full_info.json   # the real package
 
 Dimensions and which ones are proxies: see ``mhla_gen/metrics/video.py``. Offline defaults: pixel-
 correlation features for the consistency dimensions, phase-correlation flow for dynamic degree, linear
@@ -53,14 +53,21 @@ def load_aesthetic(clip_path: str | None, head_path: str | None):
     return hf_image_extractor(clip_path), head.eval()
 
 
+def _lone_vbench_module(folder: str | Path) -> bool:
+    """``import vbench`` from ``folder`` would find a single ``vbench.py`` (a script such as the checkout's
+    ``eval/vbench.py``), not the installed package (a folder ``vbench/``, which Python prefers)."""
+    folder = Path(folder or ".")
+    return (folder / "vbench.py").is_file() and not (folder / "vbench" / "__init__.py").is_file()
+
+
 def import_vbench_package():
-    """The installed ``vbench`` package. Run as ``python eval/vbench.py``, this script's folder is first on
-    ``sys.path`` and ``import vbench`` would find the script itself: it is left out while importing."""
-    here = Path(__file__).resolve().parent
+    """The installed ``vbench`` package. Run as ``python eval/vbench.py``, the script's folder is first on
+    ``sys.path`` and ``import vbench`` would find the script itself: such folders are left out while
+    importing."""
     saved, cached = sys.path[:], sys.modules.get("vbench")
-    if cached is not None and Path(getattr(cached, "__file__", None) or "").resolve().parent == here:
-        del sys.modules["vbench"]  # this script, imported under the package's name
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    if cached is not None and Path(getattr(cached, "__file__", None) or "").name == "vbench.py":
+        del sys.modules["vbench"]  # a script imported under the package's name
+    sys.path[:] = [p for p in sys.path if not _lone_vbench_module(p)]
     try:
         if importlib.util.find_spec("vbench") is None:
             raise ModuleNotFoundError("--use-vbench needs the `vbench` package (pip install vbench)")
