@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..config import MHLAConfig
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
-from ..lora import check_lora_settings
+from ..lora import LORA_TARGET_MODULES, check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
 # diffusers.optimization.SchedulerType names train.lr_scheduler takes (piecewise_constant wants step rules
@@ -31,6 +31,11 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", 
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
 DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
 CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
+# train.optimizer values (mhla_gen.train.optimizers: the library each comes from, the extra that installs it)
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
+# settings whose default changed, with the old default and the date: a resumed run whose config.yaml
+# records the old value keeps it unless the setting is given again (mhla_gen.train.loop.follow_recorded)
+CHANGED_DEFAULTS = {"train.max_grad_norm": (0.0, "2026-11-28")}
 
 
 T = TypeVar("T")
@@ -79,7 +84,12 @@ class TrainConfig:
     lr_scheduler: str = "constant_with_warmup"
     lr_num_cycles: int = 1  # cosine_with_restarts: hard restarts
     lr_power: float = 1.0  # polynomial: the decay's power
-    max_grad_norm: float = 0.0  # 0 = no clipping (DiT does not clip); the norm is logged either way
+    # clip the gradient norm at this value (diffusers' training examples: 1.0); 0 or null = no clipping
+    # (the DiT paper's configs set 0); the norm is logged either way. The default was 0 before 2026-11-28
+    max_grad_norm: float | None = 1.0
+    # adamw (torch) | adamw8bit (bitsandbytes, extra [bnb]) | prodigy (prodigyopt, extra [prodigy]) |
+    # adafactor (torch.optim.Adafactor); adam_* and weight_decay apply where the optimizer has them
+    optimizer: str = "adamw"
     mixed_precision: str = "no"  # no | fp16 | bf16
     gradient_checkpointing: bool = False
     trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate) | lora (see below)
@@ -88,6 +98,9 @@ class TrainConfig:
     # (mhla_gen.lora), the adapter merged into the weights for DiT (DiTPipeline has no LoRA loader)
     lora_rank: int = 16
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
+    # module names (suffixes, peft's rule) that get an adapter; each must name a module of the model
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    lora_dropout: float = 0.0  # peft's dropout on the adapter's input (training only)
     ema_decay: float = 0.9999  # 0 = no EMA
     checkpoint_every: int = 5_000
     checkpoints_total_limit: int = 2
@@ -109,6 +122,17 @@ class TrainConfig:
         if self.trainable not in ("all", "mhla", "lora"):
             raise ValueError(f"train.trainable must be all, mhla or lora, got {self.trainable!r}")
         check_lora_settings(self.lora_rank, self.lora_alpha, "train.lora_rank", "train.lora_alpha")
+        targets = self.lora_target_modules
+        if not targets or not all(isinstance(m, str) and m for m in targets):
+            raise ValueError(f"train.lora_target_modules must list module names (e.g. to_q, to_k, to_v, "
+                             f"to_out.0), got {self.lora_target_modules!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"train.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                             f"{self.optimizer!r}")
+        if self.max_grad_norm is None:
+            self.max_grad_norm = 0.0  # null and 0 both mean: no clipping
         for name in (
             "max_steps",
             "global_batch_size",
@@ -413,23 +437,51 @@ def load_config(
         ConfigError: an unknown key, a wrong type or an invalid value; the message names it and where it
             came from (the file or the command line).
     """
-    merged = OmegaConf.structured(schema)
+    merged, given = OmegaConf.structured(schema), set()
+
+    def loaded(conf):
+        given.update(_leaf_keys(conf))
+        return conf
+
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        merged = _merge(merged, lambda: _without_retired(OmegaConf.load(path), schema), f"in {path}")
+        merged = _merge(merged, lambda: loaded(_without_retired(OmegaConf.load(path), schema)), f"in {path}")
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"command-line overrides must look like key=value, got {bad}")
-        merged = _merge(merged, lambda: OmegaConf.from_dotlist(list(overrides)), "on the command line")
+        command_line = lambda: loaded(OmegaConf.from_dotlist(list(overrides)))
+        merged = _merge(merged, command_line, "on the command line")
     try:
-        return _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
+        cfg = _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    object.__setattr__(cfg, _GIVEN, frozenset(given))
+    return cfg
+
+
+_GIVEN = "_given_settings"  # the attribute load_config leaves on the config it returns
+
+
+def given_settings(cfg) -> frozenset[str] | None:
+    """The dotted settings (``train.max_grad_norm``) that the config file or the command line gave, of a
+    config made by :func:`load_config`; None for a config built in code (everything in it is as meant)."""
+    return getattr(cfg, _GIVEN, None)
+
+
+def _leaf_keys(conf, prefix: str = "") -> set[str]:
+    """Dotted keys of every leaf (value or list) of an OmegaConf tree."""
+    keys = set()
+    for key, value in conf.items_ex(resolve=False):
+        if OmegaConf.is_dict(value):
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
 
 
 def _without_retired(conf, schema: type):

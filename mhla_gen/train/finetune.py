@@ -32,7 +32,7 @@ from .attention import attention_mhla_config, check_mhla_layers, install_attenti
 from .caption_sources import CAPTION_SOURCES
 from .config import ConfigError
 from .experts import check_expert, in_expert_range, pipeline_with
-from .loop import TrainTask
+from .loop import TrainTask, empty_model
 from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
 from .start import StartPoint
 
@@ -107,6 +107,9 @@ class FlowFinetuneTask(TrainTask):
             return self.start.ref, self.start.folder
         folder = Path(self.cfg.model.pretrained) / self.cfg.model.expert
         return self.cfg.model.pretrained, folder if folder.is_dir() else None
+
+    def architecture(self) -> nn.Module:
+        return empty_model(self.transformer_cls, self._start_config() or self._transformer_config())
 
     def build_transformer(self) -> nn.Module:
         cls = self.transformer_cls
