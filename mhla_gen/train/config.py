@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import MHLAConfig
+from ..data.buckets import check_buckets
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
 from ..lora import LORA_TARGET_MODULES, check_lora_settings
 
@@ -33,6 +34,9 @@ DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
 CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
 # train.optimizer values (mhla_gen.train.optimizers: the library each comes from, the extra that installs it)
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
+# flow.loss_weighting values: diffusers.training_utils.compute_loss_weighting_for_sd3's schemes
+FLOW_LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+FRAME_SAMPLINGS = ("first", "uniform", "random")  # data.frame_sampling (mhla_gen.data.videos.frame_indices)
 # settings whose default changed, with the old default and the date: a resumed run whose config.yaml
 # records the old value keeps it unless the setting is given again (mhla_gen.train.loop.follow_recorded)
 CHANGED_DEFAULTS = {"train.max_grad_norm": (0.0, "2026-11-28")}
@@ -326,8 +330,13 @@ class FinetuneModelConfig:
     # (high noise, σ >= the pipeline's boundary_ratio) and ``transformer_2`` (low noise, σ below it)
     expert: str = "transformer"
     transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
+    # CFG caption dropout: this share of the training items sees the empty prompt's embedding (what the
+    # pipelines' unconditional branch encodes), drawn per item and step; DiT's is model.class_dropout_prob
+    caption_dropout_prob: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.caption_dropout_prob < 1.0:
+            raise ValueError(f"model.caption_dropout_prob must be in [0, 1), got {self.caption_dropout_prob}")
         if self.expert not in ("transformer", "transformer_2"):
             raise ValueError(f"model.expert must be transformer or transformer_2, got {self.expert!r}")
         if self.transformer is not None:
@@ -356,10 +365,17 @@ class FlowMatchingConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     shift: float | None = None  # None = the checkpoint scheduler's shift
+    # the loss's weight per σ (diffusers.training_utils.compute_loss_weighting_for_sd3): none | sigma_sqrt
+    # (σ⁻²) | cosmap (2 / (π (1 - 2σ + 2σ²))); diffusers' --weighting_scheme=cosmap is weighting=uniform
+    # with loss_weighting=cosmap
+    loss_weighting: str = "none"
 
     def __post_init__(self):
         if self.weighting not in ("logit_normal", "mode", "uniform"):
             raise ValueError(f"flow.weighting must be logit_normal, mode or uniform, got {self.weighting!r}")
+        if self.loss_weighting not in FLOW_LOSS_WEIGHTINGS:
+            raise ValueError(f"flow.loss_weighting must be one of {', '.join(FLOW_LOSS_WEIGHTINGS)}, got "
+                             f"{self.loss_weighting!r}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"flow.shift must be > 0 (or null for the checkpoint's), got {self.shift}")
 
@@ -387,11 +403,28 @@ class CaptionDataConfig:
     image_column: str = "image"  # SANA
     video_column: str = "video"  # Wan
     caption_column: str = "text"
+    hflip: bool = False  # random horizontal flips (the cache then holds each item's latents flipped too)
+    # aspect-ratio buckets: null (every item cropped to height x width), `auto` (sizes of about
+    # height x width pixels, aspect ratios up to 2:1 either way, multiples of what the VAE / patch /
+    # pipeline tile) or a list of [height, width]; each item goes to the bucket nearest its aspect ratio and
+    # every batch holds one bucket (mhla_gen.data.buckets)
+    buckets: Any = None
+    # video: which num_frames frames of each clip: first (from frame 0), uniform (spread over the clip),
+    # random (a start drawn once per item from the run's seed); frame_stride: every n-th frame (first, random)
+    frame_sampling: str = "first"
+    frame_stride: int = 1
 
     def __post_init__(self):
-        for name in ("height", "width", "num_frames", "max_sequence_length"):
+        for name in ("height", "width", "num_frames", "max_sequence_length", "frame_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.frame_sampling not in FRAME_SAMPLINGS:
+            raise ValueError(f"data.frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got "
+                             f"{self.frame_sampling!r}")
+        if self.frame_sampling == "uniform" and self.frame_stride != 1:
+            raise ValueError(f"data.frame_stride={self.frame_stride} does not apply to data.frame_sampling="
+                             f"uniform (its frames are spread over the whole clip); leave it at 1")
+        self.buckets = check_buckets(self.buckets)
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
         if self.source not in CAPTION_SOURCES:

@@ -47,7 +47,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, skip_first_batches
 from accelerate.utils import ProjectConfiguration, set_seed
 from PIL import Image
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -181,6 +181,12 @@ class TrainTask:
         :meth:`setup` loaded."""
         raise NotImplementedError
 
+    def batch_sampler(self, dataset: Dataset, batch_size: int, processes: int, seed: int) -> Sampler | None:
+        """The loader's batches when they are not plain shuffled ones (e.g. one aspect-ratio bucket per
+        batch, :class:`~mhla_gen.data.buckets.BucketBatchSampler`): ``batch_size`` items per process,
+        ordered by ``seed`` and ``set_epoch`` only (exact resume). None: shuffled batches."""
+        return None
+
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """Scalar training loss of one micro-batch; every random draw goes through ``rnd``. Tasks add
         :meth:`distillation` of their output."""
@@ -272,6 +278,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: object = None
     loader: DataLoader | None = None
+    batch_sampler: Sampler | None = None  # the task's own (before prepare), when it has one
     params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones, after prepare
     ema: GatheredEMA | None = None
 
@@ -493,6 +500,10 @@ def build(run: Run) -> None:
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
+    if run.batch_sampler is not None and len(loader) == 0:  # each bucket holds less than a global batch
+        raise ConfigError(f"no bucket of the data holds a whole micro-batch ({run.local_batch} x "
+                          f"{accelerator.num_processes} processes); lower train.global_batch_size or merge "
+                          f"buckets (data.buckets)")
     summary = run_summary(cfg, task.name, transformer, len(dataset), accelerator, run.local_batch, run.step,
                           _distributed(run))  # before prepare: shards would count 1/N
     if run.fsdp:
@@ -546,17 +557,20 @@ def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Paramete
 
 def _loader(run: Run, dataset: Dataset) -> DataLoader:
     """Shuffled (seeded), incomplete last batch dropped; Accelerate's ``prepare`` makes its sampler
-    seedable per epoch and shards it over processes."""
-    return DataLoader(
-        dataset,
-        batch_size=run.local_batch,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(run.cfg.seed),
+    seedable per epoch and shards it over processes. A task's own batch sampler (buckets) replaces the
+    shuffling; :func:`_batches` sets its epoch."""
+    common = dict(
         num_workers=_num_workers(run.cfg.train.num_workers),
         collate_fn=run.task.collate_fn,
         pin_memory=run.accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
     )
+    processes = run.accelerator.num_processes
+    run.batch_sampler = run.task.batch_sampler(dataset, run.local_batch, processes, run.cfg.seed)
+    if run.batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=run.batch_sampler, **common)
+    generator = torch.Generator().manual_seed(run.cfg.seed)
+    return DataLoader(dataset, batch_size=run.local_batch, shuffle=True, drop_last=True, generator=generator,
+                      **common)
 
 
 def _num_workers(requested: int) -> int:
@@ -583,7 +597,7 @@ def run_steps(run: Run) -> None:
     )
     with logging_redirect_tqdm():  # log lines (checkpoint saves, warnings) print above the bar
         while run.step < cfg.train.max_steps:
-            for batch in _batches(run.loader, epoch, skip):
+            for batch in _batches(run.loader, epoch, skip, run.batch_sampler):
                 rnd = StepRandom(
                     cfg.seed, micro, run.local_batch, accelerator.process_index, accelerator.num_processes,
                     accelerator.device, generator,
@@ -598,9 +612,13 @@ def run_steps(run: Run) -> None:
         bar.close()
 
 
-def _batches(loader, epoch: int, skip: int) -> Iterator:
-    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted."""
+def _batches(loader, epoch: int, skip: int, batch_sampler: Sampler | None = None) -> Iterator:
+    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted.
+    ``batch_sampler``: the task's own, whose epoch is set here (Accelerate's wrappers for several processes
+    and for skipping do not pass ``set_epoch`` on to it)."""
     loader.set_epoch(epoch)  # SeedableRandomSampler: permutation seeded by seed + epoch
+    if batch_sampler is not None:
+        batch_sampler.set_epoch(epoch)
     return iter(skip_first_batches(loader, skip) if skip else loader)
 
 
