@@ -98,6 +98,27 @@ def check_lora_settings(rank, alpha, rank_name: str = "rank", alpha_name: str = 
         raise ValueError(f"{alpha_name} must be a positive (finite) number, got {alpha!r}")
 
 
+def check_lora_targets(model: nn.Module, targets, setting: str = "target_modules") -> None:
+    """ValueError naming ``setting`` and the first of ``targets`` that matches no module of ``model`` by
+    peft's rule (a module named the target, or whose name ends with ``.<target>``); peft itself would only
+    say so once the adapter is added. The message lists the model's linear layers by their short names."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    names = [name for name, _ in model.named_modules() if name]
+    for target in targets:
+        config = LoraConfig(target_modules=[target])
+        if not any(check_target_module_exists(config, name) for name in names):
+            linear = sorted({_short_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"{setting}: {target!r} names no module of the {type(model).__name__}; its "
+                             f"linear layers: {', '.join(linear[:24])}{' ...' if len(linear) > 24 else ''}")
+
+
+def _short_name(name: str) -> str:
+    """``transformer_blocks.3.attn1.to_out.0`` -> ``to_out.0``; ``...ff.net.2`` -> ``net.2``."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+
 def mark_mhla_trainable(transformer: nn.Module) -> nn.Module:
     """``requires_grad=True`` on every MHLA parameter (undoes peft's freeze); returns ``transformer``."""
     for param in mhla_parameters(transformer).values():

@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..errors import ConfigError
 from .images import _SkippingDataset, center_crop_arr, check_size, resize_center_crop, to_tensor
-from .videos import frames_to_tensor, read_frames
+from .videos import FrameSampling, frames_to_tensor, read_frames
 
 
 def load_hf_dataset(source: str, split: str, setting: str = "data.path"):
@@ -98,8 +98,8 @@ class _HFDataset(_SkippingDataset):
     """Rows of a ``datasets`` dataset with one media column (undecoded). ``paths`` are row ids with the
     dataset's fingerprint (what the feature cache is keyed by)."""
 
-    def __init__(self, source: str, split: str, columns: dict[str, str], media_setting: str):
-        super().__init__()
+    def __init__(self, source: str, split: str, columns: dict[str, str], media_setting: str, buckets=None):
+        super().__init__(buckets)
         dataset = load_hf_dataset(source, split)
         check_columns(dataset, columns, source)
         self.media = columns[media_setting]
@@ -112,38 +112,42 @@ class _HFDataset(_SkippingDataset):
 
 
 class HFCaptionedImages(_HFDataset):
-    """Items: ``{"pixels": (3, H, W) in [-1, 1], "caption": str}`` (resize to cover, centre crop)."""
+    """Items: ``{"pixels": (3, H, W) in [-1, 1], "caption": str}`` (resize to cover, centre crop; with
+    ``buckets``: into the bucket nearest the image's aspect ratio)."""
 
     def __init__(self, source: str, split: str, image_column: str, caption_column: str, height: int,
-                 width: int):
+                 width: int, buckets=None):
         check_size("height", height)
         check_size("width", width)
         columns = {"data.image_column": image_column, "data.caption_column": caption_column}
-        super().__init__(source, split, columns, "data.image_column")
+        super().__init__(source, split, columns, "data.image_column", buckets)
         self.caption, self.height, self.width = caption_column, height, width
 
     def load(self, index: int) -> dict:
         row = self.row(index)
         with Image.open(media_source(row[self.media])) as img:
-            image = resize_center_crop(img.convert("RGB"), self.height, self.width)
+            image = resize_center_crop(img.convert("RGB"), *self.size_for(*img.size))
         return {"pixels": to_tensor(image), "caption": caption_of(row[self.caption])}
 
 
 class HFCaptionedVideos(_HFDataset):
-    """Items: ``{"pixels": (3, F, H, W) in [-1, 1], "caption": str}``: the first ``num_frames`` frames."""
+    """Items: ``{"pixels": (3, F, H, W) in [-1, 1], "caption": str}``: ``num_frames`` frames chosen by
+    ``frames`` (default: the first ones); ``buckets`` as for images."""
 
     def __init__(self, source: str, split: str, video_column: str, caption_column: str, num_frames: int,
-                 height: int, width: int):
+                 height: int, width: int, frames: FrameSampling | None = None, buckets=None):
         check_size("height", height)
         check_size("width", width)
         columns = {"data.video_column": video_column, "data.caption_column": caption_column}
-        super().__init__(source, split, columns, "data.video_column")
+        super().__init__(source, split, columns, "data.video_column", buckets)
         self.caption, self.num_frames, self.height, self.width = caption_column, num_frames, height, width
+        self.frames = frames or FrameSampling()
 
     def load(self, index: int) -> dict:
         row = self.row(index)
-        frames = read_frames(media_source(row[self.media]), self.num_frames)
-        return {"pixels": frames_to_tensor(frames, self.height, self.width),
+        source = media_source(row[self.media])
+        frames = read_frames(source, self.num_frames, self.frames, key=self.paths[index])
+        return {"pixels": frames_to_tensor(frames, *self.size_for(*frames[0].size)),
                 "caption": caption_of(row[self.caption])}
 
 

@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .buckets import nearest_bucket
+
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".JPEG", ".JPG", ".PNG")
@@ -63,12 +65,21 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 class _SkippingDataset(Dataset):
-    """Falls through to the next item when ``load(i)`` raises on a bad file; counts the skips."""
+    """Falls through to the next item when ``load(i)`` raises on a bad file; counts the skips. Captioned
+    datasets crop each item to ``height x width``, or with ``buckets`` (``[(height, width), ...]``) to the
+    bucket nearest its aspect ratio (:meth:`size_for`)."""
 
     paths: list[Path]
+    height: int
+    width: int
 
-    def __init__(self):
+    def __init__(self, buckets=None):
         self.skipped = 0
+        self.buckets = [tuple(b) for b in buckets] if buckets else None
+
+    def size_for(self, width: int, height: int) -> tuple[int, int]:
+        """``(height, width)`` an item of ``width x height`` pixels is cropped to."""
+        return nearest_bucket(width, height, self.buckets) if self.buckets else (self.height, self.width)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -149,9 +160,26 @@ class ClassFolderDataset(_SkippingDataset):
         return {"pixels": to_tensor(image), "class_labels": torch.tensor(self.labels[index])}
 
 
+def json_caption(raw: str | bytes, where: str) -> str | None:
+    """The caption of a JSON side file (``{"text": ...}`` or ``{"caption": ...}``, as a line of
+    metadata.jsonl; a list of captions gives its first); None when it holds neither. ValueError naming
+    ``where`` when it is not a JSON object."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where}: not JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with text or caption, got {type(record).__name__}")
+    caption = record.get("text", record.get("caption"))
+    if isinstance(caption, list):
+        caption = caption[0] if caption else None
+    return caption.strip() if isinstance(caption, str) and caption.strip() else None
+
+
 def read_captions(root: Path, files: list[Path]) -> dict[Path, str]:
     """Captions from ``root/metadata.jsonl`` (``file_name`` + ``text`` or ``caption``, the HF imagefolder
-    convention) or from a ``<stem>.txt`` next to each file. Files without a caption are left out."""
+    convention), else from a ``<stem>.txt`` next to each file, else from a ``<stem>.json`` next to it
+    (:func:`json_caption`). Files without a caption are left out."""
     captions: dict[Path, str] = {}
     meta = root / "metadata.jsonl"
     if meta.is_file():
@@ -166,17 +194,22 @@ def read_captions(root: Path, files: list[Path]) -> dict[Path, str]:
                     f"{meta}:{n}: expected JSON with file_name and text/caption ({err})"
                 ) from err
     for f in files:
-        side = f.with_suffix(".txt")
-        if f.resolve() not in captions and side.is_file():
+        side, side_json = f.with_suffix(".txt"), f.with_suffix(".json")
+        if f.resolve() in captions:
+            continue
+        if side.is_file():
             captions[f.resolve()] = side.read_text().strip()
+        elif side_json.is_file():
+            captions[f.resolve()] = json_caption(side_json.read_text(), str(side_json))
     return {f: captions[f.resolve()] for f in files if captions.get(f.resolve()) is not None}
 
 
 class CaptionedImageFolder(_SkippingDataset):
-    """Images with captions. Items: ``{"pixels": (3, H, W) in [-1, 1], "caption": str}``."""
+    """Images with captions. Items: ``{"pixels": (3, H, W) in [-1, 1], "caption": str}`` (``buckets``:
+    each image in the bucket nearest its aspect ratio)."""
 
-    def __init__(self, root: str | Path, height: int, width: int):
-        super().__init__()
+    def __init__(self, root: str | Path, height: int, width: int, buckets=None):
+        super().__init__(buckets)
         check_size("height", height)
         check_size("width", width)
         self.root = root = require_dir(root)
@@ -184,11 +217,12 @@ class CaptionedImageFolder(_SkippingDataset):
         self.captions = read_captions(root, files)
         self.paths = [f for f in files if f in self.captions]
         if not self.paths:
-            raise FileNotFoundError(f"no captioned images under {str(root)!r} (metadata.jsonl or <name>.txt)")
+            raise FileNotFoundError(f"no captioned images under {str(root)!r} (metadata.jsonl, <name>.txt or "
+                                    f"<name>.json)")
         self.height, self.width = height, width
 
     def load(self, index: int) -> dict:
         path = self.paths[index]
         with Image.open(path) as img:
-            image = resize_center_crop(img.convert("RGB"), self.height, self.width)
+            image = resize_center_crop(img.convert("RGB"), *self.size_for(*img.size))
         return {"pixels": to_tensor(image), "caption": self.captions[path]}

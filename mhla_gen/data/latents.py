@@ -175,7 +175,7 @@ def build_feature_cache(
         return cache_dir
     tmp = fresh_temp(cache_dir, FEATURE_CACHE, setting)
     (tmp / "items").mkdir()
-    count, skipped = 0, 0
+    count, skipped, shapes = 0, 0, []
     for i in tqdm(range(len(dataset)), desc="caching latents + text embeddings", unit="item"):
         try:
             item = dataset.load(i)
@@ -185,6 +185,7 @@ def build_feature_cache(
             continue
         with torch.no_grad():
             tensors = encode(item)
+        shapes.append(list(tensors["latents"].shape) if "latents" in tensors else None)
         record_files(tmp, f"items/{count:08d}.safetensors", pending=True)  # an interrupted build stays listed
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
@@ -195,7 +196,7 @@ def build_feature_cache(
         raise ValueError(f"no readable files among {len(dataset)} in the dataset")
     record_files(tmp, "meta.json", pending=True)
     (tmp / "meta.json").write_text(
-        json.dumps({"fingerprint": fingerprint, "count": count, "skipped": skipped}, indent=1)
+        json.dumps({"fingerprint": fingerprint, "count": count, "skipped": skipped, "shapes": shapes})
     )
     replace_with(tmp, cache_dir, FEATURE_CACHE, setting)
     logger.info("cached %d items in %s (%d skipped)", count, cache_dir, skipped)
@@ -203,12 +204,16 @@ def build_feature_cache(
 
 
 class FeatureCacheDataset(Dataset):
-    """Items: the dict of tensors saved by :func:`build_feature_cache` for each item."""
+    """Items: the dict of tensors saved by :func:`build_feature_cache` for each item. ``shapes``: each
+    item's latent shape (what aspect-ratio buckets group by; None for a cache written before it was
+    recorded)."""
 
     def __init__(self, cache_dir: str | Path):
         cache_dir = require_dir(cache_dir, "feature cache folder")
         self.meta = json.loads((cache_dir / "meta.json").read_text())
         self.files = [cache_dir / "items" / f"{i:08d}.safetensors" for i in range(self.meta["count"])]
+        shapes = self.meta.get("shapes")
+        self.shapes = [tuple(s) for s in shapes] if shapes and None not in shapes else None
 
     def __len__(self) -> int:
         return len(self.files)

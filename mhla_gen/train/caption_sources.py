@@ -110,11 +110,13 @@ class CaptionedHFSource(CaptionSource):
             raise FileNotFoundError("data.source=hf needs data.path: a saved dataset, a folder or a hub name")
 
     def raw_dataset(self) -> Dataset:
-        d = self.data
+        d, buckets = self.data, self.task.features.bucket_sizes()
         if self.task.base.video:
             columns = d.video_column, d.caption_column
-            return HFCaptionedVideos(d.path, d.split, *columns, d.num_frames, d.height, d.width)
-        return HFCaptionedImages(d.path, d.split, d.image_column, d.caption_column, d.height, d.width)
+            return HFCaptionedVideos(d.path, d.split, *columns, d.num_frames, d.height, d.width,
+                                     frames=self.task.features.frame_sampling(), buckets=buckets)
+        return HFCaptionedImages(d.path, d.split, d.image_column, d.caption_column, d.height, d.width,
+                                 buckets=buckets)
 
 
 class TarShardSource(CaptionSource):
@@ -129,7 +131,9 @@ class TarShardSource(CaptionSource):
     def raw_dataset(self) -> Dataset:
         d = self.data
         frames = d.num_frames if self.task.base.video else None
-        return TarShardDataset(d.path, d.height, d.width, num_frames=frames)
+        features = self.task.features
+        return TarShardDataset(d.path, d.height, d.width, num_frames=frames,
+                               frames=features.frame_sampling(), buckets=features.bucket_sizes())
 
     def input_path(self) -> str | None:
         return input_folder(self.data.path)

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import MHLAConfig
+from ..data.buckets import check_buckets
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
-from ..lora import check_lora_settings
+from ..lora import LORA_TARGET_MODULES, check_lora_settings
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
 # diffusers.optimization.SchedulerType names train.lr_scheduler takes (piecewise_constant wants step rules
@@ -31,6 +32,14 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", 
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
 DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
 CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
+# train.optimizer values (mhla_gen.train.optimizers: the library each comes from, the extra that installs it)
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
+# flow.loss_weighting values: diffusers.training_utils.compute_loss_weighting_for_sd3's schemes
+FLOW_LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+FRAME_SAMPLINGS = ("first", "uniform", "random")  # data.frame_sampling (mhla_gen.data.videos.frame_indices)
+# settings whose default changed, with the old default and the date: a resumed run whose config.yaml
+# records the old value keeps it unless the setting is given again (mhla_gen.train.loop.follow_recorded)
+CHANGED_DEFAULTS = {"train.max_grad_norm": (0.0, "2026-11-28")}
 
 
 T = TypeVar("T")
@@ -79,7 +88,12 @@ class TrainConfig:
     lr_scheduler: str = "constant_with_warmup"
     lr_num_cycles: int = 1  # cosine_with_restarts: hard restarts
     lr_power: float = 1.0  # polynomial: the decay's power
-    max_grad_norm: float = 0.0  # 0 = no clipping (DiT does not clip); the norm is logged either way
+    # clip the gradient norm at this value (diffusers' training examples: 1.0); 0 or null = no clipping
+    # (the DiT paper's configs set 0); the norm is logged either way. The default was 0 before 2026-11-28
+    max_grad_norm: float | None = 1.0
+    # adamw (torch) | adamw8bit (bitsandbytes, extra [bnb]) | prodigy (prodigyopt, extra [prodigy]) |
+    # adafactor (torch.optim.Adafactor); adam_* and weight_decay apply where the optimizer has them
+    optimizer: str = "adamw"
     mixed_precision: str = "no"  # no | fp16 | bf16
     gradient_checkpointing: bool = False
     trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate) | lora (see below)
@@ -88,6 +102,9 @@ class TrainConfig:
     # (mhla_gen.lora), the adapter merged into the weights for DiT (DiTPipeline has no LoRA loader)
     lora_rank: int = 16
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
+    # module names (suffixes, peft's rule) that get an adapter; each must name a module of the model
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    lora_dropout: float = 0.0  # peft's dropout on the adapter's input (training only)
     ema_decay: float = 0.9999  # 0 = no EMA
     checkpoint_every: int = 5_000
     checkpoints_total_limit: int = 2
@@ -109,6 +126,17 @@ class TrainConfig:
         if self.trainable not in ("all", "mhla", "lora"):
             raise ValueError(f"train.trainable must be all, mhla or lora, got {self.trainable!r}")
         check_lora_settings(self.lora_rank, self.lora_alpha, "train.lora_rank", "train.lora_alpha")
+        targets = self.lora_target_modules
+        if not targets or not all(isinstance(m, str) and m for m in targets):
+            raise ValueError(f"train.lora_target_modules must list module names (e.g. to_q, to_k, to_v, "
+                             f"to_out.0), got {self.lora_target_modules!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"train.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                             f"{self.optimizer!r}")
+        if self.max_grad_norm is None:
+            self.max_grad_norm = 0.0  # null and 0 both mean: no clipping
         for name in (
             "max_steps",
             "global_batch_size",
@@ -302,8 +330,13 @@ class FinetuneModelConfig:
     # (high noise, σ >= the pipeline's boundary_ratio) and ``transformer_2`` (low noise, σ below it)
     expert: str = "transformer"
     transformer: str | None = None  # deprecated name of init_from (moved there, with a warning)
+    # CFG caption dropout: this share of the training items sees the empty prompt's embedding (what the
+    # pipelines' unconditional branch encodes), drawn per item and step; DiT's is model.class_dropout_prob
+    caption_dropout_prob: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.caption_dropout_prob < 1.0:
+            raise ValueError(f"model.caption_dropout_prob must be in [0, 1), got {self.caption_dropout_prob}")
         if self.expert not in ("transformer", "transformer_2"):
             raise ValueError(f"model.expert must be transformer or transformer_2, got {self.expert!r}")
         if self.transformer is not None:
@@ -332,10 +365,17 @@ class FlowMatchingConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     shift: float | None = None  # None = the checkpoint scheduler's shift
+    # the loss's weight per σ (diffusers.training_utils.compute_loss_weighting_for_sd3): none | sigma_sqrt
+    # (σ⁻²) | cosmap (2 / (π (1 - 2σ + 2σ²))); diffusers' --weighting_scheme=cosmap is weighting=uniform
+    # with loss_weighting=cosmap
+    loss_weighting: str = "none"
 
     def __post_init__(self):
         if self.weighting not in ("logit_normal", "mode", "uniform"):
             raise ValueError(f"flow.weighting must be logit_normal, mode or uniform, got {self.weighting!r}")
+        if self.loss_weighting not in FLOW_LOSS_WEIGHTINGS:
+            raise ValueError(f"flow.loss_weighting must be one of {', '.join(FLOW_LOSS_WEIGHTINGS)}, got "
+                             f"{self.loss_weighting!r}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"flow.shift must be > 0 (or null for the checkpoint's), got {self.shift}")
 
@@ -363,11 +403,28 @@ class CaptionDataConfig:
     image_column: str = "image"  # SANA
     video_column: str = "video"  # Wan
     caption_column: str = "text"
+    hflip: bool = False  # random horizontal flips (the cache then holds each item's latents flipped too)
+    # aspect-ratio buckets: null (every item cropped to height x width), `auto` (sizes of about
+    # height x width pixels, aspect ratios up to 2:1 either way, multiples of what the VAE / patch /
+    # pipeline tile) or a list of [height, width]; each item goes to the bucket nearest its aspect ratio and
+    # every batch holds one bucket (mhla_gen.data.buckets)
+    buckets: Any = None
+    # video: which num_frames frames of each clip: first (from frame 0), uniform (spread over the clip),
+    # random (a start drawn once per item from the run's seed); frame_stride: every n-th frame (first, random)
+    frame_sampling: str = "first"
+    frame_stride: int = 1
 
     def __post_init__(self):
-        for name in ("height", "width", "num_frames", "max_sequence_length"):
+        for name in ("height", "width", "num_frames", "max_sequence_length", "frame_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.frame_sampling not in FRAME_SAMPLINGS:
+            raise ValueError(f"data.frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got "
+                             f"{self.frame_sampling!r}")
+        if self.frame_sampling == "uniform" and self.frame_stride != 1:
+            raise ValueError(f"data.frame_stride={self.frame_stride} does not apply to data.frame_sampling="
+                             f"uniform (its frames are spread over the whole clip); leave it at 1")
+        self.buckets = check_buckets(self.buckets)
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
         if self.source not in CAPTION_SOURCES:
@@ -413,23 +470,51 @@ def load_config(
         ConfigError: an unknown key, a wrong type or an invalid value; the message names it and where it
             came from (the file or the command line).
     """
-    merged = OmegaConf.structured(schema)
+    merged, given = OmegaConf.structured(schema), set()
+
+    def loaded(conf):
+        given.update(_leaf_keys(conf))
+        return conf
+
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        merged = _merge(merged, lambda: _without_retired(OmegaConf.load(path), schema), f"in {path}")
+        merged = _merge(merged, lambda: loaded(_without_retired(OmegaConf.load(path), schema)), f"in {path}")
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"command-line overrides must look like key=value, got {bad}")
-        merged = _merge(merged, lambda: OmegaConf.from_dotlist(list(overrides)), "on the command line")
+        command_line = lambda: loaded(OmegaConf.from_dotlist(list(overrides)))
+        merged = _merge(merged, command_line, "on the command line")
     try:
-        return _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
+        cfg = _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    object.__setattr__(cfg, _GIVEN, frozenset(given))
+    return cfg
+
+
+_GIVEN = "_given_settings"  # the attribute load_config leaves on the config it returns
+
+
+def given_settings(cfg) -> frozenset[str] | None:
+    """The dotted settings (``train.max_grad_norm``) that the config file or the command line gave, of a
+    config made by :func:`load_config`; None for a config built in code (everything in it is as meant)."""
+    return getattr(cfg, _GIVEN, None)
+
+
+def _leaf_keys(conf, prefix: str = "") -> set[str]:
+    """Dotted keys of every leaf (value or list) of an OmegaConf tree."""
+    keys = set()
+    for key, value in conf.items_ex(resolve=False):
+        if OmegaConf.is_dict(value):
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
 
 
 def _without_retired(conf, schema: type):

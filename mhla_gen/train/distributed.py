@@ -2,6 +2,7 @@
 starts, so that a run is either really distributed the way it was launched or refused in one line.
 
 - :func:`check_launcher` (before the ``Accelerator``): DeepSpeed is refused (see below).
+- :func:`check_fsdp` (after): an FSDP launch that Accelerate would run unsharded is refused.
 - :func:`check_world_size` (after): a launch that asked for several processes but runs one is refused:
   torchrun / ``accelerate launch --multi_gpu`` set ``WORLD_SIZE``; ``accelerate launch --num_processes N``
   without a multi-process backend (``--cpu``, a ``MULTI_CPU`` config without MPI) starts ONE process with
@@ -71,6 +72,22 @@ def check_world_size(accelerator, env=os.environ) -> None:
             "--num_processes 2 ...`; for one process drop --num_processes (and unset MASTER_ADDR if your "
             "shell exports it)"
         )
+
+
+def check_fsdp(accelerator, env=os.environ) -> None:
+    """A launch that asks for FSDP (``ACCELERATE_USE_FSDP=true``: ``accelerate launch`` with an FSDP config)
+    must run sharded: Accelerate turns FSDP on only for GPU-type backends and otherwise drops the plugin
+    without a word (``ACCELERATE_USE_CPU=true`` keeps ``MULTI_CPU``: the run would train as DDP, each rank
+    holding the whole model)."""
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or is_sharded(accelerator):
+        return
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    raise ConfigError(
+        f"the launch asks for FSDP (ACCELERATE_USE_FSDP=true, an FSDP accelerate config) but Accelerate runs "
+        f"this as {kind} on {accelerator.device}, unsharded (FSDP through Accelerate needs one GPU per "
+        f"process); on CPU launch without the FSDP config (`{CPU_LAUNCH.format(n=accelerator.num_processes)}`"
+        f", DDP), or run on GPUs"
+    )
 
 
 def is_sharded(accelerator) -> bool:

@@ -32,13 +32,14 @@ from .dit_model import (  # noqa: F401 - DiT's model pieces, importable from her
     IdentityVAE,
     disable_block_label_dropout,
     dit_architecture,
+    dit_init_config,
     dit_initialize_,
     identity_vae,
     label_table_size,
     make_sampler,
 )
 from .dit_sources import DIT_SOURCES
-from .loop import TrainTask
+from .loop import TrainTask, empty_model
 from .objectives import DDPMLoss
 from .start import StartPoint
 
@@ -210,6 +211,11 @@ class DiTTask(TrainTask):
         """``num_classes``: the labels this model was trained on (sample.py and generate.py check them)."""
         return {"num_classes": self.cfg.model.num_classes}
 
+    def architecture(self) -> nn.Module:
+        fresh = lambda: dit_init_config(self.cfg.model, *self.source.channels_and_size())
+        config = self.start.config(DiTTransformer2DModel, "DiT transformer") if self.start else fresh()
+        return empty_model(DiTTransformer2DModel, config)
+
     def build_transformer(self) -> nn.Module:
         m = self.cfg.model
         channels, size = self.source.channels_and_size()
@@ -217,17 +223,7 @@ class DiTTask(TrainTask):
             self._check_start(channels, size)
             transformer = self.start.load(DiTTransformer2DModel, *self.attention(), m.init_attention)
         else:
-            arch = dit_architecture(m)
-            transformer = DiTTransformer2DModel(
-                num_attention_heads=arch["heads"],
-                attention_head_dim=arch["hidden_size"] // arch["heads"],
-                in_channels=channels,
-                out_channels=2 * channels if m.learn_sigma else channels,
-                num_layers=arch["depth"],
-                sample_size=size,
-                patch_size=arch["patch_size"],
-                num_embeds_ada_norm=label_table_size(m.num_classes),
-            )
+            transformer = DiTTransformer2DModel(**dit_init_config(m, channels, size))
             dit_initialize_(transformer)
             install_attention(transformer, m.attention, self.cfg.mhla)
         disable_block_label_dropout(transformer)

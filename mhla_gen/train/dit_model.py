@@ -41,6 +41,21 @@ def dit_architecture(model_cfg) -> dict:
 
 
 @torch.no_grad()
+def dit_init_config(model_cfg, in_channels: int, sample_size: int) -> dict:
+    """``DiTTransformer2DModel`` arguments of a new model: ``model.*``'s size, the data's input."""
+    arch = dit_architecture(model_cfg)
+    return dict(
+        num_attention_heads=arch["heads"],
+        attention_head_dim=arch["hidden_size"] // arch["heads"],
+        in_channels=in_channels,
+        out_channels=2 * in_channels if model_cfg.learn_sigma else in_channels,
+        num_layers=arch["depth"],
+        sample_size=sample_size,
+        patch_size=arch["patch_size"],
+        num_embeds_ada_norm=label_table_size(model_cfg.num_classes),
+    )
+
+
 def dit_initialize_(transformer: nn.Module) -> None:
     """DiT's init (``models.py: initialize_weights``): xavier linears, N(0, 0.02) embeddings, and the
     adaLN-Zero part: every block's modulation and the output layers start at zero."""

@@ -23,17 +23,23 @@ from torch.utils.data import Dataset
 
 from ..bases import Base, base_for
 from ..config import MHLAConfig
-from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
+from ..data import CaptionedImageFolder, CaptionedVideoFolder
 from ..data.latents import FEATURE_CACHE, check_cache_target
 from ..install import stock_class_name
 from ..lora import is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
+from .caption_data import CaptionFeatures
 from .caption_sources import CAPTION_SOURCES
 from .config import ConfigError
 from .experts import check_expert, in_expert_range, pipeline_with
-from .loop import TrainTask
-from .objectives import flow_matching_inputs, flow_matching_mse, flow_matching_sigmas
+from .loop import TrainTask, empty_model
+from .objectives import (
+    flow_matching_inputs,
+    flow_matching_loss_weights,
+    flow_matching_mse,
+    flow_matching_sigmas,
+)
 from .start import StartPoint
 
 logger = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ class FlowFinetuneTask(TrainTask):
         if not cfg.model.pretrained:
             raise ValueError("model.pretrained is required: a diffusers checkpoint folder or hub id")
         self.frozen = None  # setup(): the pipeline minus its transformer (text encoder, VAE, scheduler)
+        self.features = CaptionFeatures(self)  # sizes, frames, cache, batches, flips, caption dropout
         self._raw = None  # the captioned dataset, listed once (validation counts it, the cache reads it)
         self.source = CAPTION_SOURCES[cfg.data.source](self)
         self.start = StartPoint.resolve(cfg.model.init_from)
@@ -107,6 +114,9 @@ class FlowFinetuneTask(TrainTask):
             return self.start.ref, self.start.folder
         folder = Path(self.cfg.model.pretrained) / self.cfg.model.expert
         return self.cfg.model.pretrained, folder if folder.is_dir() else None
+
+    def architecture(self) -> nn.Module:
+        return empty_model(self.transformer_cls, self._start_config() or self._transformer_config())
 
     def build_transformer(self) -> nn.Module:
         cls = self.transformer_cls
@@ -175,8 +185,13 @@ class FlowFinetuneTask(TrainTask):
     def _transformer_config(self) -> dict:
         return self._component_config(self.transformer_cls.__name__, self.cfg.model.expert)
 
-    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
-        """The transformer's token grid for ``data.*`` sizes; ConfigError when they do not tile."""
+    def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
+        """``(multiple, why)``: what heights and widths must be multiples of (VAE, patch, pipeline)."""
+        raise NotImplementedError
+
+    def token_grid(self, transformer: dict, vae: dict, height: int, width: int) -> tuple[int, ...]:
+        """The transformer's token grid for ``height x width`` pixels (and ``data.num_frames``); ConfigError
+        when the frames do not tile."""
         raise NotImplementedError
 
     def validate(self) -> None:
@@ -189,18 +204,9 @@ class FlowFinetuneTask(TrainTask):
                 f"not a {self.pipeline_cls_name} (wrong script for this model?)"
             )
         check_expert(index, self.cfg.model.expert, self.cfg.model.pretrained)
-        transformer = self._start_config() or self._transformer_config()
-        vae = self._component_config(index["vae"][1], "vae")
-        grid = self.token_grid(transformer, vae)
-        mhla = attention_mhla_config(*self.attention())
-        fits = mhla is None or (len(mhla.blocks) == len(grid) and all(map(int.__le__, mhla.blocks, grid)))
-        if not fits:
-            raise ConfigError(
-                f"mhla.blocks={list(mhla.blocks)} does not fit the token grid {grid} of data.height="
-                f"{self.cfg.data.height}, data.width={self.cfg.data.width}"
-                + (f", data.num_frames={self.cfg.data.num_frames}" if len(grid) == 3 else "")
-            )
-        check_mhla_layers(mhla, transformer["num_layers"])
+        transformer, vae = self.model_configs()
+        self.features.check_sizes(transformer, vae)
+        check_mhla_layers(attention_mhla_config(*self.attention()), transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
             logger.info("distillation teacher: %s", self.distill_source())
         self.source.validate()
@@ -211,6 +217,13 @@ class FlowFinetuneTask(TrainTask):
             {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir},
             inside_ok=("output_dir",),
         )
+
+    def model_configs(self) -> tuple[dict, dict]:
+        """``(transformer config, VAE config)`` of the model trained (``model.init_from``'s or the
+        checkpoint's transformer) and of the checkpoint's VAE: no weights."""
+        index = self._component_config("DiffusionPipeline", None)
+        transformer = self._start_config() or self._transformer_config()
+        return transformer, self._component_config(index["vae"][1], "vae")
 
     def inputs(self) -> dict[str, str | None]:
         """Checkpoint, start point, data (an output when sampled from a teacher), prompts, cache, teacher."""
@@ -248,12 +261,6 @@ class FlowFinetuneTask(TrainTask):
             raise ConfigError(f"model.init_from={ref!r} is a {loaded.get('_class_name')}, not a {name}")
         return loaded
 
-    def _check_multiple(self, multiple: int, why: str) -> None:
-        for name in ("height", "width"):
-            value = getattr(self.cfg.data, name)
-            if value % multiple:
-                raise ConfigError(f"data.{name}={value} must be a multiple of {multiple} ({why})")
-
     # ----------------------------------------------------------------------------------- data
     @property
     def cache_dir(self) -> Path:
@@ -284,51 +291,52 @@ class FlowFinetuneTask(TrainTask):
     def save_sample(self, sample, path: Path) -> None:
         sample.save(path)
 
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
-        """One raw item -> ``{"latents": (C, ...), "prompt_embeds": (L, D), ...}`` for the cache."""
+    def encode_pixels(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One item's pixels ``(3, H, W)`` / ``(3, F, H, W)`` in [-1, 1] -> ``{"latents": (C, ...), ...}``:
+        everything the cache holds that depends on the pixels."""
+        raise NotImplementedError
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """One caption -> ``{"prompt_embeds": (L, D), ...}`` as the pipeline encodes a prompt (the empty
+        caption gives what its unconditional branch uses)."""
         raise NotImplementedError
 
     def build_dataset(self, accelerator) -> Dataset:
-        """The feature cache of every item (encoded once with :meth:`encode`, reused when its
-        fingerprint matches)."""
-        data = self.cfg.data
-        cache_dir = self.cache_dir
-        raw = self.listed_dataset()
-        fingerprint = {
-            "task": self.name,
-            "pretrained": self.cfg.model.pretrained,
-            "dtype": self.cfg.model.dtype,
-            "files": [str(p) for p in raw.paths],
-            "height": data.height,
-            "width": data.width,
-            "num_frames": data.num_frames if self.base.video else None,
-            "max_sequence_length": data.max_sequence_length,
-        }
+        """The feature cache (:meth:`CaptionFeatures.build`), encoded once with the task's encoders."""
         inputs = {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir}
-        build_feature_cache(
-            raw, self.encode, cache_dir, fingerprint, "data.cache_dir", inputs, inside_ok=("output_dir",)
-        )
-        return FeatureCacheDataset(cache_dir)
+        return self.features.build(self.listed_dataset(), self.cache_dir, inputs, accelerator.device)
+
+    def batch_sampler(self, dataset, batch_size: int, processes: int, seed: int):
+        return self.features.batch_sampler(dataset, batch_size, processes, seed)
 
     # ----------------------------------------------------------------------------------- loss
     def conditioning(self, batch: dict) -> dict:
         return {"encoder_hidden_states": batch["prompt_embeds"]}
 
+    def with_condition(self, inputs: dict, batch: dict) -> dict:
+        """The transformer's inputs with what the task adds from the batch (image-to-video: the condition)."""
+        return inputs
+
     def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
         """The transformer's keyword inputs for one micro-batch (latents noised at sampled σ, the cached
-        text conditioning) and what the loss compares its output with: ``(x0, noise)``."""
-        x0 = batch["latents"].float()
+        text conditioning, flips and caption dropout applied) and what the loss compares its output with:
+        ``(x0, noise, sigmas)``."""
         f = self.cfg.flow
         sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
         sigmas = in_expert_range(sigmas, self.frozen.config.get("boundary_ratio"), self.cfg.model.expert)
-        noise = rnd.randn(*x0.shape[1:])
+        noise = rnd.randn(*batch["latents"].shape[1:])
+        batch = self.features.augmented(batch, rnd)
+        x0 = batch["latents"].float()
         T = self.frozen.scheduler.config.num_train_timesteps
-        return {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}, (x0, noise)
+        inputs = {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}
+        return self.with_condition(inputs, batch), (x0, noise, sigmas)
 
     def loss(self, model, batch: dict, rnd) -> torch.Tensor:
-        inputs, (x0, noise) = self.model_inputs(batch, rnd)
+        inputs, (x0, noise, sigmas) = self.model_inputs(batch, rnd)
         prediction = model(**inputs, return_dict=False)[0]
-        return flow_matching_mse(prediction, x0, noise) + self.distillation(prediction, inputs)
+        scheme = self.cfg.flow.loss_weighting
+        weights = None if scheme == "none" else flow_matching_loss_weights(scheme, sigmas)
+        return flow_matching_mse(prediction, x0, noise, weights) + self.distillation(prediction, inputs)
 
     def distill_teacher(self) -> nn.Module:
         """``train.distill.teacher``, else ``model.pretrained``'s own transformer."""
@@ -343,36 +351,40 @@ class SanaTask(FlowFinetuneTask):
     name = "sana"
     base = base_for("sana")
 
-    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
-        """``(H / (f p), W / (f p))``: DC-AE factor f, patch p; SanaPipeline also wants multiples of 32."""
+    def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
+        """DC-AE factor f x patch p; SanaPipeline also wants multiples of 32."""
         factor = 2 ** (len(vae["encoder_block_out_channels"]) - 1)
         patch = transformer["patch_size"]
-        self._check_multiple(
-            math.lcm(32, factor * patch), f"SanaPipeline needs multiples of 32; VAE {factor}x, patch {patch}"
-        )
-        d = self.cfg.data
-        return d.height // (factor * patch), d.width // (factor * patch)
+        why = f"SanaPipeline needs multiples of 32; VAE {factor}x, patch {patch}"
+        return math.lcm(32, factor * patch), why
+
+    def token_grid(self, transformer: dict, vae: dict, height: int, width: int) -> tuple[int, ...]:
+        """``(H / (f p), W / (f p))``: DC-AE factor f, patch p."""
+        scale = 2 ** (len(vae["encoder_block_out_channels"]) - 1) * transformer["patch_size"]
+        return height // scale, width // scale
 
     def raw_dataset(self) -> Dataset:
         d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
-        return listed if listed is not None else CaptionedImageFolder(d.path, d.height, d.width)
+        if listed is not None:
+            return listed
+        return CaptionedImageFolder(d.path, d.height, d.width, buckets=self.features.bucket_sizes())
 
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
+    def encode_pixels(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        vae = self.frozen.vae
+        latents = vae.encode(pixels[None].to(vae.device, vae.dtype)).latent  # DC-AE: deterministic
+        return {"latents": (latents * vae.config.scaling_factor)[0].float()}
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """Gemma2 features and attention mask, ``complex_human_instruction`` off (as SANA fine-tunes)."""
         pipe = self.frozen
-        pixels = item["pixels"][None].to(pipe.vae.device, pipe.vae.dtype)
-        latents = pipe.vae.encode(pixels).latent * pipe.vae.config.scaling_factor  # DC-AE: deterministic
         embeds, mask, _, _ = pipe.encode_prompt(
-            item["caption"],
+            caption,
             do_classifier_free_guidance=False,
             device=pipe.vae.device,
             complex_human_instruction=None,
             max_sequence_length=self.cfg.data.max_sequence_length,
         )
-        return {
-            "latents": latents[0].float(),
-            "prompt_embeds": embeds[0].float(),
-            "prompt_attention_mask": mask[0],
-        }
+        return {"prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
 
     def conditioning(self, batch: dict) -> dict:
         return {
@@ -424,14 +436,17 @@ class WanTask(FlowFinetuneTask):
     def save_sample(self, sample: np.ndarray, path: Path) -> None:
         write_video(path, sample, fps=16, lossless=True)
 
-    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
+    def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
+        """The VAE's spatial factor x the patch; WanPipeline samples multiples of 16."""
+        spatial = vae.get("scale_factor_spatial", 8)
+        _, ph, pw = transformer["patch_size"]
+        return (math.lcm(16, spatial * ph, spatial * pw),
+                f"WanPipeline samples multiples of 16; VAE {spatial}x, patch {ph}x{pw}")
+
+    def token_grid(self, transformer: dict, vae: dict, height: int, width: int) -> tuple[int, ...]:
         """``(F' / pt, H / (s ph), W / (s pw))``, ``F' = (F - 1) / t + 1`` latent frames (VAE t x s x s)."""
         spatial, temporal = vae.get("scale_factor_spatial", 8), vae.get("scale_factor_temporal", 4)
         pt, ph, pw = transformer["patch_size"]
-        self._check_multiple(
-            math.lcm(16, spatial * ph, spatial * pw),
-            f"WanPipeline samples multiples of 16; VAE {spatial}x, patch {ph}x{pw}",
-        )
         d = self.cfg.data
         if (d.num_frames - 1) % temporal or ((d.num_frames - 1) // temporal + 1) % pt:
             raise ConfigError(
@@ -439,27 +454,35 @@ class WanTask(FlowFinetuneTask):
                 f"and the temporal patch {pt}"
             )
         frames = (d.num_frames - 1) // temporal + 1
-        return frames // pt, d.height // (spatial * ph), d.width // (spatial * pw)
+        return frames // pt, height // (spatial * ph), width // (spatial * pw)
 
     def raw_dataset(self) -> Dataset:
         d, listed = self.cfg.data, self.source.raw_dataset()  # hf / shards read by their source
-        return listed if listed is not None else CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width)
+        if listed is not None:
+            return listed
+        features = self.features
+        return CaptionedVideoFolder(d.path, d.num_frames, d.height, d.width, frames=features.frame_sampling(),
+                                    buckets=features.bucket_sizes())
 
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
-        pipe = self.frozen
-        vae = pipe.vae
-        video = item["pixels"][None].to(vae.device, vae.dtype)  # (1, 3, F, H, W) in [-1, 1]
-        z = vae.encode(video).latent_dist.mode()
+    def encode_pixels(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Wan VAE latents of ``(3, F, H, W)``, normalised as the pipeline decodes them
+        (``z = latents * std + mean``)."""
+        vae = self.frozen.vae
+        z = vae.encode(pixels[None].to(vae.device, vae.dtype)).latent_dist.mode()
         mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-        latents = (z.float() - mean) / std  # WanPipeline decodes with z = latents * std + mean
+        return {"latents": ((z.float() - mean) / std)[0]}
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """UMT5 features, zero-padded to ``data.max_sequence_length`` as the pipeline pads them."""
+        pipe = self.frozen
         embeds, _ = pipe.encode_prompt(
-            item["caption"],
+            caption,
             do_classifier_free_guidance=False,
-            device=vae.device,
+            device=pipe.vae.device,
             max_sequence_length=self.cfg.data.max_sequence_length,
         )
-        return {"latents": latents[0], "prompt_embeds": embeds[0].float()}
+        return {"prompt_embeds": embeds[0].float()}
 
     def generate_videos(self, transformer) -> np.ndarray:
         """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""

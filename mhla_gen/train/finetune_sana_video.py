@@ -42,9 +42,9 @@ class SanaVideoTask(WanTask):
     name = "sana-video"
     base = base_for("sana-video")
 
-    def token_grid(self, transformer: dict, vae: dict) -> tuple[int, ...]:
-        """Wan's grid; ``SanaVideoPipeline`` also wants heights and widths in multiples of 32, and the
-        latents normalised with the Wan VAE's statistics (the only VAE this task encodes with)."""
+    def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
+        """Wan's; ``SanaVideoPipeline`` also wants heights and widths in multiples of 32, and the latents
+        normalised with the Wan VAE's statistics (the only VAE this task encodes with)."""
         if "latents_mean" not in vae or "z_dim" not in vae:
             raise ConfigError(
                 f"model.pretrained={self.cfg.model.pretrained!r}: this task encodes with a Wan VAE "
@@ -52,28 +52,20 @@ class SanaVideoTask(WanTask):
             )
         spatial = vae.get("scale_factor_spatial", 8)
         _, ph, pw = transformer["patch_size"]
-        multiple = math.lcm(32, spatial * ph, spatial * pw)
-        self._check_multiple(multiple, "SanaVideoPipeline needs multiples of 32")
-        return super().token_grid(transformer, vae)
+        return math.lcm(32, spatial * ph, spatial * pw), "SanaVideoPipeline needs multiples of 32"
 
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
-        """Wan VAE latents (normalised as ``SanaVideoPipeline`` decodes them) and Gemma2 caption features
-        with their attention mask."""
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """Gemma2 caption features with their attention mask (the latents are Wan's, normalised as
+        ``SanaVideoPipeline`` decodes them)."""
         pipe = self.frozen
-        vae = pipe.vae
-        video = item["pixels"][None].to(vae.device, vae.dtype)  # (1, 3, F, H, W) in [-1, 1]
-        z = vae.encode(video).latent_dist.mode()
-        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
         embeds, mask, _, _ = pipe.encode_prompt(
-            item["caption"],
+            caption,
             do_classifier_free_guidance=False,
-            device=vae.device,
+            device=pipe.vae.device,
             complex_human_instruction=None,
             max_sequence_length=self.cfg.data.max_sequence_length,
         )
-        latents = (z.float() - mean) / std
-        return {"latents": latents[0], "prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
+        return {"prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
 
     def conditioning(self, batch: dict) -> dict:
         return {

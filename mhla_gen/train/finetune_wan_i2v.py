@@ -63,31 +63,31 @@ class WanI2VTask(WanTask):
                 f"takes exactly {CLIP_TEXT_TOKENS} text tokens"
             )
 
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
-        """Wan's latents and text, plus ``condition`` ``(4 + C, F', h, w)`` (mask, first-frame latents) and,
-        for a model with CLIP, ``image_embeds`` ``(257, image_dim)``."""
-        encoded = super().encode(item)
-        pipe, d = self.frozen, self.cfg.data
+    def encode_pixels(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Wan's latents, plus ``condition`` ``(4 + C, F', h, w)`` (mask, first-frame latents) and, for a
+        model with CLIP, ``image_embeds`` ``(257, image_dim)``; at the item's own size (its bucket's)."""
+        encoded = super().encode_pixels(pixels)
+        pipe = self.frozen
         device = pipe.vae.device
-        first = item["pixels"][:, 0][None].to(device, torch.float32)  # (1, 3, H, W) in [-1, 1]
+        frames, height, width = pixels.shape[1:]
+        first = pixels[:, 0][None].to(device, torch.float32)  # (1, 3, H, W) in [-1, 1]
         noise = torch.Generator(device).manual_seed(0)  # prepare_latents also draws latents: discarded
         _, condition = pipe.prepare_latents(
-            first, 1, pipe.vae.config.z_dim, d.height, d.width, d.num_frames, torch.float32, device, noise
+            first, 1, pipe.vae.config.z_dim, height, width, frames, torch.float32, device, noise
         )
         encoded["condition"] = condition[0].float()
         if pipe.image_encoder is not None:
-            encoded["image_embeds"] = pipe.encode_image(first_frame_image(item["pixels"]), device)[0].float()
+            encoded["image_embeds"] = pipe.encode_image(first_frame_image(pixels), device)[0].float()
         return encoded
 
     def conditioning(self, batch: dict) -> dict:
         extra = {"encoder_hidden_states_image": batch["image_embeds"]} if "image_embeds" in batch else {}
         return {**super().conditioning(batch), **extra}
 
-    def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
-        """Wan's inputs with the condition concatenated to the noisy latents, as the pipeline does."""
-        inputs, target = super().model_inputs(batch, rnd)
+    def with_condition(self, inputs: dict, batch: dict) -> dict:
+        """The condition concatenated to the noisy latents, as the pipeline does."""
         noisy = inputs["hidden_states"]
-        return {**inputs, "hidden_states": torch.cat([noisy, batch["condition"].to(noisy)], dim=1)}, target
+        return {**inputs, "hidden_states": torch.cat([noisy, batch["condition"].to(noisy)], dim=1)}
 
     def sample_conditions(self, count: int) -> list[Image.Image]:
         """The first frames of the first ``count`` training videos (cycled): the sample grid's images."""

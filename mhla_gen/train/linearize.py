@@ -246,6 +246,9 @@ class TransferTask(TrainTask):
         self.dataset = self.inner.build_dataset(accelerator)
         return self.dataset
 
+    def batch_sampler(self, dataset: Dataset, batch_size: int, processes: int, seed: int):
+        return self.inner.batch_sampler(dataset, batch_size, processes, seed)  # e.g. aspect-ratio buckets
+
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         inputs, _ = self.inner.model_inputs(batch, rnd)
         return self.objective(model, inputs, whole_batch=True)
@@ -333,9 +336,13 @@ class TransferTask(TrainTask):
         source = getattr(self.inner, "source", None)  # a DiT's data source (train/dit_sources.py)
         held_out = source.held_out() if hasattr(source, "held_out") else None
         dataset = held_out if held_out is not None else self.dataset
+        # with buckets (items of several sizes), each batch holds one bucket: the sampler's first batches
+        buckets = self.batch_sampler(dataset, size, 1, self.cfg.seed + 7919) if held_out is None else None
+        indices = buckets.global_batches() if buckets is not None else None
         batches = []
         for i in range(self.cfg.transfer.eval_batches):
-            items = [dataset[(i * size + j) % len(dataset)] for j in range(size)]
+            chosen = indices[i % len(indices)] if indices else [(i * size + j) for j in range(size)]
+            items = [dataset[k % len(dataset)] for k in chosen]
             batch = (self.collate_fn or default_collate)(items)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             rnd = StepRandom(self.cfg.seed + 7919, i, size, device=self.device)

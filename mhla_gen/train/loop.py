@@ -47,7 +47,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, skip_first_batches
 from accelerate.utils import ProjectConfiguration, set_seed
 from PIL import Image
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -63,14 +63,29 @@ from ..folders import (
     write_marker,
 )
 from ..locks import die_with_launcher, release
-from ..lora import add_lora, lora_training_parameters, merged_lora_copy
+from ..lora import (
+    LORA_TARGET_MODULES,
+    add_lora,
+    check_lora_targets,
+    lora_training_parameters,
+    merged_lora_copy,
+)
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
-from .config import ConfigError, RunConfig, TrainConfig, config_to_dict, config_to_yaml
+from .config import (
+    CHANGED_DEFAULTS,
+    ConfigError,
+    RunConfig,
+    TrainConfig,
+    config_to_dict,
+    config_to_yaml,
+    given_settings,
+)
 from .distill import Distiller
-from .distributed import GatheredEMA, check_launcher, check_world_size, is_sharded, set_fsdp_units
+from .distributed import GatheredEMA, check_fsdp, check_launcher, check_world_size, is_sharded, set_fsdp_units
 from .io import append_jsonl, atomic_write_text, read_jsonl
+from .optimizers import check_optimizer, make_optimizer
 from .randomness import StepRandom
 from .tracking import check_trackers, log_grid, make_lr_scheduler, run_summary, tracker_init_kwargs
 
@@ -125,10 +140,31 @@ class TrainTask:
         raise NotImplementedError
 
     def lora_signature(self) -> dict | None:
-        """The signature's ``lora`` entry: rank and alpha of a ``train.trainable=lora`` run, else None
-        (not absent, so checkpoints written before LoRA existed still match)."""
+        """The signature's ``lora`` entry: rank and alpha (and target modules other than the default) of a
+        ``train.trainable=lora`` run, else None (not absent, so checkpoints written before LoRA existed
+        still match)."""
         tc = self.cfg.train
-        return {"rank": tc.lora_rank, "alpha": tc.lora_alpha} if tc.trainable == "lora" else None
+        if tc.trainable != "lora":
+            return None
+        targets = list(tc.lora_target_modules)
+        extra = {} if targets == list(LORA_TARGET_MODULES) else {"target_modules": targets}
+        return {"rank": tc.lora_rank, "alpha": tc.lora_alpha, **extra}
+
+    def architecture(self) -> nn.Module | None:
+        """The transformer to train, built without weights (``accelerate.init_empty_weights``) for checks
+        before any work (``train.lora_target_modules``); None when the task cannot say."""
+        return None
+
+    def check_lora_targets(self) -> None:
+        """``train.trainable=lora``: every ``train.lora_target_modules`` entry names modules of the
+        model (:meth:`architecture`); ConfigError naming the first that does not."""
+        tc = self.cfg.train
+        model = self.architecture() if tc.trainable == "lora" else None
+        if model is not None:
+            try:
+                check_lora_targets(model, tc.lora_target_modules, "train.lora_target_modules")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
     def build_transformer(self) -> nn.Module:
         """The transformer to train, MHLA installed (float32 master weights)."""
@@ -144,6 +180,12 @@ class TrainTask:
         """Training items (dicts of tensors). Caches are built here (main process first), with what
         :meth:`setup` loaded."""
         raise NotImplementedError
+
+    def batch_sampler(self, dataset: Dataset, batch_size: int, processes: int, seed: int) -> Sampler | None:
+        """The loader's batches when they are not plain shuffled ones (e.g. one aspect-ratio bucket per
+        batch, :class:`~mhla_gen.data.buckets.BucketBatchSampler`): ``batch_size`` items per process,
+        ordered by ``seed`` and ``set_epoch`` only (exact resume). None: shuffled batches."""
+        return None
 
     def loss(self, model: nn.Module, batch: dict, rnd: StepRandom) -> torch.Tensor:
         """Scalar training loss of one micro-batch; every random draw goes through ``rnd``. Tasks add
@@ -171,7 +213,10 @@ class TrainTask:
         """``train.trainable=lora``: a LoRA adapter on every attention's q/k/v/out.0, the MHLA parameters
         kept trainable (``mhla_gen.lora.add_lora``); ``transformer`` as it is otherwise."""
         tc = self.cfg.train
-        return add_lora(transformer, tc.lora_rank, tc.lora_alpha) if tc.trainable == "lora" else transformer
+        if tc.trainable != "lora":
+            return transformer
+        return add_lora(transformer, tc.lora_rank, tc.lora_alpha, tc.lora_target_modules,
+                        lora_dropout=tc.lora_dropout)
 
     def save_final(self, transformer: nn.Module, folder: Path) -> None:
         """Write the final weights into ``folder`` (main process): ``save_pretrained``, a LoRA run's adapter
@@ -188,6 +233,16 @@ class TrainTask:
     def finish(self, transformer: nn.Module, accelerator) -> dict:
         """End-of-run evaluation (main process, final weights); returns metrics to record."""
         return {}
+
+
+def empty_model(cls: type, config: dict) -> nn.Module:
+    """A diffusers model of class ``cls`` from a ``config.json`` dict, its weights on the meta device
+    (``accelerate.init_empty_weights``): the module tree for checks, no memory, no weights read."""
+    from accelerate import init_empty_weights
+
+    init, _, _ = cls.extract_init_dict(dict(config))
+    with init_empty_weights():
+        return cls(**init)
 
 
 class TrainCallback:
@@ -223,6 +278,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: object = None
     loader: DataLoader | None = None
+    batch_sampler: Sampler | None = None  # the task's own (before prepare), when it has one
     params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones, after prepare
     ema: GatheredEMA | None = None
 
@@ -246,6 +302,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     check_launcher()  # DeepSpeed: refused before Accelerate starts it
     die_with_launcher()  # a rank of torchrun / accelerate launch stops with it (SIGKILL included)
     check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
+    check_optimizer(cfg.train)  # its package imports
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
@@ -254,14 +311,17 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
     )
     check_world_size(accelerator)
+    check_fsdp(accelerator)  # an FSDP launch that Accelerate runs unsharded (e.g. on CPU)
     local_batch = local_batch_size(cfg.train, accelerator.num_processes)
     task.validate()  # everything the run uses, before any work
+    task.check_lora_targets()
     inputs = task.inputs()
     check_apart(out, "output_dir", inputs, holds_ok=task.written_inside())  # never where an input is
     check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, cfg.train.global_batch_size)
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
         ckpt.check_signature(resume_from, task.signature())
+        follow_recorded(cfg, resume_from)
     check_run_folder(out)  # every process: all raise, none waits
     fsdp = is_sharded(accelerator)
 
@@ -315,6 +375,33 @@ def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
             f"or choose another output_dir"
         )
     return resume_from, start
+
+
+def follow_recorded(cfg: RunConfig, resume_from: Path) -> None:
+    """A resumed run keeps the value its ``config.yaml`` records for a setting whose default changed since
+    (:data:`~mhla_gen.train.config.CHANGED_DEFAULTS`, e.g. ``train.max_grad_norm``), unless the setting
+    is given again (config file or command line); a warning says which value it goes on with. ``cfg`` is
+    changed in place (before ``config.yaml`` is written again)."""
+    from omegaconf import OmegaConf
+
+    record = Path(resume_from).parent.parent / "config.yaml"  # output_dir/checkpoints/checkpoint_N
+    if not record.is_file():
+        return
+    recorded, given = OmegaConf.load(record), given_settings(cfg)
+    for setting, (old_default, date) in CHANGED_DEFAULTS.items():
+        *parents, name = setting.split(".")
+        section = cfg
+        for part in parents:
+            section = getattr(section, part)
+        value, now = OmegaConf.select(recorded, setting), getattr(section, name)
+        if value is None or value == now:
+            continue
+        if given is None or setting in given:
+            logger.warning("resume: %s=%s as given; this run's config.yaml recorded %s", setting, now, value)
+            continue
+        setattr(section, name, value)
+        logger.warning("resume: %s=%s, as this run's config.yaml records (the default is %s since %s; it was "
+                       "%s); give %s=... to change it", setting, value, now, date, old_default, setting)
 
 
 def check_batch_fits(items: int | None, per_micro_step: int, global_batch: int) -> None:
@@ -402,10 +489,7 @@ def build(run: Run) -> None:
         transformer.enable_gradient_checkpointing()
     transformer.train()
     params = task.trainable_parameters(transformer)
-    optimizer = torch.optim.AdamW(
-        params, lr=tc.learning_rate, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
-        weight_decay=tc.weight_decay,
-    )
+    optimizer = make_optimizer(tc, params, sharded=run.fsdp)
     lr_scheduler = make_lr_scheduler(tc, optimizer, accelerator.num_processes)
     with accelerator.main_process_first():
         task.setup(accelerator)
@@ -416,6 +500,10 @@ def build(run: Run) -> None:
         dataset = task.build_dataset(accelerator)
     loader = _loader(run, dataset)
     check_batch_fits(len(dataset), run.local_batch, tc.global_batch_size)  # the loader drops partial batches
+    if run.batch_sampler is not None and len(loader) == 0:  # each bucket holds less than a global batch
+        raise ConfigError(f"no bucket of the data holds a whole micro-batch ({run.local_batch} x "
+                          f"{accelerator.num_processes} processes); lower train.global_batch_size or merge "
+                          f"buckets (data.buckets)")
     summary = run_summary(cfg, task.name, transformer, len(dataset), accelerator, run.local_batch, run.step,
                           _distributed(run))  # before prepare: shards would count 1/N
     if run.fsdp:
@@ -469,17 +557,20 @@ def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Paramete
 
 def _loader(run: Run, dataset: Dataset) -> DataLoader:
     """Shuffled (seeded), incomplete last batch dropped; Accelerate's ``prepare`` makes its sampler
-    seedable per epoch and shards it over processes."""
-    return DataLoader(
-        dataset,
-        batch_size=run.local_batch,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(run.cfg.seed),
+    seedable per epoch and shards it over processes. A task's own batch sampler (buckets) replaces the
+    shuffling; :func:`_batches` sets its epoch."""
+    common = dict(
         num_workers=_num_workers(run.cfg.train.num_workers),
         collate_fn=run.task.collate_fn,
         pin_memory=run.accelerator.device.type == "cuda",  # with non_blocking: batches copied asynchronously
     )
+    processes = run.accelerator.num_processes
+    run.batch_sampler = run.task.batch_sampler(dataset, run.local_batch, processes, run.cfg.seed)
+    if run.batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=run.batch_sampler, **common)
+    generator = torch.Generator().manual_seed(run.cfg.seed)
+    return DataLoader(dataset, batch_size=run.local_batch, shuffle=True, drop_last=True, generator=generator,
+                      **common)
 
 
 def _num_workers(requested: int) -> int:
@@ -506,7 +597,7 @@ def run_steps(run: Run) -> None:
     )
     with logging_redirect_tqdm():  # log lines (checkpoint saves, warnings) print above the bar
         while run.step < cfg.train.max_steps:
-            for batch in _batches(run.loader, epoch, skip):
+            for batch in _batches(run.loader, epoch, skip, run.batch_sampler):
                 rnd = StepRandom(
                     cfg.seed, micro, run.local_batch, accelerator.process_index, accelerator.num_processes,
                     accelerator.device, generator,
@@ -521,9 +612,13 @@ def run_steps(run: Run) -> None:
         bar.close()
 
 
-def _batches(loader, epoch: int, skip: int) -> Iterator:
-    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted."""
+def _batches(loader, epoch: int, skip: int, batch_sampler: Sampler | None = None) -> Iterator:
+    """Batches of ``epoch`` from batch ``skip`` on (resume mid-epoch), in the same order as uninterrupted.
+    ``batch_sampler``: the task's own, whose epoch is set here (Accelerate's wrappers for several processes
+    and for skipping do not pass ``set_epoch`` on to it)."""
     loader.set_epoch(epoch)  # SeedableRandomSampler: permutation seeded by seed + epoch
+    if batch_sampler is not None:
+        batch_sampler.set_epoch(epoch)
     return iter(skip_first_batches(loader, skip) if skip else loader)
 
 

@@ -146,9 +146,24 @@ def flow_matching_inputs(
     return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": sigmas * num_train_timesteps}
 
 
-def flow_matching_mse(prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The model predicts the velocity v = ε - x0; mean squared error in fp32."""
-    return ((prediction.float() - (noise - x0).float()) ** 2).mean()
+def flow_matching_loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
+    """The loss weight of each sample (B,) at its σ, ``flow.loss_weighting``: diffusers'
+    ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``: σ⁻², ``cosmap``: 2 / (π (1 - 2σ + 2σ²)); ``none``:
+    ones)."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    return compute_loss_weighting_for_sd3(scheme, sigmas.float()).float()
+
+
+def flow_matching_mse(
+    prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The model predicts the velocity v = ε - x0; mean squared error in fp32, each sample's error times
+    its weight ``weights`` (B,) where given (diffusers' SD3 / SANA training loss)."""
+    error = (prediction.float() - (noise - x0).float()) ** 2
+    if weights is None:
+        return error.mean()
+    return (weights.view(-1, *([1] * (error.ndim - 1))) * error).mean()
 
 
 def flow_matching_loss(

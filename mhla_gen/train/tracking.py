@@ -88,8 +88,9 @@ def run_summary(
         f"batch          {local_batch} per device x {accelerator.num_processes} processes x "
         f"{tc.gradient_accumulation_steps} accumulation = {tc.global_batch_size} global",
         f"precision      mixed_precision={accelerator.mixed_precision}, {distributed}",
-        f"optimizer      AdamW lr={tc.learning_rate:g}, {tc.lr_scheduler} schedule, "
-        f"{tc.lr_warmup_steps} warm-up steps, EMA {tc.ema_decay if tc.ema_decay > 0 else 'off'}",
+        f"optimizer      {tc.optimizer} lr={tc.learning_rate:g}, {tc.lr_scheduler} schedule, "
+        f"{tc.lr_warmup_steps} warm-up steps, gradient clipping {tc.max_grad_norm or 'off'}, "
+        f"EMA {tc.ema_decay if tc.ema_decay > 0 else 'off'}",
         f"trackers       {', '.join(cfg.log.trackers) or 'none'} (metrics also in metrics.jsonl)",
         f"output_dir     {Path(cfg.output_dir).resolve()}",
     ]
