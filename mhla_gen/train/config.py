@@ -30,7 +30,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
 DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
-CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
+CAPTION_SOURCES = ("folder", "teacher", "hf", "shards", "moving_shapes")
 
 
 T = TypeVar("T")
@@ -363,9 +363,10 @@ class CaptionDataConfig:
     image_column: str = "image"  # SANA
     video_column: str = "video"  # Wan
     caption_column: str = "text"
+    clips: int = 1000  # data.source=moving_shapes (video models): clips drawn in code (data/moving_shapes.py)
 
     def __post_init__(self):
-        for name in ("height", "width", "num_frames", "max_sequence_length"):
+        for name in ("height", "width", "num_frames", "max_sequence_length", "clips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not self.sample_prompts:
