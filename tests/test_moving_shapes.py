@@ -66,6 +66,11 @@ def test_clips_are_deterministic_and_drawn_one_by_one():
     item = data[11]
     assert len(data) == 12 and item["caption"] == "two orange shapes moving" and item["class_labels"] == 1
     assert torch.equal(item["pixels"], videos[11] * 2 - 1) and len(set(data.paths)) == 12
+    # the class table, literally: class c holds 1 + c % 3 shapes, said in its caption
+    shapes = [ndimage.label(clip[:, 0].max(axis=0) > 0)[1] for clip in videos.numpy()[:10]]
+    assert shapes == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+    assert [ms.class_caption(c) for c in (0, 2, 9)] == ["one red shape moving", "three lime shapes moving",
+                                                        "one pink shape moving"]
 
 
 def test_bad_sizes_are_refused():
