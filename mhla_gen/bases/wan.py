@@ -10,7 +10,7 @@ BASE = Base(
     grid=TokenGrid(ndim=3, rope="3d rope: before_phi (default) | after_phi_numerator (mhla.wan_rope)"),
     conditioning="captions",
     objective="flow",
-    data_sources=("folder", "teacher", "hf", "shards"),
+    data_sources=("folder", "teacher", "hf", "shards", "moving_shapes"),
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune:WanTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),

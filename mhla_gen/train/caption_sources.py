@@ -3,7 +3,8 @@
 ``folder``: images or videos with captions in ``data.path`` (``metadata.jsonl`` or a ``.txt`` per item);
 ``teacher``: ``data.teacher_samples`` samples of the prompts in ``data.prompts_file`` drawn from
 ``model.pretrained`` at setup into ``data.path``, then read as a folder; ``hf``: a ``datasets`` dataset
-(:mod:`mhla_gen.data.hf_datasets`); ``shards``: webdataset-style tar shards (:mod:`mhla_gen.data.shards`).
+(:mod:`mhla_gen.data.hf_datasets`); ``shards``: webdataset-style tar shards (:mod:`mhla_gen.data.shards`);
+``moving_shapes`` (video models): ``data.clips`` clips drawn in code (:mod:`mhla_gen.data.moving_shapes`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from torch.utils.data import Dataset
 
 from ..data.hf_datasets import HFCaptionedImages, HFCaptionedVideos
 from ..data.images import require_dir
+from ..data.moving_shapes import MovingShapesVideos, check_moving_shapes_data
 from ..data.shards import TarShardDataset, input_folder, list_shards
 from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
+from ..errors import ConfigError
 from .loop import TrainTask
 
 
@@ -139,8 +142,37 @@ class TarShardSource(CaptionSource):
         return input_folder(self.data.path)
 
 
+class MovingShapesSource(CaptionSource):
+    """Moving shapes drawn in code, captioned with their class (``"two orange shapes moving"``): the
+    training set (seed 0) of ``data.clips`` clips of ``data.num_frames`` x ``data.height`` x ``data.width``.
+    Video models only; no files are read."""
+
+    name = "moving_shapes"
+
+    def validate(self) -> None:
+        if not self.task.base.video:
+            raise ConfigError(
+                f"data.source=moving_shapes draws videos; the {self.task.name} model makes images"
+            )
+        try:
+            check_moving_shapes_data(self.data.num_frames, self.data.height, self.data.width)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def count_items(self) -> int:
+        return self.data.clips
+
+    def raw_dataset(self) -> Dataset:
+        d = self.data
+        return MovingShapesVideos(d.num_frames, d.height, d.width, count=d.clips)
+
+    def input_path(self) -> str | None:
+        return None  # drawn in code
+
+
 CAPTION_SOURCES: dict[str, type[CaptionSource]] = {
     source.name: source
-    for source in (CaptionedFolderSource, CaptionTeacherSource, CaptionedHFSource, TarShardSource)
+    for source in (CaptionedFolderSource, CaptionTeacherSource, CaptionedHFSource, TarShardSource,
+                   MovingShapesSource)
 }
 """``data.source`` -> its class."""

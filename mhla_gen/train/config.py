@@ -31,7 +31,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 # data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
 DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
-CAPTION_SOURCES = ("folder", "teacher", "hf", "shards")
+CAPTION_SOURCES = ("folder", "teacher", "hf", "shards", "moving_shapes")
 # train.optimizer values (mhla_gen.train.optimizers: the library each comes from, the extra that installs it)
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 # flow.loss_weighting values: diffusers.training_utils.compute_loss_weighting_for_sd3's schemes
@@ -413,9 +413,10 @@ class CaptionDataConfig:
     # random (a start drawn once per item from the run's seed); frame_stride: every n-th frame (first, random)
     frame_sampling: str = "first"
     frame_stride: int = 1
+    clips: int = 1000  # data.source=moving_shapes (video models): clips drawn in code (data/moving_shapes.py)
 
     def __post_init__(self):
-        for name in ("height", "width", "num_frames", "max_sequence_length", "frame_stride"):
+        for name in ("height", "width", "num_frames", "max_sequence_length", "frame_stride", "clips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.frame_sampling not in FRAME_SAMPLINGS:
