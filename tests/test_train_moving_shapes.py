@@ -14,7 +14,7 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.train.caption_sources import CAPTION_SOURCES
 from mhla_gen.train.config import CaptionDataConfig
 
-TINY = str(REPO / "configs" / "tiny" / "wan.yaml")
+TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")
