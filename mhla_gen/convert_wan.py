@@ -344,6 +344,21 @@ def convert_wan_checkpoint(
     return model.eval()
 
 
+def is_release_checkpoint(state: dict[str, torch.Tensor]) -> bool:
+    """Whether an original-layout state dict carries the release's MHLA (a mixing matrix in some block)."""
+    return any((m := _BLOCK_KEY.fullmatch(k)) and m.group(2) == MIXING_KEY for k in _strip_prefixes(state))
+
+
+def release_checkpoint_model(checkpoint: dict[str, torch.Tensor], load_config):
+    """``MHLAWanTransformer3DModel.from_single_file``'s converter (:mod:`mhla_gen.single_file`): the model
+    (a ``WanTransformer3DModel`` with MHLA) of a release-format checkpoint (the tensors as diffusers reads
+    the file, dtypes kept), or None when ``checkpoint`` carries no release MHLA. ``load_config()`` gives
+    the diffusers transformer config; it is called only for a release checkpoint."""
+    if not is_release_checkpoint(checkpoint):
+        return None
+    return convert_wan_checkpoint(_strip_prefixes(checkpoint), load_config(), torch_dtype=None)
+
+
 def _check_against_model(model: WanTransformer3DModel, converted: dict[str, torch.Tensor]) -> None:
     """Missing / unexpected / mis-shaped keys, named as in the original checkpoint, in one ValueError."""
     expected = model.state_dict()

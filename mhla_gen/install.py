@@ -20,6 +20,9 @@ bare stock class's ``from_pretrained`` on such a folder drops the MHLA weights (
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+
 import torch
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
@@ -138,7 +141,8 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
     attention_layers = processor_cls.self_attention(transformer)
     selected = _selected_layers(cfg, len(attention_layers))
     if is_mhla_installed(transformer):
-        uninstall_mhla(transformer)
+        _put_stock_processors(transformer)
+        _forget_mhla(transformer)  # the class comes back below: pipelines holding the model stay right
 
     for index in selected:
         attn = attention_layers[index]
@@ -148,10 +152,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         attn.set_processor(processor)
 
     transformer.mhla_config = cfg
-    transformer._mhla_hooks = [
-        transformer.register_forward_pre_hook(_check_latent, with_kwargs=True),
-        *processor_cls.grid_hooks(transformer),
-    ]
+    _register_hooks(transformer)
     transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
     _set_model_class(transformer, mhla=True)
     return transformer
@@ -160,31 +161,137 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
 def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     """Put the stock diffusers processors back and remove the hook and the config; returns ``transformer``.
 
-    The result computes exactly what a never-touched model computes (the MHLA parameters are dropped).
+    The result computes exactly what a never-touched model computes (the MHLA parameters are dropped), and
+    a diffusers pipeline holding ``transformer`` records the stock class again (its ``model_index.json``
+    names diffusers' class, as for a never-touched model).
     """
     if not is_mhla_installed(transformer):
         raise ValueError(f"no MHLA installed in this {type(transformer).__name__}")
+    _put_stock_processors(transformer)
+    _forget_mhla(transformer)
+    _follow_in_pipelines(transformer)
+    return transformer
+
+
+def _put_stock_processors(transformer: nn.Module) -> None:
     processor_cls = base_for_model(transformer).processor
     for attn in processor_cls.self_attention(transformer):
         if isinstance(attn.processor, MHLAProcessor):
             processor = processor_cls.stock_processor()
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
+
+
+def _register_hooks(transformer: nn.Module) -> None:
+    """(Re-)register the latent check and the grid hooks of the layers that run MHLA now."""
+    for hook in getattr(transformer, "_mhla_hooks", []):
+        hook.remove()
+    transformer._mhla_hooks = [
+        transformer.register_forward_pre_hook(_check_latent, with_kwargs=True),
+        *base_for_model(transformer).processor.grid_hooks(transformer),
+    ]
+
+
+def _forget_mhla(transformer: nn.Module) -> None:
+    """Drop the MHLA record (hooks, ``mhla_config``, ``config["mhla"]``, the MHLA class), processors as
+    they are: the model is stock from here on, for every loader and saver."""
     for hook in transformer._mhla_hooks:
         hook.remove()
     for name in ("_mhla_hooks", "mhla_config"):
         delattr(transformer, name)
     transformer._internal_dict = FrozenDict({k: v for k, v in transformer.config.items() if k != CONFIG_KEY})
     _set_model_class(transformer, mhla=False)
-    return transformer
+
+
+def record_mhla_layers(transformer: nn.Module) -> None:
+    """Make the MHLA record name the self-attention layers that run MHLA now, after processors were set
+    through diffusers (``set_attn_processor``): ``mhla_config.layers`` and ``config["mhla"]`` list the
+    layers still holding an MHLA processor, and without any the model is stock (as after
+    :func:`uninstall_mhla`, the processors diffusers set left in place). A no-op without MHLA."""
+    if not is_mhla_installed(transformer):
+        return
+    cfg = transformer.mhla_config
+    layers = base_for_model(transformer).processor.self_attention(transformer)
+    running = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
+    if not running:
+        _forget_mhla(transformer)
+        _follow_in_pipelines(transformer)
+        return
+    if running != _selected_layers(cfg, len(layers)):
+        cfg = dataclasses.replace(cfg, layers=None if len(running) == len(layers) else running)
+        transformer.mhla_config = cfg
+        transformer.register_to_config(**{CONFIG_KEY: cfg.to_dict()})
+    for i in running:
+        layers[i].processor.cfg = cfg  # differs at most in `layers` (check_mhla_placement)
+    _register_hooks(transformer)
+
+
+def check_mhla_placement(transformer: nn.Module, processor) -> None:
+    """ValueError, before anything changes, when ``set_attn_processor(processor)`` would put an MHLA
+    processor where this model's MHLA cannot run: an attention that is not self-attention, a processor of
+    another base or another MHLA config (one model runs one config), or one processor in two layers.
+    ``processor``: one processor for every layer, or ``{"<module>.processor": processor}``."""
+    processor_cls = base_for_model(transformer).processor
+    names = {id(m): name for name, m in transformer.named_modules()}
+    self_attention = {f"{names[id(attn)]}.processor" for attn in processor_cls.self_attention(transformer)}
+    given = processor if isinstance(processor, dict) else {k: processor for k in transformer.attn_processors}
+    layerless = dataclasses.replace(transformer.mhla_config, layers=None)
+    bad, seen = [], {}
+    for key, proc in given.items():
+        if not isinstance(proc, MHLAProcessor):
+            continue
+        if key not in self_attention or not isinstance(proc, processor_cls):
+            bad.append(f"{key}: {type(proc).__name__} cannot run there")
+        elif dataclasses.replace(proc.cfg, layers=None) != layerless:
+            bad.append(f"{key}: its MHLA config differs from this model's {layerless.to_dict()}")
+        if id(proc) in seen:
+            bad.append(f"{key}: the processor of {seen[id(proc)]} again")
+        seen.setdefault(id(proc), key)
+    if bad:
+        raise ValueError(
+            f"set_attn_processor refused (nothing changed) for this {type(transformer).__name__}: "
+            + "; ".join(bad) + ". MHLA processors stay in self-attention layers with the installed config; "
+            "use install_mhla to install another MHLA"
+        )
+
+
+def _pipelines_holding(component: nn.Module) -> list:
+    """``[(pipeline, component name)]`` for every live diffusers pipeline that holds ``component``.
+
+    A model does not know the pipelines it sits in; the garbage collector does (a pipeline, or its
+    ``__dict__``, refers to the model), so this looks there instead of asking callers for the pipeline.
+    """
+    from diffusers import DiffusionPipeline
+
+    owners = []
+    for referrer in gc.get_referrers(component):
+        if isinstance(referrer, DiffusionPipeline):
+            owners.append(referrer)
+        elif isinstance(referrer, dict):
+            owners += [o for o in gc.get_referrers(referrer)
+                       if isinstance(o, DiffusionPipeline) and o.__dict__ is referrer]
+    unique = {id(pipe): pipe for pipe in owners}.values()
+    return [(pipe, name) for pipe in unique for name, entry in pipe.config.items()
+            if isinstance(entry, (tuple, list)) and pipe.__dict__.get(name) is component]
+
+
+def _follow_in_pipelines(transformer: nn.Module) -> None:
+    """Re-register ``transformer`` in the pipelines holding it, so that their ``model_index.json`` names
+    its class as it is now (diffusers records a component's class when it is registered). Called when a
+    model goes back to stock; ``install_mhla`` does not look (a scan of every live object: a third of a
+    second in a process with torch and diffusers loaded, too slow for every install), so a pipeline built
+    before an in-place install needs ``pipe.register_modules(transformer=pipe.transformer)``."""
+    for pipe, name in _pipelines_holding(transformer):
+        pipe.register_modules(**{name: transformer})
 
 
 def check_mhla_consistent(transformer: nn.Module, action: str = "saving") -> None:
     """ValueError naming ``uninstall_mhla`` unless the processors that run are the ones ``config["mhla"]``
     describes: an MHLA processor of that config in exactly the configured layers, stock elsewhere.
 
-    A processor replaced behind ``install_mhla``'s back (``attn.set_processor``, diffusers'
-    ``set_attn_processor``) would otherwise be saved as a folder that claims MHLA and does not load.
+    A processor replaced behind ``install_mhla``'s back (diffusers' per-module ``attn.set_processor``; the
+    model-level ``set_attn_processor`` of the MHLA classes updates the record instead) would otherwise be
+    saved as a folder that claims MHLA and does not load.
     """
     cfg = transformer.mhla_config
     layers = base_for_model(transformer).processor.self_attention(transformer)

@@ -223,15 +223,36 @@ def is_lora_folder(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def _adapter_file_state(transformer: nn.Module, adapter_name: str) -> tuple[dict, dict]:
-    """``(state, metadata)`` of the adapter file, unprefixed: the LoRA weights and ``LoraConfig`` of
-    ``adapter_name``, plus the MHLA parameters and config when MHLA is installed."""
+def lora_state_dict(transformer: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's weights as peft's ``get_peft_model_state_dict`` gives them, plus the MHLA parameters
+    (keys ``mhla_with_lora.<parameter>``) when MHLA is installed: what diffusers' pipeline LoRA writers take,
+    so ``SanaPipeline.save_lora_weights(d, transformer_lora_layers=lora_state_dict(t),
+    transformer_lora_adapter_metadata=lora_adapter_metadata(t))`` keeps the MHLA (peft's state dict alone,
+    as in diffusers' training examples, drops it)."""
+    if adapter_name not in getattr(transformer, "peft_config", {}):
+        raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter named {adapter_name!r}")
     state = dict(get_peft_model_state_dict(transformer, adapter_name=adapter_name))
-    metadata = transformer.peft_config[adapter_name].to_dict()
     if is_mhla_installed(transformer):
         state.update({f"{MHLA_ENTRY}.{k}": v for k, v in mhla_state_dict(transformer).items()})
+    return state
+
+
+def lora_adapter_metadata(transformer: nn.Module, adapter_name: str = "default") -> dict:
+    """The adapter's ``LoraConfig`` as a dict (what diffusers' examples pass as
+    ``transformer_lora_adapter_metadata``), plus the MHLA config under :data:`MHLA_MARKER` when MHLA is
+    installed (a stock transformer's ``load_lora_adapter`` then refuses the file, naming the right call)."""
+    if adapter_name not in getattr(transformer, "peft_config", {}):
+        raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter named {adapter_name!r}")
+    metadata = transformer.peft_config[adapter_name].to_dict()
+    if is_mhla_installed(transformer):
         metadata[MHLA_MARKER] = transformer.mhla_config.to_dict()
-    return state, metadata
+    return metadata
+
+
+def _adapter_file_state(transformer: nn.Module, adapter_name: str) -> tuple[dict, dict]:
+    """``(state, metadata)`` of the adapter file, unprefixed (:func:`lora_state_dict`,
+    :func:`lora_adapter_metadata`)."""
+    return lora_state_dict(transformer, adapter_name), lora_adapter_metadata(transformer, adapter_name)
 
 
 def save_lora_mhla(
@@ -430,8 +451,23 @@ def _split_mhla_entries(state: dict, metadata: dict | None, prefix: str | None):
 
 
 class MHLALoraMixin:
-    """``load_lora_adapter`` of the MHLA transformer classes (:mod:`mhla_gen.models`): a LoRA + MHLA
-    adapter file's MHLA parameters load with its adapter (also through ``pipe.load_lora_weights``)."""
+    """``load_lora_adapter`` of the MHLA transformer classes (:mod:`mhla_gen.models`): a LoRA + MHLA adapter
+    file's MHLA parameters load with its adapter (also through ``pipe.load_lora_weights``); and
+    ``save_lora_adapter``, diffusers' own, warns that it leaves the MHLA parameters behind."""
+
+    def save_lora_adapter(self, save_directory, *args, **kwargs):
+        """diffusers' ``save_lora_adapter``, unchanged (the adapter only: diffusers' own tests read every
+        key of the file back as an adapter weight), with a warning that the MHLA parameters stay behind and
+        how to keep them."""
+        super().save_lora_adapter(save_directory, *args, **kwargs)
+        if is_mhla_installed(self):
+            logger.warning(
+                "save_lora_adapter wrote the LoRA adapter of this %s to %s without its MHLA parameters; "
+                "mhla_gen.lora.save_lora_mhla(transformer, folder, base=...) writes both, as does a "
+                "pipeline's save_lora_weights given transformer_lora_layers=mhla_gen.lora.lora_state_dict("
+                "transformer)",
+                type(self).__name__, save_directory,
+            )
 
     def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap=False,
                           **kwargs):

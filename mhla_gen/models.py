@@ -14,14 +14,20 @@ first), and the class's ``from_pretrained`` / ``from_config`` build the model wi
     transformer = AutoModel.from_pretrained(folder, subfolder="transformer")
     transformer = MHLADiTTransformer2DModel.from_pretrained(folder, subfolder="transformer")
 
-The MHLA classes add three guards to the stock behaviour:
+The MHLA classes add to the stock behaviour:
 
+- ``from_pretrained`` refuses a folder whose config records MHLA but whose weights lack it (a folder re-saved
+  by the stock class: :func:`mhla_gen.serialization.check_mhla_weights`) instead of leaving meta tensors;
 - ``save_pretrained`` refuses a model whose processors no longer match ``config["mhla"]``
-  (:func:`mhla_gen.install.check_mhla_consistent`), whoever replaced them;
-- ``set_attn_processor`` (SANA, Wan: diffusers' ``AttentionMixin``) refuses to replace or add MHLA
-  processors, naming ``uninstall_mhla``;
-- ``load_lora_adapter`` (SANA, Wan: ``PeftAdapterMixin``) also loads the MHLA parameters that a LoRA + MHLA
-  adapter file carries (:class:`mhla_gen.lora.MHLALoraMixin`), so ``pipe.load_lora_weights(folder)`` works.
+  (:func:`mhla_gen.install.check_mhla_consistent`), whoever replaced them module by module;
+- ``set_attn_processor`` (diffusers' ``AttentionMixin``: SANA, SANA-Video, Wan) sets what it is given, as in
+  diffusers, and the MHLA record follows (:func:`mhla_gen.install.record_mhla_layers`): replaced layers leave
+  MHLA, none left makes the model stock;
+- ``load_lora_adapter`` (``PeftAdapterMixin``: SANA, SANA-Video, Wan) also loads the MHLA parameters that a
+  LoRA + MHLA adapter file carries (:class:`mhla_gen.lora.MHLALoraMixin`), so
+  ``pipe.load_lora_weights(folder)`` works; ``save_lora_adapter`` warns that it writes the adapter only;
+- ``from_single_file`` (``FromOriginalModelMixin``: SANA, SANA-Video, Wan) converts a release MHLA checkpoint
+  (the released Wan-MHLA) and refuses other MHLA single files (:mod:`mhla_gen.single_file`).
 
 A new base is one line at the end of this file: ``MHLAFooModel = mhla_model_class(FooModel)`` (Wan2.2's
 ``transformer_2`` and Wan I2V are ``WanTransformer3DModel`` too: nothing to add).
@@ -39,6 +45,7 @@ from diffusers import (
     SanaVideoTransformer3DModel,
     WanTransformer3DModel,
 )
+from diffusers.loaders import FromOriginalModelMixin
 from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
@@ -46,19 +53,45 @@ from diffusers.models.modeling_utils import ModelMixin
 from .config import MHLAConfig
 from .install import (
     check_mhla_consistent,
+    check_mhla_placement,
     install_mhla,
-    mhla_processors,
+    is_mhla_installed,
+    mhla_parameters,
+    record_mhla_layers,
     register_mhla_class,
 )
 from .lora import MHLALoraMixin
-from .processors import MHLAProcessor
+from .serialization import check_mhla_weights
+from .single_file import MHLASingleFileMixin
 
 
 class MHLAModelMixin:
-    """What every MHLA transformer class adds to its stock class (``stock_cls``): MHLA from the config,
-    and a ``save_pretrained`` that refuses processors which disagree with the config."""
+    """What every MHLA transformer class adds to its stock class (``stock_cls``): MHLA from the config, a
+    ``from_pretrained`` that refuses a folder whose MHLA weights are missing, and a ``save_pretrained`` that
+    refuses processors which disagree with the config."""
 
     stock_cls: ClassVar[type]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' ``from_pretrained``; a folder whose config records MHLA must hold its MHLA weights
+        (a folder re-saved by the stock class does not: :func:`mhla_gen.serialization.check_mhla_weights`).
+
+        Raises:
+            ValueError: MHLA parameters missing from the weights (diffusers would leave them on the meta
+                device or at random init, with a warning).
+        """
+        wants_info = kwargs.pop("output_loading_info", False)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
+        model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
+        if info is not None and is_mhla_installed(model):
+            subfolder = kwargs.get("subfolder")
+            source = f"{pretrained_model_name_or_path}" + (f" (subfolder {subfolder})" if subfolder else "")
+            found = set(mhla_parameters(model)) - set(info["missing_keys"])
+            missing = check_mhla_weights(model, found, source)  # none found: a stock re-save, refused
+            if missing:
+                raise ValueError(f"{source}: the weights lack MHLA parameters {missing} its config needs")
+        return (model, info) if wants_info else model
 
     @functools.wraps(ModelMixin.save_pretrained)  # keeps the signature: DiffusionPipeline inspects it
     def save_pretrained(self, *args, **kwargs):
@@ -67,22 +100,24 @@ class MHLAModelMixin:
 
 
 class MHLAAttentionMixin:
-    """``set_attn_processor`` that keeps MHLA processors where they are (diffusers' ``AttentionMixin``)."""
+    """``set_attn_processor`` that keeps the MHLA record true (diffusers' ``AttentionMixin``)."""
 
     def set_attn_processor(self, processor):
-        """diffusers' ``set_attn_processor``, refused (model untouched) when it would replace an installed
-        MHLA processor or put an MHLA processor anywhere else; other processors change as usual."""
-        new = processor if isinstance(processor, dict) else dict.fromkeys(self.attn_processors, processor)
-        installed = mhla_processors(self)  # {"...attn1.processor": processor}, the keys diffusers uses
-        touched = set(installed) | {name for name, p in new.items() if isinstance(p, MHLAProcessor)}
-        changed = sorted(name for name in touched if new.get(name) is not installed.get(name))
-        if changed:
-            raise ValueError(
-                f"set_attn_processor would replace or add MHLA processors at {changed} of this "
-                f"{type(self).__name__}: call mhla_gen.uninstall_mhla(transformer) first to go back to stock "
-                "attention (then set processors freely), or install_mhla with other layers"
-            )
-        return super().set_attn_processor(processor)
+        """diffusers' ``set_attn_processor``: the processors given replace the installed ones, MHLA layers
+        included, and the layers that no longer hold an MHLA processor leave MHLA (``mhla_config.layers``
+        and ``config["mhla"]`` name the rest; with none left the model is stock, as after
+        ``uninstall_mhla``). A dict of the wrong size gets diffusers' own ValueError.
+
+        Raises:
+            ValueError: before any change, an MHLA processor set where this model's MHLA cannot run (a
+                layer that is not self-attention, another MHLA config, one processor in two layers).
+        """
+        if not isinstance(processor, dict) or len(processor) == len(self.attn_processors):
+            check_mhla_placement(self, processor)
+        try:
+            super().set_attn_processor(processor)
+        finally:  # diffusers sets layer by layer: the record follows whatever it set, even on an error
+            record_mhla_layers(self)
 
 
 def _init_with_mhla(stock_cls: type):
@@ -114,6 +149,8 @@ def mhla_model_class(stock_cls: type) -> type:
         mixins.append(MHLAAttentionMixin)
     if issubclass(stock_cls, PeftAdapterMixin):
         mixins.append(MHLALoraMixin)
+    if issubclass(stock_cls, FromOriginalModelMixin):
+        mixins.append(MHLASingleFileMixin)
     name = f"MHLA{stock_cls.__name__}"
     doc = (f"diffusers' ``{stock_cls.__name__}`` with MHLA self-attention from ``config['mhla']`` "
            "(see :mod:`mhla_gen.models`).")

@@ -83,6 +83,29 @@ def saved_with_mhla(path) -> bool:
     return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
 
 
+def check_mhla_weights(model: nn.Module, saved: set[str], source) -> list[str]:
+    """The MHLA parameters of ``model`` (built with the MHLA its config records) that ``saved`` (the weight
+    names found at ``source``) lacks; a ValueError, in one line, when it lacks all of them.
+
+    None of them is what a folder re-saved by the stock class holds: the stock class's ``from_pretrained``
+    builds stock attention and drops the MHLA weights, and its ``save_pretrained`` writes the config with
+    its ``mhla`` entry and no MHLA weights. Loading such a folder with MHLA would leave the MHLA parameters
+    uninitialised (diffusers: on the meta device, or random, with a warning).
+    """
+    expected = list(mhla_parameters(model))
+    missing = [name for name in expected if name not in saved]
+    if expected and len(missing) == len(expected):
+        cfg, stock = model.mhla_config, base_for_model(model).transformer_class.__name__
+        raise ValueError(
+            f"{source}: config.json records MHLA (blocks {list(cfg.blocks)}, layers {cfg.layers}) but the "
+            f"weights hold none of its {len(expected)} MHLA parameters (e.g. {expected[0]}): the folder "
+            f"was saved by the stock {stock}, which loads stock attention and drops MHLA. Load the MHLA "
+            f"folder it was made from, or load this one as the stock model it holds with diffusers' "
+            f"{stock}.from_pretrained"
+        )
+    return missing
+
+
 def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=None) -> nn.Module:
     """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded
     (use :func:`mhla_gen.load_transformer`, which also reads LoRA + MHLA folders).
@@ -111,7 +134,10 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
         model = processor_cls.model_cls.from_config(config)
         if mhla is not None:
             install_mhla(model, MHLAConfig.from_dict(mhla))
-    _load_strict(model, _read_weights(folder), folder)
+    state = _read_weights(folder)
+    if mhla is not None:
+        check_mhla_weights(model, set(state), folder)  # none at all: a stock re-save; some: listed below
+    _load_strict(model, state, folder)
     if torch_dtype is not None:
         cast_like_diffusers(model, torch_dtype)
     if device is not None:

@@ -1,4 +1,4 @@
-"""Run diffusers' own model test suites of every base (DiT, SANA, Wan), stock and with MHLA installed.
+"""Run diffusers' own model test suites of every base, stock and with MHLA installed.
 
 diffusers' tests are not part of the pip package and are not vendored here. This script copies the
 few files they need out of a diffusers git checkout (or bare git dir) into ``--out``, adds a pytest
@@ -6,6 +6,13 @@ plugin that wraps ``__init__`` of every base's transformer class (``DiTTransform
 ``SanaTransformer2DModel``, ``WanTransformer3DModel``, ...) so every model the tests build
 (constructors, ``from_config``, ``from_pretrained``) gets MHLA with CPE and gate in every layer, runs
 each suite twice (stock, MHLA) and prints pass / fail / skip counts plus every test whose outcome differs.
+
+Suites: each base record's ``diffusers_tests`` (DiT, SANA, SANA-Video, Wan), plus ``wan-i2v``: diffusers'
+Wan suite has no image-to-video model, so this script writes one more test module that runs the same
+mixins on a Wan2.1 I2V config (``image_dim``, ``added_kv_proj_dim``, ``2 * out + 4`` input channels).
+
+A difference is expected only for the tests in :data:`CLASS_NAME_TESTS` (they compare class names, and an
+MHLA model is of the ``mhla_gen.models`` subclass); any other difference makes the exit status 1.
 
     python scripts/diffusers_model_tests.py --diffusers PATH/to/diffusers [--rev v0.42.1] [--out DIR]
 
@@ -26,8 +33,87 @@ from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.folders import check_apart, claim
 
-# each base record's diffusers test suite (Base.diffusers_tests)
+WAN_I2V_SUITE = "tests/models/transformers/test_mhla_wan_i2v.py"
+WAN_I2V_SOURCE = '''"""diffusers' own model test mixins on a Wan2.1 image-to-video config (written by
+mhla_gen's scripts/diffusers_model_tests.py: diffusers' Wan suite builds text-to-video models only)."""
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...testing_utils import torch_device
+from ..testing_utils import (
+    AttentionTesterMixin,
+    LoraTesterMixin,
+    MemoryTesterMixin,
+    ModelTesterMixin,
+    TorchCompileTesterMixin,
+    TrainingTesterMixin,
+)
+from .test_models_transformer_wan import WanTransformer3DTesterConfig
+
+IMAGE_DIM, IMAGE_TOKENS = 8, 4
+TEXT_TOKENS = 512  # diffusers' Wan I2V cross-attention takes the last 512 context tokens as text
+
+
+class WanI2VTesterConfig(WanTransformer3DTesterConfig):
+    @property
+    def input_shape(self):
+        return (2 * 4 + 4, 2, 16, 16)
+
+    def get_init_dict(self):
+        init = super().get_init_dict()
+        inner = init["num_attention_heads"] * init["attention_head_dim"]
+        return {**init, "in_channels": 2 * init["out_channels"] + 4, "image_dim": IMAGE_DIM,
+                "added_kv_proj_dim": inner}
+
+    def get_dummy_inputs(self):
+        init, inputs = self.get_init_dict(), super().get_dummy_inputs()
+        batch, _, frames, height, width = inputs["hidden_states"].shape
+
+        def rand(*shape):
+            return randn_tensor(shape, generator=self.generator, device=torch_device, dtype=self.torch_dtype)
+
+        return {**inputs, "hidden_states": rand(batch, init["in_channels"], frames, height, width),
+                "encoder_hidden_states": rand(batch, TEXT_TOKENS, init["text_dim"]),
+                "encoder_hidden_states_image": rand(batch, IMAGE_TOKENS, IMAGE_DIM)}
+
+
+class TestWanI2VTransformer3D(WanI2VTesterConfig, ModelTesterMixin):
+    pass
+
+
+class TestWanI2VTransformer3DMemory(WanI2VTesterConfig, MemoryTesterMixin):
+    pass
+
+
+class TestWanI2VTransformer3DTraining(WanI2VTesterConfig, TrainingTesterMixin):
+    def test_gradient_checkpointing_is_applied(self):
+        super().test_gradient_checkpointing_is_applied(expected_set={"WanTransformer3DModel"})
+
+
+class TestWanI2VTransformer3DAttention(WanI2VTesterConfig, AttentionTesterMixin):
+    pass
+
+
+class TestWanI2VTransformer3DCompile(WanI2VTesterConfig, TorchCompileTesterMixin):
+    pass
+
+
+class TestWanI2VTransformer3DLoRA(WanI2VTesterConfig, LoraTesterMixin):
+    pass
+'''
+
+# each base record's diffusers test suite (Base.diffusers_tests), and the I2V one this script writes
 SUITES = {name: base.diffusers_tests for name, base in BASES.items() if base.diffusers_tests}
+WRITTEN = {WAN_I2V_SUITE: WAN_I2V_SOURCE}
+SUITES["wan-i2v"] = WAN_I2V_SUITE
+
+CLASS_NAME_TESTS = {
+    "test_gradient_checkpointing_is_applied": "compares the class names of the modules with gradient "
+    "checkpointing on with a set naming the stock class",
+    "test_logs_info_when_no_lora_keys_found": "expects diffusers' log to name the stock class; it names the "
+    "model's class (diffusers' own message, logged by load_lora_adapter: 'No LoRA keys associated to "
+    "MHLA...')",
+}
+"""Tests whose outcome may differ with MHLA installed, and why: they compare class names."""
 SUPPORT = [
     "tests/__init__.py",
     "tests/conftest.py",
@@ -83,12 +169,14 @@ def export(diffusers: Path, rev: str, out: Path) -> None:
         capture_output=True,
         text=True,
     ).stdout.split()
-    for name in [*SUPPORT, *listed, *SUITES.values()]:
+    for name in [*SUPPORT, *listed, *(s for s in SUITES.values() if s not in WRITTEN)]:
         target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(
             subprocess.run([*git, "show", f"{rev}:{name}"], check=True, capture_output=True).stdout
         )
+    for name, source in WRITTEN.items():
+        (out / name).write_text(source)
     (out / "mhla_plugin.py").write_text(PLUGIN)
 
 
@@ -99,6 +187,22 @@ def outcomes(xml: Path) -> dict[str, str]:
         failed = case.find("failure") is not None or case.find("error") is not None
         result[name] = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
     return result
+
+
+def differences(stock: dict[str, str], mhla: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``(expected, unexpected)`` lines for the tests whose outcome differs between the two runs; expected:
+    the :data:`CLASS_NAME_TESTS` that pass stock and fail with MHLA."""
+    expected, unexpected = [], []
+    for name in sorted(set(stock) | set(mhla)):
+        before, after = stock.get(name, "-"), mhla.get(name, "-")
+        if before == after:
+            continue
+        reason = CLASS_NAME_TESTS.get(name.split("::")[-1])
+        if reason and (before, after) == ("passed", "failed"):
+            expected.append(f"{name}: stock {before}, MHLA {after} (expected: {reason})")
+        else:
+            unexpected.append(f"{name}: stock {before}, MHLA {after}")
+    return expected, unexpected
 
 
 def main() -> None:
@@ -119,10 +223,11 @@ def main() -> None:
     # the exported tests first, then the caller's PYTHONPATH (a checkout of mhla_gen it points at)
     pythonpath = os.pathsep.join(p for p in (str(args.out), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
+    unexpected = []
     for suite in args.suites:
         runs = {}
         for mode in ("stock", "mhla"):
-            xml = args.out / f"{mode}_{suite}.xml"
+            xml = args.out / f"{mode}_{suite.replace('-', '_')}.xml"
             plugin = ["-p", "mhla_plugin"] if mode == "mhla" else []
             run = subprocess.run(
                 [
@@ -147,10 +252,14 @@ def main() -> None:
             counts = {k: list(runs[mode].values()).count(k) for k in ("passed", "failed", "skipped")}
             used = [line for line in run.stdout.splitlines() if line.startswith("mhla_plugin:")]
             print(f"{suite:5s} {mode:5s} {counts}", *used)
-        for name in sorted(set(runs["stock"]) | set(runs["mhla"])):
-            stock, mhla = runs["stock"].get(name, "-"), runs["mhla"].get(name, "-")
-            if stock != mhla:
-                print(f"      differs: {name}: stock {stock}, MHLA {mhla}")
+        expected, unexpected_here = differences(runs["stock"], runs["mhla"])
+        for line in expected:
+            print(f"      class names: {line}")
+        for line in unexpected_here:
+            print(f"      differs: {line}")
+        unexpected += unexpected_here
+    if unexpected:
+        raise SystemExit(f"{len(unexpected)} tests differ between stock and MHLA beyond the class-name tests")
 
 
 if __name__ == "__main__":

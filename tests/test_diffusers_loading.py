@@ -1,27 +1,32 @@
 """diffusers' own loading calls keep MHLA (issue 41, item 1): a saved MHLA transformer and a pipeline saved
 with it load through ``DiffusionPipeline.from_pretrained``, the pipeline class's ``from_pretrained`` and
 ``AutoModel.from_pretrained(..., subfolder="transformer")`` exactly as ``load_transformer`` loads them; what
-cannot carry MHLA fails loudly. Tiny DiT, SANA and Wan."""
+cannot carry MHLA fails loudly (issue 54: a folder re-saved by the stock class, ``from_single_file``, a
+pipeline after ``uninstall_mhla``). Every base record (``mhla_gen.bases``), tiny models."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import pytest
 import torch
-from diffusers import AutoModel, DiffusionPipeline, DiTPipeline, SanaPipeline, WanPipeline
+from diffusers import AutoModel, DiffusionPipeline
+from safetensors.torch import load_file, save_file
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, uninstall_mhla
-from mhla_gen.models import MHLADiTTransformer2DModel, MHLASanaTransformer2DModel, MHLAWanTransformer3DModel
-from mhla_gen.pipelines.dit import load_dit_pipeline
-from mhla_gen.pipelines.sana import load_sana_pipeline
-from mhla_gen.pipelines.wan import load_wan_pipeline
+from mhla_gen.bases import BASES as RECORDS
+from mhla_gen.install import MHLA_MODEL_CLASSES
+from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.testing import (
     dit_forward,
     sana_forward,
@@ -30,37 +35,89 @@ from mhla_gen.testing import (
     tiny_sana,
     tiny_sana_pipeline,
 )
+from mhla_gen.testing_video import (
+    tiny_sana_video,
+    tiny_sana_video_pipeline,
+    tiny_wan_expert,
+    tiny_wan_i2v_pipeline,
+)
 from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
 
 REPO = Path(__file__).resolve().parents[1]
+I2V_IMAGE_DIM = 8  # the hidden size of tiny_wan_i2v_pipeline's CLIP vision tower
 
 
 @torch.no_grad()
-def wan_forward(model, seed: int = 0) -> torch.Tensor:
+def wan_forward(model, seed: int = 0, latent=(2, 4, 6)) -> torch.Tensor:
+    """Wan T2V, or I2V (``image_dim`` set: image features, 512 text tokens as its cross-attention assumes)."""
     g = torch.Generator().manual_seed(seed)
-    x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype)).sample
+    config, extra = model.config, {}
+    text = torch.randn(2, 512 if config.image_dim else 5, TEXT_DIM, generator=g)
+    x = torch.randn(2, config.in_channels, *latent, generator=g)
+    if config.image_dim:
+        image = torch.randn(2, 3, config.image_dim, generator=g)
+        extra["encoder_hidden_states_image"] = image.to(model.dtype)
+    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype), **extra).sample
+
+
+@torch.no_grad()
+def sana_video_forward(model, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x, text = torch.randn(2, 16, 3, 6, 10, generator=g), torch.randn(2, 5, 16, generator=g)
+    return model(x.to(model.dtype), text.to(model.dtype), torch.tensor([10.0, 700.0]), return_dict=False)[0]
+
+
+def tiny_wan_i2v(seed: int = 0):
+    """The transformer tiny_wan_i2v_pipeline builds (Wan2.1 I2V: CLIP features, 36 input channels)."""
+    return tiny_wan_expert(seed, in_channels=36, image_dim=I2V_IMAGE_DIM, added_kv_proj_dim=24)
 
 
 @dataclass(frozen=True)
 class Base:
+    """A base record (``name``) with what the tests build for it: a tiny transformer, its forward, an MHLA
+    config (CPE / gate / some layers only, to catch lost parameters) and a tiny stock pipeline factory."""
+
+    name: str
     factory: object
     forward: object
     cfg: MHLAConfig
-    mhla_cls: type
     pipeline: object  # tiny pipeline factory
-    pipeline_cls: type
-    load_pipeline: object  # mhla_gen.pipelines loader
+
+    @property
+    def record(self):
+        return RECORDS[self.name]
+
+    @property
+    def mhla_cls(self) -> type:
+        return MHLA_MODEL_CLASSES[self.record.transformer_class]
+
+    @property
+    def pipeline_cls(self) -> type:
+        return getattr(diffusers, self.record.pipeline_class)
+
+    def load_pipeline(self, path, transformer_path, torch_dtype=torch.float32):
+        """The project's loader of this base's pipeline (its record's sampler)."""
+        return self.record.sampler.load().load(str(path), None, torch_dtype, None, transformer_path)
 
 
-BASES = {
-    "dit": Base(tiny_dit, dit_forward, MHLAConfig(blocks=(2, 2), layers=[1], gate=True),
-                MHLADiTTransformer2DModel, tiny_dit_pipeline, DiTPipeline, load_dit_pipeline),
-    "sana": Base(tiny_sana, sana_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
-                 MHLASanaTransformer2DModel, tiny_sana_pipeline, SanaPipeline, load_sana_pipeline),
-    "wan": Base(tiny_wan_transformer, wan_forward, MHLAConfig(blocks=(1, 2, 2), layers=[0, 2], cpe_kernel=3),
-                MHLAWanTransformer3DModel, tiny_wan_pipeline, WanPipeline, load_wan_pipeline),
-}
+BASES = {base.name: base for base in [
+    Base("dit", tiny_dit, dit_forward, MHLAConfig(blocks=(2, 2), layers=[1], gate=True), tiny_dit_pipeline),
+    Base("sana", tiny_sana, sana_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
+         tiny_sana_pipeline),
+    Base("wan", tiny_wan_transformer, wan_forward, MHLAConfig(blocks=(1, 2, 2), layers=[0, 2], cpe_kernel=3),
+         tiny_wan_pipeline),
+    Base("wan-i2v", tiny_wan_i2v, wan_forward, MHLAConfig(blocks=(1, 2, 2), layers=[1, 2], gate=True),
+         tiny_wan_i2v_pipeline),
+    Base("sana-video", tiny_sana_video, sana_video_forward, MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3),
+         tiny_sana_video_pipeline),
+]}
+
+
+def test_every_base_record_has_tiny_models_here():
+    """The loading matrix runs over every base record: a new record needs its line in BASES above."""
+    assert set(BASES) == set(RECORDS), f"add a Base(...) line for {sorted(set(RECORDS) - set(BASES))}"
+    for base in BASES.values():
+        assert RECORDS.get(base.name) is not None and type(base.factory()) is base.record.transformer_class
 
 
 def trained_like(base: Base):
@@ -82,7 +139,7 @@ def saved(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base.pipeline(transformer=base.factory()).save_pretrained(root / "stock")
     trained_like(base).save_pretrained(root / "final")
-    pipe = base.load_pipeline(root / "stock", transformer_path=root / "final", torch_dtype=torch.float32)
+    pipe = base.load_pipeline(root / "stock", transformer_path=root / "final")
     pipe.save_pretrained(root / "pipeline")
     return base, root, base.forward(load_transformer(root / "final"))
 
@@ -223,33 +280,142 @@ def test_every_supported_base_has_an_mhla_class():
         assert getattr(mhla_gen.models, mhla.__name__) is mhla  # where model_index.json entries point
 
 
-def test_sana_video_and_wan22_experts_load_with_mhla_through_diffusers(tmp_path):
-    """The bases added beside DiT / SANA / Wan: SANA-Video (its own class) and Wan2.2 (two Wan experts,
-    ``transformer`` and ``transformer_2``, each resolved from model_index.json)."""
-    from mhla_gen.models import MHLASanaVideoTransformer3DModel
-    from mhla_gen.testing_video import (
-        tiny_sana_video,
-        tiny_sana_video_pipeline,
-        tiny_wan22_pipeline,
-        tiny_wan_expert,
-    )
-
-    g = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(2, 16, 3, 6, 10, generator=g),
-                  encoder_hidden_states=torch.randn(2, 5, 16, generator=g),
-                  timestep=torch.tensor([10.0, 700.0]))
-    video = trained_like(Base(tiny_sana_video, None, MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3), *[None] * 4))
-    tiny_sana_video_pipeline(transformer=video).save_pretrained(tmp_path / "sana_video")
-    loaded = DiffusionPipeline.from_pretrained(tmp_path / "sana_video").transformer
-    assert type(loaded) is MHLASanaVideoTransformer3DModel
-    with torch.no_grad():
-        assert torch.equal(loaded(**inputs, return_dict=False)[0], video(**inputs, return_dict=False)[0])
+def test_wan22_experts_load_with_mhla_through_diffusers(tmp_path):
+    """Wan2.2: two Wan experts, ``transformer`` and ``transformer_2``, each resolved from model_index.json
+    (SANA-Video and Wan I2V are base records: the tests above run them)."""
+    from mhla_gen.testing_video import tiny_wan22_pipeline
 
     wan = BASES["wan"]
-    experts = [trained_like(Base(lambda s=s: tiny_wan_expert(seed=s), None, wan.cfg, *[None] * 4))
+    experts = [trained_like(dataclasses.replace(wan, factory=lambda s=s: tiny_wan_expert(seed=s)))
                for s in (0, 1)]
     tiny_wan22_pipeline(transformer=experts[0], transformer_2=experts[1]).save_pretrained(tmp_path / "wan22")
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan22")
     for loaded, expert in zip((pipe.transformer, pipe.transformer_2), experts):
         assert type(loaded) is MHLAWanTransformer3DModel
         assert torch.equal(wan_forward(loaded), wan_forward(expert))
+
+
+def _resaved_by_stock_class(base: Base, root: Path, out: Path) -> Path:
+    """``out/transformer``: ``root/final`` loaded and saved again by the stock class; ``out/pipeline``:
+    ``root/pipeline`` (model_index.json naming the MHLA class) with that folder as its transformer."""
+    stock_cls = base.record.transformer_class
+    stock = stock_cls.from_pretrained(root / "final")  # diffusers: stock attention, MHLA weights unused
+    assert type(stock) is stock_cls and not list(mhla_parameters(stock)) and "mhla" in stock.config
+    assert torch.equal(base.forward(stock), base.forward(base.factory()))  # trained_like moved MHLA only
+    stock.save_pretrained(out / "transformer")  # diffusers' stock save: succeeds, keeps the "mhla" entry
+    config = json.loads((out / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == stock_cls.__name__ and config["mhla"] == base.cfg.to_dict()
+    shutil.copytree(root / "pipeline", out / "pipeline")
+    shutil.rmtree(out / "pipeline" / "transformer")
+    shutil.copytree(out / "transformer", out / "pipeline" / "transformer")
+    return out
+
+
+def test_folder_resaved_by_the_stock_class_is_refused_by_every_mhla_loader(saved, tmp_path):
+    """A stock class's from_pretrained / save_pretrained round trip writes a config claiming MHLA and no MHLA
+    weights: every loader that would build MHLA from it stops in one line saying so (no meta tensors)."""
+    base, root, _ = saved
+    out = _resaved_by_stock_class(base, root, tmp_path)
+    stock_name = base.record.transformer_class.__name__
+    loaders = {
+        "load_transformer": lambda: load_transformer(out / "transformer"),
+        "MHLA class": lambda: base.mhla_cls.from_pretrained(out / "transformer"),
+        "AutoModel": lambda: AutoModel.from_pretrained(str(out / "pipeline"), subfolder="transformer"),
+        "DiffusionPipeline": lambda: DiffusionPipeline.from_pretrained(out / "pipeline"),
+        "pipeline class": lambda: base.pipeline_cls.from_pretrained(out / "pipeline"),
+        "mhla_gen pipeline loader": lambda: base.load_pipeline(root / "stock", out / "transformer"),
+    }
+    refusal = f"weights hold none of its .* saved by the stock {stock_name}"
+    for name, load in loaders.items():
+        with pytest.raises(ValueError, match=refusal) as e:
+            load()
+        assert "\n" not in str(e.value), name
+    # the way out it names: the stock model it holds
+    stock = base.record.transformer_class.from_pretrained(out / "transformer")
+    assert torch.equal(base.forward(stock), base.forward(base.factory()))
+
+
+def test_mhla_class_names_missing_mhla_weights(saved, tmp_path):
+    """Some MHLA weights gone (a damaged folder): named, not left on the meta device."""
+    base, root, _ = saved
+    shutil.copytree(root / "final", tmp_path / "damaged")
+    weights = tmp_path / "damaged" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    lost = sorted(k for k in state if ".processor." in k)[-1]
+    save_file({k: v for k, v in state.items() if k != lost}, weights)
+    for load in (base.mhla_cls.from_pretrained, load_transformer):
+        with pytest.raises(ValueError, match=re.escape(lost)):
+            load(tmp_path / "damaged")
+
+
+def _release_like(base: Base):
+    """A model of ``base`` with the wan-release preset on layers 1-2, perturbed: the release's keys."""
+    from mhla_gen.install import mhla_processors
+
+    model = base.factory()
+    install_mhla(model, MHLAConfig.preset("wan-release", layers=[1, 2]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for proc in mhla_processors(model).values():
+            proc.mixing.weight.copy_(torch.rand(proc.mixing.weight.shape, generator=g) / 50)
+            proc.head_norm.weight.copy_(1 + torch.randn(proc.head_norm.weight.shape, generator=g) / 4)
+    return model
+
+
+def test_from_single_file_converts_a_release_checkpoint_or_refuses(saved, tmp_path):
+    """``from_single_file`` of the MHLA classes (those with diffusers' FromOriginalModelMixin): a checkpoint
+    of the release (Wan, T2V and I2V) loads through the converter, exactly; MHLA parameters it cannot place
+    are refused in one line; a stock file gives the stock model, as diffusers' own call does."""
+    from mhla_gen.convert_wan import diffusers_to_original
+
+    base, root, _ = saved
+    if not hasattr(base.record.transformer_class, "from_single_file"):
+        assert not hasattr(base.mhla_cls, "from_single_file")  # DiT: diffusers has no single-file loader
+        return
+    where = dict(config=str(root / "stock"), subfolder="transformer")
+    if base.record.release_checkpoint is not None:
+        release = _release_like(base)
+        file = tmp_path / "release.safetensors"
+        save_file({f"model.diffusion_model.{k}": v.clone() for k, v in
+                   diffusers_to_original(release.state_dict()).items()}, file)  # ComfyUI-style prefix
+        loaded = base.mhla_cls.from_single_file(str(file), **where)
+        assert type(loaded) is base.mhla_cls and loaded.mhla_config == release.mhla_config
+        reference = release.state_dict()
+        assert all(torch.equal(v, reference[k]) for k, v in loaded.state_dict().items())
+        latent = (3, 10, 20)  # grid (3, 5, 10): the release's blocks
+        assert torch.equal(wan_forward(loaded, latent=latent), wan_forward(release, latent=latent))
+        half = base.mhla_cls.from_single_file(str(file), dtype=torch.bfloat16, **where)
+        assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+        # diffusers' stock class on the same file: the stock model (documented; MHLA keys unused)
+        assert type(base.record.transformer_class.from_single_file(str(file), **where)) is \
+            base.record.transformer_class
+    mhla_state = {k: v.clone() for k, v in trained_like(base).state_dict().items()}  # diffusers layout
+    with pytest.raises(ValueError, match=r"holds MHLA parameters .* save_pretrained .* from_pretrained"):
+        base.mhla_cls.from_single_file(mhla_state, **where)
+    stock_state = {k: v.clone() for k, v in base.factory().state_dict().items()}
+    try:
+        expected = base.record.transformer_class.from_single_file(dict(stock_state), **where)
+    except ValueError as refused:  # SANA-Video: diffusers 0.42 has no single-file mapping for its class
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            base.mhla_cls.from_single_file(stock_state, **where)
+        return
+    stock = base.mhla_cls.from_single_file(stock_state, **where)
+    assert type(stock) is base.record.transformer_class
+    assert torch.equal(base.forward(stock), base.forward(expected))
+
+
+def test_uninstall_makes_a_pipeline_save_as_stock(saved, tmp_path):
+    """``uninstall_mhla(pipe.transformer)``: the pipeline records diffusers' class again, so it saves and
+    loads as the stock pipeline (no mhla_gen needed)."""
+    base, root, _ = saved
+    pipe = DiffusionPipeline.from_pretrained(root / "pipeline")
+    assert pipe.config.transformer == ("mhla_gen.models", base.mhla_cls.__name__)
+    uninstall_mhla(pipe.transformer)
+    stock_name = base.record.transformer_class.__name__
+    assert pipe.config.transformer == ("diffusers", stock_name)
+    pipe.save_pretrained(tmp_path / "stock_again")
+    assert json.loads((tmp_path / "stock_again" / "model_index.json").read_text())["transformer"] == [
+        "diffusers", stock_name]
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "stock_again").transformer
+    assert type(loaded) is base.record.transformer_class
+    assert torch.equal(base.forward(loaded), base.forward(pipe.transformer))

@@ -7,12 +7,15 @@ changing anything. Tiny SANA and Wan (diffusers has no DiT LoRA)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 from diffusers import DiTPipeline, SanaPipeline, WanPipeline
+from diffusers.utils import logging as diffusers_logging
+from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_lora import BASES
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, save_mhla_parameters
@@ -23,7 +26,9 @@ from mhla_gen.lora import (
     MHLA_WEIGHTS,
     add_lora,
     load_lora_weights,
+    lora_adapter_metadata,
     lora_mhla_config,
+    lora_state_dict,
     lora_training_parameters,
     save_lora_mhla,
 )
@@ -175,8 +180,6 @@ def test_dit_has_no_diffusers_lora_loader():
 
 def test_damaged_mhla_entries_name_the_keys(lora_run, tmp_path):
     name, root, _ = lora_run
-    from safetensors.torch import load_file
-
     with safe_open(root / "final" / ADAPTER_WEIGHTS, framework="pt") as f:
         metadata = f.metadata()
     state = load_file(root / "final" / ADAPTER_WEIGHTS)
@@ -189,3 +192,66 @@ def test_damaged_mhla_entries_name_the_keys(lora_run, tmp_path):
     param = dropped.split("mhla_with_lora.")[1]
     with pytest.raises(ValueError, match=r"missing keys \['" + param.replace(".", r"\.")):
         pipe.load_lora_weights(tmp_path / "bad")
+
+
+def test_pipeline_save_lora_weights_with_lora_state_dict_keeps_mhla(lora_run, tmp_path):
+    """diffusers' pipeline-level export, called as its training examples call it but with mhla_gen's state
+    dict and metadata, writes a file every LoRA + MHLA loader reads back whole; with peft's
+    get_peft_model_state_dict (the examples' own) it writes the adapter only, as docs/diffusers.md says."""
+    name, root, forward = lora_run
+    pipeline_cls = PIPELINES[name][0]
+    expected = forward(load_transformer(root / "final"))
+    pipe = load_lora_weights(stock_pipe(name, root), root / "final")
+    (adapter,) = pipe.get_active_adapters()
+    pipeline_cls.save_lora_weights(
+        tmp_path / "kept",
+        transformer_lora_layers=lora_state_dict(pipe.transformer, adapter),
+        transformer_lora_adapter_metadata=lora_adapter_metadata(pipe.transformer, adapter),
+    )
+    assert lora_mhla_config(tmp_path / "kept") == lora_mhla_config(root / "final")
+    reloaded = load_lora_weights(stock_pipe(name, root), tmp_path / "kept")
+    assert torch.equal(forward(reloaded.transformer), expected)
+    with pytest.raises(TypeError) as raised:  # a stock transformer refuses it, naming the right call
+        stock_pipe(name, root).load_lora_weights(tmp_path / "kept")
+    assert "mhla_gen.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
+
+    pipeline_cls.save_lora_weights(
+        tmp_path / "dropped",
+        transformer_lora_layers=get_peft_model_state_dict(pipe.transformer, adapter_name=adapter),
+    )
+    with safe_open(tmp_path / "dropped" / ADAPTER_WEIGHTS, framework="pt") as f:
+        assert not [k for k in f.keys() if "mhla_with_lora" in k]
+    assert lora_mhla_config(tmp_path / "dropped") is None
+
+
+def test_model_save_lora_adapter_is_diffusers_own_and_warns(lora_run, tmp_path, caplog):
+    """``transformer.save_lora_adapter`` keeps diffusers' format (adapter weights only: diffusers' own LoRA
+    tests read every key back as an adapter weight) and warns, naming the calls that keep the MHLA."""
+    name, root, forward = lora_run
+    pipe = load_lora_weights(stock_pipe(name, root), root / "final")
+    (adapter,) = pipe.get_active_adapters()
+    with caplog.at_level(logging.WARNING, logger="mhla_gen"):
+        pipe.transformer.save_lora_adapter(tmp_path, adapter_name=adapter)
+    assert "without its MHLA parameters; mhla_gen.lora.save_lora_mhla" in caplog.text
+    written = set(load_file(tmp_path / ADAPTER_WEIGHTS))
+    assert written == set(get_peft_model_state_dict(pipe.transformer, adapter_name=adapter))
+
+
+def test_no_lora_keys_logs_diffusers_message_through_the_mhla_override(lora_run):
+    """diffusers' LoRA tests expect an info log when a state dict has no keys for the model's prefix; the
+    MHLA classes' load_lora_adapter hands the dict on to diffusers, which logs it (naming the model's
+    class)."""
+    name, root, _ = lora_run
+    transformer = install_mhla(stock_pipe(name, root).transformer, lora_mhla_config(root / "final"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    peft_logger = diffusers_logging.get_logger("diffusers.loaders.peft")
+    peft_logger.addHandler(handler)
+    try:
+        transformer.load_lora_adapter({"lora_foo": torch.tensor(2.0)}, prefix="transformer")
+    finally:
+        peft_logger.removeHandler(handler)
+    message = f"No LoRA keys associated to {type(transformer).__name__} found with the prefix='transformer'"
+    assert any(r.getMessage().startswith(message) for r in records)
+    assert not getattr(transformer, "peft_config", None)

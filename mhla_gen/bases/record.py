@@ -72,6 +72,10 @@ class Base:
         text_dim: the transformer config key of the caption-embedding width (None without captions).
         diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
             run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).
+        release_checkpoint: reads a single-file checkpoint of an original MHLA release for
+            ``from_single_file`` of the MHLA class (:class:`Ref` to ``f(checkpoint, load_config) -> model |
+            None``: None when the checkpoint is not in the release format; :mod:`mhla_gen.single_file`).
+            None: no release to read (an MHLA single file is then refused).
     """
 
     name: str
@@ -87,6 +91,7 @@ class Base:
     converter_config: str | None = None
     text_dim: str | None = None
     diffusers_tests: str | None = None
+    release_checkpoint: Ref | None = None
 
     def __post_init__(self):
         if self.conditioning not in CONDITIONING:

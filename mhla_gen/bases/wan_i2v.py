@@ -40,7 +40,8 @@ BASE = WanI2VBase(
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune_wan_i2v:WanI2VTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanI2VSampler"),
+    release_checkpoint=Ref("mhla_gen.convert_wan:release_checkpoint_model"),
     converter_config="linearize/wan-i2v_14b_480p",
     text_dim="text_dim",
-    diffusers_tests=None,  # the wan record runs diffusers' WanTransformer3DModel suite
+    diffusers_tests=None,  # scripts/diffusers_model_tests.py writes an I2V suite from diffusers' Wan one
 )

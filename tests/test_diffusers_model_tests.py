@@ -1,0 +1,47 @@
+"""``scripts/diffusers_model_tests.py`` (diffusers' own model suites, stock and with MHLA): which suites it
+runs and how it reads the outcomes. The suites themselves need a diffusers git checkout, which CI does not
+have: the script is run by hand (docs/diffusers.md gives the command and the last results)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from mhla_gen.bases import BASES
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "diffusers_model_tests.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("diffusers_model_tests_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_base_record_has_a_suite():
+    """A base record runs diffusers' suite of its transformer class (``Base.diffusers_tests``) or one the
+    script writes (Wan I2V: diffusers' Wan suite builds text-to-video models only)."""
+    script = _script()
+    missing = sorted(set(BASES) - set(script.SUITES))
+    assert set(script.SUITES) == set(BASES), f"no diffusers suite for {missing}"
+    for path, source in script.WRITTEN.items():
+        assert path in script.SUITES.values()
+        compile(source, path, "exec")
+        assert "from .test_models_transformer_wan import WanTransformer3DTesterConfig" in source
+
+
+def test_only_class_name_tests_may_differ():
+    script = _script()
+    test = "tests.models.transformers.test_x::TestX::"
+    stock = {f"{test}test_gradient_checkpointing_is_applied": "passed", f"{test}test_a": "passed",
+             f"{test}test_logs_info_when_no_lora_keys_found": "passed", f"{test}test_b": "failed"}
+    mhla = {**stock, f"{test}test_gradient_checkpointing_is_applied": "failed",
+            f"{test}test_logs_info_when_no_lora_keys_found": "skipped", f"{test}test_a": "failed"}
+    expected, unexpected = script.differences(stock, mhla)
+    names = [line.split(": stock")[0] for line in expected]
+    assert names == [f"{test}test_gradient_checkpointing_is_applied"]
+    # a class-name test skipped with MHLA did not fail on a class name: reported
+    assert sorted(line.split(": stock")[0] for line in unexpected) == [
+        f"{test}test_a", f"{test}test_logs_info_when_no_lora_keys_found"]
+    assert script.differences(stock, stock) == ([], [])
