@@ -58,8 +58,26 @@ import torch
 from mhla_gen.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
-from mhla_gen.evidence import compare, fmt_comparison
-from mhla_gen.experiments import SHAPES_RECIPE, Arm, make_jobs, plot_arm_bands, study_records, summarize
+from mhla_gen.evidence import (
+    NOTES,
+    RULES,
+    Question,
+    SampleSets,
+    apply_holm,
+    check_questions,
+    compare,
+    fmt_comparison,
+    footnotes,
+)
+from mhla_gen.experiments import (
+    SHAPES_RECIPE,
+    VAL_TRIPLES,
+    Arm,
+    make_jobs,
+    plot_arm_bands,
+    study_records,
+    summarize,
+)
 from mhla_gen.folders import check_apart, claim, file_record
 from mhla_gen.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 from mhla_gen.train.config import DiTRunConfig, load_config
@@ -205,13 +223,13 @@ def plan(args) -> list:
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         recipe = grid.get("recipe", ())  # the training runs' (stage 2, from scratch), not stage 1's
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
-                          grid["fid_samples"], extra, grid.get("val_triples", 512), recipe)
+                          grid["fid_samples"], extra, grid.get("val_triples", VAL_TRIPLES), recipe)
         if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
             scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
             budget = grid["teacher_steps"] + grid["steps"]
             jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
                               grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
-                              grid.get("val_triples", 512), recipe)
+                              grid.get("val_triples", VAL_TRIPLES), recipe)
     return jobs
 
 
@@ -289,7 +307,7 @@ def end_to_end(recs: list[dict], arm: str) -> str:
     return f"{before:.3f} → {final:.3f}"
 
 
-def grid_report(records: list[dict], grid: str) -> str:
+def grid_report(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
     recs = [r for r in records if r["grid"] == grid]
     stats, acc = summarize(recs, "fid"), summarize(recs, "label_accuracy")
     steps = sorted({r["step"] for r in recs})
@@ -314,23 +332,24 @@ def grid_report(records: list[dict], grid: str) -> str:
                      + f" | {fmt(acc[(arm, steps[-1])], 3)} | {first} | {cost} | {end_to_end(recs, arm)} |")
     props = properties_table(recs, steps, arms_) + "\n" if on_shapes(recs) else ""
     return ("\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + props
-            + decisions(recs, steps))
+            + decisions(recs, steps, samples))
 
 
 def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
     stats = summarize(recs, "val_loss")
-    lines = [f"Validation loss on {recs[0].get('val_triples', '—')} fixed held-out triples (mean ± 95 % "
-             "t-interval):", "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |",
-             "|---|" + "---|" * len(steps)]
+    triples = recs[0].get("val_triples")
+    few = f" ({triples // 4} per timestep bucket: fewer than 256)" if triples and triples < 1024 else ""
+    lines = [f"Validation loss on {triples or '—'} fixed held-out triples{few} (mean ± 95 % t-interval):",
+             "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for arm in arms_:
         lines.append(f"| {arm} | " + " | ".join(fmt(stats[(arm, s)], 4) for s in steps) + " |")
     return "\n".join(lines) + "\n"
 
 
 PROPERTIES = (  # the shapes' exact scores (mhla_gen.metrics.shapes): (metric, header, digits)
-    ("all_correct", "all 3 properties ↑", 3), ("count_accuracy", "count ↑", 3),
-    ("colour_accuracy", "colour ↑", 3), ("symmetric_rate", "symmetric ↑", 3),
-    ("symmetry_error", "symmetry error ↓", 3),
+    ("all_correct", "all 4 properties ↑", 3), ("count_accuracy", "count ↑", 3),
+    ("colour_accuracy", "colour ↑", 3), ("shape_accuracy", "shape ↑", 3),
+    ("symmetric_rate", "symmetric ↑", 3), ("symmetry_error", "symmetry error ↓", 3),
 )
 
 
@@ -346,7 +365,8 @@ def properties_table(recs: list[dict], steps: list[int], arms_: list[str]) -> st
         cells = [fmt(stats[m][(arm, s)], d) if (arm, s) in stats[m] else "—"
                  for s in (quarter, last) for m, _, d in PROPERTIES]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    old = "" if all("shapes_scorer" in r for r in recs) else f"\n{NOTES['old scorer']} (every column)\n"
+    return "\n".join(lines) + "\n" + old
 
 
 def on_shapes(recs: list[dict]) -> bool:
@@ -359,56 +379,77 @@ def quarter_step(steps: list[int]) -> int:
     return min(steps, key=lambda s: abs(s - max(1, steps[-1] // 4)))
 
 
-DECISIONS = [  # (question, arm, other)
-    ("stage 1's head start", "mhla-stage1", "mhla-plain"),
-    ("stage 1 on q/k too", "mhla-stage1-qk", "mhla-stage1"),
-    ("stage 1 on every parameter", "mhla-stage1-all", "mhla-stage1"),
-    ("stage 1 with the end-to-end term", "mhla-stage1-e2e", "mhla-stage1"),
-    ("the end-to-end term, every parameter", "mhla-stage1-all-e2e", "mhla-stage1-all"),
-    ("head start, every parameter", "mhla-stage1-all", "mhla-plain"),
-    ("head start, every parameter + end-to-end", "mhla-stage1-all-e2e", "mhla-plain"),
-    ("distillation in stage 2", "mhla-stage1-distill", "mhla-stage1"),
-    ("MHLA vs linear conversion", "mhla-plain", "linear-plain"),
-    ("stage 2 without warm-up", "stage2-no-warmup", "mhla-stage1"),
-    ("plain conversion without warm-up", "mhla-plain-no-warmup", "mhla-plain"),
-    ("stage 2 at a lower peak LR", "stage2-low-lr", "mhla-stage1"),
-    ("stage 2 from the stage-1 EMA", "stage2-from-stage1-ema", "mhla-stage1"),
-    ("stage 2 with output distillation only", "stage2-output-distill", "mhla-stage1"),
-    ("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1"),
-    ("LoRA-style stage 2", "stage2-lora", "mhla-stage1"),
-    ("LoRA-style stage 2 at a higher peak LR", "stage2-lora-high-lr", "mhla-stage1"),
-    ("LoRA-style stage 2 after stage 1 on every parameter", "stage2-lora-after-all", "mhla-stage1-all"),
-    ("no warm-up after stage 1 on every parameter", "stage2-no-warmup-after-all", "mhla-stage1-all"),
+# Each question's primary metric and the step it is read at, declared before a run (chosen 2026-11-28, after
+# the runs of docs/results/evidence.md, which read every column alike): the validation loss (the denoiser's
+# own objective on held-out triples, the least noisy score), at a quarter of stage 2 for the head-start
+# questions and at its end for the rest. The other columns of a row are secondaries under Holm's rule.
+DECISIONS = [
+    Question("stage 1's head start", "mhla-stage1", "mhla-plain", "val_loss", "quarter"),
+    Question("stage 1 on q/k too", "mhla-stage1-qk", "mhla-stage1", "val_loss", "quarter"),
+    Question("stage 1 on every parameter", "mhla-stage1-all", "mhla-stage1", "val_loss", "quarter"),
+    Question("stage 1 with the end-to-end term", "mhla-stage1-e2e", "mhla-stage1", "val_loss", "quarter"),
+    Question("the end-to-end term, every parameter", "mhla-stage1-all-e2e", "mhla-stage1-all", "val_loss",
+             "quarter"),
+    Question("head start, every parameter", "mhla-stage1-all", "mhla-plain", "val_loss", "quarter"),
+    Question("head start, every parameter + end-to-end", "mhla-stage1-all-e2e", "mhla-plain", "val_loss",
+             "quarter"),
+    Question("distillation in stage 2", "mhla-stage1-distill", "mhla-stage1", "val_loss"),
+    Question("MHLA vs linear conversion", "mhla-plain", "linear-plain", "val_loss"),
+    Question("stage 2 without warm-up", "stage2-no-warmup", "mhla-stage1", "val_loss"),
+    Question("plain conversion without warm-up", "mhla-plain-no-warmup", "mhla-plain", "val_loss"),
+    Question("stage 2 at a lower peak LR", "stage2-low-lr", "mhla-stage1", "val_loss"),
+    Question("stage 2 from the stage-1 EMA", "stage2-from-stage1-ema", "mhla-stage1", "val_loss"),
+    Question("stage 2 with output distillation only", "stage2-output-distill", "mhla-stage1", "val_loss"),
+    Question("stage 2 training MHLA only", "stage2-mhla-only", "mhla-stage1", "val_loss"),
+    Question("LoRA-style stage 2", "stage2-lora", "mhla-stage1", "val_loss"),
+    Question("LoRA-style stage 2 at a higher peak LR", "stage2-lora-high-lr", "mhla-stage1", "val_loss"),
+    Question("LoRA-style stage 2 after stage 1 on every parameter", "stage2-lora-after-all",
+             "mhla-stage1-all", "val_loss"),
+    Question("no warm-up after stage 1 on every parameter", "stage2-no-warmup-after-all",
+             "mhla-stage1-all", "val_loss"),
 ]
+PRIMARIES = ("fid", "val_loss")  # metrics a question may name: the decision table reads both at both steps
 
 
-def decisions(recs: list[dict], steps: list[int]) -> str:
-    """Each question as a paired comparison (same seed, data order and sample noise) at a quarter of the
-    stage-2 budget and at its end: interval, verdict, minimum detectable difference (MDD). On the shapes
-    the count accuracy and symmetric rate at the end too (higher is better)."""
+def decision_columns(recs: list[dict], steps: list[int]) -> list[tuple[str, int, int, str]]:
+    """``(metric, step, digits, header)`` per column of the decision table: FID and validation loss at a
+    quarter of stage 2 and at its end, the mid-noise bucket b2 at the end (the total is dominated by the
+    least noisy bucket; b2 sees the layout); on the shapes the properties at the end."""
     quarter, last = quarter_step(steps), steps[-1]
-    arms_ = {r["arm"] for r in recs}
-    # (metric, step, digits, header) per column; the total validation loss is dominated by the least
-    # noisy bucket, b2 (t in the third quarter) sees the layout
     columns = [("fid", quarter, 1, f"FID at step {quarter}"), ("fid", last, 1, f"FID at step {last}"),
                ("val_loss", quarter, 4, f"val loss at step {quarter}"),
                ("val_loss", last, 4, f"val loss at step {last}"),
                ("val_loss_b2", last, 5, f"mid-noise val loss (b2) at step {last}")]
     if on_shapes(recs):
-        columns += [("count_accuracy", last, 3, f"count ↑ at step {last}"),
+        columns += [("all_correct", last, 3, f"all 4 properties ↑ at step {last}"),
+                    ("count_accuracy", last, 3, f"count ↑ at step {last}"),
                     ("symmetric_rate", last, 3, f"symmetric ↑ at step {last}")]
-    lines = ["Paired comparisons (first minus second; lower is better for FID and validation loss; resolved "
-             "= the 95 % interval excludes 0, bounded = it lies within ± 10 % of the second arm's FID / 2 % "
-             "of its validation loss / 0.05 of a rate; MDD = the difference these seeds detect with 80 % "
-             "power):", "",
+    return columns
+
+
+def decisions(recs: list[dict], steps: list[int], samples: SampleSets | None = None) -> str:
+    """Each question (:data:`DECISIONS`) as a paired comparison (same seed, data order and sample noise):
+    its primary metric (marked) and the secondaries (Holm-adjusted) of :func:`decision_columns`, each an
+    interval over seeds and the shared samples resampled jointly (per-sample scores from ``samples``;
+    without them a bound, marked), its verdict and minimum detectable difference (MDD)."""
+    quarter, last = quarter_step(steps), steps[-1]
+    arms_ = {r["arm"] for r in recs}
+    columns = decision_columns(recs, steps)
+    lines = ["Paired comparisons (first minus second; lower is better for FID and validation loss, higher "
+             f"for the properties; {RULES}):", "",
              "| question | comparison | seeds | " + " | ".join(c[3] for c in columns) + " |",
              "|---|---|---|" + "---|" * len(columns)]
-    for question, a, b in DECISIONS:
-        if a in arms_ and b in arms_:
-            cells = [(compare(recs, a, b, metric, step), digits) for metric, step, digits, _ in columns]
-            text = [fmt_comparison(c, digits) for c, digits in cells]
-            lines.append(f"| {question} | {a} − {b} | {cells[0][0]['n']} | " + " | ".join(text) + " |")
-    return "\n".join(lines) + "\n"
+    every = []
+    for q in DECISIONS:
+        if q.arm in arms_ and q.other in arms_:
+            at = {"quarter": quarter, "end": last}[q.step]
+            primary = next(i for i, c in enumerate(columns) if c[:2] == (q.primary, at))
+            cells = apply_holm([compare(recs, q.arm, q.other, metric, step, samples)
+                                for metric, step, _, _ in columns], primary)
+            every += cells
+            text = [fmt_comparison(c, column[2]) for c, column in zip(cells, columns)]
+            lines.append(f"| {q.name} | {q.arm} − {q.other} | {cells[0]['n']} | " + " | ".join(text) + " |")
+    return "\n".join(lines) + "\n" + footnotes(every) + "\n"
 
 
 def plot_curves(records: list[dict], grid: str, path: Path) -> None:
@@ -435,7 +476,7 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
     plt.close(fig)
 
 
-def softmax_layer_report(records: list[dict], grid: str) -> str:
+def softmax_layer_report(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
     """The K sweep's table (``mhla_gen.softmax_layers``) with each K's inference latency, timed here side by
     side on models of the grid's size (K softmax layers from the release's pattern: only K matters)."""
     config, model = dict(GRIDS[grid]), grid_model(GRIDS[grid])
@@ -451,7 +492,7 @@ def softmax_layer_report(records: list[dict], grid: str) -> str:
     ms = latency(build, [0, *sweep_ks(depth)], config["resolution"], max(2, 8192 // (
         (config["resolution"] // model["patch_size"]) ** 2)))
     recs = [r for r in records if r["grid"] == grid]
-    return sweep_table(recs, ms, depth, SWEEP_K0)
+    return sweep_table(recs, ms, depth, SWEEP_K0, samples)
 
 
 def select_grids(args) -> list[str]:
@@ -505,28 +546,35 @@ def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path)
             f"[{path.name}]({path.name})\n")
 
 
-def equal_compute_table(records: list[dict], grid: str, teacher_steps: int) -> str:
+def equal_compute_table(records: list[dict], grid: str, teacher_steps: int,
+                        samples: SampleSets | None = None) -> str:
     """Each conversion arm at the end of stage 2 against MHLA from scratch after the same number of
     training steps (the teacher's plus stage 2's), paired by seed (the same sample noise and labels;
-    stage 1 adds its measured cost, reported beside it): FID and validation loss, with verdicts."""
+    stage 1 adds its measured cost, reported beside it): the validation loss (primary) and the FID
+    (secondary), with verdicts."""
     recs = [r for r in records if r["grid"] == grid]
     last = max(r["step"] for r in recs if r["arm"] != "mhla-scratch")
-    # the from-scratch records re-labelled by the stage-2 step at equal training steps
-    shifted = [dict(r, step=r["step"] - teacher_steps) for r in recs if r["arm"] == "mhla-scratch"]
+    # the from-scratch records re-labelled by the stage-2 step at equal training steps (their files keep
+    # the step they were evaluated at: result_step)
+    shifted = [dict(r, step=r["step"] - teacher_steps, result_step=r["step"])
+               for r in recs if r["arm"] == "mhla-scratch"]
     pool = [r for r in recs if r["arm"] != "mhla-scratch"] + shifted
     lines = [f"Conversion vs MHLA from scratch at equal training steps ({teacher_steps} + {last}; paired by "
-             "seed, first minus second, lower is better):", "",
-             "| comparison | seeds | stage-1 cost (forwards of one batch) | FID | val loss |",
+             f"seed, first minus second, lower is better; {RULES}):", "",
+             "| comparison | seeds | stage-1 cost (forwards of one batch) | val loss | FID |",
              "|---|---|---|---|---|"]
+    every = []
     for arm in conversion_arms(recs):
-        fid, val = (compare(pool, arm, "mhla-scratch", m, last) for m in ("fid", "val_loss"))
+        val, fid = apply_holm([compare(pool, arm, "mhla-scratch", m, last, samples)
+                               for m in ("val_loss", "fid")], primary=0)
+        every += [val, fid]
         if fid["n"]:
             stage1 = next(r for r in pool if r["arm"] == arm).get("stage1", {})
             cost = f"{stage1['teacher_forward_equivalents']:.0f}" if stage1 else "0"
             total = compute({"arm": "mhla-scratch", "step": teacher_steps + last}, teacher_steps)
             lines.append(f"| {arm} − mhla-scratch | {fid['n']} | {cost} of {total:.0f} | "
-                         f"{fmt_comparison(fid, 1)} | {fmt_comparison(val, 4)} |")
-    return "\n".join(lines) + "\n"
+                         f"{fmt_comparison(val, 4)} | {fmt_comparison(fid, 1)} |")
+    return "\n".join(lines) + "\n" + footnotes(every) + "\n"
 
 
 def main(argv=None) -> list[dict]:
@@ -558,6 +606,7 @@ def main(argv=None) -> list[dict]:
     args.grids = select_grids(args)
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
+    check_questions(DECISIONS, PRIMARIES, "eval/adaptation.py")  # each names its primary metric
     command = "python eval/adaptation.py " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
@@ -574,14 +623,15 @@ def main(argv=None) -> list[dict]:
             "core-hours\n"]
     for grid in args.grids:
         stage2 = [r for r in records if r["grid"] == grid and r["arm"] != "mhla-scratch"]
-        text.append(grid_report(stage2, grid))
+        samples = SampleSets(args.out)  # the points' per-sample scores: the intervals' shared samples
+        text.append(grid_report(stage2, grid, samples))
         plot_curves(stage2, grid, args.out / f"curves_{grid}.png")
         if args.softmax_layers:
-            text.append(softmax_layer_report(records, grid))
+            text.append(softmax_layer_report(records, grid, samples))
         if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
             text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
                                      args.out / f"compute_{grid}.png"))
-            text.append(equal_compute_table(records, grid, GRIDS[grid]["teacher_steps"]))
+            text.append(equal_compute_table(records, grid, GRIDS[grid]["teacher_steps"], samples))
     atomic_write_text(args.out / "adaptation.md", "\n".join(text))
     atomic_write_text(args.out / "adaptation.json", json.dumps(
         {"command": command, "records": records, **file_record("study")}, indent=1))

@@ -1,13 +1,15 @@
-"""Evidence that decides: what the studies score samples with, the metric's own noise, and verdicts.
+"""Evidence that decides: what the studies score samples with, and each paired comparison's interval,
+verdict and minimum detectable difference (the statistics themselves: :mod:`mhla_gen.evidence_stats`).
 
 * :class:`DataScores` — per data source (``digits``, ``shapes``): the real images a Frechet distance
   compares with, the feature CNN, the held-out images of the validation loss, and the property scores
-  (label accuracy; for shapes also the exact pixel properties of :mod:`mhla_gen.metrics.shapes`).
-* :func:`fid_bootstrap` — the FID's sampling noise: its spread over samples drawn with replacement.
-* :func:`paired_bootstrap` — the same for the difference of two arms whose sample ``i`` shares its
-  noise and label (common random numbers): the indices are drawn once for both.
-* :func:`detectable` — the minimum difference a paired comparison of ``n`` seeds detects (two-sided 5 %,
-  power 80 %), and :func:`verdict` — resolved / bounded / undecided for an interval and a minimum effect.
+  (label accuracy; for shapes also the exact pixel properties of :mod:`mhla_gen.metrics.shapes`), per
+  sample and summarised.
+* :class:`SampleSets` — the per-sample scores each evaluation point keeps (``step<n>_features.npz``).
+* :func:`compare` — the paired comparison of two arms at one step over the seeds both have: the interval
+  of seeds and shared samples resampled jointly, the stated minimum effect, the floor of a rate, the
+  minimum detectable difference from a pilot (:data:`PILOTS`) and the verdict; :func:`apply_holm` for the
+  secondaries of a question (:class:`Question`: one primary metric, declared before the run).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import evidence_stats as es
+from .errors import ConfigError
 from .metrics import (
     digits_extractor,
     extract_features,
@@ -60,22 +65,26 @@ class DataScores:
     def real_features(self) -> np.ndarray:
         return _real_features(self.source, self.resolution)
 
-    def score(self, fake: torch.Tensor, labels: list[int]) -> tuple[dict, np.ndarray]:
-        """Scores of ``fake`` ``(N, C, R, R)`` in [0, 1] drawn for ``labels``, and its pool features:
-        ``fid``, ``fid_bootstrap_sd``, ``label_accuracy`` (the CNN's), and for shapes the properties."""
+    def score(self, fake: torch.Tensor, labels: list[int]) -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
+        """Scores of ``fake`` ``(N, C, R, R)`` in [0, 1] drawn for ``labels``: the summary (``fid``,
+        ``fid_bootstrap_sd``, ``label_accuracy`` (the CNN's), for shapes the properties and
+        ``shapes_scorer``), the pool features ``(N, F)`` and the per-sample scores (``label_correct``; for
+        shapes each property, :data:`PER_SAMPLE`'s keys) that :func:`compare`'s intervals resample."""
         feats = extract_features(self.extractor(), fake)
         real = self.real_features()
-        predicted = feats["logits"].argmax(-1)
+        correct = feats["logits"].argmax(-1) == np.asarray(labels)
         out = {"fid": fid_from_features(real, feats["pool"]),
                "fid_bootstrap_sd": fid_bootstrap(real, feats["pool"])["sd"],
-               "label_accuracy": float((predicted == np.asarray(labels)).mean())}
+               "label_accuracy": float(correct.mean())}
+        per_sample = {"label_correct": correct}
         if self.source == "digits":
             out["fid_digits"] = out["fid"]  # the name records of earlier studies use
         else:
-            from .metrics.shapes import property_summary
+            from .metrics.shapes import property_scores, summary_of
 
-            out.update(property_summary(fake, labels))
-        return out, feats["pool"].astype(np.float32)
+            per_sample.update(property_scores(fake, labels))
+            out.update(summary_of({k: v for k, v in per_sample.items() if k != "label_correct"}))
+        return out, feats["pool"].astype(np.float32), per_sample
 
 
 @lru_cache(maxsize=4)
@@ -97,7 +106,8 @@ def _real_features(source: str, resolution: int) -> np.ndarray:
 
 
 def interval(values: list[float], level: float = 0.95) -> dict:
-    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``)."""
+    """Mean, min, max and the ``level`` t-interval of the mean over seeds (half-width ``ci``): the
+    per-arm description of the tables (decisions come from :func:`compare`)."""
     from scipy import stats
 
     x = np.asarray(values, dtype=float)
@@ -108,60 +118,39 @@ def interval(values: list[float], level: float = 0.95) -> dict:
 
 def fid_bootstrap(real: np.ndarray, fake: np.ndarray, draws: int = 50, seed: int = 0) -> dict:
     """The FID of ``fake`` ``(N, F)`` against ``real`` features, over ``draws`` resamples of the fake
-    rows with replacement: ``{"sd", "values"}`` (the sampling noise of one evaluation)."""
+    rows with replacement: ``{"sd", "values"}`` (the sampling noise of one arm's evaluation, recorded as
+    ``fid_bootstrap_sd``; paired comparisons resample jointly instead, :func:`compare`)."""
     rng, stats = np.random.default_rng(seed), feature_statistics(real)  # the reference's once
     values = [frechet_distance(*stats, *feature_statistics(fake[rng.integers(0, len(fake), len(fake))]))
               for _ in range(draws)]
     return {"sd": float(np.std(values, ddof=1)), "values": values}
 
 
-def paired_bootstrap(real: np.ndarray, a: np.ndarray, b: np.ndarray, draws: int = 50, seed: int = 0
-                     ) -> dict:
-    """``FID(a) - FID(b)`` and its bootstrap spread, drawing the same sample indices for both (row ``i``
-    of ``a`` and ``b`` come from the same noise and label): ``{"difference", "sd"}``."""
-    if a.shape != b.shape:
-        raise ValueError(f"paired samples must have the same shape, got {a.shape} and {b.shape}")
-    rng, stats = np.random.default_rng(seed), feature_statistics(real)
-    diffs = []
-    for _ in range(draws):
-        idx = rng.integers(0, len(a), len(a))
-        diffs.append(frechet_distance(*stats, *feature_statistics(a[idx]))
-                     - frechet_distance(*stats, *feature_statistics(b[idx])))
-    return {"difference": fid_from_features(real, a) - fid_from_features(real, b),
-            "sd": float(np.std(diffs, ddof=1))}
-
-
-def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
-    """The minimum true paired difference a two-sided t-test at ``level`` detects with ``power`` from ``n``
-    paired differences of standard deviation ``sd``: ``(t_{level} + t_{power}) sd / sqrt(n)``, df n - 1
-    (normal quantiles when ``n`` is 1 and ``sd`` is a known bootstrap spread)."""
-    from scipy import stats
-
-    if n < 1 or not math.isfinite(sd):
-        return math.nan
-    q = (lambda p: stats.t.ppf(p, n - 1)) if n > 1 else stats.norm.ppf
-    return float((q(0.5 + level / 2) + q(power)) * sd / math.sqrt(n))
-
-
-def verdict(mean: float, half_width: float, min_effect: float) -> str:
-    """``resolved`` when the interval ``mean +- half_width`` excludes 0, ``bounded`` when it lies inside
-    ``(-min_effect, min_effect)`` (any true effect is smaller than the stated minimum), else
-    ``undecided``."""
-    if not (math.isfinite(mean) and math.isfinite(half_width)):
-        return "undecided"
-    low, high = mean - half_width, mean + half_width
-    if low > 0 or high < 0:
-        return "resolved"
-    if -min_effect < low and high < min_effect:
-        return "bounded"
-    return "undecided"
-
-
+# ------------------------------------------------------------------------------------------ the rules
 # The smallest difference worth finding, per metric: relative to the reference arm's mean, or absolute.
 MIN_EFFECTS = {"fid": ("relative", 0.10), "val_loss": ("relative", 0.02),
-               "label_accuracy": ("absolute", 0.05),
-               "all_correct": ("absolute", 0.05), "count_accuracy": ("absolute", 0.05),
-               "colour_accuracy": ("absolute", 0.05), "symmetric_rate": ("absolute", 0.05)}
+               "label_accuracy": ("absolute", 0.05), "all_correct": ("absolute", 0.05),
+               "count_accuracy": ("absolute", 0.05), "colour_accuracy": ("absolute", 0.05),
+               "shape_accuracy": ("absolute", 0.05), "symmetric_rate": ("absolute", 0.05),
+               "symmetry_error": ("relative", 0.10)}
+# Metrics that are a fraction of the scored samples (``fid_samples`` of them).
+RATES = ("label_accuracy", "all_correct", "count_accuracy", "colour_accuracy", "shape_accuracy",
+         "symmetric_rate")
+# The shapes scorer's metrics (mhla_gen.metrics.shapes): marked when a record predates its version 2.
+SHAPES_SCORED = ("all_correct", "count_accuracy", "colour_accuracy", "shape_accuracy", "symmetric_rate",
+                 "symmetry_error")
+# An arm whose pooled rate (every seed's samples) has a 95 % Wilson upper bound at or below this does not
+# draw the property: both arms there is "neither", not equivalence. The shapes scorer passes none of the
+# adversarial images (tests/test_shapes_scores.py); label accuracy's floor would be chance, not used.
+FLOORS = {m: 0.02 for m in ("all_correct", "count_accuracy", "colour_accuracy", "shape_accuracy",
+                            "symmetric_rate")}
+# Where each metric's per-sample scores sit in a point's ``step<n>_features.npz`` (new records; ``val``
+# since the validation loss was added, ``pool`` since the sample features were kept).
+PER_SAMPLE = {"label_accuracy": "label_correct", "all_correct": "all", "count_accuracy": "count",
+              "colour_accuracy": "colour", "shape_accuracy": "shape", "symmetric_rate": "symmetric",
+              "symmetry_error": "symmetry_error"}
+BUCKETS = 4  # validation-loss timestep buckets (mhla_gen.validation_loss.bucket_means)
+MEAN_DRAWS, FID_DRAWS, RESAMPLE_SEED = 2000, 200, 0  # the joint bootstrap of every report
 
 
 def min_effect(metric: str, reference_mean: float) -> float:
@@ -172,68 +161,245 @@ def min_effect(metric: str, reference_mean: float) -> float:
     return size * abs(reference_mean) if kind == "relative" else size
 
 
-# Metrics that are a fraction of the scored samples (``fid_samples`` of them): their own sampling noise is
-# binomial, so it is known without a bootstrap.
-RATES = ("label_accuracy", "all_correct", "count_accuracy", "colour_accuracy", "symmetric_rate")
+# The pilots the minimum detectable differences come from: the spread (sd over seeds) of one seed's
+# paired difference in an earlier 3-seed comparison, never the comparison being judged. The rates were
+# scored by the shapes scorer's version 1; its symmetry error had other units (no pilot now).
+PILOT_SOURCES = {
+    "shapes-4800": "docs/results/evidence.md, 'MHLA learns the shapes' mirror later than softmax' "
+                   "(2026-11-27): MHLA − softmax at step 4800, shapes at 256 tokens, seeds 0-2, 300 "
+                   "samples; sd of the per-seed differences of its table",
+    "shapes-buckets": "docs/results/evidence.md, 'The validation loss per timestep bucket' (2026-11-26): "
+                      "MHLA − softmax unclipped at step 1200, seeds 0-2; sd = half-width sqrt(3) / "
+                      "t(0.975, 2)",
+    "shapes-lora": "docs/results/evidence.md, LoRA-style stage 2 (2026-11-27): stage2-lora − mhla-stage1 "
+                   "on the shapes, 3 seeds; sd = half-width sqrt(3) / t(0.975, 2)",
+    "digits-lora": "docs/results/adaptation_lora_64.md (2026-11-27): stage2-lora − mhla-stage1 at step "
+                   "400, digits at 64 tokens, 3 seeds; sd = half-width sqrt(3) / t(0.975, 2)",
+}
+PILOTS = {  # (data, metric) -> (seed-level sd of one seed's paired difference, PILOT_SOURCES key)
+    ("shapes", "fid"): (117.4, "shapes-4800"), ("shapes", "val_loss"): (0.00160, "shapes-4800"),
+    ("shapes", "all_correct"): (0.0618, "shapes-4800"), ("shapes", "count_accuracy"): (0.0753, "shapes-4800"),
+    ("shapes", "colour_accuracy"): (0.0091, "shapes-4800"),
+    ("shapes", "symmetric_rate"): (0.0516, "shapes-4800"),
+    ("shapes", "val_loss_b0"): (0.00869, "shapes-buckets"),
+    ("shapes", "val_loss_b1"): (0.00290, "shapes-buckets"),
+    ("shapes", "val_loss_b2"): (0.000185, "shapes-buckets"),
+    ("shapes", "val_loss_b3"): (0.0000403, "shapes-buckets"),
+    ("shapes", "label_accuracy"): (0.0153, "shapes-lora"),
+    ("digits", "fid"): (9.42, "digits-lora"), ("digits", "val_loss"): (0.000403, "digits-lora"),
+    ("digits", "val_loss_b2"): (0.0000443, "digits-lora"),
+    ("digits", "label_accuracy"): (0.0237, "digits-lora"),
+}
 
 
-def rate_sd(p: float, q: float, samples: int) -> float:
-    """The sampling spread of the difference of two rates ``p - q`` scored on ``samples`` samples each,
-    as if independent (common noise only lowers it): ``sqrt((p (1 - p) + q (1 - q)) / samples)``."""
-    return math.sqrt((p * (1 - p) + q * (1 - q)) / samples)
+def pilot_sd(data: str, metric: str) -> float:
+    """The pilot's seed-level sd for ``metric`` on ``data`` (NaN where no pilot measured it)."""
+    return PILOTS.get((data, metric), (math.nan, ""))[0]
 
 
-def compare(records: list[dict], arm: str, other: str, metric: str, step: int, sampling_sd: float = math.nan
-            ) -> dict:
-    """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have: mean, 95 %
-    t half-width ``ci``, ``n``, the minimum detectable difference ``mdd`` (from the spread of the paired
-    differences), the stated ``min_effect`` (relative to ``other``'s mean) and the ``verdict``;
-    ``sampling_sd`` is the spread of one seed's difference from sampling alone (for the FID, the paired
-    bootstrap of one sample set, when known).
+# ------------------------------------------------------------------------------------------ samples
+class SampleSets:
+    """The per-sample scores every evaluation point keeps beside its record, under a study folder
+    ``root``: ``<root>/<grid>/results/<arm>/seed<k>/step<n>_features.npz`` (``pool``: the sample features;
+    ``val``: the per-triple validation losses; newer records also :data:`PER_SAMPLE`'s arrays). A
+    record relabelled to another step (the equal-compute table) names its own with ``result_step``."""
 
-    ``ci`` is never narrower than that sampling noise allows (``1.96 sampling_sd / sqrt(n)``; ``mdd``
-    likewise): a few seeds can agree by chance (two seeds with the same difference give a t half-width
-    of 0), which says nothing about the noise of each score. For a rate (:data:`RATES`) the noise is
-    known without a bootstrap: :func:`rate_sd`."""
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._arrays: dict[Path, dict | None] = {}
+        self._fids: dict[Path, tuple[float, np.ndarray]] = {}
+
+    def path(self, record: dict) -> Path:
+        step = record.get("result_step", record["step"])
+        return (self.root / str(record.get("grid", "")) / "results" / record["arm"] / f"seed{record['seed']}"
+                / f"step{step:07d}_features.npz")
+
+    def arrays(self, record: dict) -> dict | None:
+        path = self.path(record)
+        if path not in self._arrays:
+            self._arrays[path] = dict(np.load(path)) if path.is_file() else None
+        return self._arrays[path]
+
+    def fid_draws(self, record: dict) -> tuple[float, np.ndarray] | None:
+        """The record's FID and its :data:`FID_DRAWS` joint resamples (:func:`evidence_stats.fid_draws`)."""
+        path, arrays = self.path(record), self.arrays(record)
+        if arrays is None or "pool" not in arrays or "data" not in record:
+            return None
+        if path not in self._fids:
+            real = DataScores(record["data"], record["resolution"]).real_features()
+            self._fids[path] = es.fid_draws(real, arrays["pool"], FID_DRAWS, RESAMPLE_SEED)
+        return self._fids[path]
+
+
+def _per_sample(metric: str, arrays: dict | None) -> tuple[np.ndarray, tuple[int, ...] | None] | None:
+    """``metric``'s per-sample scores in a point's arrays and its strata (the validation loss: its
+    timestep buckets), or None."""
+    if arrays is None:
+        return None
+    if metric == "val_loss" or metric.startswith("val_loss_b"):
+        if "val" not in arrays:
+            return None
+        parts = np.array_split(arrays["val"], BUCKETS)
+        if metric == "val_loss":
+            return arrays["val"], tuple(len(p) for p in parts)
+        return parts[int(metric.removeprefix("val_loss_b"))], None
+    key = PER_SAMPLE.get(metric)
+    return (arrays[key].astype(float), None) if key in arrays else None
+
+
+def _sample_interval(metric: str, pairs: list[tuple[dict, dict]], samples: SampleSets) -> es.Interval | None:
+    """The joint-bootstrap interval from the points' per-sample scores (None where any is missing)."""
+    if metric == "fid":
+        draws = [(samples.fid_draws(a), samples.fid_draws(b)) for a, b in pairs]
+        if any(x is None for pair in draws for x in pair):
+            return None
+        if len({samples.arrays(r)["pool"].shape[0] for pair in pairs for r in pair}) != 1:
+            return None  # sample sets of different sizes are not resampled with the same indices
+        full_a, full_b = (np.array([pair[k][0] for pair in draws]) for k in (0, 1))
+        boot_a, boot_b = (np.stack([pair[k][1] for pair in draws]) for k in (0, 1))
+        return es.interval_from(es.paired_draws(full_a, full_b, boot_a, boot_b), full_a - full_b)
+    found = [(_per_sample(metric, samples.arrays(a)), _per_sample(metric, samples.arrays(b)))
+             for a, b in pairs]
+    if any(x is None for pair in found for x in pair) or len({x[0].shape for p in found for x in p}) != 1:
+        return None
+    a, b = (np.stack([pair[k][0] for pair in found]) for k in (0, 1))  # (S, N) each
+    strata = found[0][0][1]
+    per_seed = (a - b) @ es.full_weights(a.shape[1], strata)
+    return es.interval_from(es.paired_means(a, b, MEAN_DRAWS, RESAMPLE_SEED, strata), per_seed)
+
+
+def _bound(metric: str, pairs: list[tuple[dict, dict]]) -> float:
+    """A conservative shared-sample variance for records without per-sample scores (NaN: none known):
+    a rate's binomial variance of the two arms as if independent, or the FID's two bootstrap spreads,
+    neither divided by the seeds (the sample set is shared)."""
+    if metric in RATES and all(a.get("fid_samples") for a, _ in pairs):
+        return float(np.mean([(a[metric] * (1 - a[metric]) + b[metric] * (1 - b[metric])) / a["fid_samples"]
+                              for a, b in pairs]))
+    if metric == "fid" and all("fid_bootstrap_sd" in a and "fid_bootstrap_sd" in b for a, b in pairs):
+        return float(np.mean([a["fid_bootstrap_sd"] ** 2 + b["fid_bootstrap_sd"] ** 2 for a, b in pairs]))
+    return math.nan
+
+
+def _at_floor(metric: str, records: list[dict]) -> bool:
+    """Whether an arm's pooled rate of ``metric`` over ``records`` (its seeds) sits at the metric's floor."""
+    if metric not in FLOORS or not all(r.get("fid_samples") for r in records):
+        return False
+    hits = sum(r[metric] * r["fid_samples"] for r in records)
+    return es.at_floor(round(hits), sum(r["fid_samples"] for r in records), FLOORS[metric])
+
+
+def _value(record: dict, metric: str) -> float:
+    value = record.get(metric)
+    return float(value) if value is not None else math.nan
+
+
+# ------------------------------------------------------------------------------------------ comparisons
+def compare(records: list[dict], arm: str, other: str, metric: str, step: int,
+            samples: SampleSets | None = None) -> dict:
+    """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have.
+
+    The interval resamples seeds and the shared samples jointly (:mod:`mhla_gen.evidence_stats`) from
+    the points' per-sample scores in ``samples``; without them (records of earlier versions, or no
+    ``samples``) its sample-level part is a conservative bound (``source`` ``bound``) or unknown
+    (``none``). Returns ``mean``, half-width ``ci``, ``low``, ``high``, ``n``, ``p``, the stated
+    ``min_effect`` (relative to ``other``'s mean), ``at_floor`` (both arms at a rate's floor), ``mdd``
+    (from the pilot's seed spread, :data:`PILOTS`, and this comparison's shared-sample variance),
+    ``verdict``, ``marks`` (``old scorer`` / ``bound`` / ``none``), ``per_seed``, ``sampling_sd`` and the
+    :class:`~mhla_gen.evidence_stats.Interval` itself (``interval``)."""
     at_step = {(r["arm"], r["seed"]): r for r in records if r["step"] == step}
-    by_seed = {key: r.get(metric, math.nan) for key, r in at_step.items()}
-    seeds = sorted(s for a, s in by_seed if a == arm and (other, s) in by_seed)
-    diffs = [by_seed[(arm, s)] - by_seed[(other, s)] for s in seeds]
-    if not diffs:
+    seeds = sorted(s for a, s in at_step if a == arm and (other, s) in at_step
+                   and math.isfinite(_value(at_step[(arm, s)], metric))
+                   and math.isfinite(_value(at_step[(other, s)], metric)))
+    pairs = [(at_step[(arm, s)], at_step[(other, s)]) for s in seeds]
+    if not pairs:
         return {"mean": math.nan, "ci": math.nan, "n": 0, "mdd": math.nan, "min_effect": math.nan,
-                "verdict": "undecided", "sampling_sd": sampling_sd}
-    s = interval(diffs)
-    sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else math.nan
-    if metric in RATES and all(at_step[(arm, k)].get("fid_samples") for k in seeds):
-        sampling_sd = math.sqrt(np.mean([rate_sd(by_seed[(arm, k)], by_seed[(other, k)],
-                                                 at_step[(arm, k)]["fid_samples"]) ** 2 for k in seeds]))
-    if len(diffs) > 1 and math.isfinite(sampling_sd):
-        s["ci"] = max(s["ci"], 1.959964 * sampling_sd / math.sqrt(len(diffs)))
-        sd = max(sd, sampling_sd)
-    effect = min_effect(metric, float(np.mean([by_seed[(other, k)] for k in seeds])))
-    return {**s, "mdd": detectable(sd, len(diffs)), "min_effect": effect,
-            "verdict": verdict(s["mean"], s["ci"], effect), "sampling_sd": sampling_sd,
-            "per_seed": dict(zip(seeds, diffs))}
+                "verdict": "undecided", "marks": (), "per_seed": {}, "p": math.nan, "sampling_sd": math.nan}
+    diffs = [_value(a, metric) - _value(b, metric) for a, b in pairs]
+    found = _sample_interval(metric, pairs, samples) if samples is not None else None
+    iv = found or es.bound_interval(diffs, _bound(metric, pairs))
+    effect = min_effect(metric, float(np.mean([_value(b, metric) for _, b in pairs])))
+    floor = _at_floor(metric, [a for a, _ in pairs]) and _at_floor(metric, [b for _, b in pairs])
+    data = pairs[0][0].get("data", "digits")
+    mdd = es.detectable(pilot_sd(data, metric), len(pairs), iv.var_sample)
+    old = metric in SHAPES_SCORED and any("shapes_scorer" not in r for pair in pairs for r in pair)
+    marks = (("old scorer",) if old else ()) + ((iv.source,) if iv.source != "bootstrap" else ())
+    return {"mean": iv.estimate, "ci": iv.half_width, "low": iv.low, "high": iv.high, "n": len(pairs),
+            "p": iv.p, "min_effect": effect, "at_floor": floor, "mdd": mdd,
+            "verdict": es.verdict(iv, effect, floor), "marks": marks, "per_seed": dict(zip(seeds, diffs)),
+            "sampling_sd": math.sqrt(iv.var_sample) if math.isfinite(iv.var_sample) else math.nan,
+            "interval": iv}
 
 
-def sampling_sd(features: dict[int, tuple[str, str]], real: np.ndarray) -> float:
-    """Mean over seeds of the paired bootstrap spread of ``FID(a) - FID(b)``; ``features`` maps a seed to
-    the two ``step<n>_features.npz`` files (NaN when a file is missing, e.g. records of an earlier
-    version)."""
-    from pathlib import Path
+def apply_holm(cells: list[dict], primary: int | None = None) -> list[dict]:
+    """Holm's rule over the secondaries of one question (every cell of ``cells`` but ``primary``): each
+    gets ``p_holm`` and its verdict judged with it (:func:`mhla_gen.evidence_stats.verdict`); the primary
+    keeps its own interval's verdict and is marked ``primary``. Returns ``cells``, changed in place."""
+    secondary = [i for i, c in enumerate(cells) if i != primary and c["n"]]
+    for i, adjusted in zip(secondary, es.holm([cells[i]["p"] for i in secondary])):
+        c = cells[i]
+        c["p_holm"] = float(adjusted)
+        c["verdict"] = es.verdict(c["interval"], c["min_effect"], c["at_floor"], p_adjusted=adjusted)
+    if primary is not None:
+        cells[primary]["primary"] = True
+    return cells
 
-    sds = []
-    for a, b in features.values():
-        if not (Path(a).is_file() and Path(b).is_file()):
-            return math.nan
-        sds.append(paired_bootstrap(real, np.load(a)["pool"], np.load(b)["pool"], draws=50)["sd"])
-    return float(np.mean(sds)) if sds else math.nan
+
+@dataclass(frozen=True)
+class Question:
+    """A comparison a study answers: ``arm`` against ``other``, judged on one ``primary`` metric read at
+    ``step`` (``end`` of the budget, or the evaluated step nearest a ``quarter`` of it), declared here
+    before a run; every other metric of its row is a secondary under Holm's rule (:func:`apply_holm`)."""
+
+    name: str
+    arm: str
+    other: str
+    primary: str | None
+    step: str = "end"
+
+
+def check_questions(questions: list[Question], metrics: tuple[str, ...], what: str) -> None:
+    """Refuse (``ConfigError``, before any work) a question without a primary metric, or with one the
+    study does not measure (``metrics``) or at a step it does not read."""
+    for q in questions:
+        if not q.primary or q.primary not in metrics or q.step not in ("end", "quarter"):
+            raise ConfigError(f"{what}: question {q.name!r} ({q.arm} − {q.other}) needs a primary metric "
+                              f"declared before the run, one of {', '.join(m for m in metrics if m)} at step "
+                              f"'end' or 'quarter'; got {q.primary!r} at {q.step!r}")
+
+
+# ------------------------------------------------------------------------------------------ tables
+MARKS = {"old scorer": "†", "bound": "‡", "none": "§"}
+NOTES = {
+    "old scorer": "† measured with the shapes scorer's version 1 (records before 2026-11-28; "
+                  "docs/evaluation.md#the-shapes-scores): not the property its name says",
+    "bound": "‡ the shared sample set's noise from a conservative bound (records without per-sample "
+             "scores: binomial for a rate, the two arms' own FID bootstrap spreads), not the joint bootstrap",
+    "none": "§ the shared sample set's noise unknown (records without per-sample scores): an interval over "
+            "seeds alone, too narrow by that noise",
+}
+RULES = ("verdicts (docs/evaluation.md#verdicts): resolved = the 95 % interval (seeds and the shared samples "
+         "resampled jointly) excludes 0 and the difference reaches the minimum effect (10 % of the second "
+         "arm's FID, 2 % of its validation loss, 0.05 of a rate); negligible = excludes 0, inside ± the "
+         "minimum effect; bounded = contains 0, inside ± it; neither = both arms at a rate's floor; too few "
+         "seeds = under 3; otherwise undecided. MDD: the difference 3 seeds detect with 80 % power, from a "
+         "pilot's seed spread. (primary) marks each question's primary metric; the others are judged on "
+         "their Holm-adjusted p")
 
 
 def fmt_comparison(c: dict, digits: int = 2) -> str:
-    """``mean ± ci [verdict]`` with the minimum detectable difference, for a markdown cell."""
+    """``mean ± ci **verdict**`` with the MDD, the Holm-adjusted p of a secondary, ``(primary)`` and the
+    :data:`MARKS` of :func:`compare`, for a markdown cell."""
     if not c["n"]:
         return "—"
     ci = "" if math.isnan(c["ci"]) else f" ± {c['ci']:.{digits}f}"
     mdd = "" if math.isnan(c["mdd"]) else f", MDD {c['mdd']:.{digits}f}"
-    return f"{c['mean']:+.{digits}f}{ci} **{c['verdict']}**{mdd}"
+    holm = f", Holm p {c['p_holm']:.2g}" if math.isfinite(c.get("p_holm", math.nan)) else ""
+    primary = " (primary)" if c.get("primary") else ""
+    marks = "".join(MARKS[m] for m in c["marks"])
+    return f"{c['mean']:+.{digits}f}{ci} **{c['verdict']}**{mdd}{holm}{primary}{marks}"
+
+
+def footnotes(cells: list[dict]) -> str:
+    """The :data:`NOTES` of the marks ``cells`` carry, one line each (empty when none)."""
+    present = {m for c in cells for m in c.get("marks", ())}
+    return "".join(f"\n{NOTES[m]}" for m in MARKS if m in present)

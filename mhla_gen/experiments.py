@@ -56,6 +56,9 @@ from .validation_loss import bucket_means, triple_losses, validation_set
 logger = logging.getLogger(__name__)
 
 RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.folders.file_record)
+# Validation triples per evaluation point: 256 per timestep bucket (4 buckets), so a bucket's own noise is
+# small (until 2026-11-28: 512, 128 per bucket; the runs of docs/results/evidence.md had 256, 64 a bucket)
+VAL_TRIPLES = 1024
 
 # How every run on the shapes trains, in both studies and every arm alike (docs/results/evidence.md,
 # 2026-11-26): with the digits' learning rate (1e-3) and the plain ε loss, the studies' 256-token DiT
@@ -92,7 +95,7 @@ class Job:
     extra: dict = field(default_factory=dict)  # copied into every result record
     stage1: list[str] | None = None  # linearize overrides (without output_dir / seed)
     stage1_dir: str = ""  # where that stage-1 run lives (shared by the jobs with the same stage 1 and seed)
-    val_triples: int = 512  # fixed held-out (image, timestep, noise) triples of the validation loss
+    val_triples: int = VAL_TRIPLES  # fixed held-out (image, timestep, noise) triples of the validation loss
 
 
 def result_path(job: Job, step: int) -> Path:
@@ -178,8 +181,10 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
     label accuracy (and the shapes' exact properties), the validation loss on fixed held-out triples,
     the logged training loss and attention statistics. Samples come from one seed and one label list
     for every arm and seed (common random numbers, :data:`mhla_gen.evidence.SAMPLE_SEED`); the first
-    100 (ten of each class) are kept as ``step<n>_samples.npy``, the sample features and per-triple
-    validation losses as ``step<n>_features.npz`` (for paired bootstraps between arms)."""
+    100 (ten of each class) are kept as ``step<n>_samples.npy``, the sample features, per-triple
+    validation losses and per-sample scores as ``step<n>_features.npz`` (``pool``, ``val`` and
+    :data:`mhla_gen.evidence.PER_SAMPLE`'s keys: what the paired intervals resample,
+    :class:`mhla_gen.evidence.SampleSets`)."""
     transformer = transformer if transformer is not None else load_transformer(Path(job.run_dir) / "final")
     task, scores = DiTTask(cfg), DataScores(cfg.data.source, cfg.data.resolution)
     labels = [i % cfg.model.num_classes for i in range(job.fid_samples)]
@@ -190,11 +195,12 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
     result_path(job, step).parent.mkdir(parents=True, exist_ok=True)
     np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep[..., 0] if
             keep.shape[-1] == 1 else keep)
-    sample_scores, features = scores.score(fake, labels)
+    sample_scores, features, per_sample = scores.score(fake, labels)
     held, held_labels = scores.held_out()
     triples = validation_set(held, held_labels, job.val_triples, task.scheduler.config.num_train_timesteps)
     losses = triple_losses(transformer, task.scheduler, triples)
-    np.savez(result_path(job, step).with_name(f"step{step:07d}_features.npz"), pool=features, val=losses)
+    np.savez(result_path(job, step).with_name(f"step{step:07d}_features.npz"), pool=features, val=losses,
+             **per_sample)
     metrics = Path(job.run_dir) / "metrics.jsonl"
     records = read_jsonl(metrics) if metrics.is_file() else []  # none before the first step
     logged = [r for r in records if "loss" in r and r["step"] <= step]
@@ -228,7 +234,7 @@ def attention_summary(transformer, scores: DataScores, seed: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- running
 def make_jobs(out: Path, config: str, base: list[str], arms: list[Arm], seeds: list[int], steps: list[int],
-              fid_samples: int, extra: dict | None = None, val_triples: int = 512,
+              fid_samples: int, extra: dict | None = None, val_triples: int = VAL_TRIPLES,
               train: tuple[str, ...] = ()) -> list[Job]:
     """One job per (arm, seed), its folders under ``out`` (``out`` itself must be ours, see
     :func:`run_jobs`). ``base`` applies to every run, ``train`` to the training runs only (not to stage

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from .evidence import compare, fmt_comparison
+from .evidence import apply_holm, compare, fmt_comparison, footnotes
 from .experiments import Arm, summarize
 
 RANKINGS = {  # name -> the stage-1 overrides that choose K softmax layers of a depth-D model
@@ -75,13 +75,15 @@ def latency(build, ks: list[int], resolution: int, batch: int, repeats: int = 5)
 DIGITS = {"fid": 1, "val_loss": 4, "symmetric_rate": 3}  # decimals in the tables
 
 
-def sweep_table(recs: list[dict], ms: dict[int, float], depth: int, k0: str) -> str:
+def sweep_table(recs: list[dict], ms: dict[int, float], depth: int, k0: str, samples=None) -> str:
     """Markdown, one table per metric (FID, validation loss, and on the shapes the symmetric rate) at the
     end of stage 2: per K the measured latency, each ranking's mean ± 95 % t-interval (K = 0 is the arm
-    ``k0``) and the paired comparisons e2e − fixed, e2e − layer, e2e − K0 and fixed − K0 with verdicts."""
+    ``k0``) and the paired comparisons e2e − fixed, e2e − layer, e2e − K0 and fixed − K0 with verdicts
+    (exploratory: no primary metric, Holm over each row's four; per-sample scores from ``samples``, a
+    :class:`mhla_gen.evidence.SampleSets`)."""
     step = max(r["step"] for r in recs)
     metrics = [m for m in DIGITS if any(m in r for r in recs)]
-    return "\n".join([chosen_layers(recs, depth)] + [metric_table(recs, metric, step, ms, depth, k0)
+    return "\n".join([chosen_layers(recs, depth)] + [metric_table(recs, metric, step, ms, depth, k0, samples)
                                                      for metric in metrics])
 
 
@@ -96,7 +98,8 @@ def chosen_layers(recs: list[dict], depth: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def metric_table(recs: list[dict], metric: str, step: int, ms: dict[int, float], depth: int, k0: str) -> str:
+def metric_table(recs: list[dict], metric: str, step: int, ms: dict[int, float], depth: int, k0: str,
+                 samples=None) -> str:
     """:func:`sweep_table`'s table of one metric."""
     stats, d = summarize(recs, metric), DIGITS[metric]
 
@@ -105,18 +108,22 @@ def metric_table(recs: list[dict], metric: str, step: int, ms: dict[int, float],
         ci = "" if s is None or np.isnan(s["ci"]) else f" ± {s['ci']:.{d}f}"
         return "—" if s is None else f"{s['mean']:.{d}f}{ci}"
 
-    def paired(a, b):
-        return fmt_comparison(compare(recs, a, b, metric, step), d)
+    every = []
+
+    def row(pairs):
+        cells = apply_holm([compare(recs, a, b, metric, step, samples) for a, b in pairs])
+        every.extend(cells)
+        return [fmt_comparison(c, d) for c in cells]
 
     lines = [f"Softmax layers kept (of {depth}) against latency: `{metric}` at stage-2 step {step} per "
-             "ranking, paired differences (resolved / bounded / undecided as above):", "",
+             "ranking, paired differences (verdicts as above; exploratory: Holm over each row's four):", "",
              "| K | inference ms / image | e2e | layer | fixed | e2e − fixed | e2e − layer | e2e − K0 | "
              "fixed − K0 |", "|---|---|---|---|---|---|---|---|---|",
              f"| 0 | {ms.get(0, float('nan')):.2f} | " + " | ".join([cell(k0)] * 3 + ["—"] * 4) + " |"]
     for k in sweep_ks(depth):
         names = {r: arm_name(r, k) for r in RANKINGS}
-        pairs = [paired(names["e2e"], names["fixed"]), paired(names["e2e"], names["layer"]),
-                 paired(names["e2e"], k0), paired(names["fixed"], k0)]
+        pairs = row([(names["e2e"], names["fixed"]), (names["e2e"], names["layer"]), (names["e2e"], k0),
+                     (names["fixed"], k0)])
         values = [cell(names[r]) for r in RANKINGS]
         lines.append(f"| {k} | {ms.get(k, float('nan')):.2f} | " + " | ".join(values + pairs) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + footnotes(every) + "\n"

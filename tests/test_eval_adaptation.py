@@ -120,7 +120,14 @@ def test_softmax_layer_sweep_against_latency(tmp_path):
     assert len(rows) == 2 and all(float(row.split(" | ")[1]) > 0 for row in rows)  # latency measured
     kept = (tmp_path / "adaptation.md").read_text().split("Layers kept as softmax")[1].split("Softmax")[0]
     assert f"| 1 | {stage1['softmax1-e2e']} | {stage1['softmax1-layer']} | [0] |" in kept
-    assert "`val_loss` at stage-2 step" in (tmp_path / "adaptation.md").read_text()
+    report = (tmp_path / "adaptation.md").read_text()
+    assert "`val_loss` at stage-2 step" in report
+    # a decision row (stage 1 on every parameter against stage 1 on MHLA's): one seed is too few, and every
+    # cell, the FID's too, drew on the points' per-sample scores (no bound ‡, nothing unknown §)
+    row = next(line for line in report.splitlines() if line.startswith("| stage 1 on every parameter |"))
+    assert row.count("**too few seeds**") == 5 and "(primary)" in row
+    decisions = report.split("Paired comparisons")[1]
+    assert "‡" not in decisions and "§" not in decisions
 
 
 def test_latency_feeds_each_model_its_own_channels():
@@ -201,7 +208,11 @@ def test_decisions_pair_the_mid_noise_validation_bucket():
     table = module.decisions(recs, [0, 100, 400])
     assert "| mid-noise val loss (b2) at step 400 |" in table
     row = next(line for line in table.splitlines() if line.startswith("| stage 1's head start"))
-    assert row.rstrip(" |").endswith("**resolved**, MDD 0.00000") and "+0.00060" in row
+    b2 = row.rstrip(" |").split(" | ")[-1]
+    # every seed +0.0006: no seed spread; records without per-sample scores: the triples' noise unknown (§)
+    assert b2.startswith("+0.00060 ± 0.00000 **resolved**, MDD 0.00014, Holm p") and b2.endswith("§")
+    primary = row.split(" | ")[5]  # val loss at step 100, the question's primary: level here
+    assert primary.startswith("+0.0000 ± 0.0000") and "(primary)" in primary
 
 
 def test_shapes_report_carries_the_exact_properties():
@@ -215,7 +226,8 @@ def test_shapes_report_carries_the_exact_properties():
                  symmetric_rate=(0.6 if arm == "mhla-stage1" else 0.1) + 0.01 * seed)
             for arm in ("mhla-plain", "mhla-stage1") for seed in range(3) for step in (0, 150, 600)]
     report = module.grid_report(recs, "g")
-    assert "| arm | all 3 properties ↑ at 150 |" in report and "symmetry error ↓ at 600 |" in report
+    assert "| arm | all 4 properties ↑ at 150 |" in report and "symmetry error ↓ at 600 |" in report
+    assert "† measured with the shapes scorer's version 1" in report  # records without shapes_scorer
     row = next(line for line in report.splitlines() if line.startswith("| mhla-stage1 | 0.100"))
     assert "0.610 ± 0.025" in row  # symmetric at 600: 0.60, 0.61, 0.62
     head = next(line for line in report.splitlines() if line.startswith("| question |"))
@@ -224,6 +236,18 @@ def test_shapes_report_carries_the_exact_properties():
     assert decision.rstrip(" |").split(" | ")[-1].startswith("+0.500 ± ") and "**resolved**" in decision
     digits = module.grid_report([dict(r, data="digits") for r in recs], "g")
     assert "Exact property" not in digits and "symmetric" not in digits and "count" not in digits
+
+
+def test_a_question_without_a_primary_metric_is_refused(tmp_path, monkeypatch):
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.evidence import Question
+
+    module = load_adaptation()
+    unnamed = Question("q", "mhla-plain", "mhla-stage1", None)
+    monkeypatch.setattr(module, "DECISIONS", [*module.DECISIONS, unnamed])
+    with pytest.raises(ConfigError, match="primary metric"):
+        module.main(["--smoke", "--out", str(tmp_path / "a")])
+    assert not (tmp_path / "a").exists()
 
 
 def test_end_to_end_column_is_the_mean_over_seeds():

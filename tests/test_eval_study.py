@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -154,7 +155,9 @@ def test_study_on_the_shapes(tmp_path):
                                                        for t in (1, 2, 4)}
     assert all(r["grid"] == "shapes-smoke" and r["tokens"] == 16 for r in records)
     table = (tmp_path / "study.md").read_text()
-    assert "| all 3 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
+    assert "| all 4 properties ↑ |" in table and "| mhla − softmax | 1 |" in table
+    assert "†" not in table and "‡" not in table  # the new scorer; every interval from per-sample scores
+    assert "**too few seeds**" in table and "(primary)" in table
     buckets = table.split("Validation loss per timestep bucket")[1]  # every step, every bucket
     assert "| comparison | step | val_loss_b0 | val_loss_b1 | val_loss_b2 | val_loss_b3 |" in buckets
     assert all(f"| mhla − softmax | {t} | " in buckets for t in (1, 2, 4))
@@ -168,6 +171,36 @@ def test_study_on_the_shapes(tmp_path):
                    for o in digits)
     with pytest.raises(ConfigError, match="--grids 64 is not a grid of --data shapes"):
         load_study().main(["--data", "shapes", "--grids", "64", "--out", str(tmp_path / "x")])
+    as_if_old(tmp_path / "shapes-smoke" / "results")
+    old = load_study().main(["--smoke", "--data", "shapes", "--seeds", "1", "--no-ablations", "--report-only",
+                             "--out", str(tmp_path)])
+    assert len(old) == len(records) and not any("shapes_scorer" in r for r in old)
+    table = (tmp_path / "study.md").read_text()
+    assert "† measured with the shapes scorer's version 1" in table  # re-rendered "as measured"
+    assert "‡" in table  # the rates' shared-sample noise from the binomial bound: no per-sample scores
+
+
+def as_if_old(results: Path) -> None:
+    """Turn a study's result folder into records of the version before 2026-11-28: no scorer version, no
+    shape rate, no per-sample scores beside the features and per-triple losses."""
+    for path in results.rglob("step*.json"):
+        if path.name.endswith("_features.npz"):
+            continue
+        record = json.loads(path.read_text())
+        for key in ("shapes_scorer", "shape_accuracy"):
+            record.pop(key, None)
+        path.write_text(json.dumps(record))
+    for path in results.rglob("step*_features.npz"):
+        arrays = dict(np.load(path))
+        np.savez(path, pool=arrays["pool"], val=arrays["val"])
+
+
+def test_a_comparison_without_a_primary_metric_is_refused(tmp_path, monkeypatch):
+    study, planned = planning_study(monkeypatch)
+    monkeypatch.setitem(study.PRIMARY, "digits", None)
+    with pytest.raises(ConfigError, match="primary metric"):
+        study.main(["--smoke", "--out", str(tmp_path / "a")])
+    assert planned == [] and not (tmp_path / "a").exists()
 
 
 def planning_study(monkeypatch):

@@ -1,5 +1,6 @@
-"""Evidence that decides: the shapes data and its exact scores, the validation loss, the FID's own noise,
-minimum detectable differences and verdicts, and stage 1's end-to-end number."""
+"""Evidence that decides: the shapes data and its exact scores, the validation loss, paired comparisons of
+study records (intervals with and without per-sample scores, floors, the old scorer's mark, Holm, the
+primary metric), and stage 1's end-to-end number."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ from diffusers import DDPMScheduler
 
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.data.shapes import class_colour, class_count, shapes_tensors
-from mhla_gen.evidence import compare, detectable, fid_bootstrap, min_effect, paired_bootstrap, verdict
+from mhla_gen.errors import ConfigError
+from mhla_gen.evidence import (
+    PILOTS,
+    Question,
+    SampleSets,
+    apply_holm,
+    check_questions,
+    compare,
+    fid_bootstrap,
+    fmt_comparison,
+    footnotes,
+    min_effect,
+)
+from mhla_gen.evidence_stats import detectable, holm
+from mhla_gen.metrics import fid_from_features
 from mhla_gen.metrics.shapes import property_scores
 from mhla_gen.testing import tiny_dit
 from mhla_gen.transfer import TransferHooks, end_to_end_errors, finalize, relative_error
@@ -29,7 +44,7 @@ def test_shapes_are_deterministic_and_score_exactly_on_every_property(resolution
     assert not torch.equal(images, shapes_tensors(resolution, 60, seed=4)[0])
     assert torch.equal(images, images.flip(-1))  # mirror-symmetric, exactly
     scores = property_scores(images, labels)
-    for key in ("symmetric", "count", "colour", "all"):
+    for key in ("symmetric", "count", "colour", "shape", "all"):
         assert scores[key].all(), key
     assert (scores["symmetry_error"] == 0).all()
     fg = images.amax(1) > 0.5  # every foreground pixel has the class colour
@@ -85,54 +100,129 @@ def test_validation_loss_is_deterministic_stratified_and_the_plain_formula():
 
 
 # ---------------------------------------------------------------------------------- noise and verdicts
-def test_bootstraps_detectable_differences_and_verdicts():
-    rng = np.random.default_rng(0)
-    real, fake = rng.normal(size=(400, 4)), rng.normal(0.3, 1.0, size=(200, 4))
-    assert fid_bootstrap(real, fake, draws=30)["sd"] > 0
-    same = paired_bootstrap(real, fake, fake.copy(), draws=10)
-    assert same["difference"] == 0 and same["sd"] == 0  # the same samples: no sampling noise left
-    from scipy import stats
+def records(metric, values: dict[str, list[float]], step=5, **extra):
+    return [{"arm": arm, "seed": seed, "step": step, metric: v, **extra}
+            for arm, vals in values.items() for seed, v in enumerate(vals)]
 
-    want = (stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) * 2 / math.sqrt(5)
-    assert detectable(2.0, 5) == pytest.approx(want)
-    assert detectable(1.0, 1) == pytest.approx(1.959964 + 0.841621, rel=1e-5)
-    assert verdict(-3.0, 1.0, 0.5) == "resolved" and verdict(0.1, 0.2, 0.5) == "bounded"
-    assert verdict(0.1, 2.0, 0.5) == "undecided" and verdict(math.nan, 1.0, 1.0) == "undecided"
-    records = [{"arm": a, "seed": s, "step": 5, "fid": v} for a, vals in
-               {"x": [10.0, 11.0, 12.0], "y": [20.0, 20.5, 22.5]}.items() for s, v in enumerate(vals)]
-    c = compare(records, "x", "y", "fid", 5)
+
+def test_compare_without_per_sample_scores_says_so():
+    """Records without per-sample scores: a FID interval over seeds alone (marked §), or with the
+    recorded bootstrap spreads as a bound on the shared samples' noise (marked ‡), not divided by the
+    seeds; the MDD comes from the pilot, not from these seeds."""
+    recs = records("fid", {"x": [10.0, 11.0, 12.0], "y": [20.0, 20.5, 22.5]})
+    c = compare(recs, "x", "y", "fid", 5)
     assert c["per_seed"] == {0: -10.0, 1: -9.5, 2: -10.5} and c["verdict"] == "resolved"
+    assert c["marks"] == ("none",) and fmt_comparison(c).endswith("§") and "§" in footnotes([c])
     assert c["min_effect"] == pytest.approx(0.1 * 21.0)
+    assert c["mdd"] == pytest.approx(detectable(PILOTS[("digits", "fid")][0], 3))
+    bounded = compare([dict(r, fid_bootstrap_sd=4.0) for r in recs], "x", "y", "fid", 5)
+    assert bounded["marks"] == ("bound",) and bounded["sampling_sd"] == pytest.approx(math.sqrt(32))
+    assert bounded["ci"] > c["ci"] and bounded["ci"] > 1.959964 * math.sqrt(32)
+    spread = compare(records("fid", {"x": [1.0, 11.0, 21.0], "y": [20.0, 20.5, 22.5]}), "x", "y", "fid", 5)
+    assert spread["mdd"] == c["mdd"]  # the pilot's, whatever these seeds' spread
     assert min_effect("val_loss_b2", 0.5) == pytest.approx(0.02 * 0.5)  # a bucket: the validation loss's
+    assert compare(recs, "x", "missing", "fid", 5)["n"] == 0
 
 
-def test_a_rates_interval_is_never_narrower_than_its_own_sampling_noise():
-    """Two seeds with the same difference of a rate (3 samples in 300) give a t half-width of 0: the
-    verdict must not call that resolved (it is bounded: inside the 0.05 minimum effect); on 100 000 samples
-    per score the same difference is."""
-    def records(samples):
-        return [{"arm": a, "seed": s, "step": 1, "colour_accuracy": v, "fid_samples": samples}
-                for a, v in (("cpe", 0.98), ("plain", 0.99)) for s in (0, 1)]
+def test_a_rates_shared_sampling_noise_does_not_shrink_with_seeds():
+    """Three seeds with the same difference of a rate (3 samples in 300): the t-interval is 0 wide; the
+    shared sample set's binomial noise (a bound, old records) keeps it open, not divided by sqrt(3):
+    bounded. On 100 000 samples per score the same difference is real but below the minimum effect:
+    negligible. Two seeds: too few for any verdict."""
+    def recs(samples, seeds=3):
+        return [{"arm": a, "seed": s, "step": 1, "colour_accuracy": v, "fid_samples": samples,
+                 "shapes_scorer": 2} for a, v in (("cpe", 0.98), ("plain", 0.99)) for s in range(seeds)]
 
-    few = compare(records(300), "cpe", "plain", "colour_accuracy", 1)
-    assert few["per_seed"] == {0: pytest.approx(-0.01), 1: pytest.approx(-0.01)}
-    assert few["verdict"] == "bounded"
-    floor = 1.959964 * math.sqrt((0.98 * 0.02 + 0.99 * 0.01) / 300) / math.sqrt(2)
-    assert few["ci"] == pytest.approx(floor) and few["mdd"] > 0
-    assert compare(records(100_000), "cpe", "plain", "colour_accuracy", 1)["verdict"] == "resolved"
+    few = compare(recs(300), "cpe", "plain", "colour_accuracy", 1)
+    assert few["verdict"] == "bounded" and few["marks"] == ("bound",)
+    assert few["ci"] == pytest.approx(1.959964 * math.sqrt((0.98 * 0.02 + 0.99 * 0.01) / 300), rel=1e-4)
+    assert compare(recs(100_000), "cpe", "plain", "colour_accuracy", 1)["verdict"] == "negligible"
+    assert compare(recs(100_000, seeds=2), "cpe", "plain", "colour_accuracy", 1)["verdict"] == "too few seeds"
 
 
-def test_a_fids_interval_is_never_narrower_than_its_known_sampling_noise():
-    """Two seeds whose FID differences agree to 1 (+129, +130) resolve on their t-interval alone; with the
-    paired bootstrap spread of one sample set (160) the interval is at least 1.96 * 160 / sqrt(2)."""
-    records = [{"arm": a, "seed": s, "step": 1, "fid": v}
-               for a, vals in (("uniform", (537.0, 1077.0)), ("plain", (408.0, 947.0))) for s, v in
-               enumerate(vals)]
-    assert compare(records, "uniform", "plain", "fid", 1)["verdict"] == "resolved"
-    noisy = compare(records, "uniform", "plain", "fid", 1, sampling_sd=160.0)
-    assert noisy["ci"] == pytest.approx(1.959964 * 160 / math.sqrt(2)) and noisy["verdict"] == "undecided"
-    assert noisy["mdd"] >= detectable(160.0, 2)
-    assert compare(records, "uniform", "plain", "fid", 1, sampling_sd=1.0)["verdict"] == "resolved"
+def test_both_arms_at_a_rates_floor_is_neither_not_equivalence():
+    recs = records("symmetric_rate", {"a": [0.0, 0.0, 0.003], "b": [0.0, 0.0, 0.0]}, fid_samples=300,
+                   data="shapes", shapes_scorer=2)
+    c = compare(recs, "a", "b", "symmetric_rate", 5)
+    assert c["verdict"] == "neither" and c["at_floor"]
+    one = records("symmetric_rate", {"a": [0.3, 0.2, 0.25], "b": [0.0, 0.0, 0.0]}, fid_samples=300,
+                  data="shapes", shapes_scorer=2)
+    assert compare(one, "a", "b", "symmetric_rate", 5)["verdict"] == "resolved"
+
+
+def test_old_scorer_records_are_marked():
+    recs = records("all_correct", {"a": [0.3, 0.2, 0.25], "b": [0.0, 0.01, 0.0]}, fid_samples=300,
+                   data="shapes")
+    c = compare(recs, "a", "b", "all_correct", 5)
+    assert "old scorer" in c["marks"] and "†" in fmt_comparison(c, 3) and "version 1" in footnotes([c])
+    assert "old scorer" not in compare(recs, "a", "b", "fid_samples", 5)["marks"]
+
+
+def test_holm_judges_the_secondaries_and_keeps_the_primary():
+    """One question, a primary and three secondaries: a secondary whose own interval just excludes 0 is
+    judged on its Holm-adjusted p (three tests) and is no longer resolved; the primary keeps its own."""
+    values = {"val_loss": ([1.0, 1.1, 0.9], [2.0, 2.1, 1.9]), "fid": ([10.0, 14.0, 12.0], [20.0, 21.0, 22.0]),
+              "label_accuracy": ([0.5, 0.6, 0.6], [0.4, 0.45, 0.4]),
+              "all_correct": ([0.3, 0.35, 0.32], [0.3, 0.34, 0.33])}
+    recs = [{"arm": arm, "seed": s, "step": 1, **{m: v[i][s] for m, v in values.items()}}
+            for i, arm in enumerate(("a", "b")) for s in range(3)]
+    cells = [compare(recs, "a", "b", m, 1) for m in values]
+    raw = [c["verdict"] for c in cells]
+    apply_holm(cells, primary=0)
+    assert cells[0]["primary"] and "p_holm" not in cells[0] and cells[0]["verdict"] == raw[0] == "resolved"
+    assert [c["p_holm"] for c in cells[1:]] == pytest.approx(holm([c["p"] for c in cells[1:]]))
+    label = cells[2]
+    assert label["p"] < 0.05 and label["p_holm"] >= 0.05 and raw[2] == "resolved"
+    assert label["verdict"] == "undecided" and "Holm p" in fmt_comparison(label, 3)
+    assert "(primary)" in fmt_comparison(cells[0])
+
+
+def test_questions_must_declare_a_primary_metric():
+    check_questions([Question("q", "a", "b", "val_loss")], ("val_loss", "fid"), "x")
+    for bad in (Question("q", "a", "b", None), Question("q", "a", "b", "symmetric_rate"),
+                Question("q", "a", "b", "fid", "middle")):
+        with pytest.raises(ConfigError, match="primary metric"):
+            check_questions([bad], ("val_loss", "fid"), "eval/x.py")
+
+
+def write_point(root, grid, arm, seed, step, **arrays):
+    folder = root / grid / "results" / arm / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / f"step{step:07d}_features.npz", **arrays)
+
+
+def test_compare_resamples_the_points_per_sample_scores(tmp_path, monkeypatch):
+    """With each point's per-sample scores on disk (SampleSets), every metric's interval is the joint
+    bootstrap (no mark): the validation loss per triple (its buckets as strata), a rate per sample and
+    the FID from the features; the per-seed differences are the records'."""
+    import mhla_gen.evidence as evidence
+
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(200, 4))
+    monkeypatch.setattr(evidence, "_real_features", lambda source, resolution: real)
+    shared = rng.normal(size=64)  # arm a's own response to the shared triples
+    recs = []
+    for arm, shift in (("a", 0.3), ("b", 0.0)):
+        for seed in range(3):
+            val = 1.0 + shift + (shared if arm == "a" else 0) * 0.2 + rng.normal(0, 0.1, 64)
+            hits = rng.random(50) < (0.6 if arm == "a" else 0.3)
+            pool = rng.normal(shift, 1.0, size=(50, 4))
+            write_point(tmp_path, "g", arm, seed, 8, val=val, pool=pool, all=hits)
+            recs.append({"arm": arm, "seed": seed, "step": 8, "grid": "g", "data": "shapes", "resolution": 32,
+                         "val_loss": float(np.mean([p.mean() for p in np.array_split(val, 4)])),
+                         **{f"val_loss_b{k}": float(p.mean()) for k, p in enumerate(np.array_split(val, 4))},
+                         "all_correct": float(hits.mean()), "fid_samples": 50, "shapes_scorer": 2,
+                         "fid": fid_from_features(real, pool)})
+    assert fid_bootstrap(real, pool, draws=10)["sd"] > 0  # one arm's own spread (recorded, not paired)
+    samples = SampleSets(tmp_path)
+    for metric in ("val_loss", "all_correct", "fid", "val_loss_b1"):
+        c = compare(recs, "a", "b", metric, 8, samples)
+        plain = compare(recs, "a", "b", metric, 8)
+        assert c["marks"] == () and c["interval"].source == "bootstrap", metric
+        assert c["mean"] == pytest.approx(plain["mean"], rel=1e-6), metric
+        assert c["sampling_sd"] > 0, metric
+    shifted = [dict(r, step=r["step"] - 8, result_step=8) for r in recs]  # relabelled, files kept
+    assert compare(shifted, "a", "b", "fid", 0, samples)["marks"] == ()
 
 
 # ------------------------------------------------------------------------------------- end to end

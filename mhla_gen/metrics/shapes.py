@@ -1,14 +1,33 @@
 """Scores of samples of the shapes data (:mod:`mhla_gen.data.shapes`): exact properties from pixels, and
 a small CNN whose features give a Frechet distance (as the digits CNN does for the digits).
 
-Properties (each image against its class label; every real image scores 1 / 0 exactly):
+Properties of each image against its class label ``c`` (scorer version :data:`SCORER_VERSION`; every
+real image scores 1 on each, tested, and the adversarial tests give each property images that lack it).
+The foreground is the pixels whose max channel exceeds :data:`FOREGROUND`; a *component* is an
+8-connected foreground region of at least half the area of the smallest shape the data set draws
+(smaller specks are ignored):
 
-* ``symmetric``: the foreground mask (max channel > 0.5) and its mirror image agree (intersection over
-  union >= 0.9); ``symmetry_error`` is the mean |x - mirror(x)| over pixels and channels;
-* ``count``: the number of 8-connected foreground components of at least half the smallest shape's
-  area equals the class's ``2 (1 + c % 3)``;
-* ``colour``: the mean colour of the foreground is nearest (RGB) to the class's colour of the ten;
-* ``all``: the three at once.
+* ``count``: the number of components is the class's ``2 (1 + c % 3)``;
+* ``shape``: at least one component, and every component is a disc or a square (the data set's two
+  shapes, drawn as :func:`mhla_gen.data.shapes.draw_image` draws them) of a radius in the class's range:
+  intersection over union >= :data:`SHAPE_IOU` with that template centred on the component;
+* ``colour``: at least one component, none larger than the data set's largest shape, and every
+  component has the class's colour: at least :data:`COLOUR_SHARE` of its pixels have the class's hue
+  (max-channel-normalised colour within :data:`COLOUR_TOLERANCE`, half the smallest gap between two class
+  colours) and its mean brightness (max channel) is at least :data:`BRIGHTNESS` (the class colours have
+  value 1). Component by component: two wrong colours cannot average to the right one;
+* ``symmetric``: a valid image (at least the class's count of components, none crossing the centre
+  line) whose foreground and its mirror image agree (intersection over union >= 0.9): noise, a filled
+  frame or half a layout mirrored is not a symmetric image of shapes;
+* ``all``: the four at once;
+* ``symmetry_error``: ``sum |x - mirror(x)| / sum (x + mirror(x))`` over pixels and channels, 0 for a
+  mirror image and 1 for one that has nothing on one side (or nothing at all): normalised by what is
+  drawn, so drawing less is not rewarded.
+
+Version 1 (records without ``shapes_scorer``, before 2026-11-28) scored ``symmetric`` as the mask's IoU
+with its mirror for any foreground (a filled image passed), ``colour`` as the mean foreground colour's
+nearest class colour, ``all`` as symmetric, count and colour (no shape or size), and ``symmetry_error``
+as the mean ``|x - mirror(x)|`` over the image (a blank image scored 0).
 
 Chance levels (a model that ignores the label but draws valid images): count 1/3, colour 1/10.
 """
@@ -24,53 +43,123 @@ from torch import nn
 
 from ..data.shapes import SHAPES_CLASSES, class_colour, class_count, class_radii, shapes_tensors
 
+SCORER_VERSION = 2  # records carry it as ``shapes_scorer`` (none: version 1, the module docstring)
 FOREGROUND = 0.5  # every drawn pixel has max channel 1, the background 0
+SHAPE_IOU = 0.8  # a component against its disc / square template
+COLOUR_TOLERANCE = 0.2  # max-abs distance of a pixel's hue (colour / max channel) from the class colour
+COLOUR_SHARE = 0.9  # of a component's pixels that must have the class's hue
+BRIGHTNESS = 0.75  # a component's mean max channel (the data set draws 1)
+SYMMETRY_IOU = 0.9
+PROPERTIES = ("symmetric", "count", "colour", "shape", "all")
 
 
-def _components(mask: np.ndarray, min_area: int) -> int:
+def shape_template(kind: str, radius: int) -> np.ndarray:
+    """The data set's ``disc`` or ``square`` of ``radius``: bool ``(2 r + 1, 2 r + 1)``, as
+    :func:`mhla_gen.data.shapes.draw_image` draws it (its formula; tested equal on the real images)."""
+    rows, cols = np.ogrid[-radius:radius + 1, -radius:radius + 1]
+    if kind == "disc":
+        return rows**2 + cols**2 <= radius**2 + radius // 2
+    return np.ones((2 * radius + 1, 2 * radius + 1), dtype=bool)
+
+
+def _limits(resolution: int) -> tuple[int, int]:
+    """(minimum component area, largest side of any shape plus one pixel each way) at ``resolution``."""
+    smallest = (2 * class_radii(SHAPES_CLASSES - 1, resolution)[0] + 1) ** 2 // 2
+    largest = max(class_radii(c, resolution)[1] for c in range(SHAPES_CLASSES))
+    return smallest // 2, 2 * largest + 3
+
+
+def _is_shape(component: np.ndarray, top: int, left: int, radii: tuple[int, int]) -> bool:
+    """Whether ``component`` (bool, its bounding box at ``(top, left)``) is a disc or square of a radius
+    in ``radii``: IoU with the template centred on the component's centroid."""
+    rows, cols = np.nonzero(component)
+    cy, cx = int(round(top + rows.mean())), int(round(left + cols.mean()))
+    for radius in range(radii[0], radii[1] + 1):
+        r0, c0 = min(top, cy - radius), min(left, cx - radius)
+        height = max(top + component.shape[0], cy + radius + 1) - r0
+        width = max(left + component.shape[1], cx + radius + 1) - c0
+        drawn = np.zeros((height, width), dtype=bool)
+        drawn[top - r0:top - r0 + component.shape[0], left - c0:left - c0 + component.shape[1]] = component
+        for kind in ("disc", "square"):
+            template = np.zeros_like(drawn)
+            template[cy - radius - r0:cy + radius + 1 - r0, cx - radius - c0:cx + radius + 1 - c0] = \
+                shape_template(kind, radius)
+            if (drawn & template).sum() >= SHAPE_IOU * (drawn | template).sum():
+                return True
+    return False
+
+
+def _has_colour(pixels: np.ndarray, colour: np.ndarray) -> bool:
+    """Whether a component's ``pixels`` ``(3, n)`` have the class ``colour`` (module docstring)."""
+    value = pixels.max(axis=0)
+    hue_ok = np.abs(pixels / value - colour[:, None]).max(axis=0) < COLOUR_TOLERANCE
+    return bool(hue_ok.mean() >= COLOUR_SHARE and value.mean() >= BRIGHTNESS)
+
+
+def _image_properties(x: np.ndarray, label: int) -> dict[str, bool]:
+    """The properties of one image ``x`` float ``(3, R, R)`` in [0, 1] drawn for class ``label``."""
     from scipy import ndimage
 
-    labelled, n = ndimage.label(mask, structure=np.ones((3, 3)))
-    if n == 0:
-        return 0
-    areas = np.bincount(labelled.ravel())[1:]
-    return int((areas >= min_area).sum())
+    resolution = x.shape[-1]
+    min_area, largest = _limits(resolution)
+    mask = x.max(axis=0) > FOREGROUND
+    labelled, _ = ndimage.label(mask, structure=np.ones((3, 3)))
+    want, colour, radii = 2 * class_count(label), class_colour(label), class_radii(label, resolution)
+    shapes, colours, crossing = [], [], False
+    for index, box in enumerate(ndimage.find_objects(labelled), start=1):
+        component = labelled[box] == index
+        if component.sum() < min_area:
+            continue
+        crossing |= box[1].start < resolution // 2 <= box[1].stop - 1
+        oversized = max(component.shape) > largest
+        shapes.append(not oversized and _is_shape(component, box[0].start, box[1].start, radii))
+        colours.append(not oversized and _has_colour(x[:, box[0], box[1]][:, component], colour))
+    mirror = mask[:, ::-1]
+    agree = (mask & mirror).sum() >= SYMMETRY_IOU * max((mask | mirror).sum(), 1)
+    out = {"symmetric": len(shapes) >= want and not crossing and bool(agree),
+           "count": len(shapes) == want, "colour": bool(colours) and all(colours),
+           "shape": bool(shapes) and all(shapes)}
+    out["all"] = all(out.values())
+    return out
+
+
+def symmetry_error(images: torch.Tensor) -> np.ndarray:
+    """``sum |x - mirror(x)| / sum (x + mirror(x))`` per image of ``(N, C, R, R)`` in [0, 1]: 0 for a
+    mirror image, 1 for an image with nothing on one side or nothing at all."""
+    x = images.detach().double().clamp(0, 1).cpu().numpy()
+    mirror = x[..., ::-1]
+    drawn = (x + mirror).sum(axis=(1, 2, 3))
+    unmatched = np.abs(x - mirror).sum(axis=(1, 2, 3))
+    return np.where(drawn > 0, unmatched / np.maximum(drawn, 1e-12), 1.0)
 
 
 def property_scores(images: torch.Tensor, labels) -> dict[str, np.ndarray]:
     """Per-image property checks of ``images`` float ``(N, 3, R, R)`` in [0, 1] against ``labels`` (N,):
-    bool arrays ``symmetric``, ``count``, ``colour``, ``all`` and float ``symmetry_error``."""
+    bool arrays ``symmetric``, ``count``, ``colour``, ``shape``, ``all`` and float ``symmetry_error``."""
     x = images.detach().float().clamp(0, 1).cpu().numpy()
     labels = np.asarray(labels)
-    resolution = x.shape[-1]
-    palette = np.stack([class_colour(c) for c in range(SHAPES_CLASSES)])  # (10, 3)
-    mask = x.max(axis=1) > FOREGROUND  # (N, R, R)
-    mirror = mask[:, :, ::-1]
-    union = (mask | mirror).sum(axis=(1, 2))
-    iou = np.where(union > 0, (mask & mirror).sum(axis=(1, 2)) / np.maximum(union, 1), 0.0)
-    smallest = (2 * class_radii(SHAPES_CLASSES - 1, resolution)[0] + 1) ** 2 // 2
-    counts = np.array([_components(m, smallest // 2) for m in mask])
-    want = np.array([2 * class_count(int(c)) for c in labels])
-    fg = np.maximum(mask.sum(axis=(1, 2)), 1)[:, None]
-    mean_colour = (x * mask[:, None]).sum(axis=(2, 3)) / fg  # (N, 3)
-    nearest = ((mean_colour[:, None] - palette[None]) ** 2).sum(-1).argmin(-1)
-    out = {
-        "symmetric": iou >= 0.9,
-        "count": counts == want,
-        "colour": (nearest == labels) & (mask.sum(axis=(1, 2)) > 0),
-        "symmetry_error": np.abs(x - x[..., ::-1]).mean(axis=(1, 2, 3)),
-    }
-    out["all"] = out["symmetric"] & out["count"] & out["colour"]
+    if x.ndim != 4 or x.shape[1] != 3 or len(labels) != len(x):
+        raise ValueError(f"need RGB images (N, 3, R, R) and N labels, got {x.shape} and {labels.shape}")
+    per_image = [_image_properties(image, int(c)) for image, c in zip(x, labels)]
+    out = {k: np.array([p[k] for p in per_image], dtype=bool).reshape(len(x)) for k in PROPERTIES}
+    out["symmetry_error"] = symmetry_error(images)
     return out
 
 
+RATE_NAMES = {"symmetric": "symmetric_rate", "count": "count_accuracy", "colour": "colour_accuracy",
+              "shape": "shape_accuracy", "all": "all_correct", "symmetry_error": "symmetry_error"}
+
+
 def property_summary(images: torch.Tensor, labels) -> dict[str, float]:
-    """Means of :func:`property_scores`: ``symmetric_rate``, ``count_accuracy``, ``colour_accuracy``,
-    ``all_correct``, ``symmetry_error``."""
-    s = property_scores(images, labels)
-    names = {"symmetric": "symmetric_rate", "count": "count_accuracy", "colour": "colour_accuracy",
-             "all": "all_correct", "symmetry_error": "symmetry_error"}
-    return {names[k]: float(np.mean(v)) for k, v in s.items()}
+    """Means of :func:`property_scores` (:data:`RATE_NAMES`: ``symmetric_rate``, ``count_accuracy``,
+    ``colour_accuracy``, ``shape_accuracy``, ``all_correct``, ``symmetry_error``) and the scorer's
+    version as ``shapes_scorer``."""
+    return summary_of(property_scores(images, labels))
+
+
+def summary_of(scores: dict[str, np.ndarray]) -> dict[str, float]:
+    """:func:`property_summary` of per-image ``scores`` already computed by :func:`property_scores`."""
+    return {**{RATE_NAMES[k]: float(np.mean(v)) for k, v in scores.items()}, "shapes_scorer": SCORER_VERSION}
 
 
 class ShapesCNN(nn.Module):
