@@ -39,9 +39,9 @@ T = TypeVar("T")
 @dataclass
 class DistillConfig:
     """Distillation terms against a frozen teacher, added to the task's loss (LinFusion / CLEAR style); off
-    by default. ``teacher``: its transformer (folder or hub id); default: the model the run converts (DiT:
-    the teacher a stage-1 ``model.init_from`` records, or ``model.init_from`` itself when it is a stock
-    model; SANA / Wan: ``model.pretrained``'s transformer)."""
+    by default. ``teacher``: its transformer (folder or hub id); default: the model the run converts (the
+    teacher a stage-1 ``model.init_from`` records, or ``model.init_from`` itself when it is a stock model;
+    SANA / Wan otherwise: ``model.pretrained``'s transformer)."""
 
     output_weight: float = 0.0  # x relative MSE between the model's and the teacher's outputs
     attention_weight: float = 0.0  # x mean relative MSE of every MHLA layer's output vs the teacher layer's

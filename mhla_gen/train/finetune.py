@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Two model references name the same thing: equal strings, or local paths to the same folder."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
+
+
 class FlowFinetuneTask(TrainTask):
     """Shared SANA / Wan fine-tuning. Subclasses name their base record (:attr:`base`: transformer and
     pipeline classes, video or image) and fill in the encoders and the sampling call."""
@@ -97,8 +103,13 @@ class FlowFinetuneTask(TrainTask):
         return dataclasses.replace(self.cfg, model=model, mhla=mhla, train=train)
 
     def distill_source(self) -> str:
-        """``train.distill.teacher``, else ``model.pretrained``."""
-        return self.cfg.train.distill.teacher or self.cfg.model.pretrained
+        """``train.distill.teacher``, else the model ``model.init_from`` converts (the teacher a stage-1
+        folder records, checked: still there, unchanged, its own attention; or a stock start point itself),
+        else ``model.pretrained``: DiT's rule (:meth:`StartPoint.teacher`), with the checkpoint as the
+        last resort."""
+        if self.cfg.train.distill.teacher:
+            return self.cfg.train.distill.teacher
+        return self.start.teacher() or self.cfg.model.pretrained  # ConfigError: moved, changed, MHLA
 
     def conversion_teacher(self) -> tuple[str, Path | None]:
         """``(reference, local transformer folder or None)`` of the model stage 1 converts: the start
@@ -202,7 +213,11 @@ class FlowFinetuneTask(TrainTask):
             )
         check_mhla_layers(mhla, transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
-            logger.info("distillation teacher: %s", self.distill_source())
+            teacher, pretrained = self.distill_source(), self.cfg.model.pretrained
+            logger.info("distillation teacher: %s", teacher)
+            if not self.cfg.train.distill.teacher and not _same_model(teacher, pretrained):
+                logger.warning("distilling from the teacher model.init_from=%s converts (%s), not from "
+                               "model.pretrained=%s", self.start.ref, teacher, pretrained)
         self.source.validate()
         check_cache_target(
             FEATURE_CACHE,
