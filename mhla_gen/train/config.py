@@ -10,6 +10,7 @@ in ``configs/`` list what a run changes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -120,8 +121,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.learning_rate < math.inf:  # also refuses nan
+            raise ValueError(f"train.learning_rate must be a finite number > 0, got {self.learning_rate}")
         for name in ("lr_warmup_steps", "max_grad_norm", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -425,11 +426,31 @@ def load_config(
             raise ConfigError(f"command-line overrides must look like key=value, got {bad}")
         merged = _merge(merged, lambda: OmegaConf.from_dotlist(list(overrides)), "on the command line")
     try:
-        return _expand_home(OmegaConf.to_object(merged))  # runs every __post_init__ check
+        cfg = OmegaConf.to_object(merged)  # runs every __post_init__ check
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_finite(cfg)
+    return _expand_home(cfg)
+
+
+def _check_finite(value, key: str = "") -> None:
+    """``ConfigError`` naming the key of the first inf / nan number anywhere in a loaded config: no setting
+    means anything with them (a learning rate of inf trains to all-NaN weights; nan passes every ``<``
+    check)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
+    if dataclasses.is_dataclass(value):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return
+    for name, item in items:
+        _check_finite(item, f"{key}{name}" if str(name).startswith("[") or not key else f"{key}.{name}")
 
 
 def _without_retired(conf, schema: type):
