@@ -95,6 +95,16 @@ class DiTSource:
     def count_items(self) -> int:
         return len(self.dataset())
 
+    def resolution(self) -> int:
+        """The pixel size of the images the model learns (what ``config.yaml`` records as
+        ``data.resolution``): ``data.resolution`` for sources that resize to it."""
+        return self.data.resolution
+
+    def latent_factor(self) -> int:
+        """Pixels per model-input cell: the VAE's downsampling (1 in pixel space)."""
+        vae = self.vae_config()
+        return 1 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
+
     def dataset(self) -> Dataset:
         raise NotImplementedError
 
@@ -219,6 +229,17 @@ class LatentCacheSource(DiTSource):
         shape = LatentCacheDataset(self.data.path).latents.shape  # (N, 2, C, h, w)
         return shape[2], shape[3]
 
+    def resolution(self) -> int:
+        """The cache's: what its ``meta.json`` records, else its latent size times the VAE's factor;
+        ``data.resolution`` does not apply (the images were resized when the cache was written)."""
+        recorded = LatentCacheDataset(self.data.path).meta.get("resolution")
+        found = int(recorded) if recorded else self.channels_and_size()[1] * self.latent_factor()
+        if found != self.data.resolution:
+            logger.warning("data.resolution=%d does not apply: the latent cache data.path=%s holds %d px "
+                           "images (recorded as the run's data.resolution)", self.data.resolution,
+                           self.data.path, found)
+        return found
+
     def dataset(self) -> Dataset:
         return LatentCacheDataset(self.data.path)
 
@@ -330,6 +351,9 @@ class TeacherSource(DiTSource):
     def channels_and_size(self) -> tuple[int, int]:  # samples of the teacher's own input size
         config = self.teacher_config()
         return config["in_channels"], config["sample_size"]
+
+    def resolution(self) -> int:  # the teacher's samples: its input size in pixels
+        return self.channels_and_size()[1] * self.latent_factor()
 
     def count_items(self) -> int:  # not sampled yet
         return self.data.teacher_samples
