@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
 from ..data.hf_datasets import HFClassImages
-from ..data.images import class_folders, require_dir
+from ..data.images import check_readable, class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
 from ..folders import check_apart, input_record
@@ -139,15 +139,7 @@ class ClassFolderSource(DiTSource):
     def check_readable(self) -> None:
         """At least one image of the class folders opens (before anything is written): a folder of
         unreadable files would otherwise stop the run at its first batch."""
-        dataset = self.dataset()
-        for i in range(len(dataset)):
-            try:
-                dataset.load(i)
-                return
-            except Exception:  # noqa: BLE001 - an unreadable file is skipped while training too
-                continue
-        raise ConfigError(f"data.path={self.data.path!r}: none of its {len(dataset)} image files can "
-                          f"be read as an image")
+        check_readable(self.dataset(), "data.path", self.data.path, "image files")
 
     def dataset(self) -> Dataset:
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
@@ -173,6 +165,7 @@ class HFClassSource(DiTSource):
         if found != want:
             raise ConfigError(f"model.num_classes={want} but data.path={self.data.path!r} has {found} "
                               f"classes (its {self.data.label_column!r} column)")
+        check_readable(self.dataset(), "data.path", self.data.path, f"{self.data.image_column!r} images")
 
     def dataset(self) -> Dataset:
         """Loaded (and its columns checked) once: validation counts it, training reads it."""

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
+from ..data.images import check_readable
 from ..data.latents import FEATURE_CACHE, check_cache_target
 from ..install import stock_class_name
 from ..lora import is_lora_folder, save_lora_mhla
@@ -219,6 +220,9 @@ class FlowFinetuneTask(TrainTask):
                 logger.warning("distilling from the teacher model.init_from=%s converts (%s), not from "
                                "model.pretrained=%s", self.start.ref, teacher, pretrained)
         self.source.validate()
+        if self.cfg.data.source != "teacher":  # teacher samples are drawn later, by the run itself
+            what = "videos" if self.base.video else "images"
+            check_readable(self.listed_dataset(), "data.path", self.cfg.data.path, f"captioned {what}")
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
