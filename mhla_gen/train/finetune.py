@@ -24,7 +24,6 @@ from torch.utils.data import Dataset
 from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
-from ..data.images import check_readable
 from ..data.latents import FEATURE_CACHE, check_cache_target
 from ..install import stock_class_name
 from ..lora import is_lora_folder, save_lora_mhla
@@ -46,6 +45,15 @@ def _same_model(a: str, b: str) -> bool:
     """Two model references name the same thing: equal strings, or local paths to the same folder."""
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
+
+
+def log_teacher(cfg, teacher: str) -> None:
+    """Say which distillation teacher a run uses, and warn when one ``model.init_from`` records is not
+    ``model.pretrained``."""
+    logger.info("distillation teacher: %s", teacher)
+    if not cfg.train.distill.teacher and not _same_model(teacher, cfg.model.pretrained):
+        logger.warning("distilling from the teacher model.init_from=%s converts (%s), not from "
+                       "model.pretrained=%s", cfg.model.init_from, teacher, cfg.model.pretrained)
 
 
 class FlowFinetuneTask(TrainTask):
@@ -104,13 +112,8 @@ class FlowFinetuneTask(TrainTask):
         return dataclasses.replace(self.cfg, model=model, mhla=mhla, train=train)
 
     def distill_source(self) -> str:
-        """``train.distill.teacher``, else the model ``model.init_from`` converts (the teacher a stage-1
-        folder records, checked: still there, unchanged, its own attention; or a stock start point itself),
-        else ``model.pretrained``: DiT's rule (:meth:`StartPoint.teacher`), with the checkpoint as the
-        last resort."""
-        if self.cfg.train.distill.teacher:
-            return self.cfg.train.distill.teacher
-        return self.start.teacher() or self.cfg.model.pretrained  # ConfigError: moved, changed, MHLA
+        """``train.distill.teacher``, else what ``model.init_from`` converts (checked), else the base."""
+        return self.cfg.train.distill.teacher or self.start.teacher() or self.cfg.model.pretrained
 
     def conversion_teacher(self) -> tuple[str, Path | None]:
         """``(reference, local transformer folder or None)`` of the model stage 1 converts: the start
@@ -137,13 +140,8 @@ class FlowFinetuneTask(TrainTask):
         rebuilds the model from the three); otherwise the whole transformer (``save_pretrained``)."""
         if self.cfg.train.trainable != "lora":
             return super().save_final(transformer, folder)
-        save_lora_mhla(
-            transformer,
-            folder,
-            self.cfg.model.pretrained,
-            subfolder=self.cfg.model.expert,
-            revision=self.cfg.model.revision,
-        )
+        m = self.cfg.model
+        save_lora_mhla(transformer, folder, m.pretrained, subfolder=m.expert, revision=m.revision)
 
     def setup(self, accelerator) -> None:
         """The checkpoint's pipeline minus the transformer (tokenizer, text encoder, VAE, scheduler),
@@ -214,15 +212,8 @@ class FlowFinetuneTask(TrainTask):
             )
         check_mhla_layers(mhla, transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
-            teacher, pretrained = self.distill_source(), self.cfg.model.pretrained
-            logger.info("distillation teacher: %s", teacher)
-            if not self.cfg.train.distill.teacher and not _same_model(teacher, pretrained):
-                logger.warning("distilling from the teacher model.init_from=%s converts (%s), not from "
-                               "model.pretrained=%s", self.start.ref, teacher, pretrained)
+            log_teacher(self.cfg, self.distill_source())
         self.source.validate()
-        if self.cfg.data.source != "teacher":  # teacher samples are drawn later, by the run itself
-            what = "videos" if self.base.video else "images"
-            check_readable(self.listed_dataset(), "data.path", self.cfg.data.path, f"captioned {what}")
         check_cache_target(
             FEATURE_CACHE,
             self.cache_dir,
@@ -240,6 +231,9 @@ class FlowFinetuneTask(TrainTask):
         if self.cfg.train.distill.enabled:
             found["train.distill.teacher"] = self.distill_source()
         return found
+
+    def check_data(self) -> None:
+        self.source.check_readable()  # at least one item reads (teacher samples: drawn later)
 
     def written_inside(self) -> tuple[str, ...]:
         """The cache (and data sampled from the teacher) may live in the run folder: the run writes them."""

@@ -115,6 +115,11 @@ class TrainTask:
         """Input settings that may lie inside ``output_dir`` (things the run itself writes there)."""
         return ()
 
+    def check_data(self) -> None:
+        """The start-up checks that read the data itself (e.g. that an item decodes): after the output
+        folder was found usable (reading data is work a refused output must not cost), before anything
+        is written. Nothing by default."""
+
     def count_items(self) -> int | None:
         """How many training items the data holds, from a listing (before any cache is built); None
         when unknown until the dataset is built."""
@@ -263,6 +268,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     if resume_from is not None:
         ckpt.check_signature(resume_from, task.signature())
     check_run_folder(out)  # every process: all raise, none waits
+    task.check_data()
     fsdp = is_sharded(accelerator)
 
     if cfg.train.allow_tf32 and torch.cuda.is_available():
