@@ -153,6 +153,27 @@ class LogConfig:
 
 
 @dataclass
+class ShareConfig:
+    """What a run's ``final/`` says about itself where it is shared (its README.md model card, a LoRA
+    folder's ``mhla_lora.json``) and where it goes; local paths never leave the machine (mhla_gen.cards)."""
+
+    base_model: str | None = None  # hub id of the model the run starts from, named instead of a local folder
+    license: str | None = None  # the card's license; default: the one a local copy of the base declares
+    push_to_hub: str | None = None  # hub repo id: final/ is uploaded there at the end (huggingface_hub)
+
+    def __post_init__(self):
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        for name in ("base_model", "push_to_hub"):
+            value = getattr(self, name)
+            try:
+                if value is not None:
+                    validate_repo_id(value)
+            except HFValidationError as err:
+                raise ValueError(f"share.{name}={value!r} is not a Hub repo id (owner/name): {err}") from None
+
+
+@dataclass
 class RunConfig:
     """Keys every training script has."""
 
@@ -162,6 +183,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     mhla: MHLAConfig = field(default_factory=MHLAConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)
 
     def __post_init__(self):
         if not 0 <= self.seed < 2**32:  # numpy's seed range (accelerate's set_seed seeds numpy too)

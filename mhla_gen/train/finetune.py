@@ -25,6 +25,7 @@ from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder, FeatureCacheDataset, build_feature_cache
 from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..folders import input_record
 from ..install import stock_class_name
 from ..lora import is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
@@ -141,7 +142,13 @@ class FlowFinetuneTask(TrainTask):
         if self.cfg.train.trainable != "lora":
             return super().save_final(transformer, folder)
         m = self.cfg.model
-        save_lora_mhla(transformer, folder, m.pretrained, subfolder=m.expert, revision=m.revision)
+        save_lora_mhla(transformer, folder, m.pretrained, subfolder=m.expert, revision=m.revision,
+                       base_id=self.cfg.share.base_model)  # base_id: the hub id its manifest names
+
+    def model_record(self) -> dict:
+        """LoRA runs: the local base, resolved and fingerprinted, for ``final/``'s marker (never shared)."""
+        lora = self.cfg.train.trainable == "lora"
+        return {"base_record": input_record(self.cfg.model.pretrained)} if lora else {}
 
     def setup(self, accelerator) -> None:
         """The checkpoint's pipeline minus the transformer (tokenizer, text encoder, VAE, scheduler),

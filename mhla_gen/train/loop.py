@@ -8,7 +8,8 @@
                -> resume (atomic checkpoint, seeded sampler + skip_first_batches, step count)
     run_steps  task.loss -> backward -> clip -> step -> clamp_mixing_ -> EMA -> log / checkpoint /
                callbacks / sample grid, whichever is due
-    finish     output_dir/final (EMA weights where used) -> last sample grid -> task.finish (e.g. FID)
+    finish     output_dir/final (EMA weights where used, a model card) -> last sample grid -> task.finish
+               (e.g. FID) -> the card again with its metrics -> share.push_to_hub (when set)
 
 Exact resume: the data order comes from Accelerate's seedable sampler (epoch-seeded) plus
 ``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from ..cards import check_push_target, push_to_hub, scrub_local_paths
 from ..folders import (
     check_apart,
     check_replaceable,
@@ -67,6 +69,7 @@ from ..lora import add_lora, lora_training_parameters, merged_lora_copy
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
+from .card import write_run_card
 from .config import ConfigError, RunConfig, TrainConfig, config_to_dict, config_to_yaml
 from .distill import Distiller
 from .distributed import GatheredEMA, check_launcher, check_world_size, is_sharded, set_fsdp_units
@@ -251,6 +254,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     check_launcher()  # DeepSpeed: refused before Accelerate starts it
     die_with_launcher()  # a rank of torchrun / accelerate launch stops with it (SIGKILL included)
     check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
+    check_push_target(cfg.share.push_to_hub, "share.push_to_hub")  # a repo id and a token to push with
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
@@ -655,6 +659,9 @@ def finish(run: Run) -> Path:
         if accelerator.is_main_process:
             logger.info("end-of-run evaluation (%s)", run.task.name)
             _record_final_metrics(run, run.task.finish(model.eval(), accelerator))
+            _write_card(run.task, model, final)  # again, with the end-of-run metrics
+            if run.cfg.share.push_to_hub:
+                push_to_hub(final, run.cfg.share.push_to_hub)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
@@ -686,12 +693,23 @@ def _full_model(run: Run) -> nn.Module | None:
 
 
 def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
-    """``task.save_final`` into a marked temporary sibling, then put it in place of ``final``: a failure
-    while saving leaves the previous ``final/`` (if any) whole."""
+    """``task.save_final`` into a marked temporary sibling, with no local path in its configs and a model
+    card (:mod:`mhla_gen.train.card`), then put it in place of ``final``: a failure while saving leaves the
+    previous ``final/`` (if any) whole."""
     tmp = fresh_temp(final, "model", "output_dir (its final/)")
     task.save_final(model, tmp)
+    scrub_local_paths(tmp)
+    _write_card(task, model, tmp)
     write_marker(tmp, "model", **task.model_record())
     replace_with(tmp, final, "model", "output_dir (its final/)")
+
+
+def _write_card(task: TrainTask, model: nn.Module, folder: Path) -> None:
+    """The folder's model card; a failure there is reported and never costs the trained weights."""
+    try:
+        write_run_card(task, model, folder)
+    except Exception as err:  # noqa: BLE001 - the weights matter more than their description
+        logger.warning("%s: no model card written (%s: %s)", folder, type(err).__name__, err)
 
 
 class _ema_weights:
