@@ -308,3 +308,15 @@ def test_every_base_gets_loading_lines_that_compile(base, overrides, expected, t
     assert 'base = "Org/base"' in code and 'snapshot_download("me/model")' in code
     for text in expected:
         assert text in code, (text, code)
+
+
+def test_a_failed_upload_says_how_to_retry(digits, monkeypatch):
+    from mhla_gen.train import loop
+
+    def offline(**kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: None)
+    monkeypatch.setattr(huggingface_hub, "upload_folder", offline)
+    with pytest.raises(RuntimeError, match=r"complete: retry with mhla_gen.cards.push_to_hub\("):
+        loop._push(digits[0], "me/digits-mhla")

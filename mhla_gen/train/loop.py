@@ -660,8 +660,7 @@ def finish(run: Run) -> Path:
             logger.info("end-of-run evaluation (%s)", run.task.name)
             _record_final_metrics(run, run.task.finish(model.eval(), accelerator))
             _write_card(run.task, model, final)  # again, with the end-of-run metrics
-            if run.cfg.share.push_to_hub:
-                push_to_hub(final, run.cfg.share.push_to_hub)
+            _push(final, run.cfg.share.push_to_hub)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
@@ -702,6 +701,18 @@ def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
     _write_card(task, model, tmp)
     write_marker(tmp, "model", **task.model_record())
     replace_with(tmp, final, "model", "output_dir (its final/)")
+
+
+def _push(final: Path, repo_id: str | None) -> None:
+    """``share.push_to_hub``: upload the finished ``final/``; a failed upload says how to retry it."""
+    if not repo_id:
+        return
+    try:
+        push_to_hub(final, repo_id)
+    except Exception as err:
+        raise RuntimeError(f"share.push_to_hub={repo_id}: uploading {final} failed ({type(err).__name__}: "
+                           f"{err}); the run itself is complete: retry with mhla_gen.cards.push_to_hub("
+                           f"{str(final)!r}, {repo_id!r})") from err
 
 
 def _write_card(task: TrainTask, model: nn.Module, folder: Path) -> None:
