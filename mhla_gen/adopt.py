@@ -39,7 +39,8 @@ def _stock_name(class_name):
     by the naming rule, so that adopting imports no model code."""
     name = str(class_name)
     return name[len("MHLA"):] if name.startswith("MHLA") and name[len("MHLA"):] in TRANSFORMERS else name
-LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data", "checkpoint")  # deleted by listing
+LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data", "checkpoint", "pipeline")  # deleted
+# by listing
 
 
 class Misfit(ConfigError):
@@ -123,7 +124,7 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
         if "mhla" not in record and not in_run:
             raise _misfit(config, "has no mhla record: a model saved by another program, not by mhla_gen")
     for path in (folder / n for n in content(folder)):
-        if path.name in ("config.json", "mhla_lora.json"):
+        if path.name in ("config.json", "mhla_lora.json", "README.md"):  # README.md: its model card
             continue
         if path.name.endswith(".safetensors"):
             _safetensors(path)
@@ -135,6 +136,20 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
             _json(path)
         else:
             raise _misfit(path, "not a file a transformer folder holds")
+
+
+def prove_pipeline(folder: Path) -> None:
+    """``model_index.json`` naming a pipeline class, a folder for each component it names and nothing
+    else but its model card (``mhla_gen.pipelines.saving.save_pipeline``)."""
+    index = _json(folder / "model_index.json") if (folder / "model_index.json").is_file() else None
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise _misfit(folder / "model_index.json", "missing or not a diffusers pipeline index")
+    components = {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0]}
+    for name in sorted(components):
+        _dir(folder / name)
+    for path in (folder / n for n in content(folder)):
+        if path.name not in {"model_index.json", "README.md", *components}:
+            raise _misfit(path, "not a component the pipeline's model_index.json names")
 
 
 def _prove_latents(folder: Path, needs_fingerprint: bool) -> None:
@@ -387,7 +402,7 @@ PROOFS: dict[str, Callable[[Path], object]] = {
     "run": prove_run, "latent_cache": prove_latent_cache, "feature_cache": prove_feature_cache,
     "teacher_data": prove_teacher_data, "samples": prove_samples, "sample_outputs": prove_sample_outputs,
     "model": prove_model, "attention_stats": prove_attention_stats, "study": prove_study,
-    "diffusers_tests": prove_diffusers_tests, "checkpoint": prove_checkpoint,
+    "diffusers_tests": prove_diffusers_tests, "checkpoint": prove_checkpoint, "pipeline": prove_pipeline,
 }
 
 

@@ -374,3 +374,30 @@ def _check_against_model(model: WanTransformer3DModel, converted: dict[str, torc
             f"the checkpoint does not match the Wan config: missing keys {missing}, "
             f"unexpected keys {unexpected}, shape mismatches {shapes}"
         )
+
+
+def converted_card_facts(transformer: WanTransformer3DModel, out: Path, checkpoint, config_from,
+                         base_model: str | None = None, license: str | None = None,
+                         repo_id: str | None = None):
+    """What the model card of a converted release checkpoint says (:mod:`mhla_gen.cards`): the Wan
+    pipeline it plugs into (``config_from``, or ``base_model``'s hub id), the MHLA it runs, how to load it."""
+    from .bases import base_for_model
+    from .cards import CardFacts, Snippet, base_license, base_line, load_folder, public_ref
+
+    base = public_ref(config_from, base_model)
+    where = Path(str(config_from)).expanduser()
+    pipeline_folder = where.parent if where.is_file() or where.name == "transformer" else where
+    snippet = load_folder(Snippet(), repo_id, out.name).add(["from diffusers import WanPipeline"], [
+        base_line(base, "the Wan pipeline whose config it was converted with (VAE, text encoder)"),
+        "transformer = mhla_gen.load_transformer(folder)  # MHLA installed, weights loaded",
+        "pipe = WanPipeline.from_pretrained(base, transformer=transformer)",
+        "# then call pipe(prompt=..., height=..., width=..., num_frames=...) as the stock WanPipeline"])
+    return CardFacts(
+        title=f"{out.name}: the released Wan-MHLA checkpoint for diffusers",
+        summary=f"The released Wan-MHLA checkpoint (`{Path(str(checkpoint)).name}`) converted into a "
+                "diffusers `WanTransformer3DModel` with MHLA self-attention by mhla_gen's converter "
+                "(`scripts/convert_wan_mhla.py`); its `wan-release` MHLA settings reproduce the release.",
+        base=base_for_model(transformer), base_model=base,
+        license=license or base_license(pipeline_folder if where.exists() else None),
+        mhla=[("transformer", transformer.mhla_config)], usage=snippet,
+    )

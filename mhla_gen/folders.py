@@ -70,6 +70,7 @@ KINDS: dict[str, str] = {
     "samples": "evaluation sample set (eval/generate.py)",
     "sample_outputs": "scripts/sample.py output",
     "model": "transformer folder (save_pretrained)",
+    "pipeline": "pipeline folder (mhla_gen.pipelines.saving.save_pipeline)",
     "attention_stats": "attention statistics",
     "study": "study (eval/study.py)",
     "diffusers_tests": "diffusers test export (scripts/diffusers_model_tests.py)",

@@ -16,7 +16,10 @@ is not an adapter weight, so it freezes the MHLA parameters of an ``install_mhla
   what ``SanaPipeline.save_lora_weights`` writes) plus the MHLA parameters in the same file (keys
   ``transformer.mhla_with_lora.<parameter>``, the MHLA config under :data:`MHLA_MARKER` in the metadata),
   the MHLA parameters again in ``mhla.safetensors`` (:func:`mhla_gen.save_mhla_parameters`) and
-  ``mhla_lora.json`` naming the pretrained checkpoint the base weights come from.
+  ``mhla_lora.json`` naming the pretrained checkpoint the base weights come from: its hub id, or for a
+  local checkpoint its folder name and its path relative to the LoRA folder, never an absolute path (the
+  folder is shared as it is). A training run also records the local base resolved, with a fingerprint,
+  in ``final/``'s marker (``base_record``), which the Hub never sees (:mod:`mhla_gen.cards`).
   :func:`mhla_gen.load_transformer` reads such a folder back (:func:`load_lora_mhla`): base weights, then
   MHLA, then the adapter.
 
@@ -46,6 +49,7 @@ import json
 import logging
 import math
 import numbers
+import os
 from pathlib import Path
 
 import torch
@@ -61,6 +65,7 @@ from torch import nn
 
 from .bases import base_for_class_name, base_for_model
 from .config import MHLAConfig
+from .folders import fingerprint, read_marker
 from .install import (
     CONFIG_KEY,
     MHLA_MODEL_CLASSES,
@@ -262,16 +267,20 @@ def save_lora_mhla(
     subfolder: str | None = "transformer",
     revision: str | None = None,
     adapter_name: str = "default",
+    base_id: str | None = None,
 ) -> Path:
     """Write the LoRA adapter, the MHLA parameters and a manifest into ``folder``; returns it.
 
     Args:
         transformer: a SANA or Wan model with a LoRA adapter (MHLA optional).
         folder: the output folder (created).
-        base: the pretrained checkpoint (folder or hub id) whose weights the adapter applies to; an
-            existing local folder is recorded as an absolute path.
+        base: the pretrained checkpoint (folder or hub id) whose weights the adapter applies to. A local
+            folder is recorded by name (``base``) and by its path relative to ``folder`` (``base_path``),
+            so the manifest names no absolute path.
         subfolder, revision: where in ``base`` the transformer is (``from_pretrained`` arguments).
         adapter_name: the peft adapter to save.
+        base_id: the hub id of ``base`` when it is a local copy: recorded as ``base`` (what loads it on
+            another machine).
     """
     if adapter_name not in getattr(transformer, "peft_config", {}):
         raise ValueError(f"this {type(transformer).__name__} has no LoRA adapter named {adapter_name!r}")
@@ -302,7 +311,7 @@ def save_lora_mhla(
     manifest = {
         "format": _FORMAT,
         "class_name": base_for_model(transformer).transformer_class.__name__,  # the base's (stock) class
-        "base": str(Path(base).resolve()) if Path(base).is_dir() else base,
+        **base_entries(base, folder, base_id),
         "subfolder": subfolder,
         "revision": revision,
         "base_config": _base_config(transformer),
@@ -313,6 +322,41 @@ def save_lora_mhla(
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, default=list))
     return folder
+
+
+def base_entries(base: str, folder: Path, base_id: str | None = None) -> dict:
+    """The manifest's ``base`` (hub id, else the local folder's name: :func:`mhla_gen.cards.public_ref`)
+    and, for a local base, ``base_path``: its path relative to ``folder``."""
+    from .cards import public_ref
+
+    entries = {"base": public_ref(base, base_id).name}
+    if Path(base).expanduser().is_dir():
+        entries["base_path"] = os.path.relpath(Path(base).expanduser().resolve(), Path(folder).resolve())
+    return entries
+
+
+def recorded_base(folder: Path, manifest: dict) -> str:
+    """Where a LoRA folder's base weights are: the local base its marker records (a training run's
+    ``base_record``; a warning when its weights changed since), its manifest's ``base_path`` (relative to
+    the folder), else its ``base`` (a hub id; an absolute path in folders of an earlier version).
+
+    Raises:
+        FileNotFoundError: a local base that is in none of these places (it moved: pass ``base=``).
+    """
+    record = (read_marker(folder) or {}).get("base_record")
+    if isinstance(record, dict) and "path" in record and Path(record["path"]).exists():
+        if any(fingerprint(record["path"])[k] != record.get(k) for k in ("bytes", "files", "sha256")):
+            logger.warning("the base %s of the LoRA in %s has changed since the LoRA was trained",
+                           record["path"], folder)
+        return record["path"]
+    relative = manifest.get("base_path")
+    if relative is None:
+        return manifest["base"]
+    if (folder / relative).exists():
+        return str((folder / relative).resolve())
+    raise FileNotFoundError(f"the base the LoRA in {folder} was trained on (the local folder "
+                            f"{manifest['base']!r}, at {relative!r} from it) is gone; pass base=PATH (or "
+                            f"its hub id) to load it")
 
 
 def read_manifest(folder) -> dict:
@@ -382,9 +426,14 @@ def load_lora_mhla(folder, base: str | None = None, torch_dtype: torch.dtype | N
     folder = Path(folder)
     manifest = read_manifest(folder)
     processor_cls = base_for_class_name(stock_class_name(manifest["class_name"])).processor
-    if base and base != manifest["base"] and str(Path(base).resolve()) != manifest["base"]:
-        logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
-    base = base or manifest["base"]
+    if base:
+        try:
+            trained_on = recorded_base(folder, manifest)
+        except FileNotFoundError:
+            trained_on = manifest["base"]
+        if trained_on not in (str(base), str(Path(base).resolve())):
+            logger.warning("LoRA in %s was trained on %s; applying it to %s", folder, manifest["base"], base)
+    base = base or recorded_base(folder, manifest)
     files = [manifest["adapter_weights"]] + ([manifest["mhla_weights"]] if manifest["mhla_weights"] else [])
     for name in files:
         if not (folder / name).is_file():

@@ -76,7 +76,9 @@ def test_finetune_sana_refuses_an_output_dir_holding_model_transformer(tmp_path)
     for name in os.listdir(pipe_transformer):
         (run / "final" / name).write_bytes((pipe_transformer / name).read_bytes())
     write_marker(run / "final", "model")
-    (tmp_path / "data").mkdir()
+    (tmp_path / "data").mkdir()  # one readable item: the data pass their own start-up checks
+    Image.new("RGB", (32, 32)).save(tmp_path / "data" / "0.png")
+    (tmp_path / "data" / "0.txt").write_text("a cat")
     args = ("--config", TINY_SANA, f"model.pretrained={tmp_path / 'ckpt'}", f"data.path={tmp_path / 'data'}")
     refused(lambda t: run_inprocess("finetune_sana.py", *args, f"model.init_from={t / 'final'}",
                                     f"output_dir={t}", "resume=none"),

@@ -5,6 +5,7 @@ train.max_steps and resumed (resume=latest) ends with exactly the weights of an 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
-from mhla_gen.folders import MARKER
+from mhla_gen.cards import CARD
+from mhla_gen.folders import LISTING, MARKER, read_marker
 from mhla_gen.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
 
 # EMA on: it averages the trained parameters (LoRA + MHLA) and final/ holds the averages
@@ -85,9 +87,11 @@ def test_lora_finetune_final_folder_and_exact_resume(script, sana_setup, wan_set
     assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3]
 
     final = tmp_path / "split" / "final"
-    expected = [ADAPTER_WEIGHTS, MHLA_WEIGHTS, MANIFEST, MARKER]
+    expected = [ADAPTER_WEIGHTS, MHLA_WEIGHTS, MANIFEST, CARD, MARKER, LISTING]  # card rewritten at the end
     assert sorted(p.name for p in final.iterdir()) == sorted(expected)
-    assert json.loads((final / MANIFEST).read_text())["base"] == str((setup / "ckpt").resolve())
+    manifest = json.loads((final / MANIFEST).read_text())  # no absolute path; the marker keeps the local one
+    assert manifest["base"] == "ckpt" and manifest["base_path"] == os.path.relpath(setup / "ckpt", final)
+    assert read_marker(final)["base_record"]["path"] == str((setup / "ckpt").resolve())
     whole, split = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "split")
     assert whole.keys() == split.keys()
     assert all(torch.equal(whole[k], split[k]) for k in whole)  # LoRA + MHLA bit-identical

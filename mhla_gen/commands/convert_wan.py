@@ -12,11 +12,13 @@ for how the release differs from this library's defaults.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from mhla_gen.cards import check_push_target, model_card, push_to_hub, scrub_local_paths, write_card
 from mhla_gen.cli import expand_path, run
-from mhla_gen.convert_wan import convert_wan_checkpoint
+from mhla_gen.convert_wan import convert_wan_checkpoint, converted_card_facts
 from mhla_gen.folders import (
     check_apart,
     check_replaceable,
@@ -43,6 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(replaced when the new one is complete)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--state-dict-key", default=None, help="entry of a wrapped .pth, e.g. state_dict_ema")
+    parser.add_argument("--base-model", default=None,
+                        help="hub id of --config-from's pipeline, named in the model card")
+    parser.add_argument("--license", default=None, help="the model card's license")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID",
+                        help="upload --out to this Hub model repo once written (huggingface_hub)")
     return parser.parse_args(argv)
 
 
@@ -52,13 +59,20 @@ def main(argv=None) -> None:
     check_apart(args.out, "--out", {"--checkpoint": args.checkpoint, "--config-from": args.config_from})
     check_replaceable(args.out, "model", "--out")
     check_temp(args.out, "model", "--out")
+    check_push_target(args.push_to_hub, "--push-to-hub")
     transformer = convert_wan_checkpoint(
         args.checkpoint, args.config_from, torch_dtype=DTYPES[args.dtype], state_dict_key=args.state_dict_key
     )
     tmp = fresh_temp(args.out, "model", "--out")  # save_pretrained only ever sees a folder of its own
     transformer.save_pretrained(tmp)
+    scrub_local_paths(tmp)  # shared as it is: no local path in its files; a model card
+    facts = converted_card_facts(transformer, Path(args.out), args.checkpoint, args.config_from,
+                                 args.base_model, args.license, args.push_to_hub)
+    write_card(tmp, model_card(facts))
     write_marker(tmp, "model", converted_from=input_record(args.checkpoint))  # recorded, resolved
     replace_with(tmp, args.out, "model", "--out")
+    if args.push_to_hub:
+        push_to_hub(args.out, args.push_to_hub)
     cfg = transformer.mhla_config
     layers = "all" if cfg.layers is None else cfg.layers
     print(f"wrote {args.out}: {len(transformer.blocks)} blocks, MHLA layers {layers}, blocks {cfg.blocks}")

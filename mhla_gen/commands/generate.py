@@ -17,6 +17,7 @@ in JSONL / CSV with ``prompt`` and ``image`` fields (``mhla_gen.pipelines.condit
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from mhla_gen.folders import check_apart, claim, listed, owned, record_files
 from mhla_gen.locks import die_with_launcher, release
 from mhla_gen.metrics.video import write_video
 from mhla_gen.pipelines import SampleSettings
+from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
 from mhla_gen.train.config import load_config
 
@@ -294,6 +296,9 @@ def check_model(cfg: GenerateConfig) -> None:
             setting = "transformer" if cfg.transformer else "run_config"
             raise ConfigError(f"{setting}: {str(final)!r} holds no saved transformer (config.json); has the "
                               f"run finished?")
+        if cfg.mhla:
+            raise ConfigError("mhla is for stock transformers; a training run's transformer has its own")
+        check_sampled_model(cfg, None, str(final))
         return
     local = Path(cfg.model).expanduser()
     if local.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1:
@@ -307,8 +312,20 @@ def check_model(cfg: GenerateConfig) -> None:
     config = Path(cfg.transformer or local / "transformer").expanduser() / "config.json"
     if config.is_file():  # a local model: its settings checked before anything is written
         cfg.record.sampler.load().check_settings(json.loads(config.read_text()), sample_settings(cfg))
+    check_sampled_model(cfg, cfg.model, cfg.transformer)
     if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
         raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")
+
+
+def check_sampled_model(cfg: GenerateConfig, model: str | None, transformer: str | None) -> None:
+    """The pipeline's components, the MHLA and its blocks against the token grid, from the configs alone
+    (:func:`mhla_gen.pipelines.checks.check_sampling`)."""
+    mhla = MHLAConfig.from_dict(dict(cfg.mhla)) if cfg.mhla else None
+    settings = sample_settings(cfg)
+    if cfg.record.class_conditional:  # DiTPipeline samples at the model's own size: no size is passed
+        settings = dataclasses.replace(settings, height=None, width=None)
+    check_sampling(cfg.record.sampler.load(), model, transformer, settings, mhla,
+                   {"model": "model", "transformer": "transformer", "mhla": "mhla"})
 
 
 def generate(cfg: GenerateConfig) -> Path:

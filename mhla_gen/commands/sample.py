@@ -34,6 +34,7 @@ from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
+from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
@@ -218,6 +219,8 @@ def main(argv=None) -> None:
     if args.image:
         pair_images(args.prompt, args.image, "--image")
         check_images(args.image, "--image")
+    check_sampling(base_for(args.base).sampler.load(), args.model, args.transformer, settings(args), mhla,
+                   {"model": "--model", "transformer": "--transformer", "mhla": "--blocks"})
     out = prepare_out(args)
 
     if base_for(args.base).video:

@@ -4,12 +4,14 @@ examples take them: captioned images or videos (SANA, Wan) and class-labelled im
 ``data.path`` is a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (read with
 ``load_from_disk``), or anything ``load_dataset`` reads: a local folder (images or videos +
 ``metadata.jsonl``, the imagefolder / videofolder layout; parquet / arrow / json files) or a hub name, with
-``data.split``. Columns are named by ``data.image_column`` / ``data.video_column`` / ``data.caption_column``
-/ ``data.label_column``; each is checked at start-up (present, dataset non-empty), and an undecodable item
-is skipped with a warning like a bad file in a folder. Image and video columns are read undecoded (bytes or
-a path) and decoded here with PIL / PyAV, so no extra decoder package is needed. ``load_dataset`` keeps its
-Arrow cache in ``HF_DATASETS_CACHE`` (never inside ``data.path``). A caption column holding a list of
-captions uses the first (the feature cache encodes one caption per item).
+``data.split`` (a saved ``DatasetDict``: one of its splits; a single saved ``Dataset``: the split it
+records, ``train`` when it records none; another ``data.split`` is refused). Columns are named by
+``data.image_column`` / ``data.video_column`` / ``data.caption_column`` / ``data.label_column``; each is
+checked at start-up (present, dataset non-empty), and an undecodable item is skipped with a warning like a
+bad file in a folder. Image and video columns are read undecoded (bytes or a path) and decoded here with
+PIL / PyAV, so no extra decoder package is needed. ``load_dataset`` keeps its Arrow cache in
+``HF_DATASETS_CACHE`` (never inside ``data.path``). A caption column holding a list of captions uses the
+first (the feature cache encodes one caption per item).
 """
 
 from __future__ import annotations
@@ -47,9 +49,22 @@ def load_hf_dataset(source: str, split: str, setting: str = "data.path"):
         if split not in dataset:
             raise ConfigError(f"data.split={split!r} is not a split of {setting}={source!r}: {list(dataset)}")
         dataset = dataset[split]
+    elif saved:
+        check_saved_split(dataset, split, f"{setting}={source!r}")
     if len(dataset) == 0:
         raise ConfigError(f"{setting}={source!r} (split {split!r}) holds no items")
     return dataset
+
+
+def check_saved_split(dataset, split: str, where: str) -> None:
+    """One ``Dataset`` saved with ``save_to_disk`` holds one split, the one it records (``dataset.split``;
+    None when it was built in memory, taken as ``train``): ``data.split`` must name it, else ConfigError."""
+    holds = str(dataset.split) if dataset.split is not None else None
+    if split != (holds or "train"):
+        what = f"the {holds!r} split" if holds else "one unnamed split (read as 'train')"
+        fix = f"set data.split={holds}" if holds else "leave data.split at train"
+        raise ConfigError(f"data.split={split!r}, but {where} is one saved Dataset holding {what}, not a "
+                          f"DatasetDict with named splits: {fix}, or save a DatasetDict")
 
 
 def check_columns(dataset, columns: dict[str, str], source: str) -> None:

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..errors import ConfigError
 from .buckets import nearest_bucket
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,19 @@ class _SkippingDataset(Dataset):
                     self.skipped,
                 )
         raise RuntimeError(f"no readable file among the {len(self.paths)} in the dataset")
+
+
+def check_readable(dataset: _SkippingDataset, setting: str, value, what: str = "files") -> None:
+    """At least one item of ``dataset`` loads (``ConfigError`` naming ``setting=value`` otherwise): checked
+    at start-up, before anything is written, since a folder of unreadable files would otherwise stop a run
+    only when its first batch (or its cache) is read. Stops at the first readable item."""
+    for i in range(len(dataset)):
+        try:
+            dataset.load(i)
+            return
+        except Exception:  # noqa: BLE001 - an unreadable file is skipped while training too
+            continue
+    raise ConfigError(f"{setting}={str(value)!r}: none of its {len(dataset)} {what} can be read")
 
 
 def _is_image(path: Path) -> bool:

@@ -138,6 +138,17 @@ class PipelineSampler:
         anything is loaded or written; ConfigError naming the setting); nothing by default."""
 
     @classmethod
+    def check_components(cls, configs: dict, where: str, names: dict[str, str]) -> None:
+        """Refuse (ConfigError) a transformer the pipeline's other components cannot run, from their configs
+        (``configs``: :func:`mhla_gen.pipelines.checks.local_configs`); nothing by default."""
+
+    @classmethod
+    def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, ...] | None:
+        """The token grid MHLA tiles when sampling with ``settings``, from the configs alone; None: unknown
+        (e.g. no local VAE config)."""
+        return None
+
+    @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
         """``settings`` with the base's default size filled in, checked against the model (ConfigError)."""
         return settings

@@ -129,6 +129,32 @@ class DiTSampler(PipelineSampler):
         return trained_num_classes(folder)
 
     @classmethod
+    def check_components(cls, configs: dict, where: str, names: dict[str, str]) -> None:
+        """``DiTPipeline`` draws latents of the transformer's ``in_channels`` and decodes them with its VAE:
+        a pixel-space DiT (1 or 3 channels, e.g. the digits) in a latent pipeline would fail only after
+        denoising."""
+        channels, vae = configs["transformer"].get("in_channels"), configs.get("vae")
+        if vae is not None and channels != vae.get("latent_channels"):
+            raise ConfigError(
+                f"{where} is a DiT on {channels}-channel inputs, but the VAE of {names['model']} makes "
+                f"{vae.get('latent_channels')}-channel latents: this pipeline cannot decode its samples. A "
+                f"training run's own pipeline (pixel space or its data VAE) is rebuilt by eval/generate.py "
+                f"run_config=RUN/config.yaml"
+            )
+
+    @classmethod
+    def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int] | None:
+        """``(s / p, s / p)``: DiTPipeline samples at the transformer's ``sample_size`` s, or at a requested
+        height (``--height``: :meth:`fit_size` makes it the sample size; None without a local VAE config)."""
+        config, vae = configs["transformer"], configs.get("vae")
+        side = config["sample_size"]
+        if settings.height or settings.width:
+            if vae is None:
+                return None
+            side = (settings.height or settings.width) // 2 ** (len(vae["block_out_channels"]) - 1)
+        return side // config["patch_size"], side // config["patch_size"]
+
+    @classmethod
     def check_conditions(cls, pipe, conditions, guidance, num_classes) -> None:
         check_class_labels(pipe.transformer, list(conditions), guidance, num_classes)
 

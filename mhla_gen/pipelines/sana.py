@@ -55,6 +55,17 @@ class SanaSampler(PipelineSampler):
         return load_sana_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
 
     @classmethod
+    def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int] | None:
+        """``(H / (f p), W / (f p))`` for the DC-AE factor f and patch p (default size: the model's own)."""
+        transformer, vae = configs["transformer"], configs.get("vae")
+        if vae is None or "encoder_block_out_channels" not in vae:
+            return None
+        scale = 2 ** (len(vae["encoder_block_out_channels"]) - 1) * transformer["patch_size"]
+        size = transformer["sample_size"]
+        return (settings.height // scale if settings.height else size // transformer["patch_size"],
+                settings.width // scale if settings.width else size // transformer["patch_size"])
+
+    @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
         """Height and width default to the model's own size."""
         size = pipe.transformer.config.sample_size * pipe.vae_scale_factor

@@ -65,6 +65,14 @@ class SanaVideoSampler(PipelineSampler):
         return load_sana_video_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path)
 
     @classmethod
+    def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int, int] | None:
+        from .checks import video_token_grid
+
+        height = settings.height or SANA_VIDEO_DEFAULT_SIZE[0]
+        width = settings.width or SANA_VIDEO_DEFAULT_SIZE[1]
+        return video_token_grid(configs, height, width, settings.frames)
+
+    @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
         """``(height, width)`` (default 480 x 832), multiples of 32 as the pipeline checks; frames 4k + 1."""
         height = settings.height or SANA_VIDEO_DEFAULT_SIZE[0]

@@ -132,6 +132,13 @@ class WanSampler(PipelineSampler):
         return load_wan_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
 
     @classmethod
+    def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int, int] | None:
+        from .checks import video_token_grid
+
+        height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
+        return video_token_grid(configs, height, width, settings.frames)
+
+    @classmethod
     def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
         """``(height, width)`` (default 480 x 832), refused when the VAE and patch cannot tile it or its token
         grid exceeds the model's rotary table (``rope_max_seq_len``); frames must be 4k + 1."""

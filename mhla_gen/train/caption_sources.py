@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.hf_datasets import HFCaptionedImages, HFCaptionedVideos
-from ..data.images import require_dir
+from ..data.images import check_readable, require_dir
 from ..data.moving_shapes import MovingShapesVideos, check_moving_shapes_data
 from ..data.shards import TarShardDataset, input_folder, list_shards
 from ..data.teacher import check_teacher_folder, read_prompts, write_teacher_captioned
@@ -37,6 +37,11 @@ class CaptionSource:
 
     def count_items(self) -> int:
         return len(self.task.listed_dataset())
+
+    def check_readable(self) -> None:
+        """At least one listed item reads (:func:`~mhla_gen.data.images.check_readable`), at start-up."""
+        what = f"captioned {'videos' if self.task.base.video else 'images'}"
+        check_readable(self.task.listed_dataset(), "data.path", self.data.path, what)
 
     def prepare(self, device) -> None:
         """Work at setup, once the frozen pipeline is loaded; nothing by default."""
@@ -70,6 +75,9 @@ class CaptionTeacherSource(CaptionSource):
 
     def count_items(self) -> int:  # not sampled yet
         return self.data.teacher_samples
+
+    def check_readable(self) -> None:  # sampled by the run itself, at setup
+        pass
 
     def prepare(self, device) -> None:
         """``data.teacher_samples`` samples of the prompts from ``model.pretrained`` (its own stock pipeline,

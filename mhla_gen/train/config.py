@@ -10,6 +10,7 @@ in ``configs/`` list what a run changes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -48,9 +49,9 @@ T = TypeVar("T")
 @dataclass
 class DistillConfig:
     """Distillation terms against a frozen teacher, added to the task's loss (LinFusion / CLEAR style); off
-    by default. ``teacher``: its transformer (folder or hub id); default: the model the run converts (DiT:
-    the teacher a stage-1 ``model.init_from`` records, or ``model.init_from`` itself when it is a stock
-    model; SANA / Wan: ``model.pretrained``'s transformer)."""
+    by default. ``teacher``: its transformer (folder or hub id); default: the model the run converts (the
+    teacher a stage-1 ``model.init_from`` records, or ``model.init_from`` itself when it is a stock model;
+    SANA / Wan otherwise: ``model.pretrained``'s transformer)."""
 
     output_weight: float = 0.0  # x relative MSE between the model's and the teacher's outputs
     attention_weight: float = 0.0  # x mean relative MSE of every MHLA layer's output vs the teacher layer's
@@ -148,8 +149,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.learning_rate < math.inf:  # also refuses nan
+            raise ValueError(f"train.learning_rate must be a finite number > 0, got {self.learning_rate}")
         for name in ("lr_warmup_steps", "max_grad_norm", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -180,6 +181,27 @@ class LogConfig:
 
 
 @dataclass
+class ShareConfig:
+    """What a run's ``final/`` says about itself where it is shared (its README.md model card, a LoRA
+    folder's ``mhla_lora.json``) and where it goes; local paths never leave the machine (mhla_gen.cards)."""
+
+    base_model: str | None = None  # hub id of the model the run starts from, named instead of a local folder
+    license: str | None = None  # the card's license; default: the one a local copy of the base declares
+    push_to_hub: str | None = None  # hub repo id: final/ is uploaded there at the end (huggingface_hub)
+
+    def __post_init__(self):
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        for name in ("base_model", "push_to_hub"):
+            value = getattr(self, name)
+            try:
+                if value is not None:
+                    validate_repo_id(value)
+            except HFValidationError as err:
+                raise ValueError(f"share.{name}={value!r} is not a Hub repo id (owner/name): {err}") from None
+
+
+@dataclass
 class RunConfig:
     """Keys every training script has."""
 
@@ -189,6 +211,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     mhla: MHLAConfig = field(default_factory=MHLAConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)
 
     def __post_init__(self):
         if not 0 <= self.seed < 2**32:  # numpy's seed range (accelerate's set_seed seeds numpy too)
@@ -494,6 +517,7 @@ def load_config(
         raise ConfigError(f"invalid config: {_short(err)}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_finite(cfg)
     object.__setattr__(cfg, _GIVEN, frozenset(given))
     return cfg
 
@@ -516,6 +540,24 @@ def _leaf_keys(conf, prefix: str = "") -> set[str]:
         else:
             keys.add(f"{prefix}{key}")
     return keys
+
+
+def _check_finite(value, key: str = "") -> None:
+    """``ConfigError`` naming the key of the first inf / nan number anywhere in a loaded config: no setting
+    means anything with them (a learning rate of inf trains to all-NaN weights; nan passes every ``<``
+    check)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
+    if dataclasses.is_dataclass(value):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return
+    for name, item in items:
+        _check_finite(item, f"{key}{name}" if str(name).startswith("[") or not key else f"{key}.{name}")
 
 
 def _without_retired(conf, schema: type):

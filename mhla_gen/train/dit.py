@@ -141,7 +141,7 @@ class DiTTask(TrainTask):
         attention, mhla = self.attention()
         cfg = self.cfg
         model = dataclasses.replace(cfg.model, attention=attention)
-        data, train = cfg.data, cfg.train
+        data, train = dataclasses.replace(cfg.data, resolution=self.source.resolution()), cfg.train
         if data.source == "teacher":
             data = dataclasses.replace(data, teacher=self.teacher_source())
         if train.distill.enabled:

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
 from ..data.hf_datasets import HFClassImages
-from ..data.images import class_folders, require_dir
+from ..data.images import check_readable, class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
 from ..folders import check_apart, input_record
@@ -95,6 +95,16 @@ class DiTSource:
     def count_items(self) -> int:
         return len(self.dataset())
 
+    def resolution(self) -> int:
+        """The pixel size of the images the model learns (what ``config.yaml`` records as
+        ``data.resolution``): ``data.resolution`` for sources that resize to it."""
+        return self.data.resolution
+
+    def latent_factor(self) -> int:
+        """Pixels per model-input cell: the VAE's downsampling (1 in pixel space)."""
+        vae = self.vae_config()
+        return 1 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
+
     def dataset(self) -> Dataset:
         raise NotImplementedError
 
@@ -129,15 +139,7 @@ class ClassFolderSource(DiTSource):
     def check_readable(self) -> None:
         """At least one image of the class folders opens (before anything is written): a folder of
         unreadable files would otherwise stop the run at its first batch."""
-        dataset = self.dataset()
-        for i in range(len(dataset)):
-            try:
-                dataset.load(i)
-                return
-            except Exception:  # noqa: BLE001 - an unreadable file is skipped while training too
-                continue
-        raise ConfigError(f"data.path={self.data.path!r}: none of its {len(dataset)} image files can "
-                          f"be read as an image")
+        check_readable(self.dataset(), "data.path", self.data.path, "image files")
 
     def dataset(self) -> Dataset:
         """The class-folder dataset (listed once: validation counts it, training reads it)."""
@@ -163,6 +165,7 @@ class HFClassSource(DiTSource):
         if found != want:
             raise ConfigError(f"model.num_classes={want} but data.path={self.data.path!r} has {found} "
                               f"classes (its {self.data.label_column!r} column)")
+        check_readable(self.dataset(), "data.path", self.data.path, f"{self.data.image_column!r} images")
 
     def dataset(self) -> Dataset:
         """Loaded (and its columns checked) once: validation counts it, training reads it."""
@@ -218,6 +221,17 @@ class LatentCacheSource(DiTSource):
     def channels_and_size(self) -> tuple[int, int]:
         shape = LatentCacheDataset(self.data.path).latents.shape  # (N, 2, C, h, w)
         return shape[2], shape[3]
+
+    def resolution(self) -> int:
+        """The cache's: what its ``meta.json`` records, else its latent size times the VAE's factor;
+        ``data.resolution`` does not apply (the images were resized when the cache was written)."""
+        recorded = LatentCacheDataset(self.data.path).meta.get("resolution")
+        found = int(recorded) if recorded else self.channels_and_size()[1] * self.latent_factor()
+        if found != self.data.resolution:
+            logger.warning("data.resolution=%d does not apply: the latent cache data.path=%s holds %d px "
+                           "images (recorded as the run's data.resolution)", self.data.resolution,
+                           self.data.path, found)
+        return found
 
     def dataset(self) -> Dataset:
         return LatentCacheDataset(self.data.path)
@@ -330,6 +344,9 @@ class TeacherSource(DiTSource):
     def channels_and_size(self) -> tuple[int, int]:  # samples of the teacher's own input size
         config = self.teacher_config()
         return config["in_channels"], config["sample_size"]
+
+    def resolution(self) -> int:  # the teacher's samples: its input size in pixels
+        return self.channels_and_size()[1] * self.latent_factor()
 
     def count_items(self) -> int:  # not sampled yet
         return self.data.teacher_samples

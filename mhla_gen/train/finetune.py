@@ -25,6 +25,7 @@ from ..bases import Base, base_for
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder
 from ..data.latents import FEATURE_CACHE, check_cache_target
+from ..folders import input_record
 from ..install import stock_class_name
 from ..lora import is_lora_folder, save_lora_mhla
 from ..metrics.video import write_video
@@ -45,6 +46,21 @@ from .start import StartPoint
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model references name the same thing: equal strings, or local paths to the same folder."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
+
+
+def log_teacher(cfg, teacher: str) -> None:
+    """Say which distillation teacher a run uses, and warn when one ``model.init_from`` records is not
+    ``model.pretrained``."""
+    logger.info("distillation teacher: %s", teacher)
+    if not cfg.train.distill.teacher and not _same_model(teacher, cfg.model.pretrained):
+        logger.warning("distilling from the teacher model.init_from=%s converts (%s), not from "
+                       "model.pretrained=%s", cfg.model.init_from, teacher, cfg.model.pretrained)
 
 
 class FlowFinetuneTask(TrainTask):
@@ -104,8 +120,8 @@ class FlowFinetuneTask(TrainTask):
         return dataclasses.replace(self.cfg, model=model, mhla=mhla, train=train)
 
     def distill_source(self) -> str:
-        """``train.distill.teacher``, else ``model.pretrained``."""
-        return self.cfg.train.distill.teacher or self.cfg.model.pretrained
+        """``train.distill.teacher``, else what ``model.init_from`` converts (checked), else the base."""
+        return self.cfg.train.distill.teacher or self.start.teacher() or self.cfg.model.pretrained
 
     def conversion_teacher(self) -> tuple[str, Path | None]:
         """``(reference, local transformer folder or None)`` of the model stage 1 converts: the start
@@ -135,13 +151,14 @@ class FlowFinetuneTask(TrainTask):
         rebuilds the model from the three); otherwise the whole transformer (``save_pretrained``)."""
         if self.cfg.train.trainable != "lora":
             return super().save_final(transformer, folder)
-        save_lora_mhla(
-            transformer,
-            folder,
-            self.cfg.model.pretrained,
-            subfolder=self.cfg.model.expert,
-            revision=self.cfg.model.revision,
-        )
+        m = self.cfg.model
+        save_lora_mhla(transformer, folder, m.pretrained, subfolder=m.expert, revision=m.revision,
+                       base_id=self.cfg.share.base_model)  # base_id: the hub id its manifest names
+
+    def model_record(self) -> dict:
+        """LoRA runs: the local base, resolved and fingerprinted, for ``final/``'s marker (never shared)."""
+        lora = self.cfg.train.trainable == "lora"
+        return {"base_record": input_record(self.cfg.model.pretrained)} if lora else {}
 
     def setup(self, accelerator) -> None:
         """The checkpoint's pipeline minus the transformer (tokenizer, text encoder, VAE, scheduler),
@@ -208,7 +225,7 @@ class FlowFinetuneTask(TrainTask):
         self.features.check_sizes(transformer, vae)
         check_mhla_layers(attention_mhla_config(*self.attention()), transformer["num_layers"])
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
-            logger.info("distillation teacher: %s", self.distill_source())
+            log_teacher(self.cfg, self.distill_source())
         self.source.validate()
         check_cache_target(
             FEATURE_CACHE,
@@ -234,6 +251,9 @@ class FlowFinetuneTask(TrainTask):
         if self.cfg.train.distill.enabled:
             found["train.distill.teacher"] = self.distill_source()
         return found
+
+    def check_data(self) -> None:
+        self.source.check_readable()  # at least one item reads (teacher samples: drawn later)
 
     def written_inside(self) -> tuple[str, ...]:
         """The cache (and data sampled from the teacher) may live in the run folder: the run writes them."""

@@ -187,6 +187,9 @@ class TransferTask(TrainTask):
     def written_inside(self) -> tuple[str, ...]:
         return self.inner.written_inside()
 
+    def check_data(self) -> None:
+        self.inner.check_data()
+
     def validate(self) -> None:
         """The base task's checks, a teacher with its own (stock) attention, an MHLA student, and the
         hybrid and stage-1 settings; all before any work."""

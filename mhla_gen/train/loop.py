@@ -8,7 +8,8 @@
                -> resume (atomic checkpoint, seeded sampler + skip_first_batches, step count)
     run_steps  task.loss -> backward -> clip -> step -> clamp_mixing_ -> EMA -> log / checkpoint /
                callbacks / sample grid, whichever is due
-    finish     output_dir/final (EMA weights where used) -> last sample grid -> task.finish (e.g. FID)
+    finish     output_dir/final (EMA weights where used, a model card) -> last sample grid -> task.finish
+               (e.g. FID) -> the card again with its metrics -> share.push_to_hub (when set)
 
 Exact resume: the data order comes from Accelerate's seedable sampler (epoch-seeded) plus
 ``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from ..cards import check_push_target, push_to_hub, scrub_local_paths
 from ..folders import (
     check_apart,
     check_replaceable,
@@ -73,6 +75,7 @@ from ..lora import (
 from ..mixing import clamp_mixing_
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
+from .card import write_run_card
 from .config import (
     CHANGED_DEFAULTS,
     ConfigError,
@@ -129,6 +132,11 @@ class TrainTask:
     def written_inside(self) -> tuple[str, ...]:
         """Input settings that may lie inside ``output_dir`` (things the run itself writes there)."""
         return ()
+
+    def check_data(self) -> None:
+        """The start-up checks that read the data itself (e.g. that an item decodes): after the output
+        folder was found usable (reading data is work a refused output must not cost), before anything
+        is written. Nothing by default."""
 
     def count_items(self) -> int | None:
         """How many training items the data holds, from a listing (before any cache is built); None
@@ -303,6 +311,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     die_with_launcher()  # a rank of torchrun / accelerate launch stops with it (SIGKILL included)
     check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
     check_optimizer(cfg.train)  # its package imports
+    check_push_target(cfg.share.push_to_hub, "share.push_to_hub")  # a repo id and a token to push with
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
@@ -323,6 +332,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         ckpt.check_signature(resume_from, task.signature())
         follow_recorded(cfg, resume_from)
     check_run_folder(out)  # every process: all raise, none waits
+    task.check_data()
     fsdp = is_sharded(accelerator)
 
     if cfg.train.allow_tf32 and torch.cuda.is_available():
@@ -744,6 +754,8 @@ def finish(run: Run) -> Path:
         if accelerator.is_main_process:
             logger.info("end-of-run evaluation (%s)", run.task.name)
             _record_final_metrics(run, run.task.finish(model.eval(), accelerator))
+            _write_card(run.task, model, final)  # again, with the end-of-run metrics
+            _push(final, run.cfg.share.push_to_hub)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
@@ -775,12 +787,35 @@ def _full_model(run: Run) -> nn.Module | None:
 
 
 def save_final_folder(task: TrainTask, model: nn.Module, final: Path) -> None:
-    """``task.save_final`` into a marked temporary sibling, then put it in place of ``final``: a failure
-    while saving leaves the previous ``final/`` (if any) whole."""
+    """``task.save_final`` into a marked temporary sibling, with no local path in its configs and a model
+    card (:mod:`mhla_gen.train.card`), then put it in place of ``final``: a failure while saving leaves the
+    previous ``final/`` (if any) whole."""
     tmp = fresh_temp(final, "model", "output_dir (its final/)")
     task.save_final(model, tmp)
+    scrub_local_paths(tmp)
+    _write_card(task, model, tmp)
     write_marker(tmp, "model", **task.model_record())
     replace_with(tmp, final, "model", "output_dir (its final/)")
+
+
+def _push(final: Path, repo_id: str | None) -> None:
+    """``share.push_to_hub``: upload the finished ``final/``; a failed upload says how to retry it."""
+    if not repo_id:
+        return
+    try:
+        push_to_hub(final, repo_id)
+    except Exception as err:
+        raise RuntimeError(f"share.push_to_hub={repo_id}: uploading {final} failed ({type(err).__name__}: "
+                           f"{err}); the run itself is complete: retry with mhla_gen.cards.push_to_hub("
+                           f"{str(final)!r}, {repo_id!r})") from err
+
+
+def _write_card(task: TrainTask, model: nn.Module, folder: Path) -> None:
+    """The folder's model card; a failure there is reported and never costs the trained weights."""
+    try:
+        write_run_card(task, model, folder)
+    except Exception as err:  # noqa: BLE001 - the weights matter more than their description
+        logger.warning("%s: no model card written (%s: %s)", folder, type(err).__name__, err)
 
 
 class _ema_weights:
