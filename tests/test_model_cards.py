@@ -22,7 +22,7 @@ from mhla_gen.cards import CARD, LOCAL_ONLY, local_paths, push_to_hub, shared_fi
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import MARKER, read_marker
 
-TINY = {name: str(REPO / "configs" / "tiny" / f"{name}.yaml") for name in ("dit", "sana", "wan")}
+TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml") for name in ("dit", "sana", "wan")}
 SANA_ID = "Efficient-Large-Model/Sana_600M_512px_diffusers"
 WAN_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
@@ -297,7 +297,7 @@ def test_every_base_gets_loading_lines_that_compile(base, overrides, expected, t
     from mhla_gen.train.card import usage
     from mhla_gen.train.config import load_config
 
-    config = str(REPO / "configs" / "tiny" / ("sana-video.yaml" if base == "sana-video" else "wan.yaml"))
+    config = str(REPO / "mhla_gen" / "configs" / "tiny" / ("sana-video.yaml" if base == "sana-video" else "wan.yaml"))
     cfg = load_config(base_for(base).run_config.load(), config, ["model.pretrained=Org/base", *overrides])
     folder = tmp_path / "final"
     folder.mkdir()

@@ -22,7 +22,7 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.folders import input_record, write_marker
 from mhla_gen.train.config import load_config
 
-TINY = {name: str(REPO / "configs" / "tiny" / f"{name}.yaml")
+TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml")
         for name in ("dit", "sana", "wan", "sana-video")}
 SCRIPTS = {"sana": "finetune_sana.py", "wan": "finetune_wan.py", "sana-video": "finetune_sana_video.py",
            "wan-i2v": "finetune_wan_i2v.py"}
