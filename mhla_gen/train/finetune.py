@@ -63,6 +63,20 @@ def log_teacher(cfg, teacher: str) -> None:
                        "model.pretrained=%s", cfg.model.init_from, teacher, cfg.model.pretrained)
 
 
+def pretrained_component_config(model_cfg, cls_name: str, subfolder: str | None) -> dict:
+    """``config.json`` of a component of ``model.pretrained`` (``model_index.json`` for the pipeline class)
+    read with diffusers' ``load_config`` (no weights); one-line errors naming the setting."""
+    pretrained = model_cfg.pretrained
+    local = Path(pretrained).expanduser()
+    if (local.exists() or pretrained.startswith((".", "/", "~"))) and not local.is_dir():
+        raise FileNotFoundError(f"model.pretrained={pretrained!r} is not a folder")
+    try:
+        return dict(getattr(diffusers, cls_name).load_config(pretrained, subfolder=subfolder,
+                                                             revision=model_cfg.revision))
+    except OSError as err:
+        raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
+
+
 class FlowFinetuneTask(TrainTask):
     """Shared SANA / Wan fine-tuning. Subclasses name their base record (:attr:`base`: transformer and
     pipeline classes, video or image) and fill in the encoders and the sampling call."""
@@ -186,18 +200,7 @@ class FlowFinetuneTask(TrainTask):
     # --------------------------------------------------------------------------------- checks
     def _component_config(self, cls_name: str, subfolder: str | None) -> dict:
         """``config.json`` (``model_index.json`` for the pipeline) of ``model.pretrained``, no weights."""
-        pretrained = self.cfg.model.pretrained
-        local = Path(pretrained).expanduser()
-        if (local.exists() or pretrained.startswith((".", "/", "~"))) and not local.is_dir():
-            raise FileNotFoundError(f"model.pretrained={pretrained!r} is not a folder")
-        try:
-            return dict(
-                getattr(diffusers, cls_name).load_config(
-                    pretrained, subfolder=subfolder, revision=self.cfg.model.revision
-                )
-            )
-        except OSError as err:
-            raise ConfigError(f"model.pretrained={pretrained!r}: {err}") from None
+        return pretrained_component_config(self.cfg.model, cls_name, subfolder)
 
     def _transformer_config(self) -> dict:
         return self._component_config(self.transformer_cls.__name__, self.cfg.model.expert)
