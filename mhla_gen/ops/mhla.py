@@ -31,6 +31,11 @@ else PyTorch), or ``"pytorch"`` when ``MHLA_TRITON=0`` is set at import. The nam
 formula hands the same name to the backward op, so backward always runs what the forward ran and reads
 the tensors that backend saved.
 
+Plain eager calls skip the op's dispatcher: :func:`mhla_attention` calls the backend's ``forward`` (no
+grad) or both through a lean ``autograd.Function`` (``_EagerMHLA``) with the op's arguments, so results and
+gradients are bit-identical to the op's, at a fraction of its host time per call. Compiled, exported and
+traced code, dispatch modes and tensor subclasses get the op (``_plain_eager_call``).
+
 Causal MHLA and callable feature maps run :func:`mhla_attention_autograd` (``autograd_path.py``): the
 same math in plain differentiable torch ops, which torch.compile traces like any other model code.
 """
@@ -85,6 +90,8 @@ def mhla_attention(
         return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
     get_feature_map(feature_map)  # unknown names raise here, naming the choices
     backend = _resolve_backend(backend, q, k, v)
+    if _plain_eager_call(q, k, v, mixing):
+        return _eager_mhla(q, k, v, layout.grid, layout.blocks, mixing, feature_map, normalize, eps, backend)
     out, *_ = torch.ops.mhla_gen.mhla(
         q, k, v, list(layout.grid), list(layout.blocks), mixing, feature_map, normalize, eps, backend
     )
@@ -199,13 +206,18 @@ def _resolve_backend(backend: str | None, q: Tensor, k: Tensor, v: Tensor) -> st
     return name
 
 
+_BACKEND_MODULES: dict[str, ModuleType] = {"pytorch": blocked}  # "triton" joins on first use
+
+
 def _backend_module(backend: str) -> ModuleType:
     """The module implementing ``backend`` (see the module docstring for what it defines)."""
-    if backend == "pytorch":
-        return blocked
+    module = _BACKEND_MODULES.get(backend)
+    if module is not None:
+        return module
     if backend == "triton":
         from . import triton_mhla  # here, not at the top: importing it imports triton
 
+        _BACKEND_MODULES[backend] = triton_mhla
         return triton_mhla
     raise ValueError(f"unknown MHLA backend {backend!r}; choose 'pytorch' or 'triton'")
 
@@ -282,6 +294,73 @@ def _backward(ctx, grad_out, *unused_grads):
 
 
 _mhla_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# the eager path: the same backend calls without the op's dispatcher
+#
+# In eager mode a call through ``torch.ops.mhla_gen.mhla`` pays for the custom-op machinery (schema
+# parsing, the Python autograd wrapper, a redispatch below autograd): about 30 µs per forward and 100 µs
+# per forward + backward of Python work on this project's CPU machine (docs/benchmarks.md), more than the
+# GPU time of the kernels at DiT sizes. Plain eager calls therefore run the backend directly (no grad) or
+# through :class:`_EagerMHLA` (a lean autograd.Function): the same backend functions with the same
+# arguments, so results and gradients are bit-identical to the op's (tests/test_ops.py). Everything that
+# must see one opaque node (torch.compile, torch.export, jit tracing, dispatch modes such as fake tensors,
+# FlopCounterMode or selective checkpointing, tensor subclasses) gets the op.
+
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager_call(q: Tensor, k: Tensor, v: Tensor, mixing: Tensor) -> bool:
+    """Whether this call may skip the registered op: eager, no torch-function or dispatch mode and no jit
+    tracer active, plain tensors. ``is_compiling`` comes first: torch.compile never traces the rest."""
+    if torch.compiler.is_compiling():
+        return False
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._get_tracing_state() is not None):
+        return False
+    plain = _PLAIN_TENSOR_TYPES
+    return type(q) in plain and type(k) in plain and type(v) in plain and type(mixing) in plain
+
+
+def _eager_mhla(q, k, v, grid: tuple, blocks: tuple, mixing, feature_map: str, normalize: bool, eps: float,
+                backend: str) -> Tensor:
+    """``out`` of the op's forward, with the op's autograd formula where a gradient is needed."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or mixing.requires_grad):
+        return _EagerMHLA.apply(q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend)
+    out, *_ = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps)
+    return out
+
+
+class _EagerMHLA(torch.autograd.Function):
+    """The registered op's forward and autograd formula as one autograd.Function, its arguments in the op's
+    order: the backend's forward, the op's saved tensors (``_setup_context``), the backend's backward with
+    the same ``needs``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend):
+        out, *saved = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize,
+                                                       eps)
+        ctx.save_for_backward(q, k, v, mixing, out, *saved)
+        ctx.set_materialize_grads(False)
+        ctx.args = (grid, blocks, feature_map, normalize, eps, backend)  # backend: what the forward ran
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if grad_out is None or torch.is_grad_enabled():
+            # create_graph=True: the op's formula itself, so a second backward fails as the op's does
+            return _backward(ctx, grad_out)
+        q, k, v, mixing, out, *saved = ctx.saved_tensors
+        grid, blocks, feature_map, normalize, eps, backend = ctx.args
+        needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5)]  # q, k, v, mixing
+        dq, dk, dv, dmixing = _backend_module(backend).backward(
+            grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, out, *saved, needs
+        )
+        need_q, need_k, need_v, need_w = needs
+        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None,
+                dmixing if need_w else None, None, None, None, None)
 
 
 __all__ = [

@@ -46,6 +46,7 @@ v, out) nor at DiT sizes (where the summaries fit in L2).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -406,9 +407,11 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every tile dim >= 16
 
 
+@functools.lru_cache(maxsize=1024)  # per shape: host time per call (docs/benchmarks.md)
 def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len: int, device,
                 override: TileConfig | None = None) -> TileConfig:
-    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture).
+    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture),
+    cached per argument tuple.
 
     Full d and e per program (d, e <= 128 for the bases: a [128, 128] fp32 accumulator is 64
     registers per thread at 8 warps); 32-token tiles for d or e above 64, else 64; the query-side
@@ -442,6 +445,11 @@ class _Geometry:
 
     @classmethod
     def of(cls, grid: Sequence[int], blocks: Sequence[int]) -> _Geometry:
+        """The geometry of a layout, cached per (grid, blocks): the op passes lists, the eager path tuples."""
+        return _geometry(tuple(grid), tuple(blocks))
+
+    @classmethod
+    def build(cls, grid: tuple[int, ...], blocks: tuple[int, ...]) -> _Geometry:
         grid, blocks = tuple(int(g) for g in grid), tuple(int(b) for b in blocks)
         if not 1 <= len(grid) <= 3 or len(blocks) != len(grid):
             raise ValueError(f"grid {grid} and blocks {blocks} must both be 1D, 2D or 3D")
@@ -467,6 +475,11 @@ class _Geometry:
         (_, g1, g2), (_, nb1, nb2) = self.grid, self.blocks
         per_axis = [v for g, b in zip(self.grid, self.blocks) for v in (g // b, g % b)]
         return (g1, g2, nb1, nb2, *per_axis)
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(grid: tuple[int, ...], blocks: tuple[int, ...]) -> _Geometry:
+    return _Geometry.build(grid, blocks)  # a bad layout raises every time (exceptions are not cached)
 
 
 def _check(q, k, v, mixing, geometry: _Geometry, feature_map: str) -> None:
