@@ -300,13 +300,14 @@ _mhla_op.register_autograd(_backward, setup_context=_setup_context)
 # the eager path: the same backend calls without the op's dispatcher
 #
 # In eager mode a call through ``torch.ops.mhla_gen.mhla`` pays for the custom-op machinery (schema
-# parsing, the Python autograd wrapper, a redispatch below autograd): about 30 µs per forward and 100 µs
-# per forward + backward of Python work on this project's CPU machine (docs/benchmarks.md), more than the
-# GPU time of the kernels at DiT sizes. Plain eager calls therefore run the backend directly (no grad) or
-# through :class:`_EagerMHLA` (a lean autograd.Function): the same backend functions with the same
-# arguments, so results and gradients are bit-identical to the op's (tests/test_ops.py). Everything that
-# must see one opaque node (torch.compile, torch.export, jit tracing, dispatch modes such as fake tensors,
-# FlopCounterMode or selective checkpointing, tensor subclasses) gets the op.
+# parsing, the Python autograd wrapper, a redispatch below autograd): about 30 µs per forward and
+# 200-300 µs per forward + backward of Python work on this project's CPU machine (docs/benchmarks.md),
+# against a GPU time of 70 / 250 µs for the kernels at DiT-XL/2 256 px. Plain eager calls therefore run
+# the backend directly (no grad) or through :class:`_EagerMHLA` (a lean autograd.Function): the same
+# backend functions with the same arguments, so results and gradients are bit-identical to the op's
+# (tests/test_ops.py). Everything that must see one opaque node (torch.compile, torch.export, jit
+# tracing, dispatch modes such as fake tensors, FlopCounterMode or selective checkpointing, tensor
+# subclasses) gets the op.
 
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
