@@ -1,6 +1,6 @@
 """Every GPU check in one command and one Markdown report, for the few minutes a GPU is lent:
 
-    python scripts/gpu_check.py --out REPORT.md             # about 7 minutes on one H200 (--budget-s 420)
+    python scripts/gpu_check.py --out REPORT.md             # at most 7 minutes on one H200 (--budget-s 420)
     python scripts/gpu_check.py --out REPORT.md --dry-run   # every section's plumbing on CPU (tiny sizes)
 
 The GPU machine has torch, triton, accelerate, transformers and the rest, but not diffusers 0.42.1, omegaconf
