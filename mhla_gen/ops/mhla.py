@@ -206,18 +206,13 @@ def _resolve_backend(backend: str | None, q: Tensor, k: Tensor, v: Tensor) -> st
     return name
 
 
-_BACKEND_MODULES: dict[str, ModuleType] = {"pytorch": blocked}  # "triton" joins on first use
-
-
 def _backend_module(backend: str) -> ModuleType:
     """The module implementing ``backend`` (see the module docstring for what it defines)."""
-    module = _BACKEND_MODULES.get(backend)
-    if module is not None:
-        return module
+    if backend == "pytorch":
+        return blocked
     if backend == "triton":
         from . import triton_mhla  # here, not at the top: importing it imports triton
 
-        _BACKEND_MODULES[backend] = triton_mhla
         return triton_mhla
     raise ValueError(f"unknown MHLA backend {backend!r}; choose 'pytorch' or 'triton'")
 
@@ -278,19 +273,33 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, *unused_grads):
+    return _gradients(ctx, grad_out, torch.ops.mhla_gen.mhla_backward)
+
+
+def _gradients(ctx, grad_out, run_backward) -> tuple:
+    """The op's autograd formula with ``run_backward`` (the backward op, or :func:`_backend_backward` on the
+    eager path) computing ``(dq, dk, dv, dmixing)`` from what ``_setup_context`` saved."""
     if grad_out is None:  # the output took no part in the loss (grads are not materialised)
         return (None,) * 10
     q, k, v, mixing, out, *saved = ctx.saved_tensors
     grid, blocks, feature_map, normalize, eps, backend = ctx.args
     saved = Saved(*saved)
     needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5)]  # q, k, v, mixing
-    dq, dk, dv, dmixing = torch.ops.mhla_gen.mhla_backward(
+    dq, dk, dv, dmixing = run_backward(
         grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend,
         out, saved.state, saved.norm, saved.den, needs,
     )
     need_q, need_k, need_v, need_w = needs
     return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None,
             dmixing if need_w else None, None, None, None, None)
+
+
+def _backend_backward(grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend, out,
+                      state, norm, den, needs):
+    """What ``mhla_gen::mhla_backward`` computes, without the op (None where ``needs`` is False)."""
+    return _backend_module(backend).backward(
+        grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, out, state, norm, den, needs
+    )
 
 
 _mhla_op.register_autograd(_backward, setup_context=_setup_context)
@@ -335,33 +344,21 @@ def _eager_mhla(q, k, v, grid: tuple, blocks: tuple, mixing, feature_map: str, n
 
 
 class _EagerMHLA(torch.autograd.Function):
-    """The registered op's forward and autograd formula as one autograd.Function, its arguments in the op's
-    order: the backend's forward, the op's saved tensors (``_setup_context``), the backend's backward with
-    the same ``needs``."""
+    """The registered op's forward and autograd formula as one autograd.Function, arguments in the op's
+    order: the backend's forward, the op's ``_setup_context`` (what it saves), the op's formula
+    (``_gradients``) with the backend's backward called directly."""
 
     @staticmethod
     def forward(ctx, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend):
-        out, *saved = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize,
-                                                       eps)
-        ctx.save_for_backward(q, k, v, mixing, out, *saved)
-        ctx.set_materialize_grads(False)
-        ctx.args = (grid, blocks, feature_map, normalize, eps, backend)  # backend: what the forward ran
-        return out
+        output = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps)
+        _setup_context(ctx, (q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend), output)
+        return output[0]
 
     @staticmethod
     def backward(ctx, grad_out):
-        if grad_out is None or torch.is_grad_enabled():
-            # create_graph=True: the op's formula itself, so a second backward fails as the op's does
-            return _backward(ctx, grad_out)
-        q, k, v, mixing, out, *saved = ctx.saved_tensors
-        grid, blocks, feature_map, normalize, eps, backend = ctx.args
-        needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5)]  # q, k, v, mixing
-        dq, dk, dv, dmixing = _backend_module(backend).backward(
-            grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, out, *saved, needs
-        )
-        need_q, need_k, need_v, need_w = needs
-        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None,
-                dmixing if need_w else None, None, None, None, None)
+        # create_graph=True: the backward op itself, so that a second backward fails as it does for the op
+        run_backward = torch.ops.mhla_gen.mhla_backward if torch.is_grad_enabled() else _backend_backward
+        return _gradients(ctx, grad_out, run_backward)
 
 
 __all__ = [

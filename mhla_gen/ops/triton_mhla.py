@@ -407,11 +407,9 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every tile dim >= 16
 
 
-@functools.lru_cache(maxsize=1024)  # per shape: host time per call (docs/benchmarks.md)
 def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len: int, device,
                 override: TileConfig | None = None) -> TileConfig:
-    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture),
-    cached per argument tuple.
+    """Heuristic launch parameters (no autotuning: nothing to benchmark inside CUDA-graph capture).
 
     Full d and e per program (d, e <= 128 for the bases: a [128, 128] fp32 accumulator is 64
     registers per thread at 8 warps); 32-token tiles for d or e above 64, else 64; the query-side
