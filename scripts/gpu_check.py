@@ -22,7 +22,8 @@ reported with its output and the next one runs):
    beside the same calls replayed from CUDA graphs (the GPU's time alone) at the model shapes and at
    N = 256 to 16384 (DiT-XL/2 heads, 4x4 blocks);
 4. ``small-N crossover``: the same for FlashAttention and MHLA by N, and the N from which MHLA is faster;
-5. ``tile sweep``: ``benchmarks/tune_mhla_tiles.py`` when it exists (``--skip-tiles`` leaves it out);
+5. ``tile sweep``: ``benchmarks/tune_mhla_tiles.py`` when it exists (``--skip-tiles`` leaves it out), its
+   table written into the folder beside the report (``REPORT.files/mhla_tiles.json``);
 6. ``Wan2.1-1.3B step``: ``bench_wan_step.py``: one 480p, 81-frame step, stock / hybrid / all MHLA, eager;
 7. ``DiT-XL/2 training step``: ``bench_dit_step.py``: batch 32, bf16 autocast, AdamW, softmax vs MHLA;
 8. ``SANA-1.6B 1024 px step``: ``bench_sana_step.py``: stock linear attention vs MHLA, inference;
@@ -75,6 +76,8 @@ REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report 
 OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.folders.KINDS)
 OUTPUT_TAIL_LINES = 80  # per section in the report; the whole output is in the folder beside it
 MIN_SECTION_S = 20  # a section that would get less time than this is not started
+OUTPUTS = "{outputs}"  # in a section's arguments: the folder beside the report (outputs_folder)
+TILE_TABLE = "mhla_tiles.json"  # the tile sweep's table, written into that folder
 DEFAULT_BUDGET_S = 420
 DRY_RUN_LIMIT_S = 300  # per section with --dry-run (CPU; process start-up alone takes seconds)
 
@@ -86,7 +89,8 @@ class Section:
     ``dry_command``: what ``--dry-run`` runs instead (CPU, tiny sizes, or ``--help``); ``trusts_kernels``:
     not run when the kernel tests failed; ``gate``: this section is the kernel tests; ``optional``: runs
     only when the budget still holds ``timeout_s``; ``whole_output``: the report keeps all of it;
-    ``needs_file``: not run while this file does not exist (a script still being written)."""
+    ``needs_file``: not run while this file does not exist (a script still being written); ``writes``: the
+    files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it."""
 
     name: str
     command: list[str]
@@ -97,6 +101,7 @@ class Section:
     optional: bool = False
     whole_output: bool = False
     needs_file: Path | None = None
+    writes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,8 @@ def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> 
                 _bench(python, "bench_attention.py", *graphs, "--shapes", "--graph-sizes"),
                 45, _bench(python, "bench_attention.py", *tiny_graphs, "--shapes", "--graph-sizes",
                            "--crossover-sizes", "16", "64")),
-        Section("tile sweep", [python, str(tiles)], 60, [python, str(tiles), "--help"], needs_file=tiles),
+        Section("tile sweep", [python, str(tiles), "--out", f"{OUTPUTS}/{TILE_TABLE}"], 60,
+                [python, str(tiles), "--list", "--device", "cpu"], needs_file=tiles, writes=(TILE_TABLE,)),
         Section("Wan2.1-1.3B step", _bench(python, "bench_wan_step.py", *wan), 75,
                 _bench(python, "bench_wan_step.py", *tiny_wan)),
         Section("DiT-XL/2 training step", _bench(python, "bench_dit_step.py", *cuda_step), 75,
@@ -401,12 +407,14 @@ def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner
         else:
             limit = min(section.timeout_s, remaining)
             print(f"gpu_check: {section.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            section = dataclasses.replace(section, command=[a.replace(OUTPUTS, str(folder))
+                                                            for a in section.command])
             result = runner(section, limit, folder)
             results.append(result)
             name = output_file_name(index, section)
             text = f"$ {shlex.join(section.command)}\n{result.status}\n\n{result.output}"
             atomic_write_text(folder / name, text)
-            record_files(folder, name)
+            record_files(folder, name, *(f for f in section.writes if (folder / f).is_file()))
             files[section.name] = f"{folder.name}/{name}"
             kernels_failed |= section.gate and result.status.startswith(("failed", "could not start"))
         print(f"gpu_check: {section.name}: {results[-1].status}", file=sys.stderr, flush=True)
