@@ -568,6 +568,146 @@ def run_model_shapes(args, device, dtype) -> tuple[str, list[dict]]:
     return text, rows
 
 
+# --------------------------------------------------------------------------------------------------
+# host vs GPU time (``--cuda-graphs``): eager calls beside the same calls replayed from CUDA graphs
+
+GRAPH_METHODS = {"sdpa": "FlashAttention", "la": "LA", "mhla_op": "MHLA"}
+GRAPH_BLOCKS = (4, 4)
+
+
+def graph_ms(fn, device: torch.device) -> float:
+    """GPU ms per call of ``fn`` replayed from a CUDA graph (no host work between its kernels): warm-up on
+    a side stream, capture, then the median of 5 samples of back-to-back replays; NaN off CUDA."""
+    if device.type != "cuda":
+        return math.nan
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = statistics.median(time_ms(graph.replay, device) for _ in range(5))
+    del graph  # its memory pool goes back before the next capture
+    torch.cuda.empty_cache()
+    return ms
+
+
+def eager_and_graph_ms(shape: ModelShape, methods, device, dtype, repeats: int) -> dict:
+    """``{(method, mode): (eager ms, CUDA-graph ms)}`` of each method's forward (no grad) and forward +
+    backward (q, k, v and the mixing matrix) at one shape; eager is the median of ``repeats`` samples."""
+    fns, inputs, grad_out = build_model_methods(shape, device, dtype)
+    result = {}
+    for method in methods:
+        fn = fns[method]
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(*inputs)
+
+        def forward_backward(fn=fn):
+            torch.autograd.grad(fn(*inputs), inputs, grad_out, allow_unused=True)  # SDPA, LA: no mixing
+
+        for mode, call in (("fwd", forward), ("fwd_bwd", forward_backward)):
+            eager = statistics.median(time_ms(call, device) for _ in range(repeats))
+            try:
+                graph = graph_ms(call, device)
+            except Exception as err:  # noqa: BLE001 - a capture that fails is a finding; the table shows "–"
+                print(f"{shape}: {method} {mode}: CUDA-graph capture failed: {err!r}", file=sys.stderr)
+                graph = math.nan
+            result[method, mode] = (eager, graph)
+    return result
+
+
+def graph_cases(args) -> dict[str, ModelShape]:
+    """The model shapes of ``--shapes``, then square grids of ``--graph-sizes`` tokens in 4 x 4 blocks."""
+    b, h, d = args.graph_shape
+    cases = {name: MODEL_SHAPES[name] for name in args.shapes}
+    for n in args.graph_sizes:
+        side = square_side(n)
+        cases[f"N={n}"] = ModelShape(b, h, d, (side, side), GRAPH_BLOCKS)
+    return cases
+
+
+def host_vs_gpu_markdown(times: dict[str, tuple[ModelShape, dict]]) -> str:
+    head = ("| case | B×H×d | N | method | fwd eager | fwd graph | eager / graph | f+b eager | f+b graph "
+            "| eager / graph |")
+    lines = [head, "|---|---|---:|---|" + "---:|" * 6]
+    for case, (shape, result) in times.items():
+        for method, label in GRAPH_METHODS.items():
+            cells = []
+            for mode in ("fwd", "fwd_bwd"):
+                eager, graph = result[method, mode]
+                cells += [_ms(eager), _ms(graph), _ms(eager / graph, "×")]
+            lines.append(f"| {case} | {shape.batch}×{shape.heads}×{shape.dim} | {math.prod(shape.grid)} "
+                         f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ms(x: float, unit: str = "") -> str:
+    return "–" if math.isnan(x) else f"{x:.3g}{unit}" if x < 100 else f"{x:.0f}{unit}"
+
+
+def crossover_markdown(times: dict[int, dict]) -> str:
+    """MHLA against FlashAttention by N: times, ratios, and the N from which MHLA is faster."""
+    lines = ["| N | mode | FA eager | MHLA eager | MHLA / FA eager | FA graph | MHLA graph "
+             "| MHLA / FA graph |", "|---:|---|" + "---:|" * 6]
+    for n, result in times.items():
+        for mode, label in (("fwd", "fwd"), ("fwd_bwd", "f+b")):
+            (fa_eager, fa_graph), (mhla_eager, mhla_graph) = result["sdpa", mode], result["mhla_op", mode]
+            lines.append(f"| {n} | {label} | {_ms(fa_eager)} | {_ms(mhla_eager)} | "
+                         f"{_ms(mhla_eager / fa_eager, '×')} | {_ms(fa_graph)} | {_ms(mhla_graph)} | "
+                         f"{_ms(mhla_graph / fa_graph, '×')} |")
+    lines.append("")
+    for mode, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+        lines.append(f"- {label}: MHLA takes at most FlashAttention's time from N = "
+                     f"{crossover_n(times, mode, 0)} eager, from N = {crossover_n(times, mode, 1)} in CUDA "
+                     "graphs (GPU time)")
+    return "\n".join(lines)
+
+
+def crossover_n(times: dict[int, dict], mode: str, index: int) -> str:
+    """The smallest N from which MHLA takes at most FlashAttention's time at every larger N measured
+    (``index`` 0: eager, 1: CUDA graph); "none" if it never does, "–" without numbers."""
+    sizes = sorted(times)
+    ratio = {n: times[n]["mhla_op", mode][index] / times[n]["sdpa", mode][index] for n in sizes}
+    if any(math.isnan(r) for r in ratio.values()):
+        return "–"
+    from_n = "none"
+    for n in reversed(sizes):
+        if ratio[n] > 1:
+            break
+        from_n = str(n)
+    return from_n
+
+
+def run_cuda_graphs(args, device, dtype) -> str:
+    """The ``--cuda-graphs`` tables as text: host vs GPU per case, then the small-N crossover."""
+    parts = []
+    cases = graph_cases(args)
+    if cases:
+        times = {}
+        for case, shape in cases.items():
+            times[case] = (shape, eager_and_graph_ms(shape, GRAPH_METHODS, device, dtype, args.repeats))
+            print(f"timed {case}", file=sys.stderr, flush=True)
+        parts.append("host vs GPU: ms per call, eager (back-to-back calls: the host's or the GPU's time, "
+                     "whichever is longer) and replayed from a CUDA graph (the GPU's time alone); MHLA in "
+                     f"4x4 blocks on the square grids\n\n{host_vs_gpu_markdown(times)}")
+    if args.crossover_sizes:
+        b, h, d = args.graph_shape
+        crossover = {}
+        for n in args.crossover_sizes:
+            side = square_side(n)
+            shape = ModelShape(b, h, d, (side, side), GRAPH_BLOCKS)
+            crossover[n] = eager_and_graph_ms(shape, ("sdpa", "mhla_op"), device, dtype, args.repeats)
+            print(f"timed crossover N={n}", file=sys.stderr, flush=True)
+        parts.append(f"small-N crossover: MHLA (4x4 blocks) against FlashAttention, B={b}, {h} heads x {d}, "
+                     f"ms per call\n\n{crossover_markdown(crossover)}")
+    return "\n\n".join(parts)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, with the device-dependent defaults of ``--sizes`` and ``--shapes`` filled in."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -589,14 +729,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-sdpa-above", type=int, default=4096,
                         help="above this N, time SDPA forward only (its fwd+bwd is huge on CPU)")
     parser.add_argument("--no-sdpa", action="store_true", help="leave SDPA out entirely")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="host vs GPU: eager times beside CUDA-graph replays (FlashAttention, LA, MHLA) "
+                             "at --shapes and square --graph-sizes, then the small-N crossover at "
+                             "--crossover-sizes (instead of the model-shape tables)")
+    parser.add_argument("--graph-sizes", type=int, nargs="*", default=[256, 1024, 4096, 16384],
+                        help="--cuda-graphs: square grids (tokens) in 4x4 blocks")
+    parser.add_argument("--crossover-sizes", type=int, nargs="*",
+                        default=[64, 144, 256, 576, 1024, 2304, 4096],
+                        help="--cuda-graphs: the small-N crossover's square grids (tokens)")
+    parser.add_argument("--graph-shape", type=int, nargs=3, default=[2, 16, 72],
+                        metavar=("B", "HEADS", "DIM"),
+                        help="--cuda-graphs: batch, heads, head dim of the square grids (default DiT-XL/2's)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=expand_path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
+    for n in args.graph_sizes + args.crossover_sizes:
+        if math.isqrt(n) ** 2 != n or n < 16:
+            parser.error(f"--graph-sizes and --crossover-sizes take square numbers >= 16 (a grid in 4x4 "
+                         f"blocks), got {n}")
+    if min(args.graph_shape) < 1:
+        parser.error(f"--graph-shape takes three positive numbers, got {args.graph_shape}")
     if args.sizes is None:
-        args.sizes = [] if cuda or args.grids else [1024, 4096, 16384]
+        args.sizes = [] if cuda or args.grids or args.cuda_graphs else [1024, 4096, 16384]
     if args.shapes is None:
         args.shapes = sorted(MODEL_SHAPES) if cuda else []
     return args
@@ -648,7 +806,9 @@ def bench(args) -> None:
         print("(per token vs first: this case's MHLA time per token over the first case's)\n")
         print(grids_markdown(args, times, grid_memory))
     model_rows = []
-    if args.shapes:
+    if args.cuda_graphs:
+        print(f"\n{run_cuda_graphs(args, device, dtype)}")
+    elif args.shapes:
         text, model_rows = run_model_shapes(args, device, dtype)
         print(f"\n{text}")
     if args.out:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_attention beside this file
 
-from bench_attention import MODEL_SHAPES, ModelShape, build_model_methods, time_ms  # noqa: E402
+from bench_attention import MODEL_SHAPES, ModelShape, build_model_methods, graph_ms, time_ms  # noqa: E402
 
 SHAPES = {**MODEL_SHAPES, "sana1024": ModelShape(2, 70, 32, (32, 32), (4, 4))}  # SANA-1.6B, 1024 px
 
@@ -83,20 +83,6 @@ def profile_shapes(names, dtype) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def graph_ms(fn) -> float:
-    """GPU ms per call of ``fn`` replayed from a CUDA graph (no host work between kernels)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return statistics.median(time_ms(graph.replay, torch.device("cuda")) for _ in range(5))
-
-
 def enqueue_us(fn, calls: int = 50) -> float:
     """Host µs to launch one call, the GPU idle before each (median of ``calls``)."""
     times = []
@@ -124,7 +110,7 @@ def host_vs_gpu(names, dtype) -> None:
 
             eager = statistics.median(time_ms(call, torch.device("cuda")) for _ in range(5))
             try:
-                graph = f"{graph_ms(call):.4f}"
+                graph = f"{graph_ms(call, torch.device('cuda')):.4f}"
             except Exception as err:  # noqa: BLE001 - a capture failure is a finding to report
                 graph = f"failed ({type(err).__name__})"
             print(f"| {name} | {method} | {eager:.4f} | {graph} | {enqueue_us(call):.0f} |", flush=True)

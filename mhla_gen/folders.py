@@ -74,6 +74,7 @@ KINDS: dict[str, str] = {
     "attention_stats": "attention statistics",
     "study": "study (eval/study.py)",
     "diffusers_tests": "diffusers test export (scripts/diffusers_model_tests.py)",
+    "gpu_check": "GPU check section outputs (scripts/gpu_check.py)",
 }
 
 

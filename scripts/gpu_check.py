@@ -1,33 +1,58 @@
 """Every GPU check in one command and one Markdown report, for the few minutes a GPU is lent:
 
-    python scripts/gpu_check.py --out REPORT.md   # 308 s on one H200 (2026-11-28); limits sum to 12.5 min
+    python scripts/gpu_check.py --out REPORT.md             # at most 7 minutes on one H200 (--budget-s 420)
+    python scripts/gpu_check.py --out REPORT.md --dry-run   # every section's plumbing on CPU (tiny sizes)
 
-Sections, each run as its own process with a time limit (a section that fails or runs out of time is
-reported with its output and the next one runs; the exit status is 1 when any section did not pass):
+The GPU machine has torch, triton, accelerate, transformers and the rest, but not diffusers 0.42.1, omegaconf
+2.4.0, clean-fid, ftfy, wcwidth, importlib_metadata, and no network. Download their wheels here (into the
+git-ignored ``.whl/``), then install them there before the check (``scripts/gpu_wheels.sh`` has the list):
 
-1. ``gpu tests``: ``pytest -m gpu`` (the CUDA-only tests: Triton kernels, compile, bf16 training steps);
-2. ``profile``: ``profile_mhla.py``: per-kernel GPU time at the model shapes, host vs GPU time per call,
-   one Wan2.1-1.3B block split by op;
-3. ``operator benchmark``: ``bench_attention.py`` in bf16: the model-shape tables (SDPA with the
-   FlashAttention backend, SANA's linear attention, MHLA through PyTorch, the registered op and the Triton
-   kernels) for Wan2.1-1.3B at 480p, SANA and DiT; the Wan 480p token grid against an evenly divisible one;
-   square grids with SDPA, linear attention and MHLA; each with its peak memory;
-4. ``Wan2.1-1.3B step``: ``bench_wan_step.py``: one 480p, 81-frame denoising step with random weights, bf16:
-   stock attention vs the MHLA hybrid vs MHLA in every layer, with peak memory per variant.
+    bash scripts/gpu_wheels.sh                                                        # here, with network
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site                                               # there, before the check
 
-The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit), then a
-summary table (status and time per section), then each section's command and the tail of its output. It is
-rewritten after every section, so a machine taken back mid-run leaves the sections done so far. Without a
-CUDA device the script stops at once with one line and exit status 2.
+Sections, in this order, each its own process with a time limit (a section that fails or runs out of time is
+reported with its output and the next one runs):
+
+1. ``kernel tests``: ``pytest -m gpu`` on the kernel files (Triton kernels against the oracle, the op on
+   CUDA). If they fail, every benchmark below (they trust the kernels) is reported as not run;
+2. ``profile``: ``benchmarks/profile_mhla.py``: per-kernel GPU time at the model shapes, host vs GPU time
+   per call, one Wan2.1-1.3B block split by op (the report keeps its whole output);
+3. ``CUDA graphs``: ``bench_attention.py --cuda-graphs``: FlashAttention, linear attention and MHLA eager
+   beside the same calls replayed from CUDA graphs (the GPU's time alone) at the model shapes and at
+   N = 256 to 16384 (DiT-XL/2 heads, 4x4 blocks);
+4. ``small-N crossover``: the same for FlashAttention and MHLA by N, and the N from which MHLA is faster;
+5. ``tile sweep``: ``benchmarks/tune_mhla_tiles.py`` when it exists (``--skip-tiles`` leaves it out), its
+   table written into the folder beside the report (``REPORT.files/mhla_tiles.json``);
+6. ``Wan2.1-1.3B step``: ``bench_wan_step.py``: one 480p, 81-frame step, stock / hybrid / all MHLA, eager;
+7. ``DiT-XL/2 training step``: ``bench_dit_step.py``: batch 32, bf16 autocast, AdamW, softmax vs MHLA;
+8. ``SANA-1.6B 1024 px step``: ``bench_sana_step.py``: stock linear attention vs MHLA, inference;
+9. ``host overhead``: ``bench_host_overhead.py``: host time per MHLA call, layer by layer;
+10. ``Wan2.1-1.3B step, compiled`` and 11. ``other gpu tests`` (compile, CUDA graphs of whole models, bf16
+    training steps): only when the time budget still holds their whole limit.
+
+Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
+would get less than 20 s is not run, and the two optional sections run only when their whole limit fits.
+
+The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit, copy
+bandwidth), then a summary table (status and time per section), then each section's command and the tail of
+its output; each section's whole output is also a file in the folder beside the report (``REPORT.files/``
+for ``REPORT.md``, marked as ours; its path is ``$GPU_CHECK_OUT`` in the sections' environment, for scripts
+that write more files). The report is rewritten after every section, so a machine taken back mid-run leaves
+the sections done so far. Exit status 0 when every section that ran passed and no required one was left
+out. Without a CUDA device the real run stops at once with one line and exit status 2; ``--dry-run`` runs
+each section's CPU plumbing instead (tiny sizes, ``--help``, test collection).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -40,32 +65,50 @@ sys.path.insert(0, str(REPO))  # run from anywhere: `python scripts/gpu_check.py
 
 from mhla_gen.cli import run as run_cli  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
-from mhla_gen.folders import check_writable  # noqa: E402
+from mhla_gen.folders import check_writable, claim, record_files  # noqa: E402
 from mhla_gen.locks import writing_files  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
 BENCH_DIR = REPO / "benchmarks"  # where the benchmark scripts live: the one line to change if they move
-BENCH_ATTENTION = BENCH_DIR / "bench_attention.py"
-BENCH_WAN_STEP = BENCH_DIR / "bench_wan_step.py"
-PROFILE = BENCH_DIR / "profile_mhla.py"
+TESTS = REPO / "tests"
+KERNEL_TEST_FILES = [TESTS / "test_triton_mhla.py", TESTS / "test_ops.py"]
 REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report is ours to replace
-OUTPUT_TAIL_LINES = 600  # the profile section prints ~400 lines
+OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.folders.KINDS)
+OUTPUT_TAIL_LINES = 80  # per section in the report; the whole output is in the folder beside it
+MIN_SECTION_S = 20  # a section that would get less time than this is not started
+OUTPUTS = "{outputs}"  # in a section's arguments: the folder beside the report (outputs_folder)
+TILE_TABLE = "mhla_tiles.json"  # the tile sweep's table, written into that folder
+DEFAULT_BUDGET_S = 420
+DRY_RUN_LIMIT_S = 300  # per section with --dry-run (CPU; process start-up alone takes seconds)
 
 
 @dataclass(frozen=True)
 class Section:
-    """One check: a command run in the repository root, with its time limit."""
+    """One check: a command run in the repository root, with its time limit.
+
+    ``dry_command``: what ``--dry-run`` runs instead (CPU, tiny sizes, or ``--help``); ``trusts_kernels``:
+    not run when the kernel tests failed; ``gate``: this section is the kernel tests; ``optional``: runs
+    only when the budget still holds ``timeout_s``; ``whole_output``: the report keeps all of it;
+    ``needs_file``: not run while this file does not exist (a script still being written); ``writes``: the
+    files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it."""
 
     name: str
     command: list[str]
     timeout_s: int
+    dry_command: list[str] | None = None
+    trusts_kernels: bool = True
+    gate: bool = False
+    optional: bool = False
+    whole_output: bool = False
+    needs_file: Path | None = None
+    writes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class SectionResult:
     name: str
     command: list[str]
-    status: str  # "passed", "failed (exit N)", "timed out after N s", "could not start: ..."
+    status: str  # "passed", "failed (exit N)", "timed out after N s", "could not start: ...", "not run (...)"
     seconds: float
     output: str
 
@@ -73,17 +116,62 @@ class SectionResult:
     def passed(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def ran(self) -> bool:
+        return not self.status.startswith("not run")
 
-def default_sections(python: str = sys.executable) -> list[Section]:
-    """The four sections, time limits summing to 12.5 minutes."""
-    tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(REPO / "tests")]
-    operator = [python, str(BENCH_ATTENTION), "--device", "cuda", "--dtype", "bf16", "--repeats", "5",
-                "--shapes", "wan480", "sana4096", "dit256", "--grids", "21x30x52:3x5x10", "21x30x50:3x5x10",
-                "--sizes", "4096", "16384", "65536", "--blocks", "16", "64", "--skip-sdpa-above", "65536"]
-    wan_step = [python, str(BENCH_WAN_STEP), "--device", "cuda", "--dtype", "bf16", "--reps", "3"]
-    profile = [python, str(PROFILE)]
-    return [Section("gpu tests", tests, 300), Section("profile", profile, 150),
-            Section("operator benchmark", operator, 120), Section("Wan2.1-1.3B step", wan_step, 180)]
+
+def _bench(python: str, script: str, *args: str) -> list[str]:
+    return [python, str(BENCH_DIR / script), *args]
+
+
+def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> list[Section]:
+    """The sections in their order (see the module docstring)."""
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    kernel_files = [str(f) for f in KERNEL_TEST_FILES]
+    other_tests = [str(TESTS), *(f"--ignore={f}" for f in kernel_files)]
+    graphs = ["--device", "cuda", "--dtype", "bf16", "--cuda-graphs", "--repeats", "5"]
+    tiny_graphs = ["--device", "cpu", "--cuda-graphs", "--repeats", "1", "--graph-shape", "1", "2", "8",
+                   "--threads", "1"]
+    wan = ["--device", "cuda", "--dtype", "bf16", "--reps", "3"]
+    tiny_wan = ["--tiny", "--frames", "5", "--height", "32", "--width", "48", "--batch", "1", "--reps", "1",
+                "--device", "cpu", "--threads", "1"]
+    tiny_step = ["--tiny", "--device", "cpu", "--batch", "1", "--reps", "1", "--warmup", "1",
+                 "--threads", "1"]
+    cuda_step = ["--device", "cuda", "--reps", "5"]
+    tiles = BENCH_DIR / "tune_mhla_tiles.py"
+    sections = [
+        Section("kernel tests", [*pytest, *kernel_files], 200, [*pytest, "--collect-only", *kernel_files],
+                trusts_kernels=False, gate=True),
+        Section("profile", _bench(python, "profile_mhla.py"), 75, _bench(python, "profile_mhla.py", "--help"),
+                whole_output=True),
+        Section("CUDA graphs", _bench(python, "bench_attention.py", *graphs, "--crossover-sizes"), 90,
+                _bench(python, "bench_attention.py", *tiny_graphs, "--shapes", "--graph-sizes", "16",
+                       "--crossover-sizes")),
+        Section("small-N crossover",
+                _bench(python, "bench_attention.py", *graphs, "--shapes", "--graph-sizes"),
+                45, _bench(python, "bench_attention.py", *tiny_graphs, "--shapes", "--graph-sizes",
+                           "--crossover-sizes", "16", "64")),
+        Section("tile sweep", [python, str(tiles), "--out", f"{OUTPUTS}/{TILE_TABLE}"], 60,
+                [python, str(tiles), "--list", "--device", "cpu"], needs_file=tiles, writes=(TILE_TABLE,)),
+        Section("Wan2.1-1.3B step", _bench(python, "bench_wan_step.py", *wan), 75,
+                _bench(python, "bench_wan_step.py", *tiny_wan)),
+        Section("DiT-XL/2 training step", _bench(python, "bench_dit_step.py", *cuda_step), 75,
+                _bench(python, "bench_dit_step.py", *tiny_step)),
+        Section("SANA-1.6B 1024 px step", _bench(python, "bench_sana_step.py", *cuda_step), 50,
+                _bench(python, "bench_sana_step.py", *tiny_step)),
+        Section("host overhead", _bench(python, "bench_host_overhead.py", "--device", "cuda"), 45,
+                _bench(python, "bench_host_overhead.py", "--device", "cpu", "--reps", "2", "--calls", "2")),
+        Section("Wan2.1-1.3B step, compiled", _bench(python, "bench_wan_step.py", *wan, "--compile"), 150,
+                _bench(python, "bench_wan_step.py", "--compile", "--help"), optional=True),
+        Section("other gpu tests", [*pytest, *other_tests], 150, [*pytest, "--collect-only", *other_tests],
+                trusts_kernels=False, optional=True),
+    ]
+    return [s for s in sections if not (skip_tiles and s.name == "tile sweep")]
+
+
+# --------------------------------------------------------------------------------------------------
+# the environment
 
 
 def _version(module: str) -> str:
@@ -101,6 +189,40 @@ def _command_output(command: list[str]) -> str:
     return result.stdout.strip() or f"unavailable (exit {result.returncode})"
 
 
+def _software() -> dict[str, str]:
+    import torch
+
+    return {
+        "CUDA (torch)": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "diffusers": _version("diffusers"),
+        "python": platform.python_version(),
+        "mhla_gen commit": _command_output(["git", "rev-parse", "--short", "HEAD"]),
+    }
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth (read + write of ``nbytes``) in GB/s: median of 5 samples of 10."""
+    import torch
+
+    src = torch.empty(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end) / 10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (statistics.median(ms) * 1e-3) / 1e9
+
+
 def cuda_environment() -> dict[str, str]:
     """The report's environment rows. ConfigError (one line, exit 2) when there is no CUDA device."""
     import torch
@@ -113,27 +235,37 @@ def cuda_environment() -> dict[str, str]:
         "GPU": f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute {props.major}.{props.minor}, "
                f"{torch.cuda.device_count()} visible",
         "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-        "CUDA (torch)": str(torch.version.cuda),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "diffusers": _version("diffusers"),
-        "python": platform.python_version(),
-        "mhla_gen commit": _command_output(["git", "rev-parse", "--short", "HEAD"]),
+        **_software(),
+        "copy bandwidth": f"{copy_bandwidth_gbs():.0f} GB/s (device to device, 1 GiB, read + write)",
     }
 
 
-def run_section(section: Section) -> SectionResult:
-    """Run one section's command in the repository root; never raises."""
+def dry_environment() -> dict[str, str]:
+    """``--dry-run``: the software rows; no device is used."""
+    return {"GPU": "none (dry run: CPU plumbing only)", **_software()}
+
+
+# --------------------------------------------------------------------------------------------------
+# running the sections
+
+
+def run_section(section: Section, timeout_s: float | None = None,
+                outputs: Path | None = None) -> SectionResult:
+    """Run one section's command in the repository root; never raises. ``outputs`` becomes
+    ``$GPU_CHECK_OUT`` for the command."""
+    limit = section.timeout_s if timeout_s is None else timeout_s
     paths = [str(REPO), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    if outputs is not None:
+        env["GPU_CHECK_OUT"] = str(outputs)
     start = time.monotonic()
     try:
         result = subprocess.run(section.command, cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=section.timeout_s)
+                                timeout=limit)
         status = "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
         output = result.stdout + result.stderr
     except subprocess.TimeoutExpired as err:
-        status = f"timed out after {section.timeout_s} s"
+        status = f"timed out after {limit:.0f} s"
         output = "".join(_text(part) for part in (err.stdout, err.stderr))
     except OSError as err:
         status, output = f"could not start: {err}", ""
@@ -144,27 +276,63 @@ def _text(part) -> str:
     return part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
 
 
-def _tail(text: str, lines: int = OUTPUT_TAIL_LINES) -> str:
+def _tail(text: str, lines: int | None = OUTPUT_TAIL_LINES) -> str:
     kept = text.rstrip().splitlines()
+    if lines is None:
+        return "\n".join(kept)
     cut = len(kept) - lines
     return "\n".join(([f"[... {cut} earlier lines]"] if cut > 0 else []) + kept[-lines:])
 
 
+def skip_reason(section: Section, remaining_s: float, kernels_failed: bool) -> str | None:
+    """Why ``section`` does not run now (None: it runs)."""
+    if kernels_failed and section.trusts_kernels:
+        return "not run (the kernel tests did not pass)"
+    if section.needs_file is not None and not section.needs_file.is_file():
+        return f"not run ({section.needs_file.relative_to(REPO)} does not exist)"
+    needed = section.timeout_s if section.optional else MIN_SECTION_S
+    if remaining_s < needed:
+        return f"not run (time budget: {remaining_s:.0f} s left, {needed} s needed)"
+    return None
+
+
+def excused(section: Section) -> bool:
+    """Whether leaving ``section`` out is no failure: an optional one, or one whose script does not exist
+    yet."""
+    return section.optional or (section.needs_file is not None and not section.needs_file.is_file())
+
+
+def output_file_name(index: int, section: Section) -> str:
+    slug = "".join(c if c.isalnum() else "-" for c in section.name.lower()).strip("-")
+    return f"{index:02d}-{'-'.join(filter(None, slug.split('-')))}.txt"
+
+
+# --------------------------------------------------------------------------------------------------
+# the report
+
+
 def report_markdown(environment: dict[str, str], results: list[SectionResult], planned: list[Section],
-                    command: str, started: str) -> str:
+                    command: str, started: str, files: dict[str, str] | None = None) -> str:
     """The whole report: record line, environment, summary, one part per section."""
+    files = files or {}
     done = {r.name for r in results}
+    whole = {s.name for s in planned if s.whole_output}
     passed = sum(r.passed for r in results)
     lines = [REPORT_RECORD, "# mhla_gen GPU check", "",
              f"{started} · `{command}` · {passed} / {len(planned)} sections passed · "
              f"{sum(r.seconds for r in results):.0f} s", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in environment.items()]
     lines += ["", "## Summary", "", "| section | status | time |", "|---|---|---:|"]
-    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} s |" for r in results]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} s |" if r.ran else f"| {r.name} | {r.status} | |"
+              for r in results]
     lines += [f"| {s.name} | not run | |" for s in planned if s.name not in done]
     for r in results:
+        if not r.ran:
+            continue
+        where = f" · whole output: `{files[r.name]}`" if r.name in files else ""
+        tail = _tail(r.output, None if r.name in whole else OUTPUT_TAIL_LINES)
         lines += ["", f"## {r.name}", "", f"`{shlex.join(r.command)}`", "",
-                  f"{r.status} in {r.seconds:.0f} s", "", "```text", _tail(r.output) or "(no output)", "```"]
+                  f"{r.status} in {r.seconds:.0f} s{where}", "", "```text", tail or "(no output)", "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -181,39 +349,79 @@ def check_report_target(path: Path, overwrite: bool) -> Path:
     return path
 
 
+def outputs_folder(out: Path) -> Path:
+    """The folder of the sections' whole outputs beside ``out``: ``REPORT.files`` for ``REPORT.md``."""
+    return out.with_name(out.stem + ".files")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     names = [s.name for s in default_sections()]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report to write")
     parser.add_argument("--only", nargs="+", choices=names, default=None, help="run only these sections")
+    parser.add_argument("--skip-tiles", action="store_true", help="leave the tile sweep out")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"time budget of the whole run in seconds (default {DEFAULT_BUDGET_S}; with "
+                             "--dry-run none)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every section's CPU plumbing (tiny sizes, --help, test collection)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if gpu_check did not "
                         "write it")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if args.budget_s is None:
+        args.budget_s = float("inf") if args.dry_run else DEFAULT_BUDGET_S
+    return args
 
 
-def main(argv=None, probe: Callable[[], dict] = cuda_environment,
-         runner: Callable[[Section], SectionResult] = run_section) -> int:
+def main(argv=None, probe: Callable[[], dict] | None = None,
+         runner: Callable[..., SectionResult] = run_section) -> int:
     """Check the device and ``--out``, run the sections, write the report after each; 0 if all passed."""
     args = parse_args(argv)
+    probe = probe or (dry_environment if args.dry_run else cuda_environment)
     environment = probe()  # before anything is written: no CUDA, no report
     out = check_report_target(args.out.expanduser(), args.overwrite)
     with writing_files((out, "--out")):  # one writer per file (a second one stops, naming this pid)
-        return _run_sections(args, argv, environment, out, runner)
+        folder = claim(outputs_folder(out), OUTPUTS_KIND, "--out")
+        return _run_sections(args, argv, environment, out, folder, runner)
 
 
-def _run_sections(args, argv, environment: dict, out: Path, runner) -> int:
-    """Run the planned sections, writing the report to ``out`` after each (its lock held by the caller)."""
-    planned = [s for s in default_sections() if args.only is None or s.name in args.only]
+def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner) -> int:
+    """Run the planned sections, writing the report to ``out`` (and each whole output into ``folder``)
+    after each; the caller holds the locks."""
+    planned = [s for s in default_sections(skip_tiles=args.skip_tiles)
+               if args.only is None or s.name in args.only]
+    if args.dry_run:  # CPU plumbing: slower machines, so the limits are generous
+        planned = [dataclasses.replace(s, command=s.dry_command, timeout_s=max(s.timeout_s, DRY_RUN_LIMIT_S))
+                   for s in planned]
     command = shlex.join(["python", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    results = []
-    for section in planned:
-        print(f"gpu_check: {section.name} (limit {section.timeout_s} s) ...", file=sys.stderr, flush=True)
-        results.append(runner(section))
+    start = time.monotonic()
+    results, files, kernels_failed = [], {}, False
+    for index, section in enumerate(planned, 1):
+        remaining = args.budget_s - (time.monotonic() - start)
+        reason = skip_reason(section, remaining, kernels_failed)
+        if reason is not None:
+            results.append(SectionResult(section.name, section.command, reason, 0.0, ""))
+        else:
+            limit = min(section.timeout_s, remaining)
+            print(f"gpu_check: {section.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            section = dataclasses.replace(section, command=[a.replace(OUTPUTS, str(folder))
+                                                            for a in section.command])
+            result = runner(section, limit, folder)
+            results.append(result)
+            name = output_file_name(index, section)
+            text = f"$ {shlex.join(section.command)}\n{result.status}\n\n{result.output}"
+            atomic_write_text(folder / name, text)
+            record_files(folder, name, *(f for f in section.writes if (folder / f).is_file()))
+            files[section.name] = f"{folder.name}/{name}"
+            kernels_failed |= section.gate and result.status.startswith(("failed", "could not start"))
         print(f"gpu_check: {section.name}: {results[-1].status}", file=sys.stderr, flush=True)
-        atomic_write_text(out, report_markdown(environment, results, planned, command, started))
+        atomic_write_text(out, report_markdown(environment, results, planned, command, started, files))
+    left_out = [r for r, s in zip(results, planned) if not r.ran and not excused(s)]
     print(f"gpu_check: {sum(r.passed for r in results)} / {len(results)} sections passed; report in {out}")
-    return 0 if all(r.passed for r in results) else 1
+    return 0 if all(r.passed for r in results if r.ran) and not left_out else 1
 
 
 if __name__ == "__main__":

@@ -200,3 +200,128 @@ def test_conversion_budget_counts_mhla_and_depthwise_convolutions(monkeypatch):
     row = budget.budget("tiny")
     assert 2.5 < row["training step"] / row["teacher forward"] < 3.5
     assert row["teacher forward"] < row["stage 1 (mhla)"] < row["stage 1 (all)"] < row["training step"]
+
+
+# --------------------------------------------------------------------------------------------------
+# host vs GPU time: the host-overhead table, the CUDA-graph tables, the whole-model steps (CPU plumbing)
+
+
+def test_bench_host_overhead_prints_every_layer(capsys):
+    bench = load("bench_host_overhead")
+    bench.main(["--device", "cpu", "--reps", "2", "--calls", "2", "--threads", "1"])
+    rows = _table_rows(capsys.readouterr().out, "pytorch")
+    assert [row[2] for row in rows] == [f"`{name}`" for name in bench.LAYERS]
+    assert all(float(row[3]) > 0 and float(row[5]) > 0 for row in rows)  # µs per forward, forward+backward
+    assert rows[0][4] == rows[0][6] == "–"  # the backend row is the baseline of the overhead columns
+
+
+def test_bench_host_overhead_layers_run_what_they_name(monkeypatch):
+    """Each layer's calls go where its name says: the op's dispatcher (profiler events ``mhla_gen::``) for
+    ``op`` and ``mhla_attention via op`` only, and every layer computes the same output."""
+    bench = load("bench_host_overhead")
+    forward, forward_backward = bench.layer_calls("tiny", "pytorch", torch.device("cpu"), torch.float32)
+    outputs = {}
+    for name in bench.LAYERS:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = forward[name]()
+            forward_backward[name]()
+        ops = {e.key for e in prof.key_averages() if e.key.startswith("mhla_gen::")}
+        assert bool(ops) == (name in ("op", "mhla_attention via op")), (name, ops)
+        outputs[name] = out[0] if isinstance(out, tuple) else out
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["backend"], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bench_attention_cuda_graphs_tables_on_cpu(capsys):
+    """``--cuda-graphs`` on CPU: the eager columns are measured, the graph columns are "–" (no CUDA)."""
+    bench = load("bench_attention")
+    bench.main(["--device", "cpu", "--cuda-graphs", "--repeats", "1", "--graph-shape", "1", "2", "8",
+                "--shapes", "--graph-sizes", "16", "--crossover-sizes", "16", "64", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = _table_rows(out, "N=16")
+    assert [row[3] for row in rows] == ["FlashAttention", "LA", "MHLA"]
+    for row in rows:
+        assert float(row[4]) > 0 and row[5] == "–" and float(row[7]) > 0 and row[8] == "–"
+    crossover = _table_rows(out, "16") + _table_rows(out, "64")
+    assert [row[1] for row in crossover] == ["fwd", "f+b", "fwd", "f+b"]
+    assert "- forward: MHLA takes at most FlashAttention's time from N = " in out
+
+
+def test_crossover_is_the_smallest_n_from_which_mhla_stays_faster():
+    bench = load("bench_attention")
+
+    def times(ratios):  # {N: (MHLA / FA eager, MHLA / FA graph)}
+        return {n: {("sdpa", "fwd"): (1.0, 1.0), ("mhla_op", "fwd"): r} for n, r in ratios.items()}
+
+    measured = times({64: (3.0, 0.5), 256: (0.9, 0.8), 1024: (1.1, 1.0), 4096: (0.5, 0.2), 16384: (0.2, 0.1)})
+    assert bench.crossover_n(measured, "fwd", 0) == "4096"  # 256 is faster, but 1024 is not again
+    assert bench.crossover_n(measured, "fwd", 1) == "64"  # a tie counts as at most FA's time
+    assert bench.crossover_n(times({64: (2.0, 2.0), 256: (1.5, 1.5)}), "fwd", 0) == "none"
+    nan = {64: {("sdpa", "fwd"): (1.0, float("nan")), ("mhla_op", "fwd"): (1.0, float("nan"))}}
+    assert bench.crossover_n(nan, "fwd", 1) == "–"
+
+
+def test_bench_dit_step_tiny(capsys):
+    bench = load("bench_dit_step")
+    report = bench.main(["--tiny", "--device", "cpu", "--batch", "2", "--reps", "2", "--warmup", "1",
+                         "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "tiny DiT (TINY_DIT_CONFIG) training step" in out
+    assert "Command: `python benchmarks/bench_dit_step.py --tiny" in out
+    rows = _table_rows(out, "(softmax|mhla)")
+    assert [row[0] for row in rows] == ["softmax", "mhla"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows) and rows[0][3] == "1.00x"
+    assert report["tokens"] == 16
+
+
+def test_bench_dit_step_trains_both_models(monkeypatch):
+    """The step trains: every parameter of both models moves, and MHLA's mixing stays in [0, 1]."""
+    bench = load("bench_dit_step")
+    from mhla_gen import mhla_parameters
+    from mhla_gen.testing import TINY_DIT_CONFIG
+
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--batch", "2"])
+    models = bench.build_models(dict(TINY_DIT_CONFIG), args.device)
+    scheduler = bench.DDPMScheduler(num_train_timesteps=1000)
+    objective = bench.DDPMLoss(scheduler, learn_sigma=True)
+    batch = bench.make_batch(dict(TINY_DIT_CONFIG), 2, scheduler, args.device)
+    for name, model in models.items():
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        bench.training_step(model, model, optimizer, objective, batch, args)
+        moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+        assert len(moved) > 0.9 * len(before), name
+        assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none)
+    mixing = [p for n, p in mhla_parameters(models["mhla"]).items() if "mixing" in n]
+    assert mixing and all(0 <= p.min() and p.max() <= 1 for p in mixing)
+
+
+def test_bench_sana_step_tiny(capsys):
+    bench = load("bench_sana_step")
+    report = bench.main(["--tiny", "--device", "cpu", "--batch", "1", "--reps", "2", "--warmup", "1",
+                         "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = _table_rows(out, "(stock|mhla)")
+    assert [row[0] for row in rows] == ["stock", "mhla"] and rows[0][2] == "1.00x"
+    assert all(float(row[1]) > 0 for row in rows)
+    assert report["tokens"] == 256
+
+
+def test_full_size_dit_and_sana_configs_on_meta():
+    """DiT-XL/2 (diffusers' layout: 750 M parameters, 28 layers of 16 x 72) and SANA-1.6B (1.60 B; 20
+    layers of 70 x 32) as the step benchmarks build them, MHLA installed in every self-attention."""
+    from diffusers import DiTTransformer2DModel, SanaTransformer2DModel
+
+    from mhla_gen.install import mhla_processors
+
+    dit, sana = load("bench_dit_step"), load("bench_sana_step")
+    with torch.device("meta"):
+        models = {"dit": DiTTransformer2DModel(**dit.DIT_XL2_CONFIG),
+                  "sana": SanaTransformer2DModel(**sana.SANA_1600M_1024_CONFIG)}
+    millions = {name: sum(p.numel() for p in m.parameters()) / 1e6 for name, m in models.items()}
+    assert 745 < millions["dit"] < 755 and 1600 < millions["sana"] < 1610, millions
+    from mhla_gen import MHLAConfig, install_mhla
+
+    install_mhla(models["dit"], MHLAConfig.preset("dit-256"))
+    install_mhla(models["sana"], MHLAConfig.preset("sana"))
+    assert len(mhla_processors(models["dit"])) == 28 and len(mhla_processors(models["sana"])) == 20

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py on CPU: its one-line refusal without CUDA, its report (fake device layer and
-injected section runners), its section runner's statuses, and benchmark flags the scripts accept."""
+"""scripts/gpu_check.py on CPU: its one-line refusal without CUDA, its report and output folder (fake device
+layer and injected section runners), the kernel-test gate, the time budget, its section runner's statuses,
+the flags every section passes to its script, and the ``--dry-run`` plumbing of every section."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mhla_gen.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_ENVIRONMENT = {"GPU": "Fake H100, 80 GiB", "driver": "999.1", "CUDA (torch)": "12.9", "torch": "2.x",
-                    "triton": "3.x", "diffusers": "0.42.1"}
+                    "triton": "3.x", "diffusers": "0.42.1", "copy bandwidth": "4000 GB/s"}
 
 
 def load_script(path: Path):
@@ -30,6 +31,21 @@ def gpu_check():
     return load_script(REPO / "scripts" / "gpu_check.py")
 
 
+def fake_runner(gpu_check, outcomes: dict, calls: list | None = None, clock: list | None = None):
+    """A section runner returning ``outcomes[name] = (status, output)`` ("passed", "" by default), recording
+    ``(name, limit)`` and advancing the fake ``clock`` by 10 s per section."""
+
+    def run(section, limit, folder):
+        if calls is not None:
+            calls.append((section.name, limit))
+        if clock is not None:
+            clock[0] += 10.0
+        status, output = outcomes.get(section.name, ("passed", ""))
+        return gpu_check.SectionResult(section.name, section.command, status, 12.3, output)
+
+    return run
+
+
 def test_refuses_without_cuda_in_one_line(tmp_path):
     command = [sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "R.md")]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -38,44 +54,101 @@ def test_refuses_without_cuda_in_one_line(tmp_path):
         "gpu_check.py: error: no CUDA device (torch.cuda.is_available() is False): gpu_check runs on a GPU "
         "machine"
     ]
-    assert not (tmp_path / "R.md").exists()
+    assert not (tmp_path / "R.md").exists() and not (tmp_path / "R.files").exists()
+
+
+def test_sections_in_order_within_the_budget(gpu_check):
+    names = [s.name for s in gpu_check.default_sections()]
+    assert names == ["kernel tests", "profile", "CUDA graphs", "small-N crossover", "tile sweep",
+                     "Wan2.1-1.3B step", "DiT-XL/2 training step", "SANA-1.6B 1024 px step", "host overhead",
+                     "Wan2.1-1.3B step, compiled", "other gpu tests"]
+    assert "tile sweep" not in [s.name for s in gpu_check.default_sections(skip_tiles=True)]
+    sections = gpu_check.default_sections()
+    assert sections[0].gate and not sections[0].trusts_kernels
+    assert [s.name for s in sections if s.optional] == names[-2:]
+    assert gpu_check.DEFAULT_BUDGET_S <= 7 * 60
 
 
 def test_report_lists_environment_summary_and_every_section(gpu_check, tmp_path):
     outcomes = {
-        "gpu tests": ("passed", "12 passed in 80s"),
-        "profile": ("passed", "| kernel |"),
-        "operator benchmark": ("failed (exit 1)", "boom"),
-        "Wan2.1-1.3B step": ("timed out after 180 s", "timed wan480\n" * 850),
+        "profile": ("passed", "| kernel |\n" * 700),
+        "CUDA graphs": ("failed (exit 1)", "boom"),
+        "Wan2.1-1.3B step": ("timed out after 75 s", "timed wan480\n" * 850),
     }
-
-    def fake_runner(section):
-        status, output = outcomes[section.name]
-        return gpu_check.SectionResult(section.name, section.command, status, 12.3, output)
-
     out = tmp_path / "REPORT.md"
-    status = gpu_check.main(["--out", str(out)], probe=lambda: FAKE_ENVIRONMENT, runner=fake_runner)
-    assert status == 1  # one section did not pass: reported, not fatal, and the exit status says so
+    status = gpu_check.main(["--out", str(out)], probe=lambda: FAKE_ENVIRONMENT,
+                            runner=fake_runner(gpu_check, outcomes))
+    assert status == 1  # sections did not pass: reported, not fatal, and the exit status says so
     text = out.read_text()
     assert text.startswith(gpu_check.REPORT_RECORD + "\n# mhla_gen GPU check\n")
-    assert "2 / 4 sections passed" in text
+    sections = gpu_check.default_sections()
+    ran = [s for s in sections if s.needs_file is None or s.needs_file.is_file()]
+    assert f"{len(ran) - 2} / {len(sections)} sections passed" in text
     for key, value in FAKE_ENVIRONMENT.items():
         assert f"| {key} | {value} |" in text
     for name, (state, _) in outcomes.items():
         assert f"| {name} | {state} | 12 s |" in text and f"\n## {name}\n" in text
-    assert "boom" in text and "[... 250 earlier lines]" in text  # long outputs keep their tail
-    assert "--dtype bf16" in text and "21x30x52:3x5x10" in text and "-m gpu" in text
+    assert "| tile sweep | not run (benchmarks/tune_mhla_tiles.py does not exist) | |" in text or \
+        (REPO / "benchmarks" / "tune_mhla_tiles.py").is_file()
+    assert "boom" in text and "[... 770 earlier lines]" in text  # long outputs keep their tail ...
+    assert text.count("| kernel |") == 700  # ... except the profile's, kept whole
+    assert "--dtype bf16" in text and "--cuda-graphs" in text and "-m gpu" in text
 
-    assert gpu_check.main(["--out", str(out), "--only", "gpu tests"], probe=lambda: FAKE_ENVIRONMENT,
-                          runner=fake_runner) == 0  # its own report is replaced
-    assert "| operator benchmark |" not in out.read_text()
+    folder = tmp_path / "REPORT.files"  # every section's whole output beside the report, listed as ours
+    assert (folder / ".mhla_gen.json").is_file()
+    wan = folder / "06-wan2-1-1-3b-step.txt"
+    assert wan.read_text().count("timed wan480") == 850 and "REPORT.files/06-wan2-1-1-3b-step.txt" in text
+    from mhla_gen.folders import listed
+
+    assert set(listed(folder)) == {p.name for p in folder.glob("*.txt")}
+
+    only = ["--out", str(out), "--only", "kernel tests"]
+    assert gpu_check.main(only, probe=lambda: FAKE_ENVIRONMENT, runner=fake_runner(gpu_check, {})) == 0
+    assert "| CUDA graphs |" not in out.read_text()  # its own report and folder are replaced
+
+
+def test_failed_kernel_tests_leave_every_benchmark_not_run(gpu_check, tmp_path):
+    calls = []
+    outcomes = {"kernel tests": ("failed (exit 1)", "F.. 1 failed")}
+    out = tmp_path / "R.md"
+    status = gpu_check.main(["--out", str(out), "--budget-s", "10000"], probe=lambda: FAKE_ENVIRONMENT,
+                            runner=fake_runner(gpu_check, outcomes, calls))
+    assert status == 1
+    assert [name for name, _ in calls] == ["kernel tests", "other gpu tests"]  # tests, not benchmarks
+    text = out.read_text()
+    for section in gpu_check.default_sections():
+        if section.trusts_kernels:
+            assert f"| {section.name} | not run (the kernel tests did not pass) | |" in text
+
+
+def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp_path, monkeypatch):
+    """A fake clock: each section takes 10 s. Limits are cut to the time left; a section is not started
+    with under MIN_SECTION_S left; optional sections need their whole limit."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    calls = []
+    out = tmp_path / "R.md"
+    runner = fake_runner(gpu_check, {}, calls, clock)
+    status = gpu_check.main(["--out", str(out), "--budget-s", "55", "--skip-tiles"],
+                            probe=lambda: FAKE_ENVIRONMENT, runner=runner)
+    assert calls == [("kernel tests", 55.0), ("profile", 45.0), ("CUDA graphs", 35.0),
+                     ("small-N crossover", 25.0)]
+    assert status == 1  # required sections were left out
+    text = out.read_text()
+    assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
+    assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
+    clock[0], calls[:] = 0.0, []
+    budget = str(10 * 11 + 150 + 150)  # everything fits: the optional sections run too
+    assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
+                          probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
+    assert [name for name, _ in calls][-2:] == ["Wan2.1-1.3B step, compiled", "other gpu tests"]
 
 
 def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):
     out = tmp_path / "REPORT.md"
     out.write_text("my notes\n")
 
-    def runner(section):
+    def runner(section, limit, folder):
         raise AssertionError("no section may run")
 
     with pytest.raises(ConfigError, match="was not written by gpu_check"):
@@ -84,35 +157,76 @@ def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):
     with pytest.raises(ConfigError, match="no CUDA"):  # the device is checked first of all
         gpu_check.main(["--out", str(tmp_path / "new.md")], runner=runner,
                        probe=lambda: (_ for _ in ()).throw(ConfigError("no CUDA device")))
+    (tmp_path / "mine.files").mkdir()
+    (tmp_path / "mine.files" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not written by mhla_gen"):  # a user's folder beside the report
+        gpu_check.main(["--out", str(tmp_path / "mine.md")], probe=lambda: FAKE_ENVIRONMENT, runner=runner)
+    assert not (tmp_path / "mine.md").exists()
 
 
-def test_section_runner_statuses(gpu_check):
+def test_section_runner_statuses(gpu_check, tmp_path):
     python = sys.executable
     cases = {
-        "passed": [python, "-c", "print('hello')"],
+        "passed": [python, "-c", "import os; print('hello', os.environ['GPU_CHECK_OUT'])"],
         "failed (exit 3)": [python, "-c", "import sys; print('bad'); sys.exit(3)"],
         "timed out after 1 s": [python, "-c", "import time; print('slow', flush=True); time.sleep(30)"],
     }
     for expected, command in cases.items():
         limit = 1 if "timed" in expected else 60
-        result = gpu_check.run_section(gpu_check.Section("s", command, timeout_s=limit))
+        result = gpu_check.run_section(gpu_check.Section("s", command, limit), outputs=tmp_path)
         assert result.status == expected, (expected, result.output)
-    assert "hello" in gpu_check.run_section(gpu_check.Section("s", cases["passed"], 60)).output
+    passed = gpu_check.run_section(gpu_check.Section("s", cases["passed"], 60), 60, tmp_path)
+    assert f"hello {tmp_path}" in passed.output
     missing = gpu_check.run_section(gpu_check.Section("s", ["/nonexistent/program"], 5))
     assert missing.status.startswith("could not start") and not missing.passed
 
 
-def test_sections_call_the_benchmark_scripts_with_flags_they_accept(gpu_check, monkeypatch):
-    """Flag typos would only show on a GPU: parse each command with its script's own parser here (with
-    CUDA faked present: bench_wan_step checks --device cuda while parsing)."""
+def _parse(script: Path, argv: list[str]):
+    module = load_script(script)
+    if hasattr(module, "parse_args"):
+        return module.parse_args(argv)
+    return None  # profile_mhla parses inside main (no arguments are passed on CUDA)
+
+
+def test_sections_call_the_scripts_with_flags_they_accept(gpu_check, monkeypatch):
+    """Flag typos would only show on a GPU: parse each command, and each dry-run command, with its script's
+    own parser (CUDA faked present: the scripts check --device cuda while parsing)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for section in gpu_check.default_sections():
+        for command in (section.command, section.dry_command):
+            if command[1] == "-m":  # pytest
+                assert command[2:5] == ["pytest", "-m", "gpu"]
+                continue
+            script = Path(command[1])
+            if not script.is_file():
+                assert section.needs_file == script  # the tile sweep, not written yet
+                continue
+            if "--help" in command:
+                continue
+            args = _parse(script, command[2:])
+            if args is not None and command is section.command:
+                assert str(args.device).startswith("cuda"), section.name
     sections = {s.name: s for s in gpu_check.default_sections()}
-    assert sum(s.timeout_s for s in sections.values()) <= 12.5 * 60
-    for name, script in [("operator benchmark", "bench_attention"), ("Wan2.1-1.3B step", "bench_wan_step")]:
-        command = sections[name].command
-        assert Path(command[1]).is_file() and Path(command[1]).stem == script
-        args = load_script(Path(command[1])).parse_args(command[2:])
-        assert args.device == "cuda" and args.dtype == "bf16"
-    assert sections["gpu tests"].command[1:5] == ["-m", "pytest", "-m", "gpu"]
+    assert "--compile" in sections["Wan2.1-1.3B step, compiled"].command
+    assert "--cuda-graphs" in sections["small-N crossover"].command
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_section_on_cpu(tmp_path):
+    """``--dry-run``: every section's plumbing (test collection, --help, tiny CPU runs) passes, without CUDA,
+    and the report says so (the tile sweep is left out while its script does not exist)."""
+    out = tmp_path / "R.md"
+    command = [sys.executable, "scripts/gpu_check.py", "--out", str(out), "--dry-run"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    text = out.read_text()
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    assert result.returncode == 0, summary + result.stderr[-3000:]
+    gpu_check = load_script(REPO / "scripts" / "gpu_check.py")
+    for section in gpu_check.default_sections():
+        if gpu_check.excused(section) and not section.optional:
+            assert f"| {section.name} | not run" in text
+        else:
+            assert f"| {section.name} | passed |" in text, section.name
+    assert "| GPU | none (dry run: CPU plumbing only) |" in text

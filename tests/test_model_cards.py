@@ -297,7 +297,8 @@ def test_every_base_gets_loading_lines_that_compile(base, overrides, expected, t
     from mhla_gen.train.card import usage
     from mhla_gen.train.config import load_config
 
-    config = str(REPO / "mhla_gen" / "configs" / "tiny" / ("sana-video.yaml" if base == "sana-video" else "wan.yaml"))
+    name = "sana-video.yaml" if base == "sana-video" else "wan.yaml"
+    config = str(REPO / "mhla_gen" / "configs" / "tiny" / name)
     cfg = load_config(base_for(base).run_config.load(), config, ["model.pretrained=Org/base", *overrides])
     folder = tmp_path / "final"
     folder.mkdir()

@@ -440,6 +440,106 @@ def test_bad_input_raises_value_error(override, match):
         _bad_call(**override)()
 
 
+# the eager path: mhla_attention skips the op's dispatcher in plain eager calls (ops/mhla.py)
+
+
+def _through_the_op(q, k, v, layout, mixing, feature_map="relu", normalize=True, eps=1e-6):
+    """The registered op and its registered autograd formula, called directly (what compiled code runs)."""
+    out, *_ = torch.ops.mhla_gen.mhla(q, k, v, list(layout.grid), list(layout.blocks), mixing, feature_map,
+                                      normalize, eps, "pytorch")
+    return out
+
+
+EAGER_CASES = [  # uneven, one block, one token per block, 3D, the summaries saved and not
+    ((7, 5), (3, 2), "relu", True),
+    ((9, 10), (2, 3), "elu+1", True),
+    ((3, 5, 6), (2, 2, 3), "relu+1e-6", False),
+    ((4, 6), (1, 1), "identity", True),
+    ((4, 3), (4, 3), "relu", False),
+    ((13,), (5,), "elu+1", False),
+]
+
+
+@pytest.mark.parametrize("grid, blocks, feature_map, normalize", EAGER_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("trainable", ["q k v mixing", "k v", "q mixing"])
+def test_eager_path_equals_the_registered_op_bit_for_bit(
+    grid, blocks, feature_map, normalize, dtype, trainable, make_qkv
+):
+    """The eager path runs the backend's forward and backward with the op's arguments: the output and
+    every gradient equal the op's exactly, on heads-interleaved inputs, for any subset of trainable
+    inputs; without grad too."""
+    layout = BlockLayout(grid, blocks)
+    q, k, v = (_heads_interleaved(t.to(dtype)) for t in make_qkv(layout.num_tokens, dim=8))
+    mixing = 0.1 + torch.rand(layout.num_blocks, layout.num_blocks)
+    inputs = dict(q=q, k=k, v=v, mixing=mixing)
+    wanted = [inputs[name].requires_grad_() for name in trainable.split()]
+    probe = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for path in (mhla_attention, _through_the_op):
+        out = path(q, k, v, layout, mixing, feature_map=feature_map, normalize=normalize)
+        results.append((out.detach(), *torch.autograd.grad(out, wanted, probe)))
+        with torch.no_grad():
+            results.append((path(q, k, v, layout, mixing, feature_map=feature_map, normalize=normalize),))
+    eager, eager_no_grad, op, op_no_grad = results
+    for name, a, b in zip(["out", *trainable.split()], eager, op):
+        assert a.dtype == b.dtype and a.stride() == b.stride(), name
+        assert torch.equal(a, b), f"{name}: eager path differs from the op by {(a - b).abs().max()}"
+    assert torch.equal(eager_no_grad[0], op_no_grad[0]) and torch.equal(eager_no_grad[0], op[0])
+
+
+def _op_calls(fn) -> list[str]:
+    """Names of the ``mhla_gen::`` ops the dispatcher ran during ``fn()`` (the CPU profiler records every
+    dispatched op; the eager path's Python calls are not ops)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("mhla_gen::")})
+
+
+def test_eager_calls_skip_the_dispatcher_and_modes_keep_the_op(make_qkv, random_mixing):
+    """Plain eager calls, forward and backward, never enter ``mhla_gen::mhla`` / ``mhla_backward``; under a
+    dispatch mode (FlopCounterMode, which counts the op by name) the op runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mhla_gen.flops  # noqa: F401 - registers the op's FLOP formulas
+
+    layout = BlockLayout((7, 5), (3, 2))
+    q, k, v = make_qkv(layout.num_tokens, grad=True)
+    mixing = random_mixing(layout)
+
+    def forward_backward():
+        out = mhla_attention(q, k, v, layout, mixing)
+        out.sum().backward()
+        return out
+
+    assert _op_calls(forward_backward) == []
+    with torch.no_grad():
+        assert _op_calls(lambda: mhla_attention(q, k, v, layout, mixing)) == []
+    assert type(mhla_attention(q, k, v, layout, mixing).grad_fn).__name__ == "_EagerMHLABackward"
+    with FlopCounterMode(display=False) as counter:
+        assert _op_calls(forward_backward) == ["mhla_gen::mhla", "mhla_gen::mhla_backward"]
+    assert counter.get_total_flops() > 0
+
+
+def test_eager_path_keeps_every_value_error_and_the_double_backward_refusal(make_qkv, random_mixing):
+    """Checks run before any work on the eager path too; with ``create_graph=True`` the first backward
+    works and a second one fails, as through the op (whose backward op has no autograd formula)."""
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = make_qkv(16, grad=True)
+    with pytest.raises(ValueError, match="float64"):
+        mhla_attention(q, k, v, layout, torch.eye(4), backend="triton")
+    with pytest.raises(ValueError, match=r"\(5, 5\)"):
+        mhla_attention(q, k, v, layout, torch.eye(5))
+    mixing = random_mixing(layout)
+    grads = []
+    for path in (mhla_attention, _through_the_op):
+        (grad_q,) = torch.autograd.grad(path(q, k, v, layout, mixing).sum(), q, create_graph=True)
+        grads.append(grad_q)
+        with pytest.raises(RuntimeError, match="mhla_backward"):
+            grad_q.sum().backward()
+    assert torch.equal(*grads)
+
+
 # the backend switch (ops/mhla.py)
 
 

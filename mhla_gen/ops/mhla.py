@@ -34,6 +34,11 @@ else PyTorch), or ``"pytorch"`` when ``MHLA_TRITON=0`` is set at import. The nam
 formula hands the same name to the backward op, so backward always runs what the forward ran and reads
 the tensors that backend saved.
 
+Plain eager calls skip the op's dispatcher: :func:`mhla_attention` calls the backend's ``forward`` (no
+grad) or both through a lean ``autograd.Function`` (``_EagerMHLA``) with the op's arguments, so results and
+gradients are bit-identical to the op's, at a fraction of its host time per call. Compiled, exported and
+traced code, dispatch modes and tensor subclasses get the op (``_plain_eager_call``).
+
 Causal MHLA and callable feature maps run :func:`mhla_attention_autograd` (``autograd_path.py``): the
 same math in plain differentiable torch ops, which torch.compile traces like any other model code.
 """
@@ -88,6 +93,8 @@ def mhla_attention(
         return mhla_attention_autograd(q, k, v, layout, mixing, feature_map, normalize, causal, eps)
     get_feature_map(feature_map)  # unknown names raise here, naming the choices
     backend = _resolve_backend(backend, q, k, v)
+    if _plain_eager_call(q, k, v, mixing):
+        return _eager_mhla(q, k, v, layout.grid, layout.blocks, mixing, feature_map, normalize, eps, backend)
     out, *_ = torch.ops.mhla_gen.mhla(
         q, k, v, list(layout.grid), list(layout.blocks), mixing, feature_map, normalize, eps, backend
     )
@@ -276,13 +283,19 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, *unused_grads):
+    return _gradients(ctx, grad_out, torch.ops.mhla_gen.mhla_backward)
+
+
+def _gradients(ctx, grad_out, run_backward) -> tuple:
+    """The op's autograd formula with ``run_backward`` (the backward op, or :func:`_backend_backward` on the
+    eager path) computing ``(dq, dk, dv, dmixing)`` from what ``_setup_context`` saved."""
     if grad_out is None:  # the output took no part in the loss (grads are not materialised)
         return (None,) * 10
     q, k, v, mixing, out, *saved = ctx.saved_tensors
     grid, blocks, feature_map, normalize, eps, backend = ctx.args
     saved = Saved(*saved)
     needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 5)]  # q, k, v, mixing
-    dq, dk, dv, dmixing = torch.ops.mhla_gen.mhla_backward(
+    dq, dk, dv, dmixing = run_backward(
         grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend,
         out, saved.state, saved.norm, saved.den, needs,
     )
@@ -291,7 +304,71 @@ def _backward(ctx, grad_out, *unused_grads):
             dmixing if need_w else None, None, None, None, None)
 
 
+def _backend_backward(grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend, out,
+                      state, norm, den, needs):
+    """What ``mhla_gen::mhla_backward`` computes, without the op (None where ``needs`` is False)."""
+    return _backend_module(backend).backward(
+        grad_out, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, out, state, norm, den, needs
+    )
+
+
 _mhla_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# the eager path: the same backend calls without the op's dispatcher
+#
+# In eager mode a call through ``torch.ops.mhla_gen.mhla`` pays for the custom-op machinery (schema
+# parsing, the Python autograd wrapper, a redispatch below autograd): about 30 µs per forward and
+# 200-300 µs per forward + backward of Python work on this project's CPU machine (docs/benchmarks.md),
+# against a GPU time of 70 / 250 µs for the kernels at DiT-XL/2 256 px. Plain eager calls therefore run
+# the backend directly (no grad) or through :class:`_EagerMHLA` (a lean autograd.Function): the same
+# backend functions with the same arguments, so results and gradients are bit-identical to the op's
+# (tests/test_ops.py). Everything that must see one opaque node (torch.compile, torch.export, jit
+# tracing, dispatch modes such as fake tensors, FlopCounterMode or selective checkpointing, tensor
+# subclasses) gets the op.
+
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager_call(q: Tensor, k: Tensor, v: Tensor, mixing: Tensor) -> bool:
+    """Whether this call may skip the registered op: eager, no torch-function or dispatch mode and no jit
+    tracer active, plain tensors. ``is_compiling`` comes first: torch.compile never traces the rest."""
+    if torch.compiler.is_compiling():
+        return False
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._get_tracing_state() is not None):
+        return False
+    plain = _PLAIN_TENSOR_TYPES
+    return type(q) in plain and type(k) in plain and type(v) in plain and type(mixing) in plain
+
+
+def _eager_mhla(q, k, v, grid: tuple, blocks: tuple, mixing, feature_map: str, normalize: bool, eps: float,
+                backend: str) -> Tensor:
+    """``out`` of the op's forward, with the op's autograd formula where a gradient is needed."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or mixing.requires_grad):
+        return _EagerMHLA.apply(q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend)
+    out, *_ = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps)
+    return out
+
+
+class _EagerMHLA(torch.autograd.Function):
+    """The registered op's forward and autograd formula as one autograd.Function, arguments in the op's
+    order: the backend's forward, the op's ``_setup_context`` (what it saves), the op's formula
+    (``_gradients``) with the backend's backward called directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend):
+        output = _backend_module(backend).forward(q, k, v, grid, blocks, mixing, feature_map, normalize, eps)
+        _setup_context(ctx, (q, k, v, grid, blocks, mixing, feature_map, normalize, eps, backend), output)
+        return output[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # create_graph=True: the backward op itself, so that a second backward fails as it does for the op
+        run_backward = torch.ops.mhla_gen.mhla_backward if torch.is_grad_enabled() else _backend_backward
+        return _gradients(ctx, grad_out, run_backward)
 
 
 __all__ = [

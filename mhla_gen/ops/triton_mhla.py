@@ -76,6 +76,7 @@ the kernels' own speed. Launch parameters come from a per-GPU table tuned offlin
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -505,6 +506,11 @@ class _Geometry:
 
     @classmethod
     def of(cls, grid: Sequence[int], blocks: Sequence[int]) -> _Geometry:
+        """The geometry of a layout, cached per (grid, blocks): the op passes lists, the eager path tuples."""
+        return _geometry(tuple(grid), tuple(blocks))
+
+    @classmethod
+    def build(cls, grid: tuple[int, ...], blocks: tuple[int, ...]) -> _Geometry:
         grid, blocks = tuple(int(g) for g in grid), tuple(int(b) for b in blocks)
         if not 1 <= len(grid) <= 3 or len(blocks) != len(grid):
             raise ValueError(f"grid {grid} and blocks {blocks} must both be 1D, 2D or 3D")
@@ -530,6 +536,11 @@ class _Geometry:
         (_, g1, g2), (_, nb1, nb2) = self.grid, self.blocks
         per_axis = [v for g, b in zip(self.grid, self.blocks) for v in (g // b, g % b)]
         return (g1, g2, nb1, nb2, *per_axis)
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(grid: tuple[int, ...], blocks: tuple[int, ...]) -> _Geometry:
+    return _Geometry.build(grid, blocks)  # a bad layout raises every time (exceptions are not cached)
 
 
 def _check(q, k, v, mixing, geometry: _Geometry, feature_map: str) -> None:

@@ -1,0 +1,166 @@
+"""One SANA-1.6B denoising step at 1024 px: stock linear attention against MHLA, in ms per step.
+
+    python benchmarks/bench_sana_step.py --device cuda                 # SANA-1.6B, 1024 px, batch 2, bf16
+    python benchmarks/bench_sana_step.py --device cuda --compile       # both models torch.compile'd
+    python benchmarks/bench_sana_step.py --tiny --device cpu --batch 1 --reps 2   # plumbing (tests)
+
+The model: ``SanaTransformer2DModel`` with SANA-1.6B's config, the ``SanaMS_1600M_P1_D20`` entry of
+diffusers' own conversion script (huggingface/diffusers ``scripts/convert_sana_to_diffusers.py``,
+``--image_size 1024``): 20 layers, 70 heads x 32 (hidden 2240), cross-attention 20 heads x 112, caption
+channels 2304 (Gemma-2-2B), mlp ratio 2.5, patch 1, no attention bias, norm eps 1e-6 without affine
+parameters, 32 latent channels; random weights, cast as ``from_pretrained(..., torch_dtype=...)`` casts
+them (``mhla_gen.serialization.cast_like_diffusers``). 1024 px through SANA's DC-AE (32x) is a 32 x 32
+latent: 1024 tokens. Two copies of one random model: ``stock`` keeps diffusers' SANA processor (global ReLU
+linear attention), ``mhla`` gets ``install_mhla(MHLAConfig.preset("sana"))`` (4 x 4 blocks).
+``--tiny``: ``mhla_gen.testing.TINY_SANA_CONFIG`` (a 16 x 16 latent).
+
+What is measured: one transformer forward under ``torch.inference_mode()`` (a sampler's denoising step
+without the text encoder, VAE or scheduler), batch 2 by default (classifier-free guidance's two branches),
+text features (B, 300, 2304) (SANA pads prompts to 300 tokens). Timing as ``bench_dit_step.py``
+(``step_timing.py``): warm-up, then interleaved repetitions; median ms per step, the median of
+per-repetition speed-ups over stock, peak memory (CUDA). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import SanaTransformer2DModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside this file
+
+from step_timing import device_label, interleaved_seconds, median_ratio  # noqa: E402
+
+from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
+from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen.serialization import cast_like_diffusers  # noqa: E402
+
+# diffusers scripts/convert_sana_to_diffusers.py: model_kwargs["SanaMS_1600M_P1_D20"] and the shared
+# transformer_kwargs at --image_size 1024 (sample_size 1024 // 32, interpolation_scale None)
+SANA_1600M_1024_CONFIG = dict(
+    in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+    num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+    caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
+    norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None,
+)
+TEXT_TOKENS = 300
+VARIANTS = ("stock", "mhla")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=2, help="latents per step (2: CFG's two branches)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (both models in each)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default: bf16 on CUDA, else fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models (inductor)")
+    parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing.TINY_SANA_CONFIG (tests)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args(argv)
+    for name in ("batch", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must not be negative, got {args.warmup}")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available")
+    args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
+    return args
+
+
+def build_models(config: dict, device: torch.device, dtype) -> dict[str, SanaTransformer2DModel]:
+    """``{variant: model}`` in eval mode: one random model (built on ``device``), MHLA in a copy."""
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the GPU: seconds instead of a minute for 1.6 B parameters
+        base = SanaTransformer2DModel(**config)
+    base = cast_like_diffusers(base.to(device).eval(), dtype)
+    side = config["sample_size"] // config["patch_size"]
+    blocks = tuple(min(b, side) for b in MHLAConfig.preset("sana").blocks)
+    mhla = install_mhla(copy.deepcopy(base), MHLAConfig.preset("sana", blocks=blocks))
+    return {"stock": base, "mhla": mhla}
+
+
+def make_inputs(config: dict, batch: int, device, dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    side = config["sample_size"]
+    return dict(
+        hidden_states=torch.randn(batch, config["in_channels"], side, side, generator=g).to(device, dtype),
+        encoder_hidden_states=torch.randn(batch, TEXT_TOKENS, config["caption_channels"], generator=g).to(
+            device, dtype),
+        timestep=torch.full((batch,), 500.0, device=device),
+        return_dict=False,
+    )
+
+
+def run(args) -> dict:
+    dtype = DTYPES[args.dtype]
+    if args.tiny:
+        from mhla_gen.testing import TINY_SANA_CONFIG
+
+        config = dict(TINY_SANA_CONFIG)
+    else:
+        config = dict(SANA_1600M_1024_CONFIG)
+    models = build_models(config, args.device, dtype)
+    inputs = make_inputs(config, args.batch, args.device, dtype)
+    steps = {}
+    for name, model in models.items():
+        runner = torch.compile(model) if args.compile else model
+
+        def step(runner=runner):
+            with torch.inference_mode():
+                runner(**inputs)
+
+        steps[name] = step
+    seconds, peak = interleaved_seconds(steps, args.reps, args.warmup, args.device)
+    rows = {name: dict(median_ms=1e3 * statistics.median(seconds[name]), peak_gib=peak[name],
+                       speedup=median_ratio(seconds["stock"], seconds[name])) for name in VARIANTS}
+    tokens = (config["sample_size"] // config["patch_size"]) ** 2
+    return dict(model="tiny SANA (TINY_SANA_CONFIG)" if args.tiny else "SANA-1.6B 1024 px", config=config,
+                rows=rows, tokens=tokens, device=device_label(args.device))
+
+
+def markdown(report: dict, args, command: str) -> str:
+    c = report["config"]
+    lines = [
+        f"{report['model']} denoising step (random weights, inference): {c['num_layers']} layers, "
+        f"{c['num_attention_heads']} heads x {c['attention_head_dim']}, {report['tokens']} tokens, batch "
+        f"{args.batch}, {args.dtype}, compile {'on' if args.compile else 'off'}, device {report['device']}, "
+        f"torch {torch.__version__}; {args.reps} reps after {args.warmup} warm-up.",
+        f"Command: `{command}`", "",
+        "| variant | median ms/step | speed-up vs stock | peak GiB (warm-up) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, r in report["rows"].items():
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        lines.append(f"| {name} | {r['median_ms']:.2f} | {r['speedup']:.2f}x | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "benchmarks/bench_sana_step.py", *given])
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = run(args)
+    finally:
+        torch.set_num_threads(threads)
+    print(markdown(report, args, command))
+    return report
+
+
+if __name__ == "__main__":
+    run_cli(main)
