@@ -14,6 +14,7 @@ BASE = Base(
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune:WanTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),
+    stream_sampler=Ref("mhla_gen.pipelines.wan_stream:WanStreamSampler"),
     converter_config="linearize/wan_1_3b_480p",
     text_dim="text_dim",
     diffusers_tests="tests/models/transformers/test_models_transformer_wan.py",
