@@ -241,3 +241,11 @@ def test_bidirectional_records_are_unchanged_by_the_streaming_settings(tmp_path)
     assert MHLAConfig.from_dict(cfg.to_dict()) == cfg
     streaming = MHLAConfig(blocks=(1, 2, 2), chunk_frames=2, stream_mixing="factorised")
     assert MHLAConfig.from_dict(json.loads(json.dumps(streaming.to_dict()))) == streaming
+
+
+def test_attention_statistics_refuse_a_block_causal_model():
+    from mhla_gen.metrics.attention import attention_statistics
+
+    model = _model("general", (4, 2, 3), 1, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"built for bidirectional models; this one is block-causal"):
+        attention_statistics(model, lambda: None)
