@@ -9,6 +9,8 @@ from .mixing import INIT_RULES
 from .ops.feature_maps import FEATURE_MAPS
 
 WAN_ROPE_MODES = ("before_phi", "after_phi_numerator")
+STREAM_MIXINGS = ("general", "factorised")
+STREAM_KEYS = ("chunk_frames", "stream_mixing")  # recorded only when chunk_frames is set (older records)
 
 
 @dataclass
@@ -34,6 +36,14 @@ class MHLAConfig:
             features); ``after_phi_numerator``: the release's φ first, RoPE on φ(q), φ(k) for the
             numerator only.
         wan_head_norm: Wan only. RMS-normalise each head's output (the release's ``g_norm``).
+        chunk_frames: Wan only. Block-causal (streaming) self-attention in chunks of this many latent
+            frames: a token sees its own chunk and every earlier one (``docs/streaming.md``); None:
+            bidirectional. Needs MHLA in every layer, no CPE and ``wan_rope=before_phi``.
+        stream_mixing: with ``chunk_frames``: ``general`` (the learned ``W`` over the blocks of the whole
+            video, masked; ``blocks`` cut the whole video, every time block inside one chunk; a streaming
+            cache grows with the video) or ``factorised`` (``W_s`` over the blocks of one chunk times a
+            learned per-head decay over chunks; ``blocks`` cut ONE chunk, ``blocks[0]`` dividing
+            ``chunk_frames``; the cache stays the same size for any length).
     """
 
     blocks: tuple[int, ...] = (4, 4)
@@ -50,6 +60,8 @@ class MHLAConfig:
     gate_activation: str = "sigmoid"
     wan_rope: str = "before_phi"
     wan_head_norm: bool = False
+    chunk_frames: int | None = None
+    stream_mixing: str = "general"
     extra: dict = field(default_factory=dict)  # free-form notes carried through save/load
 
     def __post_init__(self):
@@ -73,10 +85,42 @@ class MHLAConfig:
             raise ValueError(f"wan_rope must be one of {WAN_ROPE_MODES}, got {self.wan_rope!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be positive, got {self.eps}")
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        """``chunk_frames`` / ``stream_mixing``: one ValueError naming the setting that cannot stream."""
+        chunk = self.chunk_frames
+        if self.stream_mixing not in STREAM_MIXINGS:
+            raise ValueError(f"stream_mixing must be one of {STREAM_MIXINGS}, got {self.stream_mixing!r}")
+        if chunk is None:
+            if self.stream_mixing != "general":
+                raise ValueError(f"stream_mixing={self.stream_mixing!r} needs chunk_frames (block-causal "
+                                 "attention); set chunk_frames or leave stream_mixing at general")
+            return
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_frames must be a positive int (latent frames) or None, got {chunk!r}")
+        if len(self.blocks) != 3:
+            raise ValueError(f"chunk_frames={chunk} needs video blocks (bf, bh, bw), got {self.blocks}")
+        if self.stream_mixing == "factorised" and chunk % self.blocks[0]:
+            raise ValueError(f"stream_mixing=factorised: blocks={self.blocks} cut one chunk, and blocks[0]="
+                             f"{self.blocks[0]} must divide chunk_frames={chunk}")
+        if self.stream_mixing == "factorised" and not self.mixing_learnable:
+            raise ValueError("mixing_learnable=False is not built for stream_mixing=factorised")
+        if self.cpe_kernel:
+            raise ValueError(f"cpe_kernel={self.cpe_kernel} with chunk_frames={chunk}: the convolution "
+                             "reaches into later chunks; set cpe_kernel=0 for block-causal attention")
+        if self.wan_rope != "before_phi":
+            raise ValueError(f"wan_rope={self.wan_rope!r} with chunk_frames={chunk}: block-causal attention "
+                             "is built for wan_rope=before_phi")
 
     def to_dict(self) -> dict:
+        """The settings as a plain dict; ``chunk_frames`` and ``stream_mixing`` only when streaming, so the
+        records of bidirectional models (``config.json``, run signatures) read as before they existed."""
         d = dataclasses.asdict(self)
         d["blocks"] = list(self.blocks)
+        if self.chunk_frames is None:
+            for key in STREAM_KEYS:
+                d.pop(key)
         return d
 
     @classmethod

@@ -30,7 +30,7 @@ from torch import nn
 from .bases import base_for_model
 from .config import MHLAConfig
 from .processors import MHLAProcessor
-from .processors.grid import check_grid, latent_from_call
+from .processors.grid import latent_from_call
 
 CONFIG_KEY = "mhla"
 
@@ -93,8 +93,8 @@ def _check_latent(transformer: nn.Module, args: tuple, kwargs: dict) -> None:
     A module-level function that looks everything up on ``transformer`` (no closure), so a
     ``copy.deepcopy`` of the model (e.g. an EMA copy) keeps working hooks.
     """
-    grid = base_for_model(transformer).processor.latent_grid(transformer, latent_from_call(args, kwargs))
-    check_grid(grid, transformer.mhla_config.blocks)
+    processor = base_for_model(transformer).processor
+    processor.check_call(transformer, processor.latent_grid(transformer, latent_from_call(args, kwargs)))
 
 
 def _share_parallel_config(transformer: nn.Module, processor) -> None:
@@ -128,7 +128,8 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
 
     Raises:
         ValueError: unsupported model class, ``cfg.blocks`` of the wrong rank (2 for DiT/SANA, 3 for Wan),
-            ``cfg.layers`` indices out of range or repeated.
+            ``cfg.layers`` indices out of range or repeated, settings the base cannot run
+            (``processor.check_config``: e.g. ``chunk_frames`` outside Wan).
     """
     if not isinstance(cfg, MHLAConfig):
         raise ValueError(f"cfg must be an MHLAConfig, got {type(cfg).__name__}")
@@ -140,6 +141,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         )
     attention_layers = processor_cls.self_attention(transformer)
     selected = _selected_layers(cfg, len(attention_layers))
+    processor_cls.check_config(cfg, dict(transformer.config))
     if is_mhla_installed(transformer):
         _put_stock_processors(transformer)
         _forget_mhla(transformer)  # the class comes back below: pipelines holding the model stay right

@@ -42,16 +42,17 @@ def _common(setup, out, expert, pretrained="ckpt"):
 
 @pytest.fixture
 def trained_sigmas(monkeypatch):
-    """Every σ the fine-tuning loss noised a batch at (a spy on ``flow_matching_inputs``)."""
-    from mhla_gen.train import finetune
+    """Every σ the fine-tuning loss noised a batch at (a spy on ``flow_matching_inputs``, which the run's
+    ``FlowNoise`` calls)."""
+    from mhla_gen.train import chunk_noise
 
-    seen, original = [], finetune.flow_matching_inputs
+    seen, original = [], chunk_noise.flow_matching_inputs
 
     def spy(x0, noise, sigmas, num_train_timesteps):
         seen.extend(sigmas.flatten().tolist())
         return original(x0, noise, sigmas, num_train_timesteps)
 
-    monkeypatch.setattr(finetune, "flow_matching_inputs", spy)
+    monkeypatch.setattr(chunk_noise, "flow_matching_inputs", spy)
     return seen
 
 

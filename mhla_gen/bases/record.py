@@ -63,6 +63,8 @@ class Base:
         objective: ``ddpm`` (DiT's learned-sigma DDPM) or ``flow`` (rectified flow matching).
         data_sources: the ``data.source`` values its training task reads.
         sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
+        stream_sampler: the sampler of its block-causal models (``mhla-gen sample --stream``,
+            ``docs/streaming.md``; :class:`Ref`), or None: it does not stream.
         run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
             task yet, the base samples, installs, saves and loads only).
         task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
@@ -92,6 +94,7 @@ class Base:
     text_dim: str | None = None
     diffusers_tests: str | None = None
     release_checkpoint: Ref | None = None
+    stream_sampler: Ref | None = None
 
     def __post_init__(self):
         if self.conditioning not in CONDITIONING:

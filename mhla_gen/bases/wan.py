@@ -15,6 +15,7 @@ BASE = Base(
     task=Ref("mhla_gen.train.finetune:WanTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),
     release_checkpoint=Ref("mhla_gen.convert_wan:release_checkpoint_model"),
+    stream_sampler=Ref("mhla_gen.pipelines.wan_stream:WanStreamSampler"),
     converter_config="linearize/wan_1_3b_480p",
     text_dim="text_dim",
     diffusers_tests="tests/models/transformers/test_models_transformer_wan.py",

@@ -8,6 +8,8 @@
         --prompt "a cat surfing" --height 480 --width 832 --frames 81 --dtype bf16 --device cuda
     mhla-gen sample --base wan-i2v --model WAN_I2V_DIR --transformer runs/wan-i2v/final \
         --prompt "a cat surfing" "a dog running" --image cat.png dog.png --dtype bf16 --device cuda
+    mhla-gen sample --base wan --model WAN_DIR --transformer runs/wan-stream/final --stream \
+        --prompt "a cat surfing" --frames 161 --steps 8 --dtype bf16 --device cuda
 
 ``--model`` is a diffusers pipeline folder (or hub id) providing VAE, scheduler and text encoder;
 ``--transformer`` an MHLA transformer saved with ``save_pretrained`` (default: ``--model``'s own).
@@ -15,6 +17,9 @@ Writes ``<out>/<base>_seed<seed>_grid.png`` plus one PNG per image, or one MP4 p
 What each base takes (labels or prompts, sizes) and how its pipeline is called is its record's
 (``mhla_gen.bases``; the sampling call: ``mhla_gen.pipelines.<base>``). Image-to-video bases take one
 ``--image`` per prompt (or one for all prompts): the first frame of each video.
+``--stream`` (Wan, a block-causal model: MHLA with ``chunk_frames``) generates chunk by chunk with the
+model's cache, ``--steps`` per chunk, any ``--frames`` whose latent frames the chunks divide
+(``mhla_gen.pipelines.wan_stream``, docs/streaming.md).
 ``--out`` must be new, empty or a folder this script wrote; files of an earlier call with the same names
 are replaced only with ``--overwrite``.
 """
@@ -22,6 +27,7 @@ are replaced only with ``--overwrite``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -66,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pixels (default: the model's size for images, 480 x 832 for Wan)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--frames", type=int, default=81, help="video length (video bases)")
+    parser.add_argument("--stream", action="store_true",
+                        help="Wan, block-causal model: generate chunk by chunk from its cache, any length")
     parser.add_argument("--fps", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -76,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
 
     check_condition_flags(parser, args)
+    if args.stream and base_for(args.base).stream_sampler is None:
+        streaming = sorted(name for name, base in BASES.items() if base.stream_sampler is not None)
+        parser.error(f"--stream is built for --base {' / '.join(streaming)}, not --base {args.base}")
+    if args.stream and args.blocks is not None:
+        parser.error("--stream samples a trained block-causal transformer; --blocks installs untrained MHLA")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.guidance < 0:
@@ -140,8 +153,10 @@ def conditions(args) -> list:
 
 
 def load(args, mhla, dtype):
-    """The base's pipeline (its record's sampler), its labels checked, its size fitted."""
-    sampler = base_for(args.base).sampler.load()
+    """The base's pipeline (its record's sampler, or the streaming one), its labels checked, its size
+    fitted."""
+    base = base_for(args.base)
+    sampler = (base.stream_sampler if args.stream else base.sampler).load()
     pipe = sampler.load(args.model, mhla, dtype, args.device, args.transformer)
     sampler.check_conditions(pipe, conditions(args), args.guidance, trained_classes(args))
     return sampler, pipe, sampler.fit_size(pipe, settings(args))
@@ -209,6 +224,38 @@ def prepare_out(args) -> Path:
     return claim(out, OUTPUT_KIND, "--out")
 
 
+def saved_transformer_config(args) -> dict:
+    """The ``config.json`` of the transformer that will be sampled (``--transformer``, else ``--model``'s),
+    without loading weights; a LoRA + MHLA folder contributes its MHLA config."""
+    from diffusers import WanTransformer3DModel
+
+    from mhla_gen.lora import is_lora_folder, lora_mhla_config
+
+    if args.transformer is not None and is_lora_folder(args.transformer):
+        config = dict(WanTransformer3DModel.load_config(args.model, subfolder="transformer"))
+        mhla = lora_mhla_config(args.transformer)
+        return {**config, "mhla": mhla.to_dict() if mhla is not None else None}
+    if args.transformer is not None:
+        return json.loads((Path(args.transformer) / "config.json").read_text())
+    return dict(WanTransformer3DModel.load_config(args.model, subfolder="transformer"))
+
+
+def check_stream(args) -> None:
+    """``--stream``: a block-causal transformer, and ``--frames`` / sizes its chunks and blocks fit; checked
+    from the configs before anything is loaded or written."""
+    from diffusers import AutoencoderKLWan
+
+    from mhla_gen.pipelines.wan import WAN_DEFAULT_SIZE
+    from mhla_gen.pipelines.wan_stream import check_stream_settings
+
+    config = saved_transformer_config(args)
+    mhla = MHLAConfig.from_dict(config["mhla"]) if config.get("mhla") else None
+    vae = AutoencoderKLWan.load_config(args.model, subfolder="vae")
+    height, width = args.height or WAN_DEFAULT_SIZE[0], args.width or WAN_DEFAULT_SIZE[1]
+    check_stream_settings(mhla, config, args.frames, height, width, vae.get("scale_factor_temporal", 4),
+                          vae.get("scale_factor_spatial", 8))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
@@ -216,6 +263,8 @@ def main(argv=None) -> None:
     if args.blocks is not None:
         mhla = MHLAConfig(blocks=tuple(args.blocks))
     check_labels(args)
+    if args.stream:
+        check_stream(args)
     if args.image:
         pair_images(args.prompt, args.image, "--image")
         check_images(args.image, "--image")

@@ -98,6 +98,10 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
     whose uniform value is ``1 / N``; MHLA layers on such a grid also ``"mirror_block_share"``, the same
     question asked of their mixing matrix (:func:`mhla_gen.analysis.mirror_block_share`, uniform ``1 / M``).
     """
+    chunks = getattr(getattr(transformer, "mhla_config", None), "chunk_frames", None)
+    if chunks is not None:  # the maps below are bidirectional: they would misdescribe a block-causal model
+        raise ValueError(f"attention statistics are built for bidirectional models; this one is block-causal "
+                         f"(chunk_frames={chunks}, docs/streaming.md)")
     with capture_qk(transformer) as records:
         run()
     stats = []

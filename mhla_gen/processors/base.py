@@ -13,6 +13,7 @@ from ..extras import ConvPositionEncoding, OutputGate
 from ..layout import BlockLayout, layout_for
 from ..mixing import MixingMatrix
 from ..ops import mhla_attention
+from .grid import check_grid
 
 
 class MHLAProcessor(nn.Module):
@@ -64,6 +65,25 @@ class MHLAProcessor(nn.Module):
     def stock_processor(cls):
         """A new stock diffusers processor for these layers (what ``uninstall_mhla`` puts back)."""
         raise NotImplementedError(f"{cls.__name__} does not name the stock processor it replaces")
+
+    @classmethod
+    def check_config(cls, cfg, transformer_config: dict) -> None:
+        """Refuse an :class:`MHLAConfig` this base cannot run on a model of ``transformer_config`` (its
+        ``config.json``), before anything is installed: ValueError naming the setting. Block-causal
+        attention (``chunk_frames``) is built for Wan only."""
+        if cfg.chunk_frames is not None:
+            raise ValueError(f"chunk_frames={cfg.chunk_frames}: block-causal (streaming) attention is built "
+                             f"for Wan only, not for {cls.base_name}")
+
+    @classmethod
+    def check_token_grid(cls, cfg, grid: tuple[int, ...]) -> None:
+        """ValueError naming both when ``cfg``'s blocks cannot tile a forward's token ``grid``."""
+        check_grid(tuple(grid), cfg.blocks)
+
+    @classmethod
+    def check_call(cls, transformer: nn.Module, grid: tuple[int, ...]) -> None:
+        """What ``install_mhla``'s forward pre-hook checks before a forward of ``transformer`` on ``grid``."""
+        cls.check_token_grid(transformer.mhla_config, grid)
 
     @classmethod
     def grid_hooks(cls, transformer: nn.Module) -> list:

@@ -20,21 +20,31 @@ before any work, with a message naming both.
 from __future__ import annotations
 
 import torch
+from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+ROPE_THETA = 10000.0  # WanRotaryPosEmbed's default; WanTransformer3DModel never passes another
+STREAM_ATTR = "mhla_stream_call"
+"""The attribute of ``transformer.rope`` holding the ``StreamCall`` of a streamed chunk's forward
+(``processors/wan_causal.py``); absent otherwise."""
 
 
 class GridRotaryEmb(tuple):
-    """Wan's ``(freqs_cos, freqs_sin)`` plus the token grid ``(F, H, W)`` of the latent they encode."""
+    """Wan's ``(freqs_cos, freqs_sin)`` plus the token grid ``(F, H, W)`` of the latent they encode, and, in
+    a streamed chunk's forward, its :class:`~mhla_gen.processors.wan_causal.StreamCall` (``stream``; None
+    otherwise)."""
 
-    def __new__(cls, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, grid: tuple[int, int, int]):
+    def __new__(cls, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, grid: tuple[int, int, int],
+                stream=None):
         self = super().__new__(cls, (freqs_cos, freqs_sin))
         self.grid = grid
+        self.stream = stream
         return self
 
     def to(self, *args, **kwargs) -> GridRotaryEmb:
         """Both tensors ``.to(...)``, grid kept. accelerate's ``send_to_device`` (its offload hooks,
         diffusers' group offloading) calls ``.to`` where it exists; otherwise it rebuilds a tuple as
         ``type(obj)(generator)``, which would drop the grid."""
-        return GridRotaryEmb(self[0].to(*args, **kwargs), self[1].to(*args, **kwargs), self.grid)
+        return GridRotaryEmb(self[0].to(*args, **kwargs), self[1].to(*args, **kwargs), self.grid, self.stream)
 
 
 def latent_from_call(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -93,7 +103,35 @@ def clear_block_grid(block, args: tuple, output) -> None:
 
 def wan_rotary_with_grid(rope, args: tuple, output) -> GridRotaryEmb:
     """Forward hook on ``WanTransformer3DModel.rope``: tag the rotary embedding with the token grid of
-    the latent it was computed from (``rope``'s input ``(B, C, F, H, W)``, patch size ``rope.patch_size``)."""
+    the latent it was computed from (``rope``'s input ``(B, C, F, H, W)``, patch size ``rope.patch_size``).
+    In a streamed chunk's forward (a ``StreamCall`` on ``rope``, ``processors/wan_causal.py``) the angles
+    are those of the chunk's absolute frames, and the call rides along."""
     frames, height, width = args[0].shape[-3:]
     p_t, p_h, p_w = rope.patch_size
-    return GridRotaryEmb(*output, grid=(frames // p_t, height // p_h, width // p_w))
+    grid = (frames // p_t, height // p_h, width // p_w)
+    stream = getattr(rope, STREAM_ATTR, None)
+    if stream is not None:
+        output = rotary_at_frames(rope, output, grid, stream.frame_offset)
+    return GridRotaryEmb(*output, grid=grid, stream=stream)
+
+
+def rotary_at_frames(rope, freqs: tuple[torch.Tensor, torch.Tensor], grid: tuple[int, int, int],
+                     offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's rotary tables ``(cos, sin)``, each ``(1, N, 1, d)`` for a latent at frames ``0..F-1`` (what
+    ``WanRotaryPosEmbed`` returns), moved to frames ``offset..offset+F-1``.
+
+    Only the time part (the first ``rope.t_dim`` channels) depends on the frame; it is recomputed with
+    ``WanRotaryPosEmbed``'s own function and arguments, which give the same numbers as its table row by
+    row, so a chunk at ``offset`` gets exactly the rows the whole video's forward gives those frames, and
+    frames past the table (``rope_max_seq_len``) work too."""
+    frames = grid[0]
+    positions = torch.arange(offset, offset + frames, dtype=torch.float64)
+    dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64  # as WanRotaryPosEmbed
+    time_parts = get_1d_rotary_pos_embed(rope.t_dim, positions, ROPE_THETA, use_real=True,
+                                         repeat_interleave_real=True, freqs_dtype=dtype)  # 2 x (F, t_dim)
+    moved = []
+    for table, time in zip(freqs, time_parts):
+        per_frame = table.unflatten(1, (frames, -1))  # (1, F, H*W, 1, d)
+        time = time.to(table)[None, :, None, None, :].expand(1, frames, per_frame.shape[2], 1, -1)
+        moved.append(torch.cat([time, per_frame[..., rope.t_dim :]], dim=-1).flatten(1, 2))
+    return moved[0], moved[1]

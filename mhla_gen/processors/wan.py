@@ -25,6 +25,12 @@ Order after the attention core: head norm -> merge heads -> CPE / gate (base cla
 The token grid comes with the rotary embedding: ``install_mhla`` hooks ``transformer.rope`` so that it
 returns a :class:`~mhla_gen.processors.grid.GridRotaryEmb` (see ``grid.py``).
 
+Block-causal (streaming) attention (``MHLAConfig.chunk_frames``, ``docs/streaming.md``): RoPE on q and k,
+then ``block_causal_mhla`` (general mixing, the ``(M, M)`` :class:`~mhla_gen.mixing.MixingMatrix` masked) or
+``factorised_block_causal_mhla`` (factorised: ``mixing`` is a :class:`~mhla_gen.factorised_mixing.
+FactorisedMixing`, ``W_s`` and a decay per head) over a whole video; for one streamed chunk, the layer's
+cache steps instead (``wan_causal.py``; ``mhla_gen.streaming.stream_step``).
+
 Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``): diffusers sets
 :attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
 latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
@@ -44,13 +50,17 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, _get_qkv_projections
 from torch import nn
 
+from ..factorised_mixing import FactorisedMixing
+from ..layout import BlockLayout
 from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
 from ..ops.feature_maps import get_feature_map
 from ..ops.rope import apply_wan_rotary, wan_rotary_pair  # noqa: F401 (the reference, importable here)
+from ..ops.streaming import block_causal_mhla, factorised_block_causal_mhla
 from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from .base import MHLAProcessor
-from .grid import GridRotaryEmb, wan_rotary_with_grid
+from .grid import STREAM_ATTR, GridRotaryEmb, wan_rotary_with_grid
+from .wan_causal import block_causal_for, check_stream_config
 
 
 def mhla_rope_on_numerator(q, k, v, rotary_emb, layout, mixing, feature_map: str, normalize: bool,
@@ -134,16 +144,56 @@ class WanMHLAProcessor(MHLAProcessor):
         """A hook on ``transformer.rope`` that tags the rotary embedding with the token grid."""
         return [transformer.rope.register_forward_hook(wan_rotary_with_grid)]
 
+    @classmethod
+    def check_config(cls, cfg, transformer_config: dict) -> None:
+        """Block-causal attention needs a temporal patch of 1 and MHLA in every layer (``wan_causal.py``)."""
+        check_stream_config(cfg, transformer_config)
+
+    @classmethod
+    def check_token_grid(cls, cfg, grid: tuple[int, ...]) -> None:
+        """The blocks fit ``grid``; with ``chunk_frames`` also the chunks (:func:`block_causal_for`)."""
+        if cfg.chunk_frames is None:
+            return super().check_token_grid(cfg, grid)
+        block_causal_for(cfg, grid)
+
+    @classmethod
+    def check_call(cls, transformer: WanTransformer3DModel, grid: tuple[int, ...]) -> None:
+        """A streamed chunk was checked against its cache (``mhla_gen.streaming``); a whole video here."""
+        if getattr(transformer.rope, STREAM_ATTR, None) is None:
+            cls.check_token_grid(transformer.mhla_config, grid)
+
     def __init__(self, cfg, inner_dim: int, in_dim: int, heads: int, head_norm_eps: float = 1e-6):
         super().__init__(cfg, inner_dim, in_dim)
         if inner_dim % heads:
             raise ValueError(f"inner_dim {inner_dim} is not divisible by heads {heads}")
         self.heads = heads
         self.head_norm = HeadRMSNorm(inner_dim // heads, eps=head_norm_eps) if cfg.wan_head_norm else None
+        if cfg.chunk_frames is not None and cfg.stream_mixing == "factorised":
+            # W_s over the blocks of one chunk and a decay per head replace the base class's (M, M) W
+            self.mixing = FactorisedMixing(BlockLayout(cfg.blocks, cfg.blocks), heads, rule=cfg.mixing_init,
+                                           normalize=cfg.mixing_normalize, temperature=cfg.mixing_temperature)
+
+    def mixing_args(self) -> tuple[torch.Tensor, ...]:
+        """What a block-causal step mixes with: ``(W,)`` (general) or ``(W_s, γ)`` (factorised)."""
+        mixing = self.mixing()
+        return mixing if isinstance(mixing, tuple) else (mixing,)
+
+    def attend_block_causal(self, q, k, v, rotary_emb: GridRotaryEmb) -> torch.Tensor:
+        """Block-causal MHLA of rotated q, k and v ``(B, heads, N, d)``: the layer's cache for a streamed
+        chunk, else the whole video of ``rotary_emb.grid`` (general or factorised mixing) -> same shape."""
+        cfg = self.cfg
+        if rotary_emb.stream is not None:
+            return rotary_emb.stream.step(self, q, k, v, *self.mixing_args())
+        causal = block_causal_for(cfg, rotary_emb.grid)
+        causal.layout.check_tokens(q.shape[2], "self-attention sequence length")
+        attend = factorised_block_causal_mhla if cfg.stream_mixing == "factorised" else block_causal_mhla
+        return attend(q, k, v, causal, *self.mixing_args(), cfg.feature_map, cfg.normalize, cfg.eps)
 
     def attend_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_emb) -> torch.Tensor:
         """MHLA with Wan's RoPE placed as ``cfg.wan_rope`` says. q, k, v ``(B, heads, N, d)`` -> same."""
         grid = rotary_emb.grid
+        if self.cfg.chunk_frames is not None:  # block-causal: RoPE before φ (MHLAConfig checks it)
+            return self.attend_block_causal(*wan_rotary_pair(q, k, *rotary_emb), v, rotary_emb)
         if self.cfg.wan_rope == "before_phi":
             return self.attend(*wan_rotary_pair(q, k, *rotary_emb), v, grid)
         cfg = self.cfg  # after_phi_numerator
@@ -170,6 +220,9 @@ class WanMHLAProcessor(MHLAProcessor):
     def token_shard(self, rotary_emb, num_tokens: int) -> TokenShard | None:
         """This rank's tokens under context parallelism, None when the layer sees the whole sequence."""
         shard = context_parallel_shard(self._parallel_config, math.prod(rotary_emb.grid), num_tokens)
+        if shard is not None and self.cfg.chunk_frames is not None:
+            raise ValueError(f"context parallelism is not built for block-causal attention (chunk_frames="
+                             f"{self.cfg.chunk_frames})")
         if shard is not None and rotary_emb[0].shape[1] != num_tokens:
             raise ValueError(
                 f"context parallelism: the rotary embedding covers {rotary_emb[0].shape[1]} tokens but the "

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..install import CONFIG_KEY, install_mhla, uninstall_mhla
+from ..install import CONFIG_KEY, install_mhla, mhla_processors, uninstall_mhla
 from ..loading import load_transformer
 
 
@@ -80,7 +80,26 @@ def start_attention(attention: str, mhla: MHLAConfig, folder, init_attention: st
             f"model.attention=mhla to continue it, or model.init_attention=fresh to start again from its "
             f"projections"
         )
+    if mhla.chunk_frames is not None and saved.chunk_frames is None:
+        return "mhla", block_causal_continuation(saved, mhla, folder, setting)
     return "mhla", saved
+
+
+def block_causal_continuation(saved: MHLAConfig, mhla: MHLAConfig, folder, setting: str) -> MHLAConfig:
+    """A bidirectional MHLA start point continued block-causal (``mhla.chunk_frames`` set): its config with
+    the chunks added, so its trained ``W`` (general mixing: the same ``M x M`` parameter, masked) carries
+    over. The factorised mixing has other parameters: ConfigError naming ``model.init_attention=fresh``."""
+    if mhla.stream_mixing != "general":
+        raise ConfigError(
+            f"{setting}={str(folder)!r} holds a bidirectional MHLA W that mhla.stream_mixing="
+            f"{mhla.stream_mixing} cannot use; continue it with stream_mixing=general, or set "
+            f"model.init_attention=fresh (its projections, a fresh factorised mixing)"
+        )
+    try:
+        return dataclasses.replace(saved, chunk_frames=mhla.chunk_frames, stream_mixing="general")
+    except ValueError as err:
+        raise ConfigError(f"{setting}={str(folder)!r} continued with mhla.chunk_frames={mhla.chunk_frames}: "
+                          f"{err}") from None
 
 
 def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_attention: str) -> nn.Module:
@@ -94,6 +113,11 @@ def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_a
     if init_attention == "fresh":
         uninstall_mhla(transformer)
         install_attention(transformer, attention, mhla)
+    elif transformer.mhla_config != mhla:  # continued block-causal (start_attention): same parameters
+        trained = {name: proc.state_dict() for name, proc in mhla_processors(transformer).items()}
+        install_mhla(transformer, mhla)
+        for name, proc in mhla_processors(transformer).items():
+            proc.load_state_dict(trained[name])
     return transformer.train()
 
 

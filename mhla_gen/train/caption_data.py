@@ -62,11 +62,15 @@ class CaptionFeatures:
                 raise ConfigError(f"{prefix}data.{name}={value} must be a multiple of {multiple} ({why})")
         grid = self.task.token_grid(transformer, vae, height, width)
         mhla = attention_mhla_config(*self.task.attention())
+        frames = f", data.num_frames={self.data.num_frames}" if len(grid) == 3 else ""
         if mhla is not None and (len(mhla.blocks) != len(grid) or any(map(int.__gt__, mhla.blocks, grid))):
-            raise ConfigError(
-                f"mhla.blocks={list(mhla.blocks)} does not fit the token grid {grid} of {where}"
-                + (f", data.num_frames={self.data.num_frames}" if len(grid) == 3 else "")
-            )
+            raise ConfigError(f"mhla.blocks={list(mhla.blocks)} does not fit the token grid {grid} of {where}"
+                              + frames)
+        if mhla is not None and mhla.chunk_frames is not None:  # the chunks tile the frames (block-causal)
+            try:
+                self.task.base.processor.check_token_grid(mhla, grid)
+            except ValueError as err:
+                raise ConfigError(f"mhla.chunk_frames={mhla.chunk_frames}, {where}{frames}: {err}") from None
 
     def bucket_sizes(self) -> list[tuple[int, int]] | None:
         """``data.buckets`` resolved: ``[(height, width), ...]`` (``auto``: :func:`auto_buckets` around

@@ -392,6 +392,9 @@ class FlowMatchingConfig:
     # (σ⁻²) | cosmap (2 / (π (1 - 2σ + 2σ²))); diffusers' --weighting_scheme=cosmap is weighting=uniform
     # with loss_weighting=cosmap
     loss_weighting: str = "none"
+    # diffusion forcing (block-causal video models, mhla.chunk_frames): every chunk of the latent video
+    # draws its own σ (weighting, shift and loss weight per chunk), the transformer a per-token timestep
+    per_chunk_noise: bool = False
 
     def __post_init__(self):
         if self.weighting not in ("logit_normal", "mode", "uniform"):

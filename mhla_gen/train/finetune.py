@@ -9,6 +9,7 @@ training loop only runs the transformer. Samples go through the stock ``SanaPipe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -32,15 +33,11 @@ from ..metrics.video import write_video
 from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
 from .caption_data import CaptionFeatures
 from .caption_sources import CAPTION_SOURCES
+from .chunk_noise import FlowNoise, check_streaming
 from .config import ConfigError
-from .experts import check_expert, in_expert_range, pipeline_with
+from .experts import check_expert, pipeline_with
 from .loop import TrainTask, empty_model
-from .objectives import (
-    flow_matching_inputs,
-    flow_matching_loss_weights,
-    flow_matching_mse,
-    flow_matching_sigmas,
-)
+from .objectives import flow_matching_mse
 from .start import StartPoint
 
 logger = logging.getLogger(__name__)
@@ -227,6 +224,7 @@ class FlowFinetuneTask(TrainTask):
         transformer, vae = self.model_configs()
         self.features.check_sizes(transformer, vae)
         check_mhla_layers(attention_mhla_config(*self.attention()), transformer["num_layers"])
+        check_streaming(self, transformer)
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
             log_teacher(self.cfg, self.distill_source())
         self.source.validate()
@@ -343,22 +341,23 @@ class FlowFinetuneTask(TrainTask):
     def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
         """The transformer's keyword inputs for one micro-batch (latents noised at sampled σ, the cached
         text conditioning, flips and caption dropout applied) and what the loss compares its output with:
-        ``(x0, noise, sigmas)``."""
-        f = self.cfg.flow
-        sigmas = flow_matching_sigmas(rnd, f.weighting, f.logit_mean, f.logit_std, f.mode_scale, self.shift)
-        sigmas = in_expert_range(sigmas, self.frozen.config.get("boundary_ratio"), self.cfg.model.expert)
+        ``(x0, noise, sigmas)``; ``sigmas`` ``(B,)``, or ``(B, chunks)`` with ``flow.per_chunk_noise``."""
+        sigmas = self.noising.sigmas(rnd, batch["latents"])
         noise = rnd.randn(*batch["latents"].shape[1:])
         batch = self.features.augmented(batch, rnd)
         x0 = batch["latents"].float()
-        T = self.frozen.scheduler.config.num_train_timesteps
-        inputs = {**flow_matching_inputs(x0, noise, sigmas, T), **self.conditioning(batch)}
+        inputs = {**self.noising.inputs(x0, noise, sigmas), **self.conditioning(batch)}
         return self.with_condition(inputs, batch), (x0, noise, sigmas)
+
+    @functools.cached_property
+    def noising(self) -> FlowNoise:
+        """σ, noised inputs and loss weights of ``flow.*`` (``chunk_noise.py``; after :meth:`setup`)."""
+        return FlowNoise.for_task(self)
 
     def loss(self, model, batch: dict, rnd) -> torch.Tensor:
         inputs, (x0, noise, sigmas) = self.model_inputs(batch, rnd)
         prediction = model(**inputs, return_dict=False)[0]
-        scheme = self.cfg.flow.loss_weighting
-        weights = None if scheme == "none" else flow_matching_loss_weights(scheme, sigmas)
+        weights = self.noising.loss_weights(sigmas)
         return flow_matching_mse(prediction, x0, noise, weights) + self.distillation(prediction, inputs)
 
     def distill_teacher(self) -> nn.Module:
@@ -508,8 +507,18 @@ class WanTask(FlowFinetuneTask):
         return {"prompt_embeds": embeds[0].float()}
 
     def generate_videos(self, transformer) -> np.ndarray:
-        """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry."""
+        """``(B, F, H, W, 3)`` in [0, 1]: one video per ``data.sample_prompts`` entry; a block-causal model
+        (``mhla.chunk_frames``) streams them chunk by chunk (``log.sample_steps`` per chunk)."""
         d = self.cfg.data
+        if getattr(transformer, "mhla_config", None) is not None and transformer.mhla_config.chunk_frames:
+            from ..pipelines.wan_stream import stream_video
+
+            return stream_video(
+                self.pipeline(transformer, progress=True), list(d.sample_prompts), num_frames=d.num_frames,
+                height=d.height, width=d.width, num_inference_steps=self.cfg.log.sample_steps,
+                guidance_scale=self.cfg.log.guidance_scale, max_sequence_length=d.max_sequence_length,
+                generator=torch.Generator(transformer.device).manual_seed(self.cfg.seed), output_type="np",
+            ).frames
         return self.pipeline(transformer, progress=True)(
             prompt=list(d.sample_prompts),
             height=d.height,

@@ -209,6 +209,11 @@ class TransferTask(TrainTask):
             )
         self.inner.validate()
         parse_softmax_layers(cfg.hybrid.softmax_layers, self.converted_indices())
+        chunks = attention_mhla_config(*self.inner.attention()).chunk_frames
+        if chunks is not None and cfg.hybrid.softmax_layers is not None:
+            raise ConfigError(f"hybrid.softmax_layers={cfg.hybrid.softmax_layers!r} with mhla.chunk_frames="
+                              f"{chunks}: a softmax layer would see later chunks; leave "
+                              f"hybrid.softmax_layers null for a block-causal student")
 
     def run_config(self):
         return self.inner.run_config()

@@ -146,6 +146,24 @@ def flow_matching_inputs(
     return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": sigmas * num_train_timesteps}
 
 
+def per_chunk_flow_inputs(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
+                          num_train_timesteps: int, chunk_frames: int,
+                          patch_size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """Diffusion forcing: :func:`flow_matching_inputs` with a σ per chunk of ``chunk_frames`` latent frames.
+    x0, noise ``(B, C, F, H, W)``; sigmas ``(B, F / chunk_frames)``. The timestep is Wan's per-token form
+    ``(B, N)`` (every token of chunk c at ``σ_c · T``; ``WanTransformer3DModel`` takes a ``(B, N)`` timestep),
+    tokens in the transformer's ``(f h w)`` order for a patch ``(1, ph, pw)``."""
+    batch, frames = x0.shape[0], x0.shape[2]
+    if frames % chunk_frames or sigmas.shape != (batch, frames // chunk_frames):
+        raise ValueError(f"per-chunk σ {tuple(sigmas.shape)} do not fit {frames} latent frames in chunks of "
+                         f"{chunk_frames} (batch {batch})")
+    per_frame = sigmas.repeat_interleave(chunk_frames, dim=1)  # (B, F)
+    s = per_frame.view(batch, 1, frames, 1, 1).to(x0.dtype)
+    tokens_per_frame = (x0.shape[3] // patch_size[1]) * (x0.shape[4] // patch_size[2])
+    timestep = (per_frame * num_train_timesteps).repeat_interleave(tokens_per_frame, dim=1)  # (B, N)
+    return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": timestep}
+
+
 def flow_matching_loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
     """The loss weight of each sample (B,) at its σ, ``flow.loss_weighting``: diffusers'
     ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``: σ⁻², ``cosmap``: 2 / (π (1 - 2σ + 2σ²)); ``none``:
@@ -159,11 +177,14 @@ def flow_matching_mse(
     prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The model predicts the velocity v = ε - x0; mean squared error in fp32, each sample's error times
-    its weight ``weights`` (B,) where given (diffusers' SD3 / SANA training loss)."""
+    its weight ``weights`` (B,) where given (diffusers' SD3 / SANA training loss), or each element's times
+    ``weights`` broadcast to the error (e.g. ``(B, 1, F, 1, 1)``: a weight per latent frame, per-chunk σ)."""
     error = (prediction.float() - (noise - x0).float()) ** 2
     if weights is None:
         return error.mean()
-    return (weights.view(-1, *([1] * (error.ndim - 1))) * error).mean()
+    if weights.dim() == 1:
+        weights = weights.view(-1, *([1] * (error.ndim - 1)))
+    return (weights * error).mean()
 
 
 def flow_matching_loss(

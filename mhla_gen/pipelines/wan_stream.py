@@ -1,0 +1,187 @@
+"""Streaming video from a block-causal MHLA Wan model: chunk by chunk, each chunk conditioned on the clean
+chunks before it through the model's cache (``mhla_gen.streaming``, ``docs/streaming.md``).
+
+    pipe = load_wan_pipeline(WAN_DIR, transformer_path="runs/wan-stream/final")     # MHLA with chunk_frames
+    video = stream_video(pipe, "a cat surfing", num_frames=161, num_inference_steps=8).frames[0]
+
+For each chunk of ``chunk_frames`` latent frames (CausVid / Self-Forcing style):
+
+1. draw its noise and denoise it with its own ``num_inference_steps`` steps of a fresh copy of the
+   pipeline's scheduler (Wan2.1 ships UniPC with flow sigmas), the transformer reading the cache of the
+   chunks before it (a step leaves the cache as it is);
+2. run the transformer once more on the clean chunk at ``t = 0`` and keep the cache that now holds it.
+
+Classifier-free guidance keeps a second cache for the negative prompt (its activations differ). The text
+is encoded by the pipeline's own ``encode_prompt``, and the whole latent video is decoded by its VAE at the
+end (Wan's VAE is causal in time, so this is what decoding chunk by chunk would give, in one call). Any
+length works whose latent frames the chunks divide, past the frames the model was trained on; the
+factorised memory stays the same size throughout (``StreamOutput.cache_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from mhla_gen.config import MHLAConfig
+from mhla_gen.errors import ConfigError
+from mhla_gen.processors.wan_causal import block_causal_for
+from mhla_gen.streaming import WanStreamCache, check_streaming_model, stream_step
+
+from . import SampleSettings
+from .wan import WanSampler
+
+
+@dataclass
+class StreamOutput:
+    """``frames``: the videos as the pipeline returns them (``output_type``); ``latents``: the whole
+    latent video ``(B, C, F, h, w)``; ``cache_bytes``: the bytes the caches held after each chunk was
+    written (every cache: the negative prompt's too)."""
+
+    frames: object
+    latents: torch.Tensor
+    cache_bytes: list[int]
+
+
+def check_stream_settings(mhla: MHLAConfig | None, transformer_config: dict, frames: int, height: int,
+                          width: int, temporal: int = 4, spatial: int = 8) -> int:
+    """The latent frames of a streamed video of ``frames`` frames at ``height x width`` pixels, from the
+    transformer's ``config.json`` (and its ``mhla`` entry) and the VAE's factors; ConfigError naming the
+    setting for a bidirectional model or a length the chunks (or, general mixing, the blocks) do not fit."""
+    if mhla is None or mhla.chunk_frames is None:
+        what = "stock attention" if mhla is None else f"bidirectional MHLA (blocks {list(mhla.blocks)})"
+        raise ConfigError(f"--stream needs a block-causal model (MHLA with chunk_frames); this transformer "
+                          f"runs {what} (docs/streaming.md: fine-tune one with mhla.chunk_frames=...)")
+    if (frames - 1) % temporal:
+        raise ConfigError(f"--frames {frames} must be {temporal}k + 1")
+    latent_frames = (frames - 1) // temporal + 1
+    _, ph, pw = transformer_config["patch_size"]
+    grid = (latent_frames, height // (spatial * ph), width // (spatial * pw))
+    if latent_frames % mhla.chunk_frames:
+        raise ConfigError(f"--frames {frames}: its {latent_frames} latent frames are not a whole number "
+                          f"of chunks of chunk_frames={mhla.chunk_frames}; use "
+                          f"{temporal}·(k·chunk_frames - 1) + 1")
+    try:
+        block_causal_for(mhla, grid)
+    except ValueError as err:
+        raise ConfigError(f"--frames {frames}, --height {height}, --width {width}: {err}") from None
+    return latent_frames
+
+
+@torch.no_grad()
+def _denoise_chunk(transformer, caches: dict, noise, embeds: dict, scheduler, steps: int, guidance: float,
+                   progress) -> torch.Tensor:
+    """One chunk from its ``noise`` ``(B, C, cf, h, w)`` (fp32) to clean latents: ``steps`` scheduler steps,
+    the transformer reading ``caches`` (``{"cond": ..., "uncond": ...}``, unchanged)."""
+    scheduler.set_timesteps(steps, device=noise.device)
+    latents, dtype = noise, transformer.dtype
+    for t in scheduler.timesteps:
+        timestep = t.expand(latents.shape[0])
+        predictions = {
+            name: stream_step(transformer, cache, latents.to(dtype), timestep, embeds[name])[0]
+            for name, cache in caches.items()
+        }
+        prediction = predictions["cond"]
+        if "uncond" in predictions:
+            prediction = predictions["uncond"] + guidance * (prediction - predictions["uncond"])
+        latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+        progress.update()
+    return latents
+
+
+@torch.no_grad()
+def _write_chunk(transformer, caches: dict, latents, embeds: dict) -> dict:
+    """The caches with the clean chunk ``latents`` written in: the transformer on it at ``t = 0``."""
+    timestep = torch.zeros(latents.shape[0], device=latents.device)
+    return {name: stream_step(transformer, cache, latents.to(transformer.dtype), timestep, embeds[name])[1]
+            for name, cache in caches.items()}
+
+
+def decode(pipe, latents: torch.Tensor, output_type: str = "np"):
+    """The videos of normalised Wan latents ``(B, C, F, h, w)``, as ``WanPipeline`` decodes them."""
+    vae = pipe.vae
+    latents = latents.to(vae.device, vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+    video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+    return pipe.video_processor.postprocess_video(video, output_type=output_type)
+
+
+@torch.no_grad()
+def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str] | None = None,
+                 num_frames: int = 81, height: int = 480, width: int = 832, num_inference_steps: int = 8,
+                 guidance_scale: float = 5.0, generator=None, max_sequence_length: int = 512,
+                 output_type: str = "np") -> StreamOutput:
+    """Stream one video per prompt from a ``WanPipeline`` whose transformer is block-causal MHLA.
+
+    Args:
+        pipe: a ``WanPipeline`` (one transformer; Wan2.2's two experts are not streamed).
+        num_frames: ``4k + 1`` frames whose latent frames are a whole number of chunks; any length.
+        num_inference_steps: denoising steps per chunk.
+        guidance_scale: classifier-free guidance (> 1: a second cache for ``negative_prompt``).
+        generator, max_sequence_length, output_type: as ``WanPipeline``.
+    Raises:
+        ValueError / ConfigError: before any work, for a bidirectional model, two experts, or a length the
+            chunks do not divide.
+    """
+    transformer = pipe.transformer
+    mhla = check_streaming_model(transformer)
+    if getattr(pipe, "transformer_2", None) is not None:
+        raise ValueError("streaming runs one transformer; this pipeline has two experts (transformer_2)")
+    frames = check_stream_settings(mhla, dict(transformer.config), num_frames, height, width,
+                                   pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial)
+    device = transformer.device
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    cfg = guidance_scale > 1.0
+    cond, uncond = pipe.encode_prompt(prompts, negative_prompt, do_classifier_free_guidance=cfg,
+                                      max_sequence_length=max_sequence_length, device=device)
+    embeds = {"cond": cond.to(transformer.dtype), **({"uncond": uncond.to(transformer.dtype)} if cfg else {})}
+    spatial = pipe.vae_scale_factor_spatial
+    size = (height // spatial, width // spatial)
+    total = frames if mhla.stream_mixing == "general" else None
+    caches = {name: WanStreamCache.empty(transformer, len(prompts), size, total) for name in embeds}
+    shape = (len(prompts), transformer.config.in_channels, mhla.chunk_frames, *size)
+    chunks, cache_bytes = [], []
+    count = frames // mhla.chunk_frames
+    with pipe.progress_bar(total=count * num_inference_steps) as progress:
+        for index in range(count):
+            noise = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+            scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # no state across chunks
+            chunks.append(_denoise_chunk(transformer, caches, noise, embeds, scheduler, num_inference_steps,
+                                         guidance_scale, progress))
+            if index + 1 < count:  # the last chunk has no successor to read it
+                caches = _write_chunk(transformer, caches, chunks[-1], embeds)
+                cache_bytes.append(sum(cache.nbytes for cache in caches.values()))
+    latents = torch.cat(chunks, dim=2)
+    video = latents if output_type == "latent" else decode(pipe, latents, output_type)
+    return StreamOutput(video, latents, cache_bytes)
+
+
+class WanStreamSampler(WanSampler):
+    """``mhla-gen sample --base wan --stream``: :func:`stream_video` per prompt, ``--steps`` per chunk,
+    any ``--frames`` the chunks divide."""
+
+    @classmethod
+    def fit_size(cls, pipe, settings: SampleSettings) -> SampleSettings:
+        """:meth:`WanSampler.fit_size` (sizes, ``4k + 1`` frames), then :func:`check_stream_settings`."""
+        fitted = super().fit_size(pipe, settings)
+        transformer = pipe.transformer
+        check_stream_settings(getattr(transformer, "mhla_config", None), dict(transformer.config),
+                              fitted.frames, fitted.height, fitted.width, pipe.vae_scale_factor_temporal,
+                              pipe.vae_scale_factor_spatial)
+        return fitted
+
+    @classmethod
+    def sample(cls, pipe, conditions, generator, settings: SampleSettings) -> list[np.ndarray]:
+        """The videos ``(F, H, W, 3)`` in [0, 1], one per prompt in ``conditions``."""
+        optional = settings.optional(max_sequence_length="max_sequence_length")
+        output = stream_video(pipe, list(conditions), settings.negative_prompt, settings.frames,
+                              settings.height, settings.width, settings.steps, settings.guidance,
+                              generator, output_type=settings.output_type or "np", **optional)
+        return list(output.frames)
+
+
+__all__ = ["StreamOutput", "WanStreamSampler", "check_stream_settings", "decode", "stream_video"]
