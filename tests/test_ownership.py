@@ -362,18 +362,18 @@ def test_feature_cache_interrupted_then_the_same_command_runs(tmp_path, monkeypa
     user_files(setup / "data", ["a.txt", "b.txt"])
     for name in ("a", "b"):
         Image.new("RGB", (40, 48)).save(setup / "data" / f"{name}.png")
-    original = SanaTask.encode
+    original = SanaTask.encode_pixels
 
-    def interrupted(self, item):
+    def interrupted(self, pixels):
         if (tmp_path / "run" / ".tmp-cache" / "items" / "00000000.safetensors").exists():
             raise KeyboardInterrupt
-        return original(self, item)
+        return original(self, pixels)
 
-    monkeypatch.setattr(SanaTask, "encode", interrupted)
+    monkeypatch.setattr(SanaTask, "encode_pixels", interrupted)
     with pytest.raises(KeyboardInterrupt):
         finetune(setup, tmp_path / "run", "train.max_steps=1")
     assert (tmp_path / "run" / ".tmp-cache").is_dir()
-    monkeypatch.setattr(SanaTask, "encode", original)
+    monkeypatch.setattr(SanaTask, "encode_pixels", original)
     finetune(setup, tmp_path / "run", "train.max_steps=1")
     assert not (tmp_path / "run" / ".tmp-cache").exists() and (tmp_path / "run" / "final").is_dir()
 
