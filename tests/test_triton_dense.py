@@ -364,6 +364,28 @@ def test_dense_wide_offsets_give_the_same_bits(tm, td, dense, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(narrow, wide))
 
 
+@interpreter_only
+def test_tuner_writes_a_dense_entry_dense_tiles_reads(monkeypatch, tmp_path, capsys):
+    """``benchmarks/tune_mhla_tiles.py`` on a dense shape in the interpreter (two candidates): each checked
+    against the PyTorch backend and timed, the fastest written under the dense class, which
+    ``dense_tiles`` then returns."""
+    from mhla_gen.ops import tile_table, triton_dense
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from test_tune_mhla_tiles import load_tuner
+
+    out = tmp_path / "tiles.json"
+    load_tuner().main(["--device", "cpu", "--shapes", "tinydense", "--dtype", "fp32", "--max-candidates", "2",
+                       "--repeats", "1", "--out", str(out)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tinydense |")]
+    assert len(rows) == 2 and all(row.endswith(" ms |") for row in rows), rows
+    entry = tile_table.read_table(out)["devices"]["cpu"]["dense-d16-e16-fp32-N32"]
+    assert set(entry["config"]) <= {"block_t", "num_warps", "num_stages"}
+    monkeypatch.setattr(tile_table, "TABLE_PATH", out)
+    tiles = triton_dense.dense_tiles(16, 16, num_tokens=24, dtype=torch.float32, device=torch.device("cpu"))
+    assert tiles.block_q == entry["config"]["block_t"]
+
+
 # --------------------------------------------------------------------------------------------------
 # the choice of path (no kernels run)
 
