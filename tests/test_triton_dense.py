@@ -215,8 +215,10 @@ def test_dense_gradient_subsets(tm, dense, launches, normalize):
 @interpreter_only
 @pytest.mark.parametrize("path", ["dense", "blocked"])
 def test_launches_per_call(td, launches, path):
-    """Through ``mhla_attention``: the dense path is one launch forward and two backward (so that "one
-    launch" cannot quietly become four); the blocked path runs its own kernels and none of the dense ones."""
+    """Through ``mhla_attention``: the dense path is one Triton launch forward and two backward (so that
+    "one launch" cannot quietly become four); with ∂W the backward also runs two PyTorch ops, the zero fill
+    of the partials buffer and its ``torch.sum`` (``docs/operator.md``), which this spy does not count.
+    The blocked path runs its own kernels and none of the dense ones."""
     from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 7), (2, 3))
