@@ -38,7 +38,8 @@ Block ids come from an int32 table ``b(t)`` per token (:func:`token_block_table`
 device once per layout and cached), loaded once per tile: the kernels read q, k, v in token order, tiles
 cross block boundaries freely, and uneven grids cost nothing. Until 2026-11-28 each tile computed its
 block ids from its token ids (about ten integer divisions per token) and gathered W with a masked
-``[BQ, BK]`` load: compiled for an H200 (triton 3.6, ``ptxas -v``) the forward at SANA's 1024-token shape
+``[BQ, BK]`` load: compiled for an H200 (triton 3.6, ``ptxas -v``; ``benchmarks/kernel_resources.py``
+prints these numbers) the forward at SANA's 1024-token shape
 (d = 32, tiles of 64, 4 warps, bf16) used 255 registers per thread and spilled 428 bytes, which fits its
 measured slowness there (1.19 ms against 0.25 ms for SANA's linear attention); now it uses 138 and spills
 nothing. Padded tokens read block 0, so the W gather needs no mask (their rows and columns of P are

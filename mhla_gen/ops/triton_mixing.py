@@ -172,7 +172,8 @@ def mix_tiles(m: int, block_c: int | None = None, block_m: int | None = None, nu
     Why (2026-11-28, reasoned, not yet timed): at Wan 480p (M = 150, bf16 states, 24 batch·heads x 128 x
     128 columns) the mixing took 598 µs of a 1.26 ms forward on an H200, ~400 GB/s for ~236 MB: a pass
     bound by how many loads each multiprocessor keeps in flight, with five dot steps per program. Compiled
-    for the H200 (triton 3.6, ``ptxas -v``, bf16 states with their fp32 normalisers), the tiles of before
+    for the H200 (triton 3.6, ``ptxas -v``, bf16 states with their fp32 normalisers;
+    ``benchmarks/kernel_resources.py``), the tiles of before
     (64 x 128, 4 warps, int64 offsets) used 255 registers a thread and 72 KB of shared memory: two programs,
     8 warps, per multiprocessor. With int32 offsets (:func:`mix`) the same tiles need 208 registers, still
     two programs; 64 x 64 tiles at 8 warps need 118 (two programs, 16 warps: twice the loads in flight,
