@@ -716,10 +716,10 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
     cfg.data.source = "teacher" if base in ("sana", "wan", "sana-video", "wan-i2v") else "latents"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
-    task = TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
-    reported = task.inputs()
-    if base in ("dit", "linearize"):  # data.teacher is read with data.source=teacher
+    build = lambda: TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
+    reported = build().inputs()
+    if base in ("dit", "linearize"):  # data.teacher is read with data.source=teacher (its source)
         cfg.data.source = "teacher"
-        reported = {**reported, **task.inputs()}
+        reported = {**reported, **build().inputs()}
     missing = [s for s in settings if s not in reported]
     assert not missing, f"settings the apart check does not cover: {missing}"
