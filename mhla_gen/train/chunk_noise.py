@@ -37,7 +37,8 @@ def check_streaming(task, transformer_config: dict) -> None:
             raise ConfigError(f"mhla: {err}") from None
     if task.cfg.flow.per_chunk_noise and (mhla is None or mhla.chunk_frames is None):
         raise ConfigError("flow.per_chunk_noise=true (diffusion forcing) needs block-causal attention: set "
-                          "mhla.chunk_frames (latent frames per chunk) with model.attention=mhla")
+                          "mhla.chunk_frames (latent frames per chunk; model.attention=mhla, or softmax "
+                          "for block-causal softmax)")
 
 
 @dataclass(frozen=True)
