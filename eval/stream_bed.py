@@ -118,9 +118,10 @@ def arm_config(arm: str, frames: int, chunk: int) -> MHLAConfig:
     raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
 
 
-def build_model(size: Size, arm: str, seed: int, frames: int | None = None) -> WanTransformer3DModel:
+def build_model(size: Size, arm: str, seed: int, frames: int | None = None,
+                device: str = "cpu") -> WanTransformer3DModel:
     """The tiny pixel-space Wan of ``seed`` with ``arm``'s attention (``frames``: the general mixing's
-    length, default the training length)."""
+    length, default the training length), on ``device`` (built on the CPU: the same weights anywhere)."""
     torch.manual_seed(seed)
     model = WanTransformer3DModel(
         patch_size=(1, size.patch, size.patch), num_attention_heads=size.heads,
@@ -128,7 +129,7 @@ def build_model(size: Size, arm: str, seed: int, frames: int | None = None) -> W
         ffn_dim=size.ffn, num_layers=size.layers,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
     )
-    return install_mhla(model, arm_config(arm, frames or size.frames, size.chunk))
+    return install_mhla(model, arm_config(arm, frames or size.frames, size.chunk)).to(device)
 
 
 def record_path(out: Path, arm: str, seed: int) -> Path:
@@ -149,12 +150,13 @@ def training_clips(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_arm(size: Size, arm: str, seed: int, clips: torch.Tensor, labels: torch.Tensor,
-              log_every: int = 25) -> tuple[WanTransformer3DModel, list[dict]]:
+              log_every: int = 25, device: str = "cpu") -> tuple[WanTransformer3DModel, list[dict]]:
     """Diffusion forcing from scratch: ``size.steps`` AdamW steps (linear warm-up, gradient clipping at 1),
     batches, σ per chunk and noise drawn from ``(seed, step)`` alone (every arm sees the same). Returns the
-    model and the training log ``[{"step", "loss", "seconds"}]`` (the mean loss since the last entry)."""
-    model = build_model(size, arm, seed).train()
-    text = class_text()
+    model and the training log ``[{"step", "loss", "seconds"}]`` (the mean loss since the last entry).
+    The draws are made on the CPU whatever ``device`` trains: a GPU run sees the same clips, σ and noise."""
+    model = build_model(size, arm, seed, device=device).train()
+    text = class_text().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / size.warmup))
     noising = FlowNoise(FlowMatchingConfig(per_chunk_noise=True), SHIFT, None, "transformer", 1000,
@@ -166,6 +168,7 @@ def train_arm(size: Size, arm: str, seed: int, clips: torch.Tensor, labels: torc
         x0 = clips[index]
         sigmas = noising.sigmas(rnd, x0)  # (B, chunks)
         noise = rnd.randn(*x0.shape[1:])
+        x0, noise, sigmas = x0.to(device), noise.to(device), sigmas.to(device)
         inputs = noising.inputs(x0, noise, sigmas)  # each chunk at its own σ, a timestep per token
         prediction = model(**inputs, encoder_hidden_states=text[labels[index]], return_dict=False)[0]
         loss = flow_matching_mse(prediction, x0, noise, noising.loss_weights(sigmas))
@@ -197,11 +200,11 @@ def stream(model: WanTransformer3DModel, size: Size, labels: torch.Tensor, frame
            seed: int = SAMPLE_SEED) -> torch.Tensor:
     """Videos ``(N, 3, frames, size, size)`` in [0, 1] streamed chunk by chunk, noise from ``seed``."""
     shape = (len(labels), 3, size.chunk, size.size, size.size)
-    embeds = {"cond": class_text()[labels]}
-    generator = torch.Generator().manual_seed(seed)
+    embeds = {"cond": class_text()[labels].to(model.device)}
+    generator = torch.Generator().manual_seed(seed)  # on the CPU: the same noise on any device
     chunks = [chunk for chunk, _ in stream_chunks(model, embeds, frames // size.chunk, shape, scheduler(),
                                                   size.sample_steps, 1.0, generator)]
-    return ((torch.cat(chunks, dim=2) + 1) / 2).clamp(0, 1)
+    return ((torch.cat(chunks, dim=2).cpu() + 1) / 2).clamp(0, 1)
 
 
 def score_videos(videos: torch.Tensor, labels: torch.Tensor) -> dict[str, np.ndarray]:
@@ -216,22 +219,32 @@ def streamed_frames(size: Size, arm: str) -> int:
 
 
 # ------------------------------------------------------------------------------- memory and time
-def peak_allocated(step) -> tuple[object, int]:
-    """``step()``'s result and the peak of tensor bytes it had allocated at once on the CPU, above what was
-    held when it started (``torch.profiler``'s allocator events: every allocation and free carries the
-    running total; the first event's total is the first allocation)."""
+def peak_allocated(step, device: torch.device | None = None) -> tuple[object, int]:
+    """``step()``'s result and the peak of tensor bytes it had allocated at once on ``device`` (default
+    the CPU), above what was held when it started. CUDA: the allocator's peak statistic. CPU: the running
+    sum of ``torch.profiler``'s allocator events in time order (an allocation's size, a free's negative
+    size); the events' own running total is not used: it drifts across profiler sessions (frees of blocks
+    allocated before a session are not subtracted)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+        result = step()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - held
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = step()
-    peak, todo = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         node = todo.pop()
         if node.tag == _EventType.Allocation:
-            peak = max(peak, node.extra_fields.total_allocated)
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
         todo.extend(node.children)
-    return result, peak
+    running = np.cumsum([size for _, size in sorted(events)]) if events else np.zeros(1)
+    return result, int(max(running.max(), 0))
 
 
 def chunk_costs(model: WanTransformer3DModel, size: Size, frames: int, label: int = 0) -> list[dict]:
@@ -239,8 +252,9 @@ def chunk_costs(model: WanTransformer3DModel, size: Size, frames: int, label: in
     the clean pass that writes it, timed without the profiler), ``cache_bytes`` (the caches' tensors it
     reads: every chunk before it; none for the first) and ``peak_bytes`` (that cache plus the peak allocated
     while making it: the tensors a chunk needs besides the weights)."""
-    shape, embeds = (1, 3, size.chunk, size.size, size.size), {"cond": class_text()[[label]]}
-    count = frames // size.chunk
+    shape, embeds = (1, 3, size.chunk, size.size, size.size), {"cond": class_text()[[label]].to(model.device)}
+    count, device = frames // size.chunk, model.device
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def chunks():
         return stream_chunks(model, embeds, count, shape, scheduler(), size.sample_steps, 1.0,
@@ -248,13 +262,15 @@ def chunk_costs(model: WanTransformer3DModel, size: Size, frames: int, label: in
 
     rows, timed = [], chunks()
     for index in range(count):
+        synchronize()
         start = time.perf_counter()
         next(timed)
+        synchronize()
         seconds = time.perf_counter() - start
         rows.append({"chunk": index, "frames": (index + 1) * size.chunk, "seconds": seconds})
     held, profiled = 0, chunks()
     for row in rows:
-        (_, written), peak = peak_allocated(lambda: next(profiled))
+        (_, written), peak = peak_allocated(lambda: next(profiled), device)
         row["cache_bytes"], row["peak_bytes"] = held, held + peak
         held = written
     return rows

@@ -65,12 +65,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     p.add_argument("--steps", type=int, help="training steps (default: the size's)")
     p.add_argument("--eval-clips", type=int, help="streamed videos per (arm, seed) (default: the size's)")
+    p.add_argument("--batch", type=int, help="training batch (default: the size's)")
+    p.add_argument("--device", default="cpu", help="where to train, stream and measure (cpu, cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args(argv)
     unknown = sorted(set(args.arms) - set(bed.ARMS))
     if unknown:
         raise ConfigError(f"--arms: unknown {unknown}; choose from {list(bed.ARMS)}")
-    for name in ("seeds", "steps", "eval_clips", "threads"):
+    for name in ("seeds", "steps", "eval_clips", "batch", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -79,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def study_size(args) -> bed.Size:
     size = bed.SIZES[args.size]
-    changes = {k: v for k, v in (("steps", args.steps), ("eval_clips", args.eval_clips)) if v is not None}
+    given = (("steps", args.steps), ("eval_clips", args.eval_clips), ("batch", args.batch))
+    changes = {k: v for k, v in given if v is not None}
     return replace(size, warmup=min(size.warmup, changes.get("steps", size.steps)), **changes)
 
 
@@ -93,9 +96,9 @@ def save_npz(path: Path, **arrays) -> None:
     os.replace(tmp, path)
 
 
-def train_point(out: Path, size: bed.Size, arm: str, seed: int, data) -> None:
+def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str) -> None:
     """Train ``arm`` with ``seed``, stream and score its videos: ``records/<arm>_seed<seed>.npz``."""
-    model, log = bed.train_arm(size, arm, seed, *data)
+    model, log = bed.train_arm(size, arm, seed, *data, device=device)
     labels = bed.eval_labels(size)
     start = time.perf_counter()
     videos = bed.stream(model, size, labels, bed.streamed_frames(size, arm))
@@ -111,17 +114,17 @@ def train_point(out: Path, size: bed.Size, arm: str, seed: int, data) -> None:
           f"colour {scores['colour'].mean():.3f}", flush=True)
 
 
-def train_stage(out: Path, size: bed.Size, arms, seeds: int) -> None:
+def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str) -> None:
     data = None
     for seed in range(seeds):
         for arm in arms:
             if file_is_ours(bed.record_path(out, arm, seed), KIND):
                 continue
             data = data if data is not None else bed.training_clips(size)
-            train_point(out, size, arm, seed, data)
+            train_point(out, size, arm, seed, data, device)
 
 
-def costs_stage(out: Path, size: bed.Size, arms) -> None:
+def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
     """``costs.json``: per arm, :func:`bed.chunk_costs` of one untrained video of 8x the training length."""
     path, found = out / "costs.json", {}
     if path.is_file() and file_is_ours(path, KIND):
@@ -129,7 +132,7 @@ def costs_stage(out: Path, size: bed.Size, arms) -> None:
     for arm in arms:
         if arm in found:
             continue
-        model = bed.build_model(size, arm, seed=0, frames=size.longest).eval()
+        model = bed.build_model(size, arm, seed=0, frames=size.longest, device=device).eval()
         found[arm] = bed.chunk_costs(model, size, size.longest)
         last = found[arm][-1]
         print(f"{arm}: peak {last['peak_bytes'] / 1024:.0f} KiB at chunk {len(found[arm])}", flush=True)
@@ -159,9 +162,9 @@ def main(argv=None) -> None:
     out = claim(Path(args.out), "study", "--out")
     torch.set_num_threads(args.threads)
     if args.stage in ("all", "train"):
-        train_stage(out, size, args.arms, args.seeds)
+        train_stage(out, size, args.arms, args.seeds, args.device)
     if args.stage in ("all", "costs"):
-        costs_stage(out, size, args.arms)
+        costs_stage(out, size, args.arms, args.device)
     if args.stage in ("all", "report"):
         command = " ".join(["python eval/stream_study.py", *(sys.argv[1:] if argv is None else argv)])
         report_stage(out, size, args.arms, args.seeds, command)

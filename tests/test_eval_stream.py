@@ -35,6 +35,9 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
     assert len(softmax) == size.longest // size.chunk
     assert all(b > a for a, b in zip(softmax, softmax[1:]))  # the KV cache grows every chunk
     assert len(set(factorised[1:])) == 1 and factorised[1] > 0  # one state per block, any length
+    peaks = {arm: [row["peak_bytes"] for row in rows[1:]] for arm, rows in costs.items()}
+    assert len(set(peaks["mhla-factorised"])) == 1  # measured: flat from the second chunk on
+    assert all(b > a for a, b in zip(peaks["softmax-kv"], peaks["softmax-kv"][1:]))
     page = (out / "streaming.md").read_text()
     assert "python eval/stream_study.py --out" in page and "| primary |" in page
     with np.load(out / "streaming_records.npz") as bundle:
