@@ -85,8 +85,9 @@ def questions(records: dict, size: bed.Size) -> list[dict]:
     for index, (cell, p_adj) in enumerate(zip(cells, adjusted)):
         cell["primary"] = index == 0
         cell["p_holm"] = p_adj
-        if cell["interval"] is None:
-            cell["verdict"] = "not streamed"
+        if cell["interval"] is None:  # an arm without records, or a window it does not reach
+            ran = all(arm in records for arm in (cell["a"][0], cell["b"][0]))
+            cell["verdict"] = "not streamed" if ran else "not run"
             continue
         p_arg = None if index == 0 else (float(p_adj) if math.isfinite(p_adj) else 1.0)
         cell["verdict"] = es.verdict(cell["interval"], MIN_EFFECT, cell["both_at_floor"], p_arg)
@@ -100,7 +101,7 @@ def fmt_cell(cell: dict, size: bed.Size) -> str:
     role = "primary" if cell["primary"] else "secondary"
     iv = cell["interval"]
     if iv is None:
-        return f"| {name} | {role} | – | – | – | – | not streamed |"
+        return f"| {name} | {role} | – | – | – | – | {cell['verdict']} |"
     p = f"{iv.p:.3f}" if cell["primary"] else f"{cell['p_holm']:.3f} (Holm)"
     seeds = ", ".join(f"{d:+.3f}" for d in iv.per_seed)
     return (f"| {name} | {role} | {cell['rate_a']:.3f} vs {cell['rate_b']:.3f} | {iv.estimate:+.3f} "
