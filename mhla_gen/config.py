@@ -38,7 +38,10 @@ class MHLAConfig:
         wan_head_norm: Wan only. RMS-normalise each head's output (the release's ``g_norm``).
         chunk_frames: Wan only. Block-causal (streaming) self-attention in chunks of this many latent
             frames: a token sees its own chunk and every earlier one (``docs/streaming.md``); None:
-            bidirectional. Needs MHLA in every layer, no CPE and ``wan_rope=before_phi``.
+            bidirectional. Every self-attention layer is block-causal: the MHLA ``layers`` run block-causal
+            MHLA, the others block-causal softmax with a KV cache (``layers=[]``: the softmax streaming
+            baseline, whose ``blocks`` and ``stream_mixing`` are unused). Needs no CPE and
+            ``wan_rope=before_phi``.
         stream_mixing: with ``chunk_frames``: ``general`` (the learned ``W`` over the blocks of the whole
             video, masked; ``blocks`` cut the whole video, every time block inside one chunk; a streaming
             cache grows with the video) or ``factorised`` (``W_s`` over the blocks of one chunk times a

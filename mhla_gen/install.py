@@ -124,7 +124,9 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
 
     The pretrained q/k/v/out projections are kept; each selected layer gets fresh MHLA parameters
     (mixing matrix at its locality init, CPE and gate at their identity inits) on the device and dtype of
-    that layer's weights. Installing again first uninstalls the previous MHLA (its parameters are lost).
+    that layer's weights. With ``cfg.chunk_frames`` (Wan) every other self-attention layer gets block-causal
+    softmax (``processors/wan_softmax.py``; ``layers=[]``: softmax throughout), which has no parameters.
+    Installing again first uninstalls the previous MHLA (its parameters are lost).
 
     Raises:
         ValueError: unsupported model class, ``cfg.blocks`` of the wrong rank (2 for DiT/SANA, 3 for Wan),
@@ -146,12 +148,15 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         _put_stock_processors(transformer)
         _forget_mhla(transformer)  # the class comes back below: pipelines holding the model stay right
 
-    for index in selected:
-        attn = attention_layers[index]
-        weight = attn.to_q.weight
-        processor = processor_cls.for_layer(attn, cfg).to(device=weight.device, dtype=weight.dtype)
-        _share_parallel_config(transformer, processor)
-        attn.set_processor(processor)
+    for index, attn in enumerate(attention_layers):
+        if index in selected:
+            weight = attn.to_q.weight
+            processor = processor_cls.for_layer(attn, cfg).to(device=weight.device, dtype=weight.dtype)
+        else:  # block-causal softmax in a streaming model (Wan), else None: the layer stays as it is
+            processor = processor_cls.softmax_processor(attn, cfg)
+        if processor is not None:
+            _share_parallel_config(transformer, processor)
+            attn.set_processor(processor)
 
     transformer.mhla_config = cfg
     _register_hooks(transformer)
@@ -175,10 +180,16 @@ def uninstall_mhla(transformer: nn.Module) -> nn.Module:
     return transformer
 
 
+def _installed(processor, processor_cls) -> bool:
+    """Whether ``install_mhla`` put ``processor`` there: MHLA, or a streaming model's block-causal softmax."""
+    softmax = processor_cls.softmax_processor_cls
+    return isinstance(processor, MHLAProcessor) or (softmax is not None and isinstance(processor, softmax))
+
+
 def _put_stock_processors(transformer: nn.Module) -> None:
     processor_cls = base_for_model(transformer).processor
     for attn in processor_cls.self_attention(transformer):
-        if isinstance(attn.processor, MHLAProcessor):
+        if _installed(attn.processor, processor_cls):
             processor = processor_cls.stock_processor()
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
@@ -210,8 +221,8 @@ def record_mhla_layers(transformer: nn.Module) -> None:
     through diffusers (``set_attn_processor``): ``mhla_config.layers`` and ``config["mhla"]`` list the
     layers still holding an MHLA processor, and without any the model is stock (as after
     :func:`uninstall_mhla`, the processors diffusers set left in place). A no-op without MHLA."""
-    if not is_mhla_installed(transformer):
-        return
+    if not is_mhla_installed(transformer) or transformer.mhla_config.chunk_frames is not None:
+        return  # a block-causal model's self-attention processors cannot change (check_mhla_placement)
     cfg = transformer.mhla_config
     layers = base_for_model(transformer).processor.self_attention(transformer)
     running = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
@@ -231,15 +242,21 @@ def record_mhla_layers(transformer: nn.Module) -> None:
 def check_mhla_placement(transformer: nn.Module, processor) -> None:
     """ValueError, before anything changes, when ``set_attn_processor(processor)`` would put an MHLA
     processor where this model's MHLA cannot run: an attention that is not self-attention, a processor of
-    another base or another MHLA config (one model runs one config), or one processor in two layers.
+    another base or another MHLA config (one model runs one config), or one processor in two layers; and
+    any new self-attention processor in a block-causal model (``chunk_frames``: its softmax layers too).
     ``processor``: one processor for every layer, or ``{"<module>.processor": processor}``."""
     processor_cls = base_for_model(transformer).processor
     names = {id(m): name for name, m in transformer.named_modules()}
     self_attention = {f"{names[id(attn)]}.processor" for attn in processor_cls.self_attention(transformer)}
     given = processor if isinstance(processor, dict) else {k: processor for k in transformer.attn_processors}
     layerless = dataclasses.replace(transformer.mhla_config, layers=None)
+    chunk_frames, current = transformer.mhla_config.chunk_frames, transformer.attn_processors
     bad, seen = [], {}
     for key, proc in given.items():
+        if chunk_frames is not None and key in self_attention and proc is not current[key]:
+            bad.append(f"{key}: a block-causal model (chunk_frames={chunk_frames}) keeps its self-attention "
+                       "processors (another would see later chunks)")
+            continue
         if not isinstance(proc, MHLAProcessor):
             continue
         if key not in self_attention or not isinstance(proc, processor_cls):
@@ -296,12 +313,16 @@ def check_mhla_consistent(transformer: nn.Module, action: str = "saving") -> Non
     saved as a folder that claims MHLA and does not load.
     """
     cfg = transformer.mhla_config
-    layers = base_for_model(transformer).processor.self_attention(transformer)
+    processor_cls = base_for_model(transformer).processor
+    layers = processor_cls.self_attention(transformer)
     wanted = set(_selected_layers(cfg, len(layers)))
+    softmax = processor_cls.softmax_processor_cls if cfg.chunk_frames is not None else None
     wrong = [
         i for i, attn in enumerate(layers)
         if isinstance(attn.processor, MHLAProcessor) != (i in wanted)
         or (i in wanted and attn.processor.cfg != cfg)
+        or (i not in wanted and softmax is not None
+            and not (isinstance(attn.processor, softmax) and attn.processor.cfg == cfg))
     ]
     if wrong:
         raise ValueError(

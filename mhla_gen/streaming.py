@@ -2,8 +2,9 @@
 
 A Wan transformer installed with ``MHLAConfig.chunk_frames`` (``docs/streaming.md``) makes a video
 ``chunk_frames`` latent frames at a time. :class:`WanStreamCache` is the memory of the chunks made so far:
-one cache per self-attention layer (``GeneralStreamCache`` or ``FactorisedStreamCache``,
-``ops/streaming_cache.py``), the latent frames done, and what it was made for. :func:`stream_step` runs
+one cache per self-attention layer (MHLA layers: ``GeneralStreamCache`` or ``FactorisedStreamCache``,
+``ops/streaming_cache.py``; block-causal softmax layers: ``KVStreamCache``, ``ops/kv_cache.py``), the latent
+frames done, and what it was made for. :func:`stream_step` runs
 the transformer on the next chunk and returns its output with the cache that includes that chunk::
 
     cache = WanStreamCache.empty(transformer, batch=1, latent_size=(60, 104))       # frames=F: general
@@ -30,10 +31,12 @@ from torch import nn
 
 from .config import MHLAConfig
 from .install import is_mhla_installed
+from .ops.kv_cache import KVStreamCache
 from .ops.streaming_cache import FactorisedStreamCache, GeneralStreamCache
 from .processors.grid import STREAM_ATTR
 from .processors.wan import WanMHLAProcessor
-from .processors.wan_causal import StreamCall, block_causal_for
+from .processors.wan_causal import StreamCall, block_causal_for, check_chunk_grid, fixed_length
+from .processors.wan_softmax import WanBlockCausalSoftmaxProcessor
 
 
 def check_streaming_model(transformer: nn.Module) -> MHLAConfig:
@@ -43,15 +46,17 @@ def check_streaming_model(transformer: nn.Module) -> MHLAConfig:
     cfg = transformer.mhla_config if is_mhla_installed(transformer) else None
     if cfg is None or cfg.chunk_frames is None:
         what = "stock attention" if cfg is None else f"bidirectional MHLA (blocks {list(cfg.blocks)})"
-        raise ValueError(f"this transformer runs {what}: streaming needs a block-causal model, MHLA with "
-                         f"chunk_frames (fine-tune one with mhla.chunk_frames=..., docs/streaming.md)")
+        raise ValueError(f"this transformer runs {what}: streaming needs a block-causal model, installed "
+                         f"with chunk_frames (fine-tune one with mhla.chunk_frames=..., docs/streaming.md)")
     return cfg
 
 
-def _mhla_layers(transformer: nn.Module) -> dict[int, nn.Module]:
-    """``{layer index: attention module}`` of the self-attention layers running MHLA."""
+def _stream_layers(transformer: nn.Module) -> dict[int, nn.Module]:
+    """``{layer index: attention module}`` of the self-attention layers that keep a stream cache: MHLA
+    layers and block-causal softmax layers (every layer of a block-causal model)."""
     layers = WanMHLAProcessor.self_attention(transformer)
-    return {i: attn for i, attn in enumerate(layers) if isinstance(attn.processor, WanMHLAProcessor)}
+    streaming = (WanMHLAProcessor, WanBlockCausalSoftmaxProcessor)
+    return {i: attn for i, attn in enumerate(layers) if isinstance(attn.processor, streaming)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +71,7 @@ class WanStreamCache:
         latent_size: ``(h, w)`` of every chunk's latents.
         frames: the video's latent frames (general mixing: its ``W`` fixes them); None: no end (factorised).
         frames_done: latent frames streamed so far (where the next chunk's RoPE positions start).
-        layers: ``{layer index: GeneralStreamCache | FactorisedStreamCache}``.
+        layers: ``{layer index: GeneralStreamCache | FactorisedStreamCache | KVStreamCache}``.
     """
 
     model: weakref.ref
@@ -84,7 +89,8 @@ class WanStreamCache:
 
         Args:
             frames: the video's latent frames: required by the general mixing (its ``W`` covers one video's
-                blocks; checked here), optional for the factorised one (None: any length).
+                blocks; checked here), optional for the factorised one and for block-causal softmax
+                (None: any length).
         Raises:
             ValueError: not a block-causal Wan model, or a size the blocks or chunks do not fit.
         """
@@ -94,12 +100,12 @@ class WanStreamCache:
         if batch < 1 or min(chunk_grid[1:]) < 1:
             raise ValueError(f"batch={batch} and latent_size={tuple(latent_size)} must be positive (a "
                              f"{chunk_grid} token grid per chunk)")
-        if frames is None and cfg.stream_mixing == "general":
+        if frames is None and fixed_length(cfg):
             raise ValueError(f"stream_mixing=general: its W covers the blocks {list(cfg.blocks)} of one "
                              f"video, so the cache needs that video's latent frames (frames=...)")
         grid = (frames if frames is not None else cfg.chunk_frames, *chunk_grid[1:])
-        causal = block_causal_for(cfg, grid)  # ValueError when chunks or blocks do not fit
-        layers = {i: _layer_cache(cfg, causal, attn, batch) for i, attn in _mhla_layers(transformer).items()}
+        check_chunk_grid(cfg, grid)  # ValueError when chunks or blocks do not fit
+        layers = {i: _layer_cache(cfg, grid, attn, batch) for i, attn in _stream_layers(transformer).items()}
         return cls(weakref.ref(transformer), cfg, batch, tuple(latent_size), frames, 0, layers)
 
     @property
@@ -127,11 +133,16 @@ class WanStreamCache:
                              f"made for (general mixing ends there)")
 
 
-def _layer_cache(cfg: MHLAConfig, causal, attn: nn.Module, batch: int):
-    """One layer's empty cache, for q, k, v of its projections' dtype (states in its accumulation dtype)."""
+def _layer_cache(cfg: MHLAConfig, grid: tuple[int, int, int], attn: nn.Module, batch: int):
+    """One layer's empty cache, for q, k, v of its projections' dtype (MHLA states in its accumulation
+    dtype; a softmax layer's KV cache in that dtype)."""
     weight = attn.to_q.weight
     head_dim = attn.inner_dim // attn.heads
     args = (batch, attn.heads, head_dim, head_dim)
+    if isinstance(attn.processor, WanBlockCausalSoftmaxProcessor):
+        chunk_tokens = cfg.chunk_frames * grid[1] * grid[2]
+        return KVStreamCache.empty(*args, chunk_tokens, dtype=weight.dtype, device=weight.device)
+    causal = block_causal_for(cfg, grid)
     options = dict(feature_map=cfg.feature_map, normalize=cfg.normalize, eps=cfg.eps, dtype=weight.dtype,
                    device=weight.device)
     if cfg.stream_mixing == "factorised":
@@ -158,7 +169,7 @@ def stream_step(transformer: nn.Module, cache: WanStreamCache, hidden_states: to
     check_streaming_model(transformer)
     cache.check_model(transformer)
     cache.check_chunk(hidden_states)
-    index = {attn.processor: i for i, attn in _mhla_layers(transformer).items()}
+    index = {attn.processor: i for i, attn in _stream_layers(transformer).items()}
     call = StreamCall(cache.frames_done, cache.layers, index)
     setattr(transformer.rope, STREAM_ATTR, call)
     try:

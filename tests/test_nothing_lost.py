@@ -646,6 +646,8 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "scripts/gpu_check.py": "check_report_target",  # one report file: new, its own, or --overwrite
     "benchmarks/bench_dit_step.py": None, "benchmarks/bench_sana_step.py": None,  # print only
     "benchmarks/bench_host_overhead.py": None, "benchmarks/step_timing.py": None,
+    "eval/stream_study.py": "claim", "eval/stream_bed.py": None,  # the bed and the tables: helpers of
+    "eval/stream_report.py": None,  # eval/stream_study.py, which writes (its --out, claimed)
 }
 # The only places that delete files, each deleting what its own listing / marker names
 DELETERS = {

@@ -90,6 +90,19 @@ def test_streaming_equals_recomputing_the_clean_past_at_every_step(stream_pipe):
     torch.testing.assert_close(streamed.latents, _recomputed(stream_pipe, 13, 2, 0), rtol=1e-4, atol=1e-4)
 
 
+def test_softmax_streaming_equals_recomputing_and_its_kv_cache_grows():
+    """Block-causal softmax (``layers=[]``) through the same sampler: the KV cache is the clean past (the
+    rollout equality through 2 UniPC steps a chunk), and it holds one more chunk's keys and values after
+    every chunk."""
+    pipe = tiny_wan_pipeline()
+    install_mhla(pipe.transformer, MHLAConfig(blocks=(1, 2, 2), chunk_frames=1, layers=[]))
+    pipe.set_progress_bar_config(disable=True)
+    streamed = _stream(pipe, 13, output_type="latent", guidance_scale=1.0, num_inference_steps=2)
+    torch.testing.assert_close(streamed.latents, _recomputed(pipe, 13, 2, 0), rtol=1e-4, atol=1e-4)
+    per_chunk = 3 * 2 * 4 * (12 + 12) * 4  # layers x heads x tokens x (d + e) fp32, batch 1
+    assert streamed.cache_bytes == [per_chunk * (c + 1) for c in range(3)]
+
+
 def test_streamed_video_is_decoded_whole(stream_pipe):
     video = _stream(stream_pipe, 9).frames  # 3 latent frames -> 9 frames
     assert video.shape == (1, 9, 32, 32, 3) and video.min() >= 0 and video.max() <= 1

@@ -176,10 +176,6 @@ def test_models_that_cannot_stream_are_refused_before_install():
     from mhla_gen.testing_video import tiny_sana_video
 
     cfg = MHLAConfig(blocks=(1, 2, 2), chunk_frames=1)
-    model = tiny_wan_transformer()
-    with pytest.raises(ValueError, match=r"the softmax layers \[2\] would see later chunks"):
-        install_mhla(model, MHLAConfig(blocks=(1, 2, 2), chunk_frames=1, layers=[0, 1]))
-    assert not mhla_processors(model)
     with pytest.raises(ValueError, match="temporal patch of 1"):
         install_mhla(tiny_wan_transformer(patch_size=(2, 2, 2)), cfg)
     with pytest.raises(ValueError, match="built for Wan only, not for sana-video"):

@@ -1,4 +1,5 @@
-"""Plain references for block-causal MHLA (the test oracles of ``streaming.py`` / ``streaming_cache.py``).
+"""Plain references for block-causal MHLA (the test oracles of ``streaming.py`` / ``streaming_cache.py``) and
+block-causal softmax (of ``kv_cache.py``).
 Slow on purpose: dense ``N x N`` weights, built from token facts (frame, block) rather than from
 :class:`~mhla_gen.ops.streaming.BlockCausal`. Run them in float64.
 """
@@ -47,3 +48,12 @@ def factorised_dense(layout: BlockLayout, chunk_frames: int, spatial_mixing, dec
     lag = t[:, None] - t[None, :]  # (M, M)
     powers = decay[:, None, None] ** lag.clamp_min(0).to(decay.dtype)  # (H, M, M)
     return spatial_mixing[s][:, s] * powers * (lag >= 0).to(decay.dtype)
+
+
+def block_causal_softmax_dense(q, k, v, chunk_tokens: int) -> torch.Tensor:
+    """Softmax attention with the explicit ``N x N`` mask ``chunk(s) <= chunk(t)`` (``chunk = token //
+    chunk_tokens``), scale ``1 / sqrt(d)``. q, k ``(B, H, N, d)``, v ``(B, H, N, e)`` -> ``(B, H, N, e)``."""
+    chunk = torch.arange(q.shape[2], device=q.device) // chunk_tokens
+    visible = chunk[None, :] <= chunk[:, None]  # (N, N)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v

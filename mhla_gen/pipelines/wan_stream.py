@@ -1,5 +1,6 @@
-"""Streaming video from a block-causal MHLA Wan model: chunk by chunk, each chunk conditioned on the clean
-chunks before it through the model's cache (``mhla_gen.streaming``, ``docs/streaming.md``).
+"""Streaming video from a block-causal Wan model (MHLA, softmax with a KV cache, or both): chunk by chunk,
+each chunk conditioned on the clean chunks before it through the model's cache (``mhla_gen.streaming``,
+``docs/streaming.md``).
 
     pipe = load_wan_pipeline(WAN_DIR, transformer_path="runs/wan-stream/final")     # MHLA with chunk_frames
     video = stream_video(pipe, "a cat surfing", num_frames=161, num_inference_steps=8).frames[0]
@@ -28,7 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.processors.wan_causal import block_causal_for
+from mhla_gen.processors.wan_causal import check_chunk_grid, fixed_length
 from mhla_gen.streaming import WanStreamCache, check_streaming_model, stream_step
 
 from . import SampleSettings
@@ -53,8 +54,9 @@ def check_stream_settings(mhla: MHLAConfig | None, transformer_config: dict, fra
     setting for a bidirectional model or a length the chunks (or, general mixing, the blocks) do not fit."""
     if mhla is None or mhla.chunk_frames is None:
         what = "stock attention" if mhla is None else f"bidirectional MHLA (blocks {list(mhla.blocks)})"
-        raise ConfigError(f"--stream needs a block-causal model (MHLA with chunk_frames); this transformer "
-                          f"runs {what} (docs/streaming.md: fine-tune one with mhla.chunk_frames=...)")
+        raise ConfigError(f"--stream needs a block-causal model (installed with chunk_frames); this "
+                          f"transformer runs {what} (docs/streaming.md: fine-tune one with "
+                          f"mhla.chunk_frames=...)")
     if (frames - 1) % temporal:
         raise ConfigError(f"--frames {frames} must be {temporal}k + 1")
     latent_frames = (frames - 1) // temporal + 1
@@ -65,7 +67,7 @@ def check_stream_settings(mhla: MHLAConfig | None, transformer_config: dict, fra
                           f"of chunks of chunk_frames={mhla.chunk_frames}; use "
                           f"{temporal}·(k·chunk_frames - 1) + 1")
     try:
-        block_causal_for(mhla, grid)
+        check_chunk_grid(mhla, grid)
     except ValueError as err:
         raise ConfigError(f"--frames {frames}, --height {height}, --width {width}: {err}") from None
     return latent_frames
@@ -100,6 +102,41 @@ def _write_chunk(transformer, caches: dict, latents, embeds: dict) -> dict:
             for name, cache in caches.items()}
 
 
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+@torch.no_grad()
+def stream_chunks(transformer, embeds: dict, count: int, shape: tuple[int, ...], scheduler, steps: int,
+                  guidance: float = 1.0, generator=None, progress=None):
+    """Stream ``count`` chunks of latents from a block-causal Wan transformer, one at a time.
+
+    Args:
+        embeds: ``{"cond": text (B, L, D)}``, plus ``"uncond"`` for guidance > 1 (a second cache).
+        shape: one chunk's latents ``(B, C, chunk_frames, h, w)``; its noise is drawn from ``generator``
+            in fp32, chunk after chunk.
+        scheduler: copied fresh for every chunk (no state across chunks); ``steps`` steps a chunk.
+        progress: anything with ``update()`` (a tqdm bar), called once per denoising step.
+    Yields:
+        ``(clean chunk (B, C, chunk_frames, h, w), bytes the caches hold once it is written)``; after the
+        last chunk, whose cache no chunk reads, the bytes are None.
+    """
+    mhla = check_streaming_model(transformer)
+    frames = count * mhla.chunk_frames if fixed_length(mhla) else None
+    caches = {name: WanStreamCache.empty(transformer, shape[0], shape[-2:], frames) for name in embeds}
+    progress = progress if progress is not None else _NoProgress()
+    for index in range(count):
+        noise = randn_tensor(shape, generator=generator, device=transformer.device, dtype=torch.float32)
+        fresh = type(scheduler).from_config(scheduler.config)
+        chunk = _denoise_chunk(transformer, caches, noise, embeds, fresh, steps, guidance, progress)
+        if index + 1 == count:  # the last chunk has no successor to read it
+            yield chunk, None
+            return
+        caches = _write_chunk(transformer, caches, chunk, embeds)
+        yield chunk, sum(cache.nbytes for cache in caches.values())
+
+
 def decode(pipe, latents: torch.Tensor, output_type: str = "np"):
     """The videos of normalised Wan latents ``(B, C, F, h, w)``, as ``WanPipeline`` decodes them."""
     vae = pipe.vae
@@ -115,7 +152,8 @@ def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str]
                  num_frames: int = 81, height: int = 480, width: int = 832, num_inference_steps: int = 8,
                  guidance_scale: float = 5.0, generator=None, max_sequence_length: int = 512,
                  output_type: str = "np") -> StreamOutput:
-    """Stream one video per prompt from a ``WanPipeline`` whose transformer is block-causal MHLA.
+    """Stream one video per prompt from a ``WanPipeline`` whose transformer is block-causal
+    (:func:`stream_chunks` on the pipeline's text encoder, scheduler and VAE).
 
     Args:
         pipe: a ``WanPipeline`` (one transformer; Wan2.2's two experts are not streamed).
@@ -140,21 +178,15 @@ def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str]
                                       max_sequence_length=max_sequence_length, device=device)
     embeds = {"cond": cond.to(transformer.dtype), **({"uncond": uncond.to(transformer.dtype)} if cfg else {})}
     spatial = pipe.vae_scale_factor_spatial
-    size = (height // spatial, width // spatial)
-    total = frames if mhla.stream_mixing == "general" else None
-    caches = {name: WanStreamCache.empty(transformer, len(prompts), size, total) for name in embeds}
-    shape = (len(prompts), transformer.config.in_channels, mhla.chunk_frames, *size)
-    chunks, cache_bytes = [], []
+    shape = (len(prompts), transformer.config.in_channels, mhla.chunk_frames, height // spatial,
+             width // spatial)
     count = frames // mhla.chunk_frames
+    chunks, cache_bytes = [], []
     with pipe.progress_bar(total=count * num_inference_steps) as progress:
-        for index in range(count):
-            noise = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
-            scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # no state across chunks
-            chunks.append(_denoise_chunk(transformer, caches, noise, embeds, scheduler, num_inference_steps,
-                                         guidance_scale, progress))
-            if index + 1 < count:  # the last chunk has no successor to read it
-                caches = _write_chunk(transformer, caches, chunks[-1], embeds)
-                cache_bytes.append(sum(cache.nbytes for cache in caches.values()))
+        for chunk, nbytes in stream_chunks(transformer, embeds, count, shape, pipe.scheduler,
+                                           num_inference_steps, guidance_scale, generator, progress):
+            chunks.append(chunk)
+            cache_bytes += [nbytes] if nbytes is not None else []
     latents = torch.cat(chunks, dim=2)
     video = latents if output_type == "latent" else decode(pipe, latents, output_type)
     return StreamOutput(video, latents, cache_bytes)
@@ -184,4 +216,5 @@ class WanStreamSampler(WanSampler):
         return list(output.frames)
 
 
-__all__ = ["StreamOutput", "WanStreamSampler", "check_stream_settings", "decode", "stream_video"]
+__all__ = ["StreamOutput", "WanStreamSampler", "check_stream_settings", "decode", "stream_chunks",
+           "stream_video"]

@@ -66,6 +66,16 @@ class MHLAProcessor(nn.Module):
         """A new stock diffusers processor for these layers (what ``uninstall_mhla`` puts back)."""
         raise NotImplementedError(f"{cls.__name__} does not name the stock processor it replaces")
 
+    softmax_processor_cls: ClassVar[type | None] = None
+    """The class of :meth:`softmax_processor`'s processors (None: this base installs none)."""
+
+    @classmethod
+    def softmax_processor(cls, attn: nn.Module, cfg):
+        """The processor ``install_mhla`` puts in a self-attention layer that ``cfg.layers`` leaves softmax,
+        or None: leave that layer's processor as it is (the default: stock attention). Wan's block-causal
+        models put block-causal softmax there (``wan_softmax.py``)."""
+        return None
+
     @classmethod
     def check_config(cls, cfg, transformer_config: dict) -> None:
         """Refuse an :class:`MHLAConfig` this base cannot run on a model of ``transformer_config`` (its

@@ -25,7 +25,8 @@ Order after the attention core: head norm -> merge heads -> CPE / gate (base cla
 The token grid comes with the rotary embedding: ``install_mhla`` hooks ``transformer.rope`` so that it
 returns a :class:`~mhla_gen.processors.grid.GridRotaryEmb` (see ``grid.py``).
 
-Block-causal (streaming) attention (``MHLAConfig.chunk_frames``, ``docs/streaming.md``): RoPE on q and k,
+Block-causal (streaming) attention (``MHLAConfig.chunk_frames``, ``docs/streaming.md``; the layers left
+softmax run :class:`~mhla_gen.processors.wan_softmax.WanBlockCausalSoftmaxProcessor`): RoPE on q and k,
 then ``block_causal_mhla`` (general mixing, the ``(M, M)`` :class:`~mhla_gen.mixing.MixingMatrix` masked) or
 ``factorised_block_causal_mhla`` (factorised: ``mixing`` is a :class:`~mhla_gen.factorised_mixing.
 FactorisedMixing`, ``W_s`` and a decay per head) over a whole video; for one streamed chunk, the layer's
@@ -60,7 +61,8 @@ from ..ops.streaming import block_causal_mhla, factorised_block_causal_mhla
 from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from .base import MHLAProcessor
 from .grid import STREAM_ATTR, GridRotaryEmb, wan_rotary_with_grid
-from .wan_causal import block_causal_for, check_stream_config
+from .wan_causal import block_causal_for, check_chunk_grid, check_stream_config
+from .wan_softmax import WanBlockCausalSoftmaxProcessor
 
 
 def mhla_rope_on_numerator(q, k, v, rotary_emb, layout, mixing, feature_map: str, normalize: bool,
@@ -144,17 +146,25 @@ class WanMHLAProcessor(MHLAProcessor):
         """A hook on ``transformer.rope`` that tags the rotary embedding with the token grid."""
         return [transformer.rope.register_forward_hook(wan_rotary_with_grid)]
 
+    softmax_processor_cls = WanBlockCausalSoftmaxProcessor
+
+    @classmethod
+    def softmax_processor(cls, attn: WanAttention, cfg) -> WanBlockCausalSoftmaxProcessor | None:
+        """A block-causal model's softmax layers run block-causal softmax (``wan_softmax.py``); a
+        bidirectional model's keep their processor."""
+        return WanBlockCausalSoftmaxProcessor(cfg) if cfg.chunk_frames is not None else None
+
     @classmethod
     def check_config(cls, cfg, transformer_config: dict) -> None:
-        """Block-causal attention needs a temporal patch of 1 and MHLA in every layer (``wan_causal.py``)."""
+        """Block-causal attention needs a temporal patch of 1 (``wan_causal.py``)."""
         check_stream_config(cfg, transformer_config)
 
     @classmethod
     def check_token_grid(cls, cfg, grid: tuple[int, ...]) -> None:
-        """The blocks fit ``grid``; with ``chunk_frames`` also the chunks (:func:`block_causal_for`)."""
+        """The blocks fit ``grid``; with ``chunk_frames`` also the chunks (:func:`check_chunk_grid`)."""
         if cfg.chunk_frames is None:
             return super().check_token_grid(cfg, grid)
-        block_causal_for(cfg, grid)
+        check_chunk_grid(cfg, grid)
 
     @classmethod
     def check_call(cls, transformer: WanTransformer3DModel, grid: tuple[int, ...]) -> None:

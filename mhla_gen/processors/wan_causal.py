@@ -6,7 +6,8 @@ A Wan transformer installed with ``MHLAConfig.chunk_frames`` runs block-causal M
 * **a whole video** (training, a full forward): the processor builds the :class:`BlockCausal` of this
   call's token grid (:func:`block_causal_for`) and runs ``block_causal_mhla`` (general mixing) or
   ``factorised_block_causal_mhla`` (factorised mixing);
-* **one chunk** (streaming, ``mhla_gen.streaming.stream_step``): a :class:`StreamCall` hangs on
+* **one chunk** (streaming, ``mhla_gen.streaming.stream_step``; the block-causal softmax layers of
+  ``wan_softmax.py`` step a KV cache the same way): a :class:`StreamCall` hangs on
   ``transformer.rope`` for the duration of one forward. The rope hook (``grid.wan_rotary_with_grid``)
   gives the chunk the rotary angles of its absolute frames (``grid.rotary_at_frames``) and tags the
   rotary embedding with the call; each layer steps its own cache through :meth:`StreamCall.step` and
@@ -29,7 +30,8 @@ from .grid import STREAM_ATTR, check_grid  # noqa: F401 (STREAM_ATTR: where a St
 
 def check_stream_config(cfg, transformer_config: dict) -> None:
     """A Wan transformer (its ``config.json`` as a dict) can run ``cfg``'s block-causal attention: a
-    temporal patch of 1 and MHLA in every self-attention layer. ValueError naming the setting otherwise."""
+    temporal patch of 1. ValueError naming the setting otherwise. The self-attention layers that
+    ``cfg.layers`` leaves out run block-causal softmax with a KV cache (``wan_softmax.py``)."""
     if cfg.chunk_frames is None:
         return
     patch_t = transformer_config["patch_size"][0]
@@ -37,11 +39,29 @@ def check_stream_config(cfg, transformer_config: dict) -> None:
         raise ValueError(f"chunk_frames={cfg.chunk_frames}: block-causal attention needs a temporal patch of "
                          f"1 (latent frames = token frames); this model's patch_size is "
                          f"{list(transformer_config['patch_size'])}")
-    layers = transformer_config["num_layers"]
-    softmax = sorted(set(range(layers)) - set(range(layers) if cfg.layers is None else cfg.layers))
-    if softmax:
-        raise ValueError(f"chunk_frames={cfg.chunk_frames} needs MHLA in every self-attention layer (layers="
-                         f"None): the softmax layers {softmax} would see later chunks")
+
+
+def has_mhla_layers(cfg) -> bool:
+    """Whether ``cfg`` puts MHLA in some self-attention layer (``layers=[]``: none, softmax throughout)."""
+    return cfg.layers is None or len(cfg.layers) > 0
+
+
+def fixed_length(cfg) -> bool:
+    """Whether a block-causal model streams one length only: MHLA layers with general mixing (their ``W``
+    covers one video's blocks). Factorised MHLA and block-causal softmax stream any length."""
+    return cfg.stream_mixing == "general" and has_mhla_layers(cfg)
+
+
+def check_chunk_grid(cfg, grid: tuple[int, int, int]) -> None:
+    """A whole video's token ``grid`` ``(F, H, W)`` fits ``cfg``'s chunks and, when some layer runs MHLA, its
+    blocks (:func:`block_causal_for`); ValueError (one line, naming the values) otherwise. Without MHLA
+    layers (``layers=[]``: block-causal softmax throughout) the blocks are not used and not checked."""
+    if not has_mhla_layers(cfg):
+        if grid[0] % cfg.chunk_frames:
+            raise ValueError(f"chunk_frames={cfg.chunk_frames} does not divide the {grid[0]} latent frames "
+                             f"of the token grid {tuple(grid)}")
+        return
+    block_causal_for(cfg, grid)
 
 
 def block_causal_for(cfg, grid: tuple[int, int, int]) -> BlockCausal:
@@ -68,7 +88,8 @@ class StreamCall:
     Attributes:
         frame_offset: the latent frame of the chunk's first frame (its RoPE positions start there).
         caches: ``{layer index: cache}`` before this chunk (``ops/streaming_cache.py``).
-        index: ``{processor: layer index}`` of the model's MHLA processors.
+        index: ``{processor: layer index}`` of the model's self-attention processors (MHLA and
+            block-causal softmax).
         stepped: ``{layer index: cache}`` after this chunk, filled as the layers run.
     """
 
@@ -79,7 +100,8 @@ class StreamCall:
 
     def step(self, processor, q, k, v, *mixing) -> torch.Tensor:
         """``processor``'s layer on this chunk: q, k ``(B, H, T, d)``, v ``(B, H, T, e)`` -> ``(B, H, T, e)``
-        from its cache and ``mixing`` (``W`` or ``(W_s, γ)``); the layer's new cache is kept."""
+        from its cache and ``mixing`` (MHLA: ``W`` or ``(W_s, γ)``; softmax: none); the layer's new cache
+        is kept."""
         layer = self.index[processor]
         out, self.stepped[layer] = self.caches[layer].step(q, k, v, *mixing)
         return out

@@ -19,10 +19,12 @@ from ..loading import load_transformer
 
 
 def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:
-    """``softmax`` -> None; ``linear`` -> one block per axis (global ReLU linear attention, as SANA);
-    ``mhla`` -> ``mhla`` as configured. Everything else stays equal, so the three compare fairly."""
+    """``softmax`` -> None, or with ``mhla.chunk_frames`` block-causal softmax (``layers=[]``: every
+    self-attention layer softmax with a KV cache, ``docs/streaming.md``); ``linear`` -> one block per axis
+    (global ReLU linear attention, as SANA); ``mhla`` -> ``mhla`` as configured. Everything else stays
+    equal, so the three compare fairly."""
     if attention == "softmax":
-        return None
+        return None if mhla.chunk_frames is None else dataclasses.replace(mhla, layers=[])
     if attention == "linear":
         return dataclasses.replace(mhla, blocks=(1,) * len(mhla.blocks))
     return mhla

@@ -172,7 +172,8 @@ class FlowMatching(Objective):
         """``flow.per_chunk_noise`` only for a block-causal model."""
         if settings.per_chunk_noise and facts.chunk_frames is None:
             raise ConfigError("flow.per_chunk_noise=true (diffusion forcing) needs block-causal attention: "
-                              "set mhla.chunk_frames (latent frames per chunk) with model.attention=mhla")
+                              "set mhla.chunk_frames (latent frames per chunk; model.attention=mhla, or "
+                              "softmax for block-causal softmax)")
 
     @classmethod
     def build(cls, settings: FlowMatchingConfig, facts: ModelFacts) -> FlowMatching:

@@ -1,0 +1,176 @@
+"""Streaming past the training length on moving shapes: softmax with a KV cache, one global state, MHLA with
+the general and the factorised mixing (issue 58; the test bed is ``eval/stream_bed.py``).
+
+    python eval/stream_study.py --out runs/stream                 # 4 arms x 3 seeds, costs, report
+    python eval/stream_study.py --out runs/stream --stage report  # the tables from the records alone
+    python eval/stream_study.py --out runs/stream_smoke --size smoke   # seconds: the plumbing
+
+Stages (each resumable: a finished record is kept and skipped):
+
+* ``train``: per (seed, arm), seeds outermost so an interrupted run holds whole seeds: diffusion forcing
+  from scratch, then ``eval_clips`` videos streamed from the same noise and classes in every arm and seed
+  (common random numbers) to 8x the training length (the general mixing: the training length, its ``W``
+  stops there), scored frame by frame (``records/<arm>_seed<k>.npz``);
+* ``costs``: per arm, one video of 8x the training length streamed at batch 1 with untrained weights
+  (memory and time are properties of the memory, not of what it learnt; the general mixing built for that
+  length): seconds, cache bytes and peak allocated bytes per chunk (``costs.json``);
+* ``report``: ``streaming.md`` (tables, verdicts), ``streaming_curves.png`` and ``streaming_records.npz``
+  (every record and the costs in one compressed file: what the page's numbers come from).
+
+The questions, declared before the run (``docs/results/evidence.md``'s rules: 3 seeds, one primary, Holm
+over the secondaries, a minimum effect of 0.05 in a rate, "neither" when both arms sit at the floor 0.02):
+the score of a clip over a window of frames is the share of its frames that pass every check of the
+scorer (``all``: count, colour, motion); windows ``1x`` = frames ``[0, F)`` and ``8x`` = ``[0, 8F)``.
+
+* primary: ``mhla-factorised − global-state``, ``all`` over the 8x window (per-block memory against one
+  global state, past the training length);
+* secondaries: ``mhla-factorised − softmax-kv`` at 8x and at 1x, ``mhla-factorised − global-state`` at
+  1x, ``mhla-general − mhla-factorised`` at 1x, and per streaming arm the decay with distance from the
+  start: its ``all`` over frames ``[0, F)`` minus over the last training length ``[7F, 8F)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a package)
+    sys.path.insert(0, str(HERE))
+
+import stream_bed as bed  # noqa: E402
+
+from mhla_gen.errors import ConfigError  # noqa: E402
+from mhla_gen.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
+
+KIND = bed.KIND
+STAGES = ("all", "train", "costs", "report")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="the study folder (made, or one this script made)")
+    p.add_argument("--size", default="main", choices=sorted(bed.SIZES))
+    p.add_argument("--stage", default="all", choices=STAGES)
+    p.add_argument("--arms", nargs="+", default=list(bed.ARMS))
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    p.add_argument("--steps", type=int, help="training steps (default: the size's)")
+    p.add_argument("--eval-clips", type=int, help="streamed videos per (arm, seed) (default: the size's)")
+    p.add_argument("--batch", type=int, help="training batch (default: the size's)")
+    p.add_argument("--device", default="cpu", help="where to train, stream and measure (cpu, cuda)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.arms) - set(bed.ARMS))
+    if unknown:
+        raise ConfigError(f"--arms: unknown {unknown}; choose from {list(bed.ARMS)}")
+    for name in ("seeds", "steps", "eval_clips", "batch", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return args
+
+
+def study_size(args) -> bed.Size:
+    size = bed.SIZES[args.size]
+    given = (("steps", args.steps), ("eval_clips", args.eval_clips), ("batch", args.batch))
+    changes = {k: v for k, v in given if v is not None}
+    return replace(size, warmup=min(size.warmup, changes.get("steps", size.steps)), **changes)
+
+
+# ------------------------------------------------------------------------------------------ records
+def save_npz(path: Path, **arrays) -> None:
+    """A compressed ``.npz`` of ours (the folder record inside), written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **{FILE_RECORD + "_kind": np.array(KIND)}, **arrays)
+    os.replace(tmp, path)
+
+
+def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str) -> None:
+    """Train ``arm`` with ``seed``, stream and score its videos: ``records/<arm>_seed<seed>.npz``."""
+    model, log = bed.train_arm(size, arm, seed, *data, device=device)
+    labels = bed.eval_labels(size)
+    start = time.perf_counter()
+    videos = bed.stream(model, size, labels, bed.streamed_frames(size, arm))
+    stream_seconds = time.perf_counter() - start
+    scores = bed.score_videos(videos, labels)
+    save_npz(bed.record_path(out, arm, seed), labels=labels.numpy(), **{k: scores[k] for k in bed.CHECKS},
+             position_error=scores["position_error"].astype(np.float32),
+             loss_steps=np.array([r["step"] for r in log]), loss=np.array([r["loss"] for r in log]),
+             train_seconds=np.array(log[-1]["seconds"]), stream_seconds=np.array(stream_seconds),
+             size=np.array(json.dumps(asdict(size))))
+    print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s, stream "
+          f"{stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count {scores['count'].mean():.3f}, "
+          f"colour {scores['colour'].mean():.3f}", flush=True)
+
+
+def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str) -> None:
+    data = None
+    for seed in range(seeds):
+        for arm in arms:
+            if file_is_ours(bed.record_path(out, arm, seed), KIND):
+                continue
+            data = data if data is not None else bed.training_clips(size)
+            train_point(out, size, arm, seed, data, device)
+
+
+def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
+    """``costs.json``: per arm, :func:`bed.chunk_costs` of one untrained video of 8x the training length."""
+    path, found = out / "costs.json", {}
+    if path.is_file() and file_is_ours(path, KIND):
+        found = json.loads(path.read_text())["arms"]
+    for arm in arms:
+        if arm in found:
+            continue
+        model = bed.build_model(size, arm, seed=0, frames=size.longest, device=device).eval()
+        found[arm] = bed.chunk_costs(model, size, size.longest)
+        last = found[arm][-1]
+        print(f"{arm}: peak {last['peak_bytes'] / 1024:.0f} KiB at chunk {len(found[arm])}", flush=True)
+        tmp = path.with_name(".tmp-costs.json")
+        tmp.write_text(json.dumps({FILE_RECORD: {"kind": KIND}, "arms": found}, indent=1) + "\n")
+        os.replace(tmp, path)
+
+
+def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> None:
+    """``streaming.md``, ``streaming_curves.png`` and ``streaming_records.npz`` from the records."""
+    import stream_report as report
+
+    records = report.load_records(out, arms, seeds)
+    costs = json.loads((out / "costs.json").read_text())["arms"] if (out / "costs.json").is_file() else {}
+    text = report.page(records, costs, size, command, datetime.date.today().isoformat())
+    tmp = out / ".tmp-streaming.md"
+    tmp.write_text(text)
+    os.replace(tmp, out / "streaming.md")
+    report.plot_curves(records, size, out / "streaming_curves.png")
+    save_npz(out / "streaming_records.npz", **report.bundle(records, costs))
+    print(f"wrote {out / 'streaming.md'}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    size = study_size(args)
+    out = claim(Path(args.out), "study", "--out")
+    torch.set_num_threads(args.threads)
+    if args.stage in ("all", "train"):
+        train_stage(out, size, args.arms, args.seeds, args.device)
+    if args.stage in ("all", "costs"):
+        costs_stage(out, size, args.arms, args.device)
+    if args.stage in ("all", "report"):
+        command = " ".join(["python eval/stream_study.py", *(sys.argv[1:] if argv is None else argv)])
+        report_stage(out, size, args.arms, args.seeds, command)
+
+
+if __name__ == "__main__":
+    from mhla_gen.cli import run
+
+    run(main)

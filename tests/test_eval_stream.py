@@ -1,0 +1,88 @@
+"""eval/stream_study.py: the streaming measurement's plumbing (train, stream, score, costs, report) at the
+smoke size, and its verdicts on synthetic records whose answer is known."""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhla_gen.errors import ConfigError
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+sys.path.insert(0, str(EVAL))
+
+import stream_bed as bed  # noqa: E402
+import stream_report as report  # noqa: E402
+import stream_study as study  # noqa: E402
+
+
+def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
+    out = tmp_path / "stream"
+    argv = ["--out", str(out), "--size", "smoke", "--arms", "softmax-kv", "mhla-factorised", "--seeds", "1"]
+    study.main(argv)
+    size = bed.SIZES["smoke"]
+    records = report.load_records(out, bed.ARMS, 1)
+    assert set(records) == {"softmax-kv", "mhla-factorised"}
+    for arm, per_seed in records.items():
+        assert per_seed[0]["all"].shape == (size.eval_clips, size.longest), arm
+        assert per_seed[0]["loss_steps"][-1] == size.steps
+    costs = json.loads((out / "costs.json").read_text())["arms"]
+    softmax = [row["cache_bytes"] for row in costs["softmax-kv"]]
+    factorised = [row["cache_bytes"] for row in costs["mhla-factorised"]]
+    assert len(softmax) == size.longest // size.chunk
+    assert all(b > a for a, b in zip(softmax, softmax[1:]))  # the KV cache grows every chunk
+    assert len(set(factorised[1:])) == 1 and factorised[1] > 0  # one state per block, any length
+    peaks = {arm: [row["peak_bytes"] for row in rows[1:]] for arm, rows in costs.items()}
+    assert len(set(peaks["mhla-factorised"])) == 1  # measured: flat from the second chunk on
+    assert all(b > a for a, b in zip(peaks["softmax-kv"], peaks["softmax-kv"][1:]))
+    page = (out / "streaming.md").read_text()
+    assert "python eval/stream_study.py --out" in page and "| primary |" in page
+    with np.load(out / "streaming_records.npz") as bundle:
+        assert "softmax-kv/seed0/all" in bundle.files and "costs_json" in bundle.files
+    stamp = bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns
+    study.main([*argv, "--stage", "train"])  # finished records are kept, not redone
+    assert bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("argv, name", [(["--arms", "softmax"], "--arms"), (["--seeds", "0"], "--seeds"),
+                                        (["--steps", "0"], "--steps")])
+def test_bad_settings_are_refused_before_the_folder_is_made(tmp_path, argv, name):
+    with pytest.raises(ConfigError, match=name):
+        study.main(["--out", str(tmp_path / "out"), *argv])
+    assert not (tmp_path / "out").exists()
+
+
+def synthetic(rates: dict[str, float], size: bed.Size, clips: int = 200, seeds: int = 3) -> dict:
+    """Records whose frames pass ``all`` with the given rate per arm (the same rate in every frame)."""
+    records = {}
+    for arm, rate in rates.items():
+        for seed in range(seeds):
+            rng = np.random.default_rng([seed, len(arm)])
+            frames = size.frames if arm == "mhla-general" else size.longest
+            records.setdefault(arm, {})[seed] = {"all": rng.random((clips, frames)) < rate}
+    return records
+
+
+def verdicts(records: dict, size: bed.Size) -> dict:
+    cells = report.questions(records, size)
+    return {(c["a"][0], c["a"][1], c["b"][0], c["b"][1]): c["verdict"] for c in cells}
+
+
+def test_verdicts_follow_the_evidence_rules():
+    size = replace(bed.SIZES["smoke"], frames=2, lengths=(1, 2, 4, 8))
+    found = verdicts(synthetic({"softmax-kv": 0.5, "global-state": 0.2, "mhla-general": 0.0,
+                                "mhla-factorised": 0.5}, size), size)
+    assert found[("mhla-factorised", "long", "global-state", "long")] == "resolved"  # primary: 0.3 apart
+    assert found[("mhla-factorised", "1x", "softmax-kv", "1x")] in ("bounded", "negligible", "undecided")
+    assert found[("mhla-general", "1x", "mhla-factorised", "1x")] == "resolved"
+    nothing = verdicts(synthetic({arm: 0.0 for arm in bed.ARMS}, size), size)
+    assert set(nothing.values()) == {"neither"}  # both at the floor: not equivalence
+    two_seeds = verdicts(synthetic({arm: 0.5 for arm in bed.ARMS}, size, seeds=2), size)
+    assert set(two_seeds.values()) == {"too few seeds"}
+    general_only = {"mhla-general": synthetic({"mhla-general": 0.5}, size)["mhla-general"]}
+    long = report.paired({**general_only, "mhla-factorised": general_only["mhla-general"]},
+                         ("mhla-general", "long"), ("mhla-factorised", "long"), size)
+    assert long is None  # the general mixing streams the training length only
