@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from ..bases.dit import BASE as DIT
 from ..config import MHLAConfig
 from ..data import digits_tensors
 from ..metrics.extractors import digits_extractor, extract_features
@@ -47,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 
 class DiTTask(TrainTask):
-    name = "dit"
+    base = DIT
+    name = DIT.name
     fsdp_units = ("BasicTransformerBlock", "CombinedTimestepLabelEmbeddings")  # FSDP2 (train.distributed)
     fsdp_shared = ("CombinedTimestepLabelEmbeddings",)  # block 0's embedder: the forward calls it outside
 

@@ -22,7 +22,9 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..bases import Base, base_for
+from ..bases import Base
+from ..bases.sana import BASE as SANA
+from ..bases.wan import BASE as WAN
 from ..config import MHLAConfig
 from ..data import CaptionedImageFolder, CaptionedVideoFolder
 from ..data.latents import FEATURE_CACHE, check_cache_target
@@ -370,8 +372,8 @@ class FlowFinetuneTask(TrainTask):
 
 
 class SanaTask(FlowFinetuneTask):
-    name = "sana"
-    base = base_for("sana")
+    base = SANA
+    name = SANA.name
 
     def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
         """DC-AE factor f x patch p; SanaPipeline also wants multiples of 32."""
@@ -440,8 +442,8 @@ class SanaTask(FlowFinetuneTask):
 
 
 class WanTask(FlowFinetuneTask):
-    name = "wan"
-    base = base_for("wan")
+    base = WAN
+    name = WAN.name
     suffix = ".mp4"
 
     def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:
