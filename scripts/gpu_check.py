@@ -340,6 +340,8 @@ def check_report_target(path: Path, overwrite: bool) -> Path:
     """``--out`` may be new, a report this script wrote, or anything with ``--overwrite``."""
     if path.is_dir():
         raise ConfigError(f"--out={str(path)!r} is a folder; give a file path")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--out={str(path)!r}: its folder {str(path.parent)!r} does not exist")
     if path.exists() and not overwrite:
         first = path.read_text(errors="replace").split("\n", 1)[0]
         if first != REPORT_RECORD:

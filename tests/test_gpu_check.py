@@ -162,6 +162,9 @@ def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):
     with pytest.raises(ConfigError, match="not written by mhla_gen"):  # a user's folder beside the report
         gpu_check.main(["--out", str(tmp_path / "mine.md")], probe=lambda: FAKE_ENVIRONMENT, runner=runner)
     assert not (tmp_path / "mine.md").exists()
+    with pytest.raises(ConfigError, match="does not exist"):  # a missing folder, named before any work
+        gpu_check.main(["--out", str(tmp_path / "no" / "REPORT.md")], probe=lambda: FAKE_ENVIRONMENT,
+                       runner=runner)
 
 
 def test_section_runner_statuses(gpu_check, tmp_path):

@@ -320,4 +320,4 @@ def test_stage2_teacher_data_and_distillation_follow_the_recorded_teacher(dit_te
                  "data.teacher_samples=4", f"data.path={tmp_path / 'd'}"]
     cfg = load_config(DiTRunConfig, TINY["dit"], overrides)
     task = DiTTask(cfg)
-    assert task.teacher_source() == task.distill_source() == str(dit_teacher)
+    assert task.source.teacher() == task.distill_source() == str(dit_teacher)

@@ -770,13 +770,10 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
     cfg.data.source = "latents" if record.class_conditional else "teacher"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
-
-    def task():  # its data source is read when the task is made
-        return TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
-
-    reported = task().inputs()
-    if record.class_conditional:  # DiT reads data.teacher with data.source=teacher
+    build = lambda: TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
+    reported = build().inputs()
+    if record.class_conditional:  # DiT reads data.teacher with data.source=teacher (its source)
         cfg.data.source = "teacher"
-        reported = {**reported, **task().inputs()}
+        reported = {**reported, **build().inputs()}
     missing = [s for s in settings if s not in reported]
     assert not missing, f"settings the apart check does not cover: {missing}"

@@ -79,18 +79,23 @@ def test_buckets_flips_caption_dropout_resume_exactly(bucket_setup, tmp_path, mo
     trains; dropped captions see the empty prompt's encoding."""
     from mhla_gen.train.caption_data import CaptionFeatures
 
-    seen, original = [], CaptionFeatures.augmented
+    seen, original, encoders, build = [], CaptionFeatures.augmented, [], CaptionFeatures.build
+
+    def build_spy(self, raw, encode_pixels, encode_text, *args):
+        encoders.append(encode_text)  # the frozen pipeline's caption encoder
+        return build(self, raw, encode_pixels, encode_text, *args)
 
     def spy(self, batch, rnd):
         out = original(self, batch, rnd)
         empty = self.empty_prompt["prompt_embeds"]
         if not seen:  # the dropped caption is the empty prompt, encoded once
-            assert torch.equal(empty, self.task.encode_text("")["prompt_embeds"])
+            assert torch.equal(empty, encoders[-1]("")["prompt_embeds"])
         dropped = sum(torch.equal(e, empty) for e in out["prompt_embeds"])
         seen.append((tuple(out["latents"].shape[1:]), dropped))
         return out
 
     monkeypatch.setattr(CaptionFeatures, "augmented", spy)
+    monkeypatch.setattr(CaptionFeatures, "build", build_spy)
     settings = ("data.buckets=[[32,32],[32,64],[64,32]]", "data.hflip=true", "flow.loss_weighting=cosmap",
                 "model.caption_dropout_prob=0.5", f"data.cache_dir={tmp_path / 'cache'}")
     _sana(bucket_setup, tmp_path / "run", "train.max_steps=2", *settings)
@@ -122,13 +127,12 @@ def test_bucket_and_size_errors_come_before_any_work(bucket_setup, tmp_path):
 
 # ------------------------------------------------------------------------- augmentation, empty prompt
 def test_flips_and_caption_dropout_replace_the_drawn_rows():
-    from mhla_gen.train.caption_data import CaptionFeatures
     from mhla_gen.train.finetune import SanaTask
     from mhla_gen.train.randomness import StepRandom
 
     cfg = load_config(SanaRunConfig, TINY_SANA, ["model.pretrained=x", "data.hflip=true",
                                                  "model.caption_dropout_prob=0.5"])
-    features = CaptionFeatures(SanaTask(cfg))
+    features = SanaTask(cfg).features
     features.empty_prompt = {"prompt_embeds": torch.full((8, 16), -7.0),
                              "prompt_attention_mask": torch.ones(8)}
     batch = {"latents": torch.zeros(64, 4, 2, 2), "latents_flipped": torch.ones(64, 4, 2, 2),
@@ -142,7 +146,7 @@ def test_flips_and_caption_dropout_replace_the_drawn_rows():
     assert (out["prompt_embeds"][drop] == -7).all() and torch.equal(out["prompt_embeds"][~drop],
                                                                     batch["prompt_embeds"][~drop])
     assert torch.equal(out["prompt_attention_mask"][:, 0], drop.float())
-    off = CaptionFeatures(SanaTask(load_config(SanaRunConfig, TINY_SANA, ["model.pretrained=x"])))
+    off = SanaTask(load_config(SanaRunConfig, TINY_SANA, ["model.pretrained=x"])).features
     rnd = StepRandom(seed=1, micro_step=5, local_batch=64)
     state = rnd.generator.get_state()
     assert off.augmented({"latents": batch["latents"]}, rnd)["latents"] is batch["latents"]

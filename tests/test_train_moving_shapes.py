@@ -4,13 +4,13 @@ sizes are checked before any work."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file
 from train_helpers import REPO, read_metrics, run_inprocess
 
 from mhla_gen.errors import ConfigError
+from mhla_gen.train.caption_data import Items
 from mhla_gen.train.caption_sources import CAPTION_SOURCES
 from mhla_gen.train.config import CaptionDataConfig
 
@@ -51,6 +51,6 @@ def test_bad_moving_shapes_settings_fail_before_any_work(wan_checkpoint, tmp_pat
 
 def test_image_models_refuse_moving_shapes():
     data = CaptionDataConfig(source="moving_shapes")
-    task = SimpleNamespace(cfg=SimpleNamespace(data=data), base=SimpleNamespace(video=False), name="sana")
+    items = Items.of("sana", False, data, 0, lambda: 32)  # images
     with pytest.raises(ConfigError, match="moving_shapes draws videos; the sana model makes images"):
-        CAPTION_SOURCES["moving_shapes"](task).validate()
+        CAPTION_SOURCES["moving_shapes"](data, items).validate()

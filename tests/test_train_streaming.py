@@ -5,7 +5,6 @@ stage 1 (``linearize.py``) to a block-causal student, and the settings refused b
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,13 +122,10 @@ def test_stage1_to_a_block_causal_student(wan_checkpoint, tmp_path):
 
 
 def test_image_models_refuse_per_chunk_noise():
-    from mhla_gen.processors.sana import SanaMHLAProcessor
-    from mhla_gen.train.chunk_noise import check_streaming
+    from mhla_gen.train.objectives import FlowMatching, ModelFacts
 
-    task = SimpleNamespace(attention=lambda: ("mhla", None), cfg=SimpleNamespace(
-        flow=FlowMatchingConfig(per_chunk_noise=True)), base=SimpleNamespace(processor=SanaMHLAProcessor))
-    with pytest.raises(ConfigError, match="needs block-causal attention"):
-        check_streaming(task, {})
+    with pytest.raises(ConfigError, match="needs block-causal attention"):  # an image model has no chunks
+        FlowMatching.check(FlowMatchingConfig(per_chunk_noise=True), ModelFacts(chunk_frames=None))
 
 
 def test_a_bidirectional_mhla_checkpoint_continues_block_causal(tmp_path):

@@ -44,15 +44,15 @@ def _common(setup, out, expert, pretrained="ckpt"):
 def trained_sigmas(monkeypatch):
     """Every σ the fine-tuning loss noised a batch at (a spy on ``flow_matching_inputs``, which the run's
     ``FlowNoise`` calls)."""
-    from mhla_gen.train import chunk_noise
+    from mhla_gen.train.objectives import flow
 
-    seen, original = [], chunk_noise.flow_matching_inputs
+    seen, original = [], flow.flow_matching_inputs
 
     def spy(x0, noise, sigmas, num_train_timesteps):
         seen.extend(sigmas.flatten().tolist())
         return original(x0, noise, sigmas, num_train_timesteps)
 
-    monkeypatch.setattr(chunk_noise, "flow_matching_inputs", spy)
+    monkeypatch.setattr(flow, "flow_matching_inputs", spy)
     return seen
 
 

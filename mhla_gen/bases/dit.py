@@ -9,7 +9,7 @@ BASE = Base(
     pipeline_class="DiTPipeline",
     grid=TokenGrid(ndim=2),
     conditioning="labels",
-    objective="ddpm",
+    objective=Ref("mhla_gen.train.objectives:DDPM"),
     data_sources=("folder", "latents", "digits", "shapes", "teacher", "hf"),
     run_config=Ref("mhla_gen.train.config:DiTRunConfig"),
     task=Ref("mhla_gen.train.dit:DiTTask"),

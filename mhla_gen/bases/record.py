@@ -5,7 +5,7 @@ One :class:`Base` per family, one module per record (``bases/dit.py``, ...), lis
 conversion) asks a record; nothing else compares base names. ``docs/extending.md`` walks through the fields.
 
 The record holds the MHLA processor class itself (processors sit below every other layer of the package)
-and names the upper layers (run config, training task, pipeline sampler, test reference) as
+and names the upper layers (run config, training task and objective, pipeline sampler, test reference) as
 ``module:attribute`` references (:class:`Ref`), imported on first use: importing a record loads no training,
 pipeline or test code, so ``python -m mhla_gen.adopt`` stays light and no import cycle runs through the
 records.
@@ -20,7 +20,6 @@ from typing import Any
 from ..processors.base import MHLAProcessor
 
 CONDITIONING = ("labels", "captions", "captions+image")
-OBJECTIVES = ("ddpm", "flow")
 CAPABILITIES = ("lora", "group_offloading", "single_file", "context_parallel")
 """What diffusers may offer a transformer class (:attr:`Base.capabilities`)."""
 
@@ -63,7 +62,10 @@ class Base:
         pipeline_class: the stock diffusers pipeline that samples it (a ``diffusers`` attribute name).
         grid: the token grid (:class:`TokenGrid`).
         conditioning: ``labels`` (class ids), ``captions`` (text prompts) or ``captions+image``.
-        objective: ``ddpm`` (DiT's learned-sigma DDPM) or ``flow`` (rectified flow matching).
+        objective: the training objective its task builds and trains with (:class:`Ref` to a
+            :class:`~mhla_gen.train.objectives.Objective` class: ``mhla_gen.train.objectives:DDPM``, DiT's
+            DDPM with or without a learned variance; ``...:FlowMatching``, rectified flow matching); its
+            run config has that objective's settings section (``diffusion``, ``flow``).
         data_sources: the ``data.source`` values its training task reads (its run config accepts these).
         sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
         stream_sampler: the sampler of its block-causal models (``mhla-gen sample --stream``,
@@ -93,7 +95,7 @@ class Base:
     pipeline_class: str
     grid: TokenGrid
     conditioning: str
-    objective: str
+    objective: Ref
     data_sources: tuple[str, ...]
     sampler: Ref
     tiny: Ref
@@ -108,8 +110,9 @@ class Base:
     def __post_init__(self):
         if self.conditioning not in CONDITIONING:
             raise ValueError(f"Base {self.name}: conditioning must be one of {CONDITIONING}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"Base {self.name}: objective must be one of {OBJECTIVES}")
+        if not isinstance(self.objective, Ref):
+            raise ValueError(f"Base {self.name}: objective must be a Ref to an objective class "
+                             f"(module:attribute), got {self.objective!r}")
         if self.grid.ndim != self.processor.grid_ndim:
             raise ValueError(f"Base {self.name}: grid.ndim={self.grid.ndim} but its processor's is "
                              f"{self.processor.grid_ndim}")

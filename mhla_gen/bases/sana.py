@@ -9,7 +9,7 @@ BASE = Base(
     pipeline_class="SanaPipeline",
     grid=TokenGrid(ndim=2),
     conditioning="captions",
-    objective="flow",
+    objective=Ref("mhla_gen.train.objectives:FlowMatching"),
     data_sources=("folder", "teacher", "hf", "shards"),
     run_config=Ref("mhla_gen.train.config:SanaRunConfig"),
     task=Ref("mhla_gen.train.finetune:SanaTask"),

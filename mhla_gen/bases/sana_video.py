@@ -10,7 +10,7 @@ BASE = Base(
     pipeline_class="SanaVideoPipeline",
     grid=TokenGrid(ndim=3, rope="3d rope after phi, on the numerator only (fixed, as SANA-Video)"),
     conditioning="captions",
-    objective="flow",
+    objective=Ref("mhla_gen.train.objectives:FlowMatching"),
     data_sources=("folder", "teacher"),
     run_config=Ref("mhla_gen.train.finetune_sana_video:SanaVideoRunConfig"),
     task=Ref("mhla_gen.train.finetune_sana_video:SanaVideoTask"),

@@ -9,7 +9,7 @@ BASE = Base(
     pipeline_class="WanPipeline",
     grid=TokenGrid(ndim=3, rope="3d rope: before_phi (default) | after_phi_numerator (mhla.wan_rope)"),
     conditioning="captions",
-    objective="flow",
+    objective=Ref("mhla_gen.train.objectives:FlowMatching"),
     data_sources=("folder", "teacher", "hf", "shards", "moving_shapes"),
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune:WanTask"),

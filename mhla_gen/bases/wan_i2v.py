@@ -35,7 +35,7 @@ BASE = WanI2VBase(
     pipeline_class="WanImageToVideoPipeline",
     grid=TokenGrid(ndim=3, rope="3d rope: before_phi (default) | after_phi_numerator (mhla.wan_rope)"),
     conditioning="captions+image",
-    objective="flow",
+    objective=Ref("mhla_gen.train.objectives:FlowMatching"),
     data_sources=("folder", "hf", "shards"),
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune_wan_i2v:WanI2VTask"),

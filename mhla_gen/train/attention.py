@@ -121,6 +121,17 @@ def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_a
     return transformer.train()
 
 
+def check_teacher_loads(cls, source: str, subfolder: str = "transformer") -> None:
+    """A ``train.distill`` teacher that is not a local path must be a loadable hub id (its ``subfolder``'s
+    config); ConfigError naming it otherwise."""
+    if Path(source).exists():
+        return
+    try:
+        cls.load_config(source, subfolder=subfolder)
+    except OSError as err:
+        raise ConfigError(f"train.distill teacher {source!r} cannot be loaded: {err}") from None
+
+
 def load_teacher(cls, source: str, subfolder: str = "transformer") -> nn.Module:
     """A frozen teacher transformer: a local transformer folder (saved with or without MHLA), a pipeline
     folder (its ``subfolder``), or a hub id (its ``subfolder``: ``transformer_2`` for Wan2.2's low-noise

@@ -1,21 +1,25 @@
-"""The data side of SANA / Wan fine-tuning (:class:`~mhla_gen.train.finetune.FlowFinetuneTask`) beyond
-listing the items: the sizes and frames each item is cropped to, what the feature cache holds for it, how
-batches are drawn from the cache, and what each micro-step changes in a batch.
+"""The data side of captioned fine-tuning (:class:`~mhla_gen.train.captioned.CaptionedTask`) beyond listing
+the items: the sizes and frames each item is cropped to (:class:`Items`), what the feature cache holds for
+it, how batches are drawn from the cache, and what each micro-step changes in a batch
+(:class:`CaptionFeatures`).
 
 - sizes: ``data.height x data.width``, or with ``data.buckets`` the bucket nearest each item's aspect ratio
-  (:mod:`mhla_gen.data.buckets`); every size must tile the VAE, patch and pipeline and fit the MHLA blocks;
+  (:mod:`mhla_gen.data.buckets`); every size must tile the VAE, patch and pipeline and fit the MHLA blocks
+  (:func:`check_sizes`);
 - frames (video): ``data.frame_sampling`` / ``data.frame_stride``
   (:class:`~mhla_gen.data.videos.FrameSampling`);
 - the cache: each item's latents (and, with ``data.hflip``, the latents of the mirrored item, as DiT's latent
   cache keeps both) and text encoding; its fingerprint names every setting the items depend on;
 - batches: one bucket per batch (:class:`~mhla_gen.data.buckets.BucketBatchSampler`);
 - per micro-step: flips and caption dropout (the empty prompt's encoding, made once per run), drawn from the
-  step's :class:`~mhla_gen.train.randomness.StepRandom` after the noise, so resume stays exact.
+  step's :class:`~mhla_gen.train.randomness.StepRandom` after the objective's draws, so resume stays exact.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
@@ -23,12 +27,13 @@ from torch.utils.data import Dataset
 from ..data import FeatureCacheDataset, build_feature_cache
 from ..data.buckets import AUTO, BucketBatchSampler, auto_buckets
 from ..data.videos import FrameSampling
-from .attention import attention_mhla_config
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 FLIPPED = "_flipped"  # cache key suffix: "latents_flipped" holds the latents of the mirrored item
+
+Encoder = Callable[..., dict]  # pixels (3, H, W) / (3, F, H, W) or a caption -> {name: tensor}
 
 
 def _where(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,96 +41,119 @@ def _where(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     return torch.where(mask.view(-1, *([1] * (b.ndim - 1))).to(b.device), a, b)
 
 
-class CaptionFeatures:
-    """What a fine-tuning ``task`` (its ``cfg``, ``size_multiple``, ``token_grid``, ``encode_pixels``,
-    ``encode_text``) encodes and draws; see the module docstring."""
+@dataclass(frozen=True)
+class Items:
+    """What each item of a captioned run is, for the data sources that list it and the cache.
 
-    def __init__(self, task):
-        self.task, self.cfg, self.data = task, task.cfg, task.cfg.data
-        self.empty_prompt: dict[str, torch.Tensor] = {}  # the empty prompt's encoding (caption dropout)
+    Attributes:
+        model: the model it trains (its task's name: error messages, the cache fingerprint).
+        video: videos of ``data.num_frames`` frames, else images.
+        buckets: ``data.buckets`` resolved (``[(height, width), ...]``), or None: every item is cropped to
+            ``data.height x data.width``.
+        frames: which frames of each video (random starts drawn from the run's seed).
+    """
 
-    # ---------------------------------------------------------------------------------- sizes
-    def check_sizes(self, transformer: dict, vae: dict) -> None:
-        """``data.height x data.width`` and every bucket tile the model and fit the MHLA blocks."""
-        d = self.data
-        self.check_size(transformer, vae, d.height, d.width, f"data.height={d.height}, data.width={d.width}")
-        for h, w in self.bucket_sizes() or ():
-            self.check_size(transformer, vae, h, w, f"data.buckets entry [{h}, {w}]")
+    model: str
+    video: bool
+    buckets: list[tuple[int, int]] | None
+    frames: FrameSampling
 
-    def check_size(self, transformer: dict, vae: dict, height: int, width: int, where: str) -> None:
-        """ConfigError naming ``where`` when ``height x width`` is not a multiple of what the VAE, patch and
-        pipeline tile, or the MHLA blocks do not fit its token grid."""
-        multiple, why = self.task.size_multiple(transformer, vae)
+    @classmethod
+    def of(cls, model: str, video: bool, data, seed: int, size_multiple: Callable[[], int]) -> Items:
+        """From the data settings; ``data.buckets=auto`` asks ``size_multiple()`` (what heights and widths
+        must be multiples of) for :func:`~mhla_gen.data.buckets.auto_buckets` around
+        ``data.height x data.width``."""
+        if data.buckets is None:
+            buckets = None
+        elif data.buckets == AUTO:
+            buckets = auto_buckets(data.height, data.width, size_multiple())
+        else:
+            buckets = [(h, w) for h, w in data.buckets]
+        return cls(model, video, buckets, FrameSampling(data.frame_sampling, data.frame_stride, seed))
+
+
+def check_sizes(data, buckets, multiple: tuple[int, str], token_grid: Callable[[int, int], tuple],
+                mhla, processor) -> None:
+    """``data.height x data.width`` and every bucket are multiples of ``multiple`` (``(multiple, why)``:
+    what the VAE, patch and pipeline tile) and their token grids (``token_grid(height, width)``) fit the
+    MHLA blocks and, block-causal, ``processor``'s chunks; ConfigError naming the size otherwise."""
+    sizes = [(data.height, data.width, f"data.height={data.height}, data.width={data.width}")]
+    sizes += [(h, w, f"data.buckets entry [{h}, {w}]") for h, w in buckets or ()]
+    for height, width, where in sizes:
         for name, value in (("height", height), ("width", width)):
-            if value % multiple:
+            if value % multiple[0]:
                 prefix = "" if where.startswith("data.height") else f"{where}: "
-                raise ConfigError(f"{prefix}data.{name}={value} must be a multiple of {multiple} ({why})")
-        grid = self.task.token_grid(transformer, vae, height, width)
-        mhla = attention_mhla_config(*self.task.attention())
-        frames = f", data.num_frames={self.data.num_frames}" if len(grid) == 3 else ""
+                raise ConfigError(f"{prefix}data.{name}={value} must be a multiple of {multiple[0]} "
+                                  f"({multiple[1]})")
+        grid = token_grid(height, width)
+        frames = f", data.num_frames={data.num_frames}" if len(grid) == 3 else ""
         if mhla is not None and (len(mhla.blocks) != len(grid) or any(map(int.__gt__, mhla.blocks, grid))):
             raise ConfigError(f"mhla.blocks={list(mhla.blocks)} does not fit the token grid {grid} of {where}"
                               + frames)
         if mhla is not None and mhla.chunk_frames is not None:  # the chunks tile the frames (block-causal)
             try:
-                self.task.base.processor.check_token_grid(mhla, grid)
+                processor.check_token_grid(mhla, grid)
             except ValueError as err:
                 raise ConfigError(f"mhla.chunk_frames={mhla.chunk_frames}, {where}{frames}: {err}") from None
 
-    def bucket_sizes(self) -> list[tuple[int, int]] | None:
-        """``data.buckets`` resolved: ``[(height, width), ...]`` (``auto``: :func:`auto_buckets` around
-        data.height x data.width in the multiples the model tiles), or None without buckets."""
-        d = self.data
-        if d.buckets is None:
-            return None
-        if d.buckets == AUTO:
-            multiple, _ = self.task.size_multiple(*self.task.model_configs())
-            return auto_buckets(d.height, d.width, multiple)
-        return [(h, w) for h, w in d.buckets]
 
-    def frame_sampling(self) -> FrameSampling:
-        """Which frames of each video (random starts drawn from the run's seed)."""
-        return FrameSampling(self.data.frame_sampling, self.data.frame_stride, self.cfg.seed)
+class CaptionFeatures:
+    """What a captioned run encodes into its feature cache and draws per micro-step; see the module
+    docstring.
+
+    Args:
+        data: the run's ``data`` section.
+        items: what each item is (:class:`Items`).
+        model: the run's ``model`` section (the checkpoint and dtype the cache depends on,
+            ``caption_dropout_prob``).
+    """
+
+    def __init__(self, data, items: Items, model):
+        self.data, self.items, self.model = data, items, model
+        self.empty_prompt: dict[str, torch.Tensor] = {}  # the empty prompt's encoding (caption dropout)
 
     # ---------------------------------------------------------------------------------- cache
-    def encode(self, item: dict) -> dict[str, torch.Tensor]:
-        """One raw item -> what the cache holds: the task's ``encode_pixels`` (with ``data.hflip`` also of
-        the mirrored pixels, keys ``<key>_flipped``) and ``encode_text``."""
-        encoded = self.task.encode_pixels(item["pixels"])
+    def encode(self, item: dict, encode_pixels: Encoder, encode_text: Encoder) -> dict[str, torch.Tensor]:
+        """One raw item -> what the cache holds: ``encode_pixels`` of its pixels (with ``data.hflip`` also of
+        the mirrored pixels, keys ``<key>_flipped``) and ``encode_text`` of its caption."""
+        encoded = encode_pixels(item["pixels"])
         if self.data.hflip:
-            flipped = self.task.encode_pixels(item["pixels"].flip(-1))
+            flipped = encode_pixels(item["pixels"].flip(-1))
             encoded |= {key + FLIPPED: value for key, value in flipped.items()}
-        return encoded | self.task.encode_text(item["caption"])
+        return encoded | encode_text(item["caption"])
 
     def fingerprint(self, raw: Dataset) -> dict:
         """What the cached items depend on (another fingerprint rebuilds the cache). Settings added after
         the first caches (flips, buckets, frame choice) enter only when not at their default, so an
         earlier cache stays valid."""
-        task, d = self.task, self.data
+        d, items = self.data, self.items
         fingerprint = {
-            "task": task.name, "pretrained": self.cfg.model.pretrained, "dtype": self.cfg.model.dtype,
+            "task": items.model, "pretrained": self.model.pretrained, "dtype": self.model.dtype,
             "files": [str(p) for p in raw.paths], "height": d.height, "width": d.width,
-            "num_frames": d.num_frames if task.base.video else None,
+            "num_frames": d.num_frames if items.video else None,
             "max_sequence_length": d.max_sequence_length,
         }
         if d.hflip:
             fingerprint["hflip"] = True
         if d.buckets is not None:
-            fingerprint["buckets"] = [list(b) for b in self.bucket_sizes()]
-        if task.base.video and (d.frame_sampling, d.frame_stride) != ("first", 1):
-            frames = self.frame_sampling()
+            fingerprint["buckets"] = [list(b) for b in items.buckets]
+        if items.video and (d.frame_sampling, d.frame_stride) != ("first", 1):
+            frames = items.frames
             seed = frames.seed if frames.mode == "random" else None
             fingerprint["frames"] = [frames.mode, frames.stride, seed]
         return fingerprint
 
-    def build(self, raw: Dataset, cache_dir, inputs: dict, device) -> FeatureCacheDataset:
-        """The feature cache of ``raw`` in ``cache_dir`` (reused when its fingerprint matches), and with
-        caption dropout the empty prompt's encoding on ``device``, once."""
-        build_feature_cache(raw, self.encode, cache_dir, self.fingerprint(raw), "data.cache_dir", inputs,
+    def build(self, raw: Dataset, encode_pixels: Encoder, encode_text: Encoder, cache_dir, inputs: dict,
+              device) -> FeatureCacheDataset:
+        """The feature cache of ``raw`` in ``cache_dir`` (reused when its fingerprint matches), encoded with
+        the encoders of the frozen pipeline, and with caption dropout the empty prompt's encoding on
+        ``device``, once."""
+        encode = lambda item: self.encode(item, encode_pixels, encode_text)
+        build_feature_cache(raw, encode, cache_dir, self.fingerprint(raw), "data.cache_dir", inputs,
                             inside_ok=("output_dir",))
-        if self.cfg.model.caption_dropout_prob > 0:
+        if self.model.caption_dropout_prob > 0:
             with torch.no_grad():
-                empty = self.task.encode_text("")
+                empty = encode_text("")
             self.empty_prompt = {key: value.to(device) for key, value in empty.items()}
         return FeatureCacheDataset(cache_dir)
 
@@ -160,8 +188,8 @@ class CaptionFeatures:
                 batch[plain] = _where(flip, batch[key], batch[plain])
         for key in flipped:
             del batch[key]
-        if self.cfg.model.caption_dropout_prob > 0:
-            drop = rnd.rand() < self.cfg.model.caption_dropout_prob  # (B,)
+        if self.model.caption_dropout_prob > 0:
+            drop = rnd.rand() < self.model.caption_dropout_prob  # (B,)
             for key, empty in self.empty_prompt.items():
                 batch[key] = _where(drop, empty.to(batch[key]).expand_as(batch[key]), batch[key])
         return batch

@@ -1,10 +1,11 @@
 """DiT from scratch (or adapted from a pretrained softmax DiT): the task of scripts/train_dit.py.
 
 Model: diffusers ``DiTTransformer2DModel`` with the DiT paper's sizes and adaLN-Zero init (``dit_model.py``);
-attention is softmax, global linear (MHLA with one block) or MHLA. Objective: DDPM with learned sigma
-(:class:`DDPMLoss`), CFG label dropout (done once per sample here; see :func:`disable_block_label_dropout`),
-horizontal flips. Data: one :class:`~mhla_gen.train.dit_sources.DiTSource` per ``data.source`` (class
-folders, a latent cache, the digits, teacher samples). Start point: ``model.init_from``, resolved once
+attention is softmax, global linear (MHLA with one block) or MHLA. Objective: the record's, DDPM with learned
+sigma (:class:`~mhla_gen.train.objectives.DDPM`, the ``diffusion`` section), CFG label dropout (done once per
+sample here; see :func:`disable_block_label_dropout`), horizontal flips. Data: one
+:class:`~mhla_gen.train.dit_sources.DiTSource` per ``data.source`` (class folders, a latent cache, the
+digits, teacher samples). Start point: ``model.init_from``, resolved once
 (:class:`~mhla_gen.train.start.StartPoint`). Samples come out of diffusers' ``DiTPipeline``.
 """
 
@@ -12,25 +13,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, DiTPipeline, DiTTransformer2DModel
+from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from torch import nn
 from torch.utils.data import Dataset
-from tqdm.auto import tqdm
 
 from ..bases.dit import BASE as DIT
 from ..config import MHLAConfig
-from ..data import digits_tensors
-from ..metrics.extractors import digits_extractor, extract_features
-from ..metrics.fid import fid_from_features
-from .attention import attention_mhla_config, check_mhla_layers, install_attention, load_teacher
+from .attention import (
+    attention_mhla_config,
+    check_mhla_layers,
+    check_teacher_loads,
+    install_attention,
+    load_teacher,
+)
 from .config import ConfigError, DiTRunConfig
+from .dit_eval import digits_fid
 from .dit_model import (  # noqa: F401 - DiT's model pieces, importable from here as before
     DIT_SIZES,
     PIPELINE_NULL_CLASS,
     IdentityVAE,
+    check_blocks_fit,
     disable_block_label_dropout,
     dit_architecture,
     dit_init_config,
@@ -39,9 +43,9 @@ from .dit_model import (  # noqa: F401 - DiT's model pieces, importable from her
     label_table_size,
     make_sampler,
 )
-from .dit_sources import DIT_SOURCES
+from .dit_sources import DiTSampling, dit_source
 from .loop import TrainTask, empty_model
-from .objectives import DDPMLoss
+from .objectives import ModelFacts, objective_settings
 from .start import StartPoint
 
 logger = logging.getLogger(__name__)
@@ -55,20 +59,21 @@ class DiTTask(TrainTask):
 
     def __init__(self, cfg: DiTRunConfig):
         super().__init__(cfg)
-        d = cfg.diffusion
-        self.scheduler = DDPMScheduler(
-            num_train_timesteps=d.num_train_timesteps,
-            beta_schedule=d.beta_schedule,
-            beta_start=d.beta_start,
-            beta_end=d.beta_end,
-            clip_sample=False,
-            variance_type="learned_range" if cfg.model.learn_sigma else "fixed_small",
-        )
-        self.objective = DDPMLoss(self.scheduler, cfg.model.learn_sigma, d.snr_gamma)
+        objective = self.base.objective.load()  # DDPM on the diffusion section's schedule
+        facts = ModelFacts(learn_sigma=cfg.model.learn_sigma)
+        self.objective = objective.build(objective_settings(objective, cfg), facts)
         self.vae = None  # the data's AutoencoderKL, frozen (setup); None in pixel space
         self.latent_scale = 1.0
-        self.source = DIT_SOURCES[cfg.data.source](self)
         self.start = StartPoint.resolve(cfg.model.init_from)
+        log = cfg.log
+        sampling = DiTSampling(self.pipeline, cfg.diffusion.sampler, log.sample_steps, log.guidance_scale,
+                               cfg.seed)
+        self.source = dit_source(cfg.data, cfg.model.num_classes, self.start, sampling)
+
+    @property
+    def scheduler(self):
+        """The training ``DDPMScheduler`` (the objective's); the sampling schedulers follow its config."""
+        return self.objective.scheduler
 
     # ------------------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -84,18 +89,14 @@ class DiTTask(TrainTask):
                 f"data.resolution={data.resolution} gives a {size}x{size} model input, which patch size "
                 f"{arch['patch_size']} does not tile (model.patch_size / model.preset)"
             )
-        grid = size // arch["patch_size"]
         mhla = attention_mhla_config(attention, mhla)
-        if mhla is not None and (len(mhla.blocks) != 2 or any(b > grid for b in mhla.blocks)):
-            raise ConfigError(
-                f"mhla.blocks={list(mhla.blocks)} does not fit DiT's {grid}x{grid} token grid "
-                f"(data.resolution={data.resolution}, patch size {arch['patch_size']})"
-            )
+        check_blocks_fit(mhla, size // arch["patch_size"], data.resolution, arch["patch_size"])
         check_mhla_layers(mhla, self.depth())
         if self.start:
             self._check_start(channels, size)
-        if self.cfg.train.distill.enabled:
-            self._check_distill_teacher()
+        if self.cfg.train.distill.enabled:  # a loadable teacher; the log names it
+            logger.info("distillation teacher: %s", self.distill_source())
+            check_teacher_loads(DiTTransformer2DModel, self.distill_source())
         if self.cfg.eval.fid_num_samples and not self.source.scores_fid:
             raise ConfigError(
                 f"eval.fid_num_samples={self.cfg.eval.fid_num_samples} is for data.source=digits only "
@@ -112,17 +113,6 @@ class DiTTask(TrainTask):
                 f"model.init_from={self.start.ref!r} has (in_channels, sample_size, num_classes) = {got}, "
                 f"the data/config need {need}"
             )
-
-    def _check_distill_teacher(self) -> None:
-        """A teacher that is not a local path must be a loadable hub id; the log names the teacher."""
-        source = self.distill_source()
-        logger.info("distillation teacher: %s", source)
-        if Path(source).exists():
-            return
-        try:
-            DiTTransformer2DModel.load_config(source, subfolder="transformer")
-        except OSError as err:
-            raise ConfigError(f"train.distill teacher {source!r} cannot be loaded: {err}") from None
 
     # --------------------------------------------------------------------------- start point
     def depth(self) -> int:
@@ -143,9 +133,7 @@ class DiTTask(TrainTask):
         attention, mhla = self.attention()
         cfg = self.cfg
         model = dataclasses.replace(cfg.model, attention=attention)
-        data, train = dataclasses.replace(cfg.data, resolution=self.source.resolution()), cfg.train
-        if data.source == "teacher":
-            data = dataclasses.replace(data, teacher=self.teacher_source())
+        data, train = self.source.run_settings(), cfg.train  # e.g. a latent cache's resolution, the teacher
         if train.distill.enabled:
             train = dataclasses.replace(train, distill=dataclasses.replace(train.distill,
                                                                            teacher=self.distill_source()))
@@ -153,25 +141,13 @@ class DiTTask(TrainTask):
 
     def inputs(self) -> dict[str, str | None]:
         """Start point, data (an output when sampled from a teacher), VAE and teachers."""
-        data = self.cfg.data
         found = {"model.init_from": self.cfg.model.init_from, **self.source.inputs()}
-        if data.source == "teacher":
-            found["data.teacher"] = self.teacher_source()
         if self.cfg.train.distill.enabled:
             found["train.distill.teacher"] = self.distill_source()
         return found
 
     def written_inside(self) -> tuple[str, ...]:
-        return ("data.path",) if self.cfg.data.source == "teacher" else ()  # sampled by this run
-
-    def teacher_source(self) -> str:
-        """``data.teacher``, else the model ``model.init_from`` converts (a stage-1 folder's teacher)."""
-        source = self.cfg.data.teacher or self.start.teacher("data.teacher")
-        if source is None:
-            raise ConfigError(
-                "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
-            )
-        return source
+        return self.source.written_inside()  # teacher data: sampled by this run
 
     def distill_source(self) -> str:
         """``train.distill.teacher``, else the model ``model.init_from`` converts."""
@@ -267,42 +243,33 @@ class DiTTask(TrainTask):
 
     def model_inputs(self, batch: dict, rnd) -> tuple[dict, tuple]:
         """The transformer's keyword inputs for one micro-batch (noised at sampled timesteps, labels dropped
-        for CFG) and what the objective compares its output with: ``(x0, xt, noise, t)``."""
+        for CFG) and the objective's target: ``(x0, xt, noise, t)``."""
         x0 = self._clean_input(batch, rnd)
         drop = rnd.rand() < self.cfg.model.class_dropout_prob
         labels = torch.where(drop, label_table_size(self.cfg.model.num_classes), batch["class_labels"])
-        t = rnd.randint(self.objective.num_timesteps)
-        noise = rnd.randn(*x0.shape[1:])
-        xt = self.scheduler.add_noise(x0, noise, t)
-        return {"hidden_states": xt, "timestep": t, "class_labels": labels}, (x0, xt, noise, t)
+        inputs, target = self.objective.noised(x0, self.objective.draw(rnd, x0))
+        return {**inputs, "class_labels": labels}, target
 
     def loss(self, model, batch: dict, rnd) -> torch.Tensor:
         inputs, target = self.model_inputs(batch, rnd)
         out = model(**inputs, return_dict=False)[0]
-        return self.objective(out, *target) + self.distillation(out, inputs)
+        return self.objective.loss(out, target) + self.distillation(out, inputs)
 
     # -------------------------------------------------------------------------------- samples
     def pipeline(self, transformer):
         """``DiTPipeline`` around ``transformer``: the data's VAE (after :meth:`setup`; identity in pixel
         space) and the ``diffusion.sampler`` scheduler."""
         vae = self.vae if self.vae is not None else identity_vae()
-        return DiTPipeline(
-            transformer=transformer,
-            vae=vae,
-            scheduler=make_sampler(self.cfg.diffusion.sampler, self.scheduler),
-        )
+        return DiTPipeline(transformer=transformer, vae=vae,
+                           scheduler=make_sampler(self.cfg.diffusion.sampler, self.scheduler))
 
     @torch.no_grad()
     def generate(self, transformer, labels: list[int], seed: int, output_type: str = "pil", progress=False):
         pipe = self.pipeline(transformer)
         pipe.set_progress_bar_config(disable=not progress, desc="sample grid", leave=False)
-        return pipe(
-            class_labels=labels,
-            guidance_scale=self.cfg.log.guidance_scale,
-            num_inference_steps=self.cfg.log.sample_steps,
-            output_type=output_type,
-            generator=torch.Generator(transformer.device).manual_seed(seed),
-        ).images
+        log, generator = self.cfg.log, torch.Generator(transformer.device).manual_seed(seed)
+        return pipe(class_labels=labels, guidance_scale=log.guidance_scale, output_type=output_type,
+                    num_inference_steps=log.sample_steps, generator=generator).images
 
     def sample_images(self, transformer) -> tuple[list, int]:
         """``num_samples`` per class for (up to) the first 10 classes: one row per class."""
@@ -319,27 +286,6 @@ class DiTTask(TrainTask):
         ev = self.cfg.eval
         if ev.fid_num_samples <= 0 or not self.source.scores_fid:  # validate() refused the latter
             return {}
-        n_classes = self.cfg.model.num_classes
-        labels = [i % n_classes for i in range(ev.fid_num_samples)]
-        fake = torch.cat(
-            [
-                self.generate(
-                    transformer,
-                    labels[i : i + ev.fid_batch_size],
-                    seed=self.cfg.seed + 1 + i,
-                    output_type="pt",
-                ).cpu()
-                for i in tqdm(range(0, len(labels), ev.fid_batch_size), desc="FID samples", unit="batch")
-            ]
-        )  # (N, 1, R, R) in [0, 1]
-        real, _ = digits_tensors(self.cfg.data.resolution)
-        extractor = digits_extractor()
-        fake_f, real_f = extract_features(extractor, fake), extract_features(extractor, real)
-        accuracy = (
-            (torch.from_numpy(fake_f["logits"]).argmax(-1) == torch.tensor(labels)).float().mean().item()
-        )
-        return {
-            "fid_digits": fid_from_features(real_f["pool"], fake_f["pool"]),
-            "label_accuracy": accuracy,
-            "fid_num_samples": ev.fid_num_samples,
-        }
+        generate = lambda labels, seed: self.generate(transformer, labels, seed=seed, output_type="pt")
+        return digits_fid(generate, self.cfg.model.num_classes, self.cfg.data.resolution, ev.fid_num_samples,
+                          ev.fid_batch_size, self.cfg.seed)

@@ -13,6 +13,8 @@ from diffusers.models.embeddings import LabelEmbedding
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from ..errors import ConfigError
+
 # DiT paper, Table 1: hidden size, depth, heads
 DIT_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16)}
 _PRESET = re.compile(r"^DiT-(S|B|L|XL)/(2|4|8)$")
@@ -77,6 +79,16 @@ def dit_initialize_(transformer: nn.Module) -> None:
     for layer in (transformer.proj_out_1, transformer.proj_out_2):
         nn.init.zeros_(layer.weight)
         nn.init.zeros_(layer.bias)
+
+
+def check_blocks_fit(mhla, grid: int, resolution: int, patch: int) -> None:
+    """The MHLA blocks (None: softmax) fit DiT's ``grid x grid`` token grid (``data.resolution`` pixels,
+    patch size ``patch``); ConfigError naming them otherwise."""
+    if mhla is not None and (len(mhla.blocks) != 2 or any(b > grid for b in mhla.blocks)):
+        raise ConfigError(
+            f"mhla.blocks={list(mhla.blocks)} does not fit DiT's {grid}x{grid} token grid "
+            f"(data.resolution={resolution}, patch size {patch})"
+        )
 
 
 def disable_block_label_dropout(transformer: nn.Module) -> None:

@@ -1,7 +1,9 @@
 """The data a DiT trains on, one class per ``data.source`` (:data:`DIT_SOURCES`).
 
 Each source checks its own settings (:meth:`DiTSource.validate`, before any work), says what the model
-input is (channels and size), how many items there are, and builds the dataset. ``folder``: ImageNet-style
+input is (channels and size), how many items there are, and builds the dataset. A source is built from
+what it reads (:func:`dit_source`): the ``data`` settings, the class count and, for teacher data, the start
+point and how the run samples a DiT (:class:`DiTSampling`). ``folder``: ImageNet-style
 class folders, VAE-encoded on the fly; ``latents``: a cache of ``scripts/extract_latents.py``; ``digits``:
 scikit-learn's digits in pixel space; ``shapes``: drawn coloured shapes in pixel space (mhla_gen.data.shapes);
 ``teacher``: samples of a teacher DiT, drawn at setup into a cache; ``hf``: a ``datasets`` dataset with an
@@ -10,12 +12,16 @@ image and an integer class column (:mod:`mhla_gen.data.hf_datasets`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
+from torch import nn
 from torch.utils.data import Dataset
 
 from ..data import ClassFolderDataset, LatentCacheDataset, digits_tensors, shapes
@@ -26,8 +32,8 @@ from ..errors import ConfigError
 from ..folders import check_apart, input_record
 from ..install import stock_class_name
 from .attention import load_teacher
-from .dit_model import identity_vae, make_sampler
-from .loop import TrainTask
+from .dit_model import IdentityVAE
+from .start import StartPoint
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +48,44 @@ def _same_model(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
+@dataclass(frozen=True)
+class DiTSampling:
+    """How a DiT run samples (its sample grids and teacher data).
+
+    Attributes:
+        pipeline: ``pipeline(transformer)`` -> ``DiTPipeline`` around it with the run's VAE (after setup;
+            a pixel-space stand-in without one) and its ``diffusion.sampler`` scheduler.
+        sampler: that scheduler's name; ``steps``, ``guidance``: the pipeline call's; ``seed``: chunk ``k``
+            of teacher samples is drawn with ``seed * 100003 + k``.
+    """
+
+    pipeline: Callable[[nn.Module], DiTPipeline]
+    sampler: str
+    steps: int
+    guidance: float
+    seed: int
+
+
 class DiTSource:
-    """One ``data.source`` of a DiT run. Subclasses fill in the items and the checks.
+    """One ``data.source`` of a DiT run: what the task asks of its data. Subclasses fill in the items and
+    the checks.
 
     Attributes:
         name: the ``data.source`` value.
         pixel_space: trains on pixels whatever ``data.vae`` says (the digits).
         needs_decoder: sample grids need ``data.vae`` to decode (latent caches).
         scores_fid: ``eval.fid_num_samples`` can score it (the digits extractor).
+        is_teacher: the data are sampled from a teacher by the run itself (into ``data.path``).
     """
 
     name: ClassVar[str]
     pixel_space: ClassVar[bool] = False
     needs_decoder: ClassVar[bool] = False
     scores_fid: ClassVar[bool] = False
+    is_teacher: ClassVar[bool] = False
 
-    def __init__(self, task: TrainTask):
-        self.task = task
-        self.cfg, self.data = task.cfg, task.cfg.data
+    def __init__(self, data, num_classes: int):
+        self.data, self.num_classes = data, num_classes
 
     def validate(self) -> None:
         """This source's own settings; ConfigError naming them."""
@@ -69,6 +95,15 @@ class DiTSource:
     def inputs(self) -> dict[str, str | None]:
         """The paths this source reads, setting -> path (the run's output must be apart from each)."""
         return {"data.path": self.data.path, "data.vae": self.data.vae}
+
+    def written_inside(self) -> tuple[str, ...]:
+        """Its settings that may lie inside the run's ``output_dir`` (what the run itself writes)."""
+        return ()
+
+    def run_settings(self):
+        """The ``data`` section as the run resolved it (what ``config.yaml`` records): the resolution of
+        the images the model learns (:meth:`resolution`)."""
+        return dataclasses.replace(self.data, resolution=self.resolution())
 
     def vae_config(self) -> dict | None:
         """The data VAE's ``config.json`` (no weights loaded), or None in pixel space."""
@@ -121,13 +156,13 @@ class ClassFolderSource(DiTSource):
 
     name = "folder"
 
-    def __init__(self, task: TrainTask):
-        super().__init__(task)
+    def __init__(self, data, num_classes: int):
+        super().__init__(data, num_classes)
         self._dataset = None
 
     def validate(self) -> None:
         super().validate()
-        root, want = require_dir(self.data.path, "data.path"), self.cfg.model.num_classes
+        root, want = require_dir(self.data.path, "data.path"), self.num_classes
         found = len(class_folders(root, "data.path"))
         if found != want:
             raise ConfigError(
@@ -155,13 +190,13 @@ class HFClassSource(DiTSource):
 
     name = "hf"
 
-    def __init__(self, task: TrainTask):
-        super().__init__(task)
+    def __init__(self, data, num_classes: int):
+        super().__init__(data, num_classes)
         self._dataset = None
 
     def validate(self) -> None:
         super().validate()
-        found, want = self.dataset().num_classes, self.cfg.model.num_classes
+        found, want = self.dataset().num_classes, self.num_classes
         if found != want:
             raise ConfigError(f"model.num_classes={want} but data.path={self.data.path!r} has {found} "
                               f"classes (its {self.data.label_column!r} column)")
@@ -183,7 +218,7 @@ class LatentCacheSource(DiTSource):
 
     def validate(self) -> None:
         super().validate()
-        data, want = self.data, self.cfg.model.num_classes
+        data, want = self.data, self.num_classes
         cache = LatentCacheDataset(require_dir(data.path, "data.path"))
         found = int(cache.meta.get("num_classes", int(cache.labels.max()) + 1))
         if len(cache.labels) and int(cache.labels.max()) >= want:
@@ -260,9 +295,9 @@ class DigitsSource(DiTSource):
         return {}  # embedded in scikit-learn
 
     def validate(self) -> None:
-        if self.cfg.model.num_classes != DIGITS_CLASSES:
+        if self.num_classes != DIGITS_CLASSES:
             raise ConfigError(
-                f"model.num_classes={self.cfg.model.num_classes} but data.source=digits has {DIGITS_CLASSES} "
+                f"model.num_classes={self.num_classes} but data.source=digits has {DIGITS_CLASSES} "
                 f"classes"
             )
 
@@ -288,7 +323,7 @@ class ShapesSource(DiTSource):
 
     def validate(self) -> None:
         try:
-            shapes.check_shapes_data(self.data.resolution, self.cfg.model.num_classes)
+            shapes.check_shapes_data(self.data.resolution, self.num_classes)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -310,21 +345,35 @@ class TeacherSource(DiTSource):
     converts), drawn through ``DiTPipeline`` into ``data.path`` at setup and read like a latent cache."""
 
     name = "teacher"
+    is_teacher = True
+
+    def __init__(self, data, num_classes: int, start: StartPoint, sampling: DiTSampling):
+        super().__init__(data, num_classes)
+        self.start, self.sampling = start, sampling
+
+    def teacher(self) -> str:
+        """``data.teacher``, else the model ``model.init_from`` converts (a stage-1 folder's teacher)."""
+        source = self.data.teacher or self.start.teacher("data.teacher")
+        if source is None:
+            raise ConfigError(
+                "data.source=teacher needs data.teacher (or model.init_from): the DiT to sample"
+            )
+        return source
 
     def teacher_config(self) -> dict:
-        source = self.task.teacher_source()
+        source = self.teacher()
         path = Path(source)
         sub = "transformer" if (path / "transformer").is_dir() or not path.exists() else None
         try:
             config = DiTTransformer2DModel.load_config(source, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"data.teacher={source!r} cannot be loaded: {err}") from None
-        if stock_class_name(config.get("_class_name")) != self.task.base.class_name:
+        if stock_class_name(config.get("_class_name")) != DiTTransformer2DModel.__name__:
             raise ConfigError(f"data.teacher={source!r} is a {config.get('_class_name')}, not a DiT")
         return config
 
     def labels(self) -> list[int]:
-        data, classes = self.data, self.cfg.model.num_classes
+        data, classes = self.data, self.num_classes
         chosen = data.teacher_labels or list(range(classes))
         return [chosen[i % len(chosen)] for i in range(data.teacher_samples)]
 
@@ -332,14 +381,24 @@ class TeacherSource(DiTSource):
         """The teacher loads, its labels are the model's classes, and data.path may be written."""
         super().validate()
         self.teacher_config()
-        classes = self.cfg.model.num_classes
+        classes = self.num_classes
         bad = sorted({c for c in self.labels() if not 0 <= c < classes})
         if bad:
             raise ConfigError(f"data.teacher_labels {bad} are outside model.num_classes={classes}")
         check_teacher_folder(self.data.path, "data.path")
         check_apart(self.data.path, "data.path",
-                    {"data.teacher": self.task.teacher_source(), "model.init_from": self.cfg.model.init_from})
-        logger.info("data teacher: %s", self.task.teacher_source())
+                    {"data.teacher": self.teacher(), "model.init_from": self.start.ref})
+        logger.info("data teacher: %s", self.teacher())
+
+    def inputs(self) -> dict[str, str | None]:
+        return {**super().inputs(), "data.teacher": self.teacher()}
+
+    def written_inside(self) -> tuple[str, ...]:
+        return ("data.path",)  # sampled by the run: it may lie in the run folder
+
+    def run_settings(self):
+        """The resolution of the teacher's samples, and the teacher resolved."""
+        return dataclasses.replace(super().run_settings(), teacher=self.teacher())
 
     def channels_and_size(self) -> tuple[int, int]:  # samples of the teacher's own input size
         config = self.teacher_config()
@@ -358,27 +417,25 @@ class TeacherSource(DiTSource):
     def prepare(self, device) -> None:
         """The samples into ``data.path`` (resumable), in the space the model trains in: pixels in
         [-1, 1], or VAE latents (encoded as extract_latents.py does)."""
-        task, cfg, data = self.task, self.cfg, self.data
-        source = task.teacher_source()
-        teacher = load_teacher(DiTTransformer2DModel, source).to(device)
-        vae, scale = task.vae, task.latent_scale
-        pipe = DiTPipeline(transformer=teacher, vae=vae if vae is not None else identity_vae(),
-                           scheduler=make_sampler(cfg.diffusion.sampler, task.scheduler)).to(device)
+        data, s = self.data, self.sampling
+        source = self.teacher()
+        pipe = s.pipeline(load_teacher(DiTTransformer2DModel, source).to(device)).to(device)
         pipe.set_progress_bar_config(disable=True)
+        vae = None if isinstance(pipe.vae, IdentityVAE) else pipe.vae  # pixel space: no encoding
+        scale = pipe.vae.config.scaling_factor
 
         def generate(labels: list[int], chunk: int) -> torch.Tensor:
-            g = torch.Generator(device).manual_seed(cfg.seed * 100_003 + chunk)
-            images = pipe(class_labels=labels, guidance_scale=cfg.log.guidance_scale, generator=g,
-                          num_inference_steps=cfg.log.sample_steps, output_type="pt").images
+            g = torch.Generator(device).manual_seed(s.seed * 100_003 + chunk)
+            images = pipe(class_labels=labels, guidance_scale=s.guidance, generator=g,
+                          num_inference_steps=s.steps, output_type="pt").images
             x = images.to(device) * 2 - 1  # (B, C, H, W) in [-1, 1]
             if vae is None:
                 return x
             return vae.encode(x.to(vae.dtype)).latent_dist.sample(g) * scale
 
         fingerprint = {
-            "teacher": input_record(source), "labels": self.labels(), "seed": cfg.seed,
-            "steps": cfg.log.sample_steps, "guidance": cfg.log.guidance_scale,
-            "sampler": cfg.diffusion.sampler, "vae": data.vae,
+            "teacher": input_record(source), "labels": self.labels(), "seed": s.seed,
+            "steps": s.steps, "guidance": s.guidance, "sampler": s.sampler, "vae": data.vae,
         }
         meta = {"vae": data.vae, "vae_subfolder": data.vae_subfolder, "scaling_factor": scale,
                 "teacher": source}
@@ -391,3 +448,10 @@ DIT_SOURCES: dict[str, type[DiTSource]] = {
                    HFClassSource)
 }
 """``data.source`` -> its class (a new source: a class above and a line here)."""
+
+
+def dit_source(data, num_classes: int, start: StartPoint, sampling: DiTSampling) -> DiTSource:
+    """The source ``data.source`` names, built from the data settings and the class count (the teacher's
+    from the start point and the run's sampling too)."""
+    cls = DIT_SOURCES[data.source]
+    return cls(data, num_classes, start, sampling) if cls.is_teacher else cls(data, num_classes)

@@ -46,13 +46,13 @@ class WanI2VTask(WanTask):
                 f"conditions; use one of {list(self.base.data_sources)}"
             )
         super().validate()
-        transformer = self._start_config() or self._transformer_config()
+        transformer = self.pretrained.transformer()
         if not self.base.matches(transformer):
             raise ConfigError(
                 f"model.pretrained={pretrained!r}: its {self.cfg.model.expert} is not an "
                 f"image-to-video Wan transformer (in_channels={transformer.get('in_channels')})"
             )
-        if self._component_config("DiffusionPipeline", None).get("expand_timesteps"):
+        if self.pretrained.index().get("expand_timesteps"):
             raise ConfigError(
                 f"model.pretrained={pretrained!r} uses expand_timesteps (TI2V-5B): not supported by this task"
             )
@@ -91,7 +91,7 @@ class WanI2VTask(WanTask):
 
     def sample_conditions(self, count: int) -> list[Image.Image]:
         """The first frames of the first ``count`` training videos (cycled): the sample grid's images."""
-        data = self.listed_dataset()
+        data = self.source.dataset()
         return [first_frame_image(data.load(i % len(data))["pixels"]) for i in range(count)]
 
     def generate_videos(self, transformer) -> np.ndarray:

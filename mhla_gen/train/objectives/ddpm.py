@@ -1,6 +1,6 @@
-"""Training objectives: DiT's DDPM loss with learned sigma, and SANA/Wan rectified flow matching.
+"""DDPM as a training objective (:class:`DDPM`): DiT's loss, with or without a learned variance.
 
-DDPM (DiT, from guided-diffusion's ``training_losses`` with ``learn_sigma=True``, ``LossType.MSE``):
+The loss (DiT, from guided-diffusion's ``training_losses`` with ``learn_sigma=True``, ``LossType.MSE``):
 
     loss = mean((ε - ε_θ)²) + L_vb
     L_vb = KL(q(x_{t-1} | x_t, x_0) ‖ p_θ(x_{t-1} | x_t)) / log 2        t > 0   (bits per dim)
@@ -9,7 +9,12 @@ DDPM (DiT, from guided-diffusion's ``training_losses`` with ``learn_sigma=True``
 The variance head ``v`` interpolates log-variances, ``log σ² = f log β_t + (1 - f) log β̃_t`` with
 ``f = (v + 1) / 2`` (``learned_range``, the same rule as diffusers' DDPMScheduler), and L_vb sees the
 mean through ``ε_θ.detach()`` so it only trains the variance head. Schedule tensors come from
-diffusers' ``DDPMScheduler``; the terms below are the few lines the scheduler does not expose.
+diffusers' ``DDPMScheduler``; the terms below are the few lines the scheduler does not expose. Without a
+learned variance the loss is the ε MSE alone. ``diffusion.snr_gamma`` weights the ε term by
+min(SNR, γ) / SNR (Min-SNR-γ).
+
+The objective draws an integer timestep ``t`` per item and ε, and gives the transformer
+``x_t = sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) ε`` (``DDPMScheduler.add_noise``) at ``timestep = t``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from __future__ import annotations
 import math
 
 import torch
+from diffusers import DDPMScheduler
+
+from ..config import DiffusionConfig
+from .base import ModelFacts, Objective
 
 
 def _mean_flat(x: torch.Tensor) -> torch.Tensor:
@@ -117,80 +126,45 @@ class DDPMLoss:
         return (mse + vb).mean()
 
 
-def flow_matching_sigmas(
-    rnd, weighting: str, logit_mean: float, logit_std: float, mode_scale: float, shift: float
-) -> torch.Tensor:
-    """σ ∈ (0, 1) per sample (B,), SD3/SANA densities, then the scheduler's shift σ' = sσ / (1 + (s - 1)σ).
+class DDPM(Objective):
+    """DDPM on the ``diffusion`` section's schedule (DiT's by default: linear betas, 1000 steps); with a
+    learned variance when the model outputs one (:meth:`ModelFacts.outputs_variance`).
 
-    Draws go through ``rnd`` (a :class:`StepRandom`), so they do not depend on the process count.
+    Attributes:
+        scheduler: the training ``DDPMScheduler`` (``variance_type`` learned_range / fixed_small); the
+            sampling schedulers of DiT's grids are built from its config.
+        terms: the loss (:class:`DDPMLoss`).
     """
-    if weighting == "logit_normal":
-        u = torch.sigmoid(rnd.normal(logit_mean, logit_std))
-    elif weighting == "mode":
-        u = rnd.rand()
-        u = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
-    elif weighting == "uniform":
-        u = rnd.rand()
-    else:
-        raise ValueError(f"flow.weighting must be logit_normal, mode or uniform, got {weighting!r}")
-    u = u.clamp(1e-5, 1.0 - 1e-5)
-    return shift * u / (1.0 + (shift - 1.0) * u)
 
+    name, section, settings = "ddpm", "diffusion", DiffusionConfig
 
-def flow_matching_inputs(
-    x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor, num_train_timesteps: int
-) -> dict[str, torch.Tensor]:
-    """Rectified flow (FlowMatchEulerDiscreteScheduler convention): the model sees x_σ = (1 - σ) x0 + σ ε
-    at ``timestep = σ · T``. x0, noise: ``(B, C, ...)`` latents; sigmas ``(B,)``."""
-    s = sigmas.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
-    return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": sigmas * num_train_timesteps}
+    def __init__(self, scheduler: DDPMScheduler, learn_sigma: bool, snr_gamma: float | None = None):
+        self.scheduler = scheduler
+        self.terms = DDPMLoss(scheduler, learn_sigma, snr_gamma)
 
+    @classmethod
+    def build(cls, settings: DiffusionConfig, facts: ModelFacts) -> DDPM:
+        learn_sigma = facts.outputs_variance()
+        scheduler = DDPMScheduler(
+            num_train_timesteps=settings.num_train_timesteps,
+            beta_schedule=settings.beta_schedule,
+            beta_start=settings.beta_start,
+            beta_end=settings.beta_end,
+            clip_sample=False,
+            variance_type="learned_range" if learn_sigma else "fixed_small",
+        )
+        return cls(scheduler, learn_sigma, settings.snr_gamma)
 
-def per_chunk_flow_inputs(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
-                          num_train_timesteps: int, chunk_frames: int,
-                          patch_size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
-    """Diffusion forcing: :func:`flow_matching_inputs` with a σ per chunk of ``chunk_frames`` latent frames.
-    x0, noise ``(B, C, F, H, W)``; sigmas ``(B, F / chunk_frames)``. The timestep is Wan's per-token form
-    ``(B, N)`` (every token of chunk c at ``σ_c · T``; ``WanTransformer3DModel`` takes a ``(B, N)`` timestep),
-    tokens in the transformer's ``(f h w)`` order for a patch ``(1, ph, pw)``."""
-    batch, frames = x0.shape[0], x0.shape[2]
-    if frames % chunk_frames or sigmas.shape != (batch, frames // chunk_frames):
-        raise ValueError(f"per-chunk σ {tuple(sigmas.shape)} do not fit {frames} latent frames in chunks of "
-                         f"{chunk_frames} (batch {batch})")
-    per_frame = sigmas.repeat_interleave(chunk_frames, dim=1)  # (B, F)
-    s = per_frame.view(batch, 1, frames, 1, 1).to(x0.dtype)
-    tokens_per_frame = (x0.shape[3] // patch_size[1]) * (x0.shape[4] // patch_size[2])
-    timestep = (per_frame * num_train_timesteps).repeat_interleave(tokens_per_frame, dim=1)  # (B, N)
-    return {"hidden_states": (1.0 - s) * x0 + s * noise, "timestep": timestep}
+    def draw(self, rnd, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t, noise)``: ``t`` ``(B,)`` uniform over the training timesteps, then ε like one item."""
+        t = rnd.randint(self.terms.num_timesteps)
+        return t, rnd.randn(*latents.shape[1:])
 
+    def noised(self, x0: torch.Tensor, draws: tuple) -> tuple[dict, tuple]:
+        """``x_t`` at timestep ``t``; the target ``(x0, x_t, noise, t)`` (:class:`DDPMLoss`'s arguments)."""
+        t, noise = draws
+        xt = self.scheduler.add_noise(x0, noise, t)
+        return {"hidden_states": xt, "timestep": t}, (x0, xt, noise, t)
 
-def flow_matching_loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """The loss weight of each sample (B,) at its σ, ``flow.loss_weighting``: diffusers'
-    ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``: σ⁻², ``cosmap``: 2 / (π (1 - 2σ + 2σ²)); ``none``:
-    ones)."""
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    return compute_loss_weighting_for_sd3(scheme, sigmas.float()).float()
-
-
-def flow_matching_mse(
-    prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The model predicts the velocity v = ε - x0; mean squared error in fp32, each sample's error times
-    its weight ``weights`` (B,) where given (diffusers' SD3 / SANA training loss), or each element's times
-    ``weights`` broadcast to the error (e.g. ``(B, 1, F, 1, 1)``: a weight per latent frame, per-chunk σ)."""
-    error = (prediction.float() - (noise - x0).float()) ** 2
-    if weights is None:
-        return error.mean()
-    if weights.dim() == 1:
-        weights = weights.view(-1, *([1] * (error.ndim - 1)))
-    return (weights * error).mean()
-
-
-def flow_matching_loss(
-    model, x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor, num_train_timesteps: int, **cond
-) -> torch.Tensor:
-    """:func:`flow_matching_mse` of ``model`` at :func:`flow_matching_inputs`."""
-    inputs = flow_matching_inputs(x0, noise, sigmas, num_train_timesteps)
-    prediction = model(**inputs, return_dict=False, **cond)[0]
-    return flow_matching_mse(prediction, x0, noise)
+    def loss(self, prediction: torch.Tensor, target: tuple) -> torch.Tensor:
+        return self.terms(prediction, *target)
