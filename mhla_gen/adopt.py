@@ -21,12 +21,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .bases import BASES, base_for_class_name
 from .cli import run
 from .errors import ConfigError
 from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
-
-TRANSFORMERS = ("DiTTransformer2DModel", "SanaTransformer2DModel", "WanTransformer3DModel",
-                "SanaVideoTransformer3DModel")
+from .install import stock_class_name
 
 
 def _a(noun: str) -> str:
@@ -34,11 +33,24 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
-def _stock_name(class_name):
-    """``MHLADiTTransformer2DModel`` (an ``install_mhla``-ed model, mhla_gen.models) -> its stock name;
-    by the naming rule, so that adopting imports no model code."""
-    name = str(class_name)
-    return name[len("MHLA"):] if name.startswith("MHLA") and name[len("MHLA"):] in TRANSFORMERS else name
+def _supported_model(config: dict) -> bool:
+    """Whether a ``config.json`` names the transformer of a base record (an ``install_mhla``-ed class, e.g.
+    ``MHLADiTTransformer2DModel``, by its stock class)."""
+    try:
+        base_for_class_name(stock_class_name(str(config.get("_class_name"))), config)
+    except ValueError:
+        return False
+    return True
+
+
+def _sample_output_names() -> re.Pattern:
+    """The files ``scripts/sample.py`` writes for any base record: ``<base>_seed<S>_<i>.mp4`` (video),
+    ``<base>_seed<S>_<i>_<name>.png`` and ``<base>_seed<S>_grid.png`` (images)."""
+    videos = "|".join(re.escape(base.name) for base in BASES.values() if base.video)
+    images = "|".join(re.escape(base.name) for base in BASES.values() if not base.video)
+    return re.compile(rf"(({images})_seed\d+_(grid|\d{{2}}_.+)\.png)|(({videos})_seed\d+_\d{{2}}\.mp4)")
+
+
 LISTED_KINDS = ("model", "latent_cache", "feature_cache", "teacher_data", "checkpoint", "pipeline")  # deleted
 # by listing
 
@@ -118,9 +130,10 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
         if not config.is_file():
             raise _misfit(config, "missing: a model folder has its config.json")
         record = _json(config)
-        if not isinstance(record, dict) or _stock_name(record.get("_class_name")) not in TRANSFORMERS:
+        if not isinstance(record, dict) or not _supported_model(record):
+            supported = sorted({base.class_name for base in BASES.values()})
             raise _misfit(config, f"names {record.get('_class_name') if isinstance(record, dict) else None}, "
-                                  f"not one of {', '.join(TRANSFORMERS)}")
+                                  f"not one of {', '.join(supported)}")
         if "mhla" not in record and not in_run:
             raise _misfit(config, "has no mhla record: a model saved by another program, not by mhla_gen")
     for path in (folder / n for n in content(folder)):
@@ -229,7 +242,7 @@ def prove_samples(folder: Path) -> None:
                 base = OmegaConf.to_container(OmegaConf.load(path)).get("base")
             except Exception:  # noqa: BLE001
                 base = None
-            if base not in ("dit", "sana", "wan"):
+            if not isinstance(base, str) or base not in BASES:
                 raise _misfit(path, "not an eval/generate.py config")
         elif path.name == "samples.npz":
             import numpy as np
@@ -249,11 +262,10 @@ def prove_samples(folder: Path) -> None:
 
 
 def prove_sample_outputs(folder: Path) -> None:
+    names = _sample_output_names()
     for path in (folder / n for n in content(folder)):
-        if re.fullmatch(r"(dit|sana)_seed\d+_(grid|\d{2}_.+)\.png", path.name):
-            _image(path)
-        elif re.fullmatch(r"wan_seed\d+_\d{2}\.mp4", path.name):
-            _video(path)
+        if names.fullmatch(path.name):
+            (_video if path.suffix == ".mp4" else _image)(path)
         else:
             raise _misfit(path, "not a file scripts/sample.py writes")
 

@@ -86,12 +86,14 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
     """``scripts/linearize.py``: ``--base NAME`` picks the base record (its config schema and task), then
     stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
     from .bases import BASES
+    from .bases.dit import BASE as DEFAULT
     from .train.linearize import TransferTask, stage1_schema
     from .train.loop import train
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--base", choices=sorted(BASES), default="dit",
-                        help="the model family: its config sections, data and conditioning (default: dit)")
+    parser.add_argument("--base", choices=sorted(BASES), default=DEFAULT.name,
+                        help=f"the model family: its config sections, data and conditioning (default: "
+                             f"{DEFAULT.name})")
     base = trainable(parser.parse_known_args(argv)[0].base, "--base")
     description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
     cfg = parse_run_args(stage1_schema(base), description, None, argv, parents=[parser])

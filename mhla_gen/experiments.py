@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .bases import base_for
 from .errors import ConfigError
 from .evidence import SAMPLE_SEED, DataScores, interval
 from .folders import claim, file_record, owned
@@ -109,7 +108,7 @@ def stage1_report(job: Job) -> Path:
 def run_stage1(job: Job) -> dict:
     """The job's stage-1 run (``scripts/linearize.py``), unless its report exists; returns the report."""
     if not stage1_report(job).is_file():
-        cfg = load_config(stage1_schema(base_for("dit")), job.config, [
+        cfg = load_config(stage1_schema(DiTTask.base), job.config, [
             *job.stage1, f"output_dir={job.stage1_dir}", f"seed={job.seed}", "resume=latest",
             "eval.fid_num_samples=0",
         ])

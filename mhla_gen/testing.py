@@ -1,4 +1,5 @@
-"""Tiny DiT / SANA models and pipelines built from config dicts, for tests and smoke runs (seconds on CPU).
+"""Tiny DiT / SANA models and pipelines built from config dicts, for tests and smoke runs (seconds on CPU),
+and :class:`TinyBase`, the test reference every base record carries (``Base.tiny``).
 
 No model hub: the SANA text encoder is a one-layer ``Gemma2Model`` and its tokenizer a word-level
 ``tokenizers`` vocabulary built in-process (unknown words map to ``<unk>``). Every factory takes keyword
@@ -7,7 +8,87 @@ overrides of its config, e.g. ``tiny_dit(sample_size=10)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from .config import MHLAConfig
+
+
+@dataclass(frozen=True)
+class TinyBase:
+    """What the tests build for one base record (``Base.tiny``), declared once, as diffusers'
+    ``ModelTesterMixin`` has each model declare its class and dummy inputs: the cross-cutting tests
+    (diffusers' loaders, LoRA, compile, offloading, save / load, FSDP, conversion, attention statistics)
+    read it for every record in ``mhla_gen.bases``.
+
+    Attributes:
+        model: ``model(seed=0, **config overrides)`` -> a tiny transformer of the record's class, random
+            weights.
+        pipeline: ``pipeline(transformer=None)`` -> the record's stock diffusers pipeline of tiny components
+            (its own tiny transformer when none is given).
+        forward_kwargs: ``forward_kwargs(model, latents, timestep, generator, labels=None)`` -> the keyword
+            arguments of ``model(**kwargs)`` around ``latents (B, C, *latent)`` and ``timestep (B,)``: the
+            conditioning the transformer takes (class labels, caption embeddings of its width, image
+            features), on the model's device and dtype. Also what ``example_inputs`` of the attention
+            statistics calls for any model of the record, tiny or not.
+        latent: the spatial size of the test latents, ``(H, W)`` or ``(F, H, W)``: a token grid uneven on
+            some axis for :attr:`mhla`'s blocks.
+        sizes: latent sizes the shape tests run (:attr:`latent` first): token grids even and uneven for
+            :attr:`mhla`'s blocks.
+        mhla: the test MHLA config: CPE and gate on (their parameters must survive every path), uneven
+            blocks, some layers only where the model has several.
+        sample: ``sample(pipe, generator)`` -> the output of a 2-step call of :attr:`pipeline`'s pipeline
+            (latents where the pipeline can return them).
+        tiny_config: the shipped tiny training config of the record (``mhla_gen.configs``: ``tiny/dit``).
+    """
+
+    model: Callable[..., Any]
+    pipeline: Callable[..., Any]
+    forward_kwargs: Callable[..., dict]
+    latent: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...]
+    mhla: MHLAConfig
+    sample: Callable[..., Any]
+    tiny_config: str
+
+    def inputs(self, model, batch: int = 2, latent: tuple[int, ...] | None = None, seed: int = 0) -> dict:
+        """Forward kwargs of ``model`` on seeded random latents ``(batch, in_channels, *latent)`` (default
+        :attr:`latent`) at timesteps spread over 10..700."""
+        g = torch.Generator().manual_seed(seed)
+        latents = torch.randn(batch, model.config.in_channels, *(latent or self.latent), generator=g)
+        timestep = torch.linspace(10, 700, batch).round()
+        return self.forward_kwargs(model, latents, timestep, g)
+
+    def output(self, model, **inputs_args) -> torch.Tensor:
+        """``model``'s output on :meth:`inputs` (with gradients: wrap in ``torch.no_grad()`` to compare)."""
+        return model(**self.inputs(model, **inputs_args), return_dict=False)[0]
+
+
+def on_model(model, tensor: torch.Tensor, dtype: bool = True) -> torch.Tensor:
+    """``tensor`` on ``model``'s device (and in its dtype: diffusers' ``model.dtype``, the dtype of its
+    weights outside ``_keep_in_fp32_modules``)."""
+    return tensor.to(model.device, model.dtype) if dtype else tensor.to(model.device)
+
+
+def caption_forward_kwargs(model, latents, timestep, generator, labels=None, width: str = "caption_channels",
+                           text_tokens: int = 5) -> dict:
+    """Forward kwargs of a caption-conditioned transformer: random caption embeddings ``(B, text_tokens,
+    config[width])``, the timestep in the model's dtype."""
+    text = torch.randn(len(latents), text_tokens, model.config[width], generator=generator)
+    return {"hidden_states": on_model(model, latents), "encoder_hidden_states": on_model(model, text),
+            "timestep": on_model(model, timestep)}
+
+
+def dit_forward_kwargs(model, latents, timestep, generator, labels=None) -> dict:
+    """DiT: integer timesteps and class labels (default ``0, 1, ...`` modulo the smaller of 10 and the
+    model's classes)."""
+    if labels is None:
+        labels = torch.arange(len(latents)) % min(model.config.num_embeds_ada_norm, 10)
+    return {"hidden_states": on_model(model, latents), "timestep": on_model(model, timestep.long(), False),
+            "class_labels": on_model(model, labels, False)}
 
 # DiTPipeline hard-codes the classifier-free-guidance null class as 1000, so tiny DiTs keep a 1000-class
 # label table (1001 rows incl. the null row); train on labels 0..k-1 for a k-class dataset.
@@ -205,3 +286,39 @@ def offload(model: torch.nn.Module, mode: str, folder) -> None:
         num_blocks_per_group=1 if "block" in mode else None,
         offload_to_disk_path=str(folder),
     )
+
+
+def sample_dit(pipe, generator) -> Any:
+    """Two DDIM steps of a tiny ``DiTPipeline`` for classes 1 and 2: images ``(2, 16, 16, 3)``."""
+    return pipe(class_labels=[1, 2], num_inference_steps=2, generator=generator, output_type="np").images
+
+
+def sample_sana(pipe, generator) -> torch.Tensor:
+    """Two steps of a tiny ``SanaPipeline`` at 32 x 32 px: latents ``(1, 4, 16, 16)``."""
+    return pipe("a red cat", num_inference_steps=2, height=32, width=32, generator=generator,
+                output_type="latent", use_resolution_binning=False, max_sequence_length=8,
+                complex_human_instruction=None).images
+
+
+# the records' test references (Base.tiny): DiT's position embedding is built for sample_size 8 (token
+# grid 4 x 4 with patch 2), so its latents keep that size in the fixed-shape tests
+TINY_DIT = TinyBase(
+    model=tiny_dit,
+    pipeline=tiny_dit_pipeline,
+    forward_kwargs=dit_forward_kwargs,
+    latent=(8, 8),  # token grid (4, 4): 3 blocks of 2, 1, 1 rows
+    sizes=((8, 8), (12, 12), (10, 10)),
+    mhla=MHLAConfig(blocks=(3, 2), layers=[1], cpe_kernel=3, gate=True),
+    sample=sample_dit,
+    tiny_config="tiny/dit",
+)
+TINY_SANA = TinyBase(
+    model=tiny_sana,
+    pipeline=tiny_sana_pipeline,
+    forward_kwargs=caption_forward_kwargs,
+    latent=(6, 10),  # patch 1: token grid (6, 10), blocks (2, 3): uneven on the width
+    sizes=((6, 10), (8, 12), (7, 11)),
+    mhla=MHLAConfig(blocks=(2, 3), cpe_kernel=3, gate=True),
+    sample=sample_sana,
+    tiny_config="tiny/sana",
+)

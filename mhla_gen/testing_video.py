@@ -27,9 +27,17 @@ from diffusers import (
     WanTransformer3DModel,
 )
 
-from .testing import tiny_gemma2
+from .config import MHLAConfig
+from .testing import TinyBase, caption_forward_kwargs, tiny_gemma2
 from .testing import tiny_tokenizer as tiny_gemma_tokenizer
-from .testing_wan import TINY_WAN_CONFIG, tiny_text_encoder, tiny_tokenizer, tiny_vae
+from .testing_wan import (
+    TINY_WAN,
+    TINY_WAN_CONFIG,
+    tiny_text_encoder,
+    tiny_tokenizer,
+    tiny_vae,
+    wan_forward_kwargs,
+)
 
 TINY_SANA_VIDEO_CONFIG = dict(
     in_channels=16,
@@ -221,16 +229,23 @@ def tiny_clip_vision(seed: int = 0, hidden_size: int = 8):
     return CLIPVisionModel(config).eval(), processor
 
 
+TINY_CLIP_WIDTH = 8  # tiny_clip_vision's hidden size: the image_dim of the tiny Wan2.1 I2V transformer
+
+
+def tiny_wan_i2v(seed: int = 0, **overrides) -> WanTransformer3DModel:
+    """The tiny Wan2.1 I2V transformer (what :func:`tiny_wan_i2v_pipeline` builds): 36 input channels, CLIP
+    image features of :func:`tiny_clip_vision`'s width in the cross-attention."""
+    inner = TINY_WAN_CONFIG["num_attention_heads"] * TINY_WAN_CONFIG["attention_head_dim"]
+    i2v = {"in_channels": 36, "image_dim": TINY_CLIP_WIDTH, "added_kv_proj_dim": inner}
+    return tiny_wan_expert(seed, **{**i2v, **overrides})
+
+
 def tiny_wan_i2v_pipeline(transformer=None, seed: int = 0) -> WanImageToVideoPipeline:
     """A stock Wan2.1-I2V-layout ``WanImageToVideoPipeline``: CLIP image features in the cross-attention
     (``image_dim``, ``added_kv_proj_dim``), 36 input channels. Call it with ``max_sequence_length=512``
     (diffusers' I2V cross-attention splits image from text tokens by assuming 512 text tokens)."""
-    image_encoder, image_processor = tiny_clip_vision(seed)
-    if transformer is None:
-        inner = TINY_WAN_CONFIG["num_attention_heads"] * TINY_WAN_CONFIG["attention_head_dim"]
-        transformer = tiny_wan_expert(
-            seed, in_channels=36, image_dim=image_encoder.config.hidden_size, added_kv_proj_dim=inner
-        )
+    image_encoder, image_processor = tiny_clip_vision(seed, TINY_CLIP_WIDTH)
+    transformer = transformer if transformer is not None else tiny_wan_i2v(seed)
     return WanImageToVideoPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_text_encoder(seed),
@@ -259,3 +274,43 @@ def tiny_wan22_i2v_pipeline(transformer=None, transformer_2=None, seed: int = 0)
         transformer_2=transformer_2,
         boundary_ratio=WAN22_I2V_BOUNDARY,
     )
+
+
+def sample_sana_video(pipe, generator) -> torch.Tensor:
+    """Two steps of a tiny ``SanaVideoPipeline``, 5 frames at 32 x 64 px: latents ``(1, 16, 2, 4, 8)``."""
+    return pipe("a red cat", height=32, width=64, frames=5, num_inference_steps=2, guidance_scale=2.0,
+                max_sequence_length=8, output_type="latent", use_resolution_binning=False,
+                complex_human_instruction=None, generator=generator).frames
+
+
+def sample_wan_i2v(pipe, generator) -> torch.Tensor:
+    """Two steps of a tiny ``WanImageToVideoPipeline`` from a red 64 x 48 image, 5 frames: latents
+    ``(1, 16, 2, 6, 8)``."""
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    return pipe(image=image, prompt="a red car", height=48, width=64, num_frames=5, num_inference_steps=2,
+                guidance_scale=2.0, max_sequence_length=512, output_type="latent", generator=generator).frames
+
+
+# the records' test references (Base.tiny)
+TINY_SANA_VIDEO = TinyBase(
+    model=tiny_sana_video,
+    pipeline=tiny_sana_video_pipeline,
+    forward_kwargs=caption_forward_kwargs,
+    latent=TINY_WAN.latent,  # patch (1, 2, 2) as Wan: token grid (3, 3, 5)
+    sizes=TINY_WAN.sizes,
+    mhla=MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3, gate=True),
+    sample=sample_sana_video,
+    tiny_config="tiny/sana-video",
+)
+TINY_WAN_I2V = TinyBase(
+    model=tiny_wan_i2v,
+    pipeline=tiny_wan_i2v_pipeline,
+    forward_kwargs=wan_forward_kwargs,
+    latent=TINY_WAN.latent,
+    sizes=TINY_WAN.sizes,
+    mhla=MHLAConfig(blocks=(2, 2, 3), layers=[0, 2], cpe_kernel=3, gate=True),
+    sample=sample_wan_i2v,
+    tiny_config="tiny/wan",  # Wan's run config and tiny sizes; the I2V task conditions on first frames
+)

@@ -12,6 +12,9 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
+from .config import MHLAConfig
+from .testing import TinyBase, caption_forward_kwargs, on_model
+
 TEXT_DIM = 32
 
 TINY_WAN_CONFIG = dict(
@@ -102,3 +105,36 @@ def tiny_wan_pipeline(transformer: WanTransformer3DModel | None = None, seed: in
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
         ),
     )
+
+
+I2V_TEXT_TOKENS = 512  # diffusers' Wan I2V cross-attention splits the image tokens off after exactly 512
+
+
+def wan_forward_kwargs(model, latents, timestep, generator, labels=None) -> dict:
+    """Wan T2V: caption embeddings of width ``text_dim``. Wan2.1 I2V (``image_dim`` set): 512 text tokens and
+    5 CLIP image tokens (``encoder_hidden_states_image``); Wan2.2 I2V (36 channels, no CLIP): text only."""
+    image_dim = model.config.get("image_dim")
+    kwargs = caption_forward_kwargs(model, latents, timestep, generator, width="text_dim",
+                                    text_tokens=I2V_TEXT_TOKENS if image_dim else 5)
+    if image_dim:
+        image = torch.randn(len(latents), 5, image_dim, generator=generator)
+        kwargs["encoder_hidden_states_image"] = on_model(model, image)
+    return kwargs
+
+
+def sample_wan(pipe, generator) -> torch.Tensor:
+    """Two steps of a tiny ``WanPipeline``, 5 frames at 48 x 64 px: latents ``(1, 16, 2, 6, 8)``."""
+    return pipe("a red car", height=48, width=64, num_frames=5, num_inference_steps=2, guidance_scale=2.0,
+                max_sequence_length=16, output_type="latent", generator=generator).frames
+
+
+TINY_WAN = TinyBase(  # the record's test reference (Base.tiny)
+    model=tiny_wan_transformer,
+    pipeline=tiny_wan_pipeline,
+    forward_kwargs=wan_forward_kwargs,
+    latent=(3, 6, 10),  # patch (1, 2, 2): token grid (3, 3, 5), blocks (2, 2, 3): uneven on every axis
+    sizes=((3, 6, 10), (4, 8, 12), (5, 6, 14)),
+    mhla=MHLAConfig(blocks=(2, 2, 3), layers=[1, 2], cpe_kernel=3, gate=True, wan_head_norm=True),
+    sample=sample_wan,
+    tiny_config="tiny/wan",
+)

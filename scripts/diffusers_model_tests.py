@@ -103,8 +103,7 @@ class TestWanI2VTransformer3DLoRA(WanI2VTesterConfig, LoraTesterMixin):
 
 # each base record's diffusers test suite (Base.diffusers_tests), and the I2V one this script writes
 SUITES = {name: base.diffusers_tests for name, base in BASES.items() if base.diffusers_tests}
-WRITTEN = {WAN_I2V_SUITE: WAN_I2V_SOURCE}
-SUITES["wan-i2v"] = WAN_I2V_SUITE
+WRITTEN = {WAN_I2V_SUITE: WAN_I2V_SOURCE}  # the suite Wan I2V's record names
 
 CLASS_NAME_TESTS = {
     "test_gradient_checkpointing_is_applied": "compares the class names of the modules with gradient "

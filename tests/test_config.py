@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mhla_gen.bases import BASES
 from mhla_gen.train.config import DiTRunConfig, SanaRunConfig, WanRunConfig, load_config
-from mhla_gen.train.finetune_sana_video import SanaVideoRunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "mhla_gen" / "configs"
-SCHEMAS = {"dit": DiTRunConfig, "sana": SanaRunConfig, "wan": WanRunConfig, "sana-video": SanaVideoRunConfig}
+SCHEMAS = {name: base.run_config.load() for name, base in BASES.items() if base.trains}  # each record's
 TRAINING_YAMLS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("accelerate", "eval"))
 
 

@@ -6,7 +6,6 @@ pipeline after ``uninstall_mhla``). Every base record (``mhla_gen.bases``), tiny
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -25,67 +24,44 @@ from safetensors.torch import load_file, save_file
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, uninstall_mhla
 from mhla_gen.bases import BASES as RECORDS
+from mhla_gen.bases import Base as Record
 from mhla_gen.install import MHLA_MODEL_CLASSES
 from mhla_gen.models import MHLAWanTransformer3DModel
-from mhla_gen.testing import (
-    dit_forward,
-    sana_forward,
-    tiny_dit,
-    tiny_dit_pipeline,
-    tiny_sana,
-    tiny_sana_pipeline,
-)
-from mhla_gen.testing_video import (
-    tiny_sana_video,
-    tiny_sana_video_pipeline,
-    tiny_wan_expert,
-    tiny_wan_i2v_pipeline,
-)
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
+from mhla_gen.testing_video import tiny_wan_expert
+from mhla_gen.testing_wan import tiny_wan_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-I2V_IMAGE_DIM = 8  # the hidden size of tiny_wan_i2v_pipeline's CLIP vision tower
-
-
-@torch.no_grad()
-def wan_forward(model, seed: int = 0, latent=(2, 4, 6)) -> torch.Tensor:
-    """Wan T2V, or I2V (``image_dim`` set: image features, 512 text tokens as its cross-attention assumes)."""
-    g = torch.Generator().manual_seed(seed)
-    config, extra = model.config, {}
-    text = torch.randn(2, 512 if config.image_dim else 5, TEXT_DIM, generator=g)
-    x = torch.randn(2, config.in_channels, *latent, generator=g)
-    if config.image_dim:
-        image = torch.randn(2, 3, config.image_dim, generator=g)
-        extra["encoder_hidden_states_image"] = image.to(model.dtype)
-    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype), **extra).sample
-
-
-@torch.no_grad()
-def sana_video_forward(model, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x, text = torch.randn(2, 16, 3, 6, 10, generator=g), torch.randn(2, 5, 16, generator=g)
-    return model(x.to(model.dtype), text.to(model.dtype), torch.tensor([10.0, 700.0]), return_dict=False)[0]
-
-
-def tiny_wan_i2v(seed: int = 0):
-    """The transformer tiny_wan_i2v_pipeline builds (Wan2.1 I2V: CLIP features, 36 input channels)."""
-    return tiny_wan_expert(seed, in_channels=36, image_dim=I2V_IMAGE_DIM, added_kv_proj_dim=24)
 
 
 @dataclass(frozen=True)
 class Base:
-    """A base record (``name``) with what the tests build for it: a tiny transformer, its forward, an MHLA
-    config (CPE / gate / some layers only, to catch lost parameters) and a tiny stock pipeline factory."""
+    """A base record and what the loading tests build from its test reference (``record.tiny``): a tiny
+    transformer, its forward, the test MHLA config (CPE / gate / some layers only, to catch lost
+    parameters) and a tiny stock pipeline."""
 
-    name: str
-    factory: object
-    forward: object
-    cfg: MHLAConfig
-    pipeline: object  # tiny pipeline factory
+    record: Record
 
     @property
-    def record(self):
-        return RECORDS[self.name]
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def tiny(self):
+        return self.record.tiny.load()
+
+    def factory(self, seed: int = 0):
+        return self.tiny.model(seed=seed)
+
+    @torch.no_grad()
+    def forward(self, model, **inputs) -> torch.Tensor:
+        return self.tiny.output(model, **inputs)
+
+    @property
+    def cfg(self) -> MHLAConfig:
+        return self.tiny.mhla
+
+    def pipeline(self, transformer=None):
+        return self.tiny.pipeline(transformer=transformer)
 
     @property
     def mhla_cls(self) -> type:
@@ -100,29 +76,14 @@ class Base:
         return self.record.sampler.load().load(str(path), None, torch_dtype, None, transformer_path)
 
 
-BASES = {base.name: base for base in [
-    Base("dit", tiny_dit, dit_forward, MHLAConfig(blocks=(2, 2), layers=[1], gate=True), tiny_dit_pipeline),
-    Base("sana", tiny_sana, sana_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True),
-         tiny_sana_pipeline),
-    Base("wan", tiny_wan_transformer, wan_forward, MHLAConfig(blocks=(1, 2, 2), layers=[0, 2], cpe_kernel=3),
-         tiny_wan_pipeline),
-    Base("wan-i2v", tiny_wan_i2v, wan_forward, MHLAConfig(blocks=(1, 2, 2), layers=[1, 2], gate=True),
-         tiny_wan_i2v_pipeline),
-    Base("sana-video", tiny_sana_video, sana_video_forward, MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3),
-         tiny_sana_video_pipeline),
-]}
+BASES = {name: Base(record) for name, record in RECORDS.items()}  # every record, through its test reference
+WAN = BASES[RECORDS["wan"].name]
 
 
-def test_every_base_record_has_tiny_models_here():
-    """The loading matrix runs over every base record: a new record needs its line in BASES above."""
-    assert set(BASES) == set(RECORDS), f"add a Base(...) line for {sorted(set(RECORDS) - set(BASES))}"
-    for base in BASES.values():
-        assert RECORDS.get(base.name) is not None and type(base.factory()) is base.record.transformer_class
-
-
-def trained_like(base: Base):
-    """A model with MHLA whose MHLA parameters are far from their init (a lost tensor shows)."""
-    model = install_mhla(base.factory().eval(), base.cfg)
+def trained_like(base: Base, model=None):
+    """A model with MHLA (``base``'s tiny model unless ``model``) whose MHLA parameters are far from their
+    init (a lost tensor shows)."""
+    model = install_mhla((model if model is not None else base.factory()).eval(), base.cfg)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in mhla_parameters(model).values():
@@ -219,10 +180,10 @@ def test_install_turns_the_model_into_its_mhla_class_and_uninstall_back(tmp_path
 def test_pipeline_registered_before_an_in_place_install_needs_register_modules(tmp_path):
     """model_index.json records the class a pipeline was given: after install_mhla(pipe.transformer)
     re-register the transformer (docs/diffusers.md), then DiffusionPipeline loads it with MHLA."""
-    base = BASES["dit"]
+    base = next(iter(BASES.values()))
     pipe = base.pipeline()
-    install_mhla(pipe.transformer, base.cfg)
-    assert pipe.config.transformer == ("diffusers", "DiTTransformer2DModel")  # stale: diffusers' record
+    install_mhla(pipe.transformer.eval(), base.cfg)  # eval: DiT's label dropout draws in train mode
+    assert pipe.config.transformer == ("diffusers", base.record.class_name)  # stale: diffusers' record
     pipe.register_modules(transformer=pipe.transformer)
     pipe.save_pretrained(tmp_path)
     loaded = DiffusionPipeline.from_pretrained(tmp_path).transformer
@@ -233,7 +194,7 @@ def test_converter_output_loads_through_diffusers(tmp_path):
     """scripts/convert_wan_mhla.py's model (convert_wan_checkpoint) saves as an MHLA Wan folder."""
     from mhla_gen.convert_wan import convert_wan_checkpoint, diffusers_to_original
 
-    model = trained_like(BASES["wan"])
+    model = trained_like(WAN)
     release_like = MHLAConfig.preset("wan-release", blocks=(1, 2, 2), layers=[0, 2])  # any config works
     uninstall_mhla(model)
     install_mhla(model, release_like)
@@ -242,18 +203,18 @@ def test_converter_output_loads_through_diffusers(tmp_path):
     assert converted.mhla_config == release_like
     converted.save_pretrained(tmp_path / "converted")
     tiny_wan_pipeline(transformer=converted).save_pretrained(tmp_path / "pipeline")
-    expected = wan_forward(load_transformer(tmp_path / "converted"))
+    expected = WAN.forward(load_transformer(tmp_path / "converted"))
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "pipeline")
-    assert torch.equal(wan_forward(pipe.transformer), expected)
+    assert torch.equal(WAN.forward(pipe.transformer), expected)
     direct = MHLAWanTransformer3DModel.from_pretrained(tmp_path / "converted")
-    assert torch.equal(wan_forward(direct), expected)
+    assert torch.equal(WAN.forward(direct), expected)
 
 
 def test_diffusers_without_mhla_gen_imported_refuses_in_one_line(saved):
     """diffusers 0.42 imports no library a model_index.json names: without `import mhla_gen` the load stops
     with diffusers' message naming the module to import (never a stock model)."""
     base, root, _ = saved
-    if base is not BASES["dit"]:
+    if base is not next(iter(BASES.values())):
         pytest.skip("one base is enough for diffusers' import rule")
     folder = str(root / "pipeline")
     code = f"from diffusers import DiffusionPipeline; DiffusionPipeline.from_pretrained({folder!r})"
@@ -285,14 +246,12 @@ def test_wan22_experts_load_with_mhla_through_diffusers(tmp_path):
     (SANA-Video and Wan I2V are base records: the tests above run them)."""
     from mhla_gen.testing_video import tiny_wan22_pipeline
 
-    wan = BASES["wan"]
-    experts = [trained_like(dataclasses.replace(wan, factory=lambda s=s: tiny_wan_expert(seed=s)))
-               for s in (0, 1)]
+    experts = [trained_like(WAN, tiny_wan_expert(seed=s)) for s in (0, 1)]
     tiny_wan22_pipeline(transformer=experts[0], transformer_2=experts[1]).save_pretrained(tmp_path / "wan22")
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan22")
     for loaded, expert in zip((pipe.transformer, pipe.transformer_2), experts):
         assert type(loaded) is MHLAWanTransformer3DModel
-        assert torch.equal(wan_forward(loaded), wan_forward(expert))
+        assert torch.equal(WAN.forward(loaded), WAN.forward(expert))
 
 
 def _resaved_by_stock_class(base: Base, root: Path, out: Path) -> Path:
@@ -369,8 +328,9 @@ def test_from_single_file_converts_a_release_checkpoint_or_refuses(saved, tmp_pa
     from mhla_gen.convert_wan import diffusers_to_original
 
     base, root, _ = saved
-    if not hasattr(base.record.transformer_class, "from_single_file"):
-        assert not hasattr(base.mhla_cls, "from_single_file")  # DiT: diffusers has no single-file loader
+    if "single_file" not in base.record.capabilities:  # DiT: diffusers has no single-file loader
+        with pytest.raises(AttributeError, match="from_single_file"):
+            base.mhla_cls.from_single_file(str(tmp_path / "any.safetensors"))
         return
     where = dict(config=str(root / "stock"), subfolder="transformer")
     if base.record.release_checkpoint is not None:
@@ -383,7 +343,7 @@ def test_from_single_file_converts_a_release_checkpoint_or_refuses(saved, tmp_pa
         reference = release.state_dict()
         assert all(torch.equal(v, reference[k]) for k, v in loaded.state_dict().items())
         latent = (3, 10, 20)  # grid (3, 5, 10): the release's blocks
-        assert torch.equal(wan_forward(loaded, latent=latent), wan_forward(release, latent=latent))
+        assert torch.equal(base.forward(loaded, latent=latent), base.forward(release, latent=latent))
         half = base.mhla_cls.from_single_file(str(file), dtype=torch.bfloat16, **where)
         assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
         # diffusers' stock class on the same file: the stock model (documented; MHLA keys unused)

@@ -125,7 +125,7 @@ def test_save_refuses_processors_replaced_behind_install_mhla(tmp_path, name):
 
 def test_set_attn_processor_in_a_pipeline_leaving_mhla_saves_a_stock_pipeline(tmp_path):
     """Every layer replaced through diffusers: the pipeline holding the model records the stock class."""
-    base = BASES["sana"]
+    base = BASES[WITH_SET_ATTN_PROCESSOR[0]]
     pipe = base.pipeline(transformer=trained_like(base))
     pipe.transformer.set_attn_processor(_stock_for_mhla(pipe.transformer))
     pipe.save_pretrained(tmp_path)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from mhla_gen.analysis import attention_matrix, mirror_block_share, mirror_mass
+from mhla_gen.bases import BASES
 from mhla_gen.config import MHLAConfig
-from mhla_gen.install import install_mhla
+from mhla_gen.install import install_mhla, mhla_processors
 from mhla_gen.metrics.attention import (
     attention_statistics,
     capture_qk,
@@ -37,6 +38,21 @@ def test_captured_qk_are_what_the_mhla_kernel_sees(factory, monkeypatch):
         assert slot["kind"] == "mhla" and slot["grid"] == grid
         torch.testing.assert_close(slot["q"], q)
         torch.testing.assert_close(slot["k"], k)
+
+
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_statistics_of_every_base(name):
+    """Every base record: ``example_inputs`` asks the record's test reference for the conditioning (it no
+    longer guesses it from the conditioning kind), and the statistics cover every self-attention layer,
+    its MHLA layers (the test config: some layers only where the model has several) as ``mhla``."""
+    tiny = BASES[name].tiny.load()
+    model = install_mhla(tiny.model().eval(), tiny.mhla)
+    stats = attention_statistics(model, run_forward(model))
+    layers = BASES[name].processor.self_attention(model)
+    assert len(stats) == len(layers)
+    assert sum(s["kind"] == "mhla" for s in stats) == len(mhla_processors(model)) > 0
+    for s in stats:
+        assert 1 <= s["rank"] <= s["tokens"] and 0 <= s["entropy"] <= s["max_entropy"] + 1e-9
 
 
 def test_kinds_and_ranges():

@@ -8,21 +8,26 @@ import pytest
 import torch
 
 WORLD = 2
-CASES = ("sana", "wan")
+
+
+def _cases() -> list[str]:
+    from mhla_gen.bases import BASES
+
+    return sorted(BASES)  # every base record, through its test reference (record.tiny)
 
 
 def _model(case: str, seed: int):
-    """A tiny SANA / Wan with MHLA (uneven 3-block axes, so a 3x3 mixing matrix shards 2 + 1 rows; CPE and
-    gate on) whose MHLA parameters are moved off their init by ``seed``; the rest depends on seed 0 only."""
-    from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
-    from mhla_gen.testing import tiny_sana
-    from mhla_gen.testing_wan import tiny_wan_transformer
+    """The record's tiny model with its test MHLA config on blocks ``(1, ..., 1, 3)`` (a 3x3 mixing matrix
+    shards 2 + 1 rows; CPE and gate on), MHLA parameters moved off their init by ``seed``; the rest
+    depends on seed 0 only."""
+    import dataclasses
 
-    if case == "sana":
-        model = install_mhla(tiny_sana(), MHLAConfig(blocks=(1, 3), cpe_kernel=3, gate=True))
-    else:
-        cfg = MHLAConfig(blocks=(1, 1, 3), layers=[0, 2], cpe_kernel=3, gate=True, wan_head_norm=True)
-        model = install_mhla(tiny_wan_transformer(), cfg)
+    from mhla_gen import install_mhla, mhla_parameters
+    from mhla_gen.bases import BASES
+
+    tiny = BASES[case].tiny.load()
+    cfg = dataclasses.replace(tiny.mhla, blocks=(1,) * (len(tiny.latent) - 1) + (3,))
+    model = install_mhla(tiny.model(), cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mhla_parameters(model).values():
@@ -31,23 +36,27 @@ def _model(case: str, seed: int):
 
 
 def _forward(case: str, model) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
+    from mhla_gen.bases import BASES
+
     with torch.no_grad():
-        if case == "sana":
-            x, text = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 3, 16, generator=g)
-            return model(x, encoder_hidden_states=text, timestep=torch.tensor([100.0, 700.0])).sample
-        from mhla_gen.testing_wan import TEXT_DIM
-
-        x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-        return model(x, torch.tensor([300, 700]), text).sample
+        return BASES[case].tiny.load().output(model)
 
 
-def _shard(model, mesh):
+def _shard(case: str, model, mesh):
+    """FSDP2 units as the record's training task names them (DiT: its blocks and the label embedder its
+    forward calls outside block 0), else the transformer blocks; inner units first, then the model."""
     from torch.distributed.fsdp import fully_shard
 
-    blocks = model.transformer_blocks if hasattr(model, "transformer_blocks") else model.blocks
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
+    from mhla_gen.bases import BASES
+
+    record = BASES[case]
+    units = set(record.task.load().fsdp_units) if record.trains else set()
+    named = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in units]
+    if not named:
+        blocks = model.transformer_blocks if hasattr(model, "transformer_blocks") else model.blocks
+        named = [(str(i), block) for i, block in enumerate(blocks)]
+    for _, module in sorted(named, key=lambda item: -item[0].count(".")):
+        fully_shard(module, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
@@ -71,7 +80,7 @@ def _worker(rank: int, store: str, root: str) -> None:
     try:
         assert dist.get_world_size() == WORLD and dist.get_rank() == rank
         mesh = init_device_mesh("cpu", (WORLD,))
-        for case in CASES:
+        for case in _cases():
             file = f"{root}/{case}_mhla.safetensors"
             reference = _model(case, seed=1)  # unsharded, on every rank
             expected = {k: p.detach().clone() for k, p in mhla_parameters(reference).items()}
@@ -81,7 +90,7 @@ def _worker(rank: int, store: str, root: str) -> None:
             dist.barrier()
 
             # save from a sharded model: gathered, written once, equal to the unsharded parameters
-            sharded = _shard(_model(case, seed=1), mesh)
+            sharded = _shard(case, _model(case, seed=1), mesh)
             mixing = next(p for k, p in mhla_parameters(sharded).items() if k.endswith("mixing.weight"))
             assert mixing.to_local().shape[0] == (2 if rank == 0 else 1)  # 3 rows over 2 ranks
             save_mhla_parameters(sharded, file)  # every rank: collective gather, rank 0 writes
@@ -90,7 +99,7 @@ def _worker(rank: int, store: str, root: str) -> None:
             assert all(torch.equal(saved[k], expected[k]) for k in expected)
 
             # load into a sharded model with other MHLA values: every shard gets its part of the file
-            target = _shard(_model(case, seed=2), mesh)
+            target = _shard(case, _model(case, seed=2), mesh)
             assert not all(torch.equal(v, expected[k]) for k, v in _full(mhla_parameters(target)).items())
             load_mhla_parameters(target, file)
             loaded = _full(mhla_parameters(target))
@@ -98,12 +107,12 @@ def _worker(rank: int, store: str, root: str) -> None:
             assert torch.equal(_forward(case, target), expected_out)
 
             # load_transformer gives a full model: sharding it afterwards keeps the MHLA parameters
-            resharded = _shard(load_transformer(f"{root}/{case}_full"), mesh)
+            resharded = _shard(case, load_transformer(f"{root}/{case}_full"), mesh)
             loaded = _full(mhla_parameters(resharded))
             assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
             # or a save_pretrained folder straight into a sharded model: DCP's set_model_state_dict
-            target = _shard(_model(case, seed=3), mesh)
+            target = _shard(case, _model(case, seed=3), mesh)
             full_state = (
                 load_file(f"{root}/{case}_full/diffusion_pytorch_model.safetensors") if rank == 0 else {}
             )
@@ -118,8 +127,8 @@ def _worker(rank: int, store: str, root: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_save_and_load_mhla_parameters(tmp_path):
-    """save_mhla_parameters on a fully_shard-ed SANA / Wan (2 gloo ranks) writes exactly the unsharded
-    model's MHLA parameters; load_mhla_parameters, load_transformer + fully_shard and DCP's
+    """save_mhla_parameters on a fully_shard-ed model of every base record (2 gloo ranks) writes exactly
+    the unsharded model's MHLA parameters; load_mhla_parameters, load_transformer + fully_shard and DCP's
     set_model_state_dict put them back into sharded models exactly (parameters and outputs)."""
     import torch.multiprocessing as mp
 

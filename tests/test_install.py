@@ -1,6 +1,8 @@
-"""install_mhla / uninstall_mhla on tiny DiT and SANA models."""
+"""install_mhla / uninstall_mhla on the tiny models of every base record (its test reference), and the
+cases that need one particular base (DiT, SANA, Wan)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -9,31 +11,38 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters, uninstall_mhla
 from mhla_gen.bases import BASES as BASE_RECORDS
 from mhla_gen.bases import base_for_class_name, base_for_model
-from mhla_gen.processors import DiTMHLAProcessor, SanaMHLAProcessor, WanMHLAProcessor
 from mhla_gen.processors.base import MHLAProcessor
-from mhla_gen.processors.sana_video import SanaVideoMHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
-from mhla_gen.testing import sana_forward as sana_call
 from mhla_gen.testing import tiny_dit, tiny_sana
-from mhla_gen.testing_video import tiny_sana_video
 from mhla_gen.testing_wan import tiny_wan_transformer
 
-BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
+RECORDS = sorted(BASE_RECORDS)  # every base record, through its test reference (record.tiny)
+
+
+def tiny_of(name: str):
+    return BASE_RECORDS[name].tiny.load()
+
+
+def mhla_free(model) -> bool:
+    """No MHLA processor, parameter, config entry or hook left."""
+    layers = base_for_model(model).processor.self_attention(model)
+    return (not any(isinstance(attn.processor, MHLAProcessor) for attn in layers)
+            and not mhla_parameters(model) and "mhla" not in model.config and not model._forward_pre_hooks)
 
 
 def mhla_layer_indices(model):
     return [i for i, b in enumerate(model.transformer_blocks) if isinstance(b.attn1.processor, MHLAProcessor)]
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_uninstall_is_bit_exact(factory, call):
-    model, untouched = factory().eval(), factory().eval()
-    install_mhla(model, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True))
+@pytest.mark.parametrize("name", RECORDS)
+def test_uninstall_is_bit_exact(name):
+    tiny = tiny_of(name)
+    model, untouched = tiny.model().eval(), tiny.model().eval()
+    install_mhla(model, tiny.mhla)
     uninstall_mhla(model)
-    assert torch.equal(call(model), call(untouched))
-    assert mhla_layer_indices(model) == [] and not mhla_parameters(model)
-    assert "mhla" not in model.config and not model._forward_pre_hooks
-    assert set(model.state_dict()) == set(untouched.state_dict())
+    with torch.no_grad():
+        assert torch.equal(tiny.output(model), tiny.output(untouched))
+    assert mhla_free(model) and set(model.state_dict()) == set(untouched.state_dict())
 
 
 def test_uninstall_restores_stock_processor_class():
@@ -45,14 +54,15 @@ def test_uninstall_restores_stock_processor_class():
         uninstall_mhla(model)
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_install_changes_output_and_records_config(factory, call):
-    model = factory().eval()
-    stock = call(model)
-    cfg = MHLAConfig(blocks=(2, 2))
-    install_mhla(model, cfg)
-    assert not torch.allclose(call(model), stock)
-    assert model.mhla_config is cfg and model.config["mhla"] == cfg.to_dict()
+@pytest.mark.parametrize("name", RECORDS)
+def test_install_changes_output_and_records_config(name):
+    tiny = tiny_of(name)
+    model = tiny.model().eval()
+    with torch.no_grad():
+        stock = tiny.output(model)
+        install_mhla(model, tiny.mhla)
+        assert not torch.allclose(tiny.output(model), stock)
+    assert model.mhla_config is tiny.mhla and model.config["mhla"] == tiny.mhla.to_dict()
 
 
 def test_layers_replaces_exactly_those_layers():
@@ -97,12 +107,12 @@ def test_sana_non_square_grid(used_grids):
     assert all(block.attn1.processor.token_grid is None for block in model.transformer_blocks)  # call-scoped
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_blocks_larger_than_grid_raise(factory, call):
-    model = factory()
-    install_mhla(model, MHLAConfig(blocks=(8, 8)))
-    with pytest.raises(ValueError, match=r"blocks \(8, 8\) do not fit the token grid \((4|6), (4|6)\)"):
-        call(model, size=6 if factory is tiny_sana else 8)
+@pytest.mark.parametrize("name", RECORDS)
+def test_blocks_larger_than_grid_raise(name):
+    tiny = tiny_of(name)
+    model = install_mhla(tiny.model(), MHLAConfig(blocks=(16,) * len(tiny.latent)))
+    with pytest.raises(ValueError, match=r"blocks \(16, 16(, 16)?\) do not fit the token grid \(\d+, \d+"):
+        tiny.output(model)
 
 
 def test_wrong_blocks_rank_raises():
@@ -122,19 +132,11 @@ def test_unsupported_model_raises():
         install_mhla(torch.nn.Linear(2, 2), MHLAConfig())
 
 
-@pytest.mark.parametrize(
-    "factory, processor_cls",
-    [
-        (tiny_dit, DiTMHLAProcessor),
-        (tiny_sana, SanaMHLAProcessor),
-        (tiny_wan_transformer, WanMHLAProcessor),
-        (tiny_sana_video, SanaVideoMHLAProcessor),
-    ],
-)
-def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
-    model = factory()
-    assert processor_cls in [base.processor for base in BASE_RECORDS.values()]
-    assert base_for_model(model).processor is processor_cls
+@pytest.mark.parametrize("name", RECORDS)
+def test_registry_maps_each_base_to_its_processor_class(name):
+    record = BASE_RECORDS[name]
+    model, processor_cls = tiny_of(name).model(), record.processor
+    assert base_for_model(model) is record
     assert base_for_class_name(type(model).__name__).processor is processor_cls
     stock = type(processor_cls.stock_processor())  # what a fresh model's self-attention layers run
     layers = processor_cls.self_attention(model)
@@ -142,29 +144,29 @@ def test_registry_maps_each_base_to_its_processor_class(factory, processor_cls):
 
 
 def test_unsupported_class_name_raises():
-    supported = (
-        r"\['DiTTransformer2DModel', 'SanaTransformer2DModel', 'SanaVideoTransformer3DModel', "
-        r"'WanTransformer3DModel'\]"
-    )
+    supported = re.escape(str(sorted({base.class_name for base in BASE_RECORDS.values()})))
     with pytest.raises(ValueError, match=rf"model class 'UNet2DModel'; supported models: {supported}"):
         base_for_class_name("UNet2DModel")
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_deepcopy_keeps_its_own_hooks(factory, call, used_grids):
+@pytest.mark.parametrize("name", RECORDS)
+@torch.no_grad()
+def test_deepcopy_keeps_its_own_hooks(name, used_grids):
     """An EMA-style deepcopy runs its own grids and hooks; uninstalling it leaves the original intact."""
-    model = factory().eval()
-    install_mhla(model, MHLAConfig(blocks=(2, 2)))
-    call(model, size=8)
+    tiny = tiny_of(name)
+    model = install_mhla(tiny.model().eval(), tiny.mhla)
+    small, large = tiny.sizes[:2]
+    tiny.output(model, latent=small)
     ema = copy.deepcopy(model)
-    call(ema, size=12)
-    grid = used_grids[-1]
-    assert grid in ((6, 6), (12, 12))
-    torch.testing.assert_close(call(ema, size=8), call(model, size=8), rtol=0, atol=0)
+    tiny.output(ema, latent=large)
+    assert used_grids[-1] != used_grids[0]  # the copy ran its own grid
+    expected = tiny.output(model, latent=small)
+    torch.testing.assert_close(tiny.output(ema, latent=small), expected, rtol=0, atol=0)
     hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
     uninstall_mhla(ema)
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
-    torch.testing.assert_close(call(ema, size=8), call(factory().eval(), size=8), rtol=0, atol=0)
+    torch.testing.assert_close(tiny.output(ema, latent=small), tiny.output(tiny.model().eval(), latent=small),
+                               rtol=0, atol=0)
 
 
 def test_processor_follows_model_dtype():
@@ -173,17 +175,16 @@ def test_processor_follows_model_dtype():
     assert {p.dtype for p in mhla_parameters(model).values()} == {torch.bfloat16}
 
 
-def test_gradient_checkpointing_gives_same_gradients():
-    """Recomputation in backward must see the same token grid as the forward."""
+@pytest.mark.parametrize("name", RECORDS)
+def test_gradient_checkpointing_gives_same_gradients(name):
+    """Recomputation in backward must see the same token grid as the forward (an uneven one here)."""
+    tiny = tiny_of(name)
     grads = []
     for checkpointing in (False, True):
-        model = tiny_dit(sample_size=10)
-        install_mhla(model, MHLAConfig(blocks=(2, 2)))
+        model = install_mhla(tiny.model().eval(), tiny.mhla)
         if checkpointing:
             model.enable_gradient_checkpointing()
-        x = torch.randn(2, 4, 10, 10, generator=torch.Generator().manual_seed(0))
-        out = model(x, timestep=torch.tensor([1, 2]), class_labels=torch.tensor([0, 1])).sample
-        out.square().mean().backward()
+        tiny.output(model, latent=tiny.sizes[-1]).square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in mhla_parameters(model).items()})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -214,7 +215,6 @@ def _wan_grid_inputs(frames, height, width):
 def _grid_case(base):
     """A model with CPE and gate on (MHLA parameters moved off their init) and two inputs with the same
     token count on different grids: SANA 16x16 and 8x32, Wan 4x8x8 and 2x8x16 (mixed aspect buckets)."""
-    from mhla_gen.testing_wan import tiny_wan_transformer
 
     if base == "sana":
         model, cfg = tiny_sana(), MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True)

@@ -6,11 +6,13 @@ import json
 import logging
 import shutil
 
+import diffusers
 import pytest
 import torch
 from peft import LoraConfig
 
-from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters
+from mhla_gen import install_mhla, load_transformer, mhla_parameters
+from mhla_gen.bases import BASES as RECORDS
 from mhla_gen.lora import (
     ADAPTER_WEIGHTS,
     LORA_TARGET_MODULES,
@@ -22,30 +24,34 @@ from mhla_gen.lora import (
     merged_lora_copy,
     save_lora_mhla,
 )
-from mhla_gen.testing import sana_forward, tiny_dit, tiny_sana, tiny_sana_pipeline
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
+from mhla_gen.testing import TINY_SANA, sana_forward, tiny_dit, tiny_sana
 
-SANA_CFG = MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True)
-WAN_CFG = MHLAConfig(blocks=(1, 2, 2), layers=[0, 1], cpe_kernel=3, gate=True)
-
-
-def wan_forward(model, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-    return model(x.to(model.dtype), torch.tensor([300, 700]), text.to(model.dtype)).sample
+SANA_CFG = TINY_SANA.mhla
+LORA_BASES = [name for name, base in RECORDS.items() if "lora" in base.capabilities]
+NO_LORA_BASES = [name for name in RECORDS if name not in LORA_BASES]
 
 
-def sana_train_forward(model) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    x, text = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 3, 16, generator=g)
-    x, text = x.to(model.dtype), text.to(model.dtype)
-    return model(x, encoder_hidden_states=text, timestep=torch.tensor([100.0, 700.0])).sample
+class Lora:
+    """A record with a diffusers LoRA loader, through its test reference (``record.tiny``): a tiny model,
+    its forward (with gradients), the test MHLA config and a tiny stock pipeline."""
 
+    def __init__(self, name: str):
+        self.record = RECORDS[name]
+        self.tiny = self.record.tiny.load()
+        self.cfg = self.tiny.mhla
 
-BASES = {
-    "sana": (tiny_sana, SANA_CFG, sana_train_forward, tiny_sana_pipeline),
-    "wan": (tiny_wan_transformer, WAN_CFG, wan_forward, tiny_wan_pipeline),
-}
+    def factory(self):
+        return self.tiny.model()
+
+    def forward(self, model) -> torch.Tensor:
+        return self.tiny.output(model)
+
+    def make_pipeline(self, transformer):
+        return self.tiny.pipeline(transformer=transformer)
+
+    def load_pipeline(self, path, transformer_path):
+        """The record's own pipeline loader (its sampler's)."""
+        return self.record.sampler.load().load(str(path), None, torch.float32, None, str(transformer_path))
 
 
 def lora_config(**kw) -> LoraConfig:
@@ -67,11 +73,11 @@ def assert_lora_and_mhla_train(model, forward) -> None:
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
 
 
-@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("base", LORA_BASES)
 @pytest.mark.parametrize("order", ["mhla_then_add_lora", "add_adapter_then_mhla"])
 def test_either_install_order_trains_mhla_and_lora(base, order):
-    factory, cfg, forward, _ = BASES[base]
-    model = factory()
+    lora = Lora(base)
+    model, cfg, forward = lora.factory(), lora.cfg, lora.forward
     if order == "mhla_then_add_lora":
         install_mhla(model, cfg)
         add_lora(model, rank=4, alpha=8, init_lora_weights=False)  # add_adapter, then MHLA unfrozen
@@ -95,16 +101,16 @@ def test_plain_add_adapter_after_install_freezes_mhla_until_selected():
     assert {id(p) for p in params} == {
         id(p) for p in [*lora_parameters(model).values(), *mhla_parameters(model).values()]
     }
-    assert_lora_and_mhla_train(model, sana_train_forward)
+    assert_lora_and_mhla_train(model, TINY_SANA.output)
 
 
-@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("base", LORA_BASES)
 def test_lora_mhla_folder_round_trip(tmp_path, base, caplog):
     """save_lora_mhla -> load_transformer (recorded base, or another copy of it) and the pipelines:
     outputs equal the trained model's exactly; the folder holds adapter + MHLA + manifest only."""
-    factory, cfg, forward, make_pipeline = BASES[base]
-    model = factory()
-    make_pipeline(transformer=model).save_pretrained(tmp_path / "pretrained")  # the stock checkpoint
+    lora = Lora(base)
+    model, cfg, forward = lora.factory(), lora.cfg, lora.forward
+    lora.make_pipeline(transformer=model).save_pretrained(tmp_path / "pretrained")  # the stock checkpoint
     install_mhla(model, cfg)
     add_lora(model, rank=4, alpha=8, init_lora_weights=False)
     opt = torch.optim.SGD(lora_training_parameters(model), lr=0.1)
@@ -139,11 +145,7 @@ def test_lora_mhla_folder_round_trip(tmp_path, base, caplog):
         )
     assert [r.levelno for r in caplog.records if "was trained on" in r.getMessage()] == [logging.WARNING]
 
-    if base == "sana":
-        from mhla_gen.pipelines.sana import load_sana_pipeline as load_pipeline
-    else:
-        from mhla_gen.pipelines.wan import load_wan_pipeline as load_pipeline
-    pipe = load_pipeline(tmp_path / "moved", transformer_path=tmp_path / "final", torch_dtype=torch.float32)
+    pipe = lora.load_pipeline(tmp_path / "moved", transformer_path=tmp_path / "final")
     with torch.no_grad():
         assert torch.equal(forward(pipe.transformer), expected)
 
@@ -171,13 +173,24 @@ def test_load_refuses_another_base_and_a_damaged_adapter(tmp_path):
         load_transformer(tmp_path / "final")
 
 
+@pytest.mark.parametrize("base", NO_LORA_BASES)
+def test_a_base_without_a_diffusers_lora_loader_is_refused_in_one_line(base, tmp_path):
+    """A record without diffusers' LoRA loader (diffusers 0.42: DiT) trains a LoRA (peft injects its layers)
+    but cannot save one for diffusers to load: refused in one line, naming what to do instead."""
+    tiny = RECORDS[base].tiny.load()
+    model = add_lora(install_mhla(tiny.model(), tiny.mhla), rank=4, alpha=4)
+    name = RECORDS[base].class_name
+    with pytest.raises(ValueError, match=f"{name} has no diffusers LoRA loader .* merged_lora_copy") as e:
+        save_lora_mhla(model, tmp_path / "final", base="x")
+    assert "\n" not in str(e.value) and not (tmp_path / "final").exists()
+    assert not hasattr(getattr(diffusers, RECORDS[base].pipeline_class), "load_lora_weights")
+
+
 def test_bad_settings_and_models_raise_clear_errors():
     with pytest.raises(ValueError, match="rank must be a positive integer, got 0"):
         add_lora(tiny_sana(), rank=0, alpha=4)
     with pytest.raises(ValueError, match="alpha must be a positive"):
         add_lora(tiny_sana(), rank=4, alpha=-1.0)
-    with pytest.raises(ValueError, match="DiTTransformer2DModel has no diffusers LoRA loader"):
-        save_lora_mhla(add_lora(tiny_dit(), rank=4, alpha=4), "unused", base="x")
     with pytest.raises(ValueError, match="no LoRA adapter to merge"):
         merged_lora_copy(tiny_dit())
     with pytest.raises(ValueError, match="no LoRA adapter"):
@@ -216,22 +229,13 @@ def test_default_adapter_starts_from_the_mhla_model_exactly():
     assert torch.equal(sana_forward(model), before)
 
 
-def dit_train_forward(model) -> torch.Tensor:
-    """mhla_gen.testing.dit_forward with gradients (it runs under no_grad)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, model.config.in_channels, 8, 8, generator=g)
-    return model(x, timestep=torch.tensor([100, 700]), class_labels=torch.tensor([1, 3])).sample
-
-
-@pytest.mark.parametrize("base", ["dit", "sana"])
+@pytest.mark.parametrize("base", list(RECORDS))
 def test_merged_copy_is_the_lora_model_without_adapter_layers(base):
-    """DiT has no diffusers add_adapter: add_lora injects peft's layers itself, and merged_lora_copy gives
-    the plain MHLA model with the same output (to float32 rounding of W + B A), leaving the original as
-    it was."""
-    if base == "dit":
-        model, forward, cfg = tiny_dit(), dit_train_forward, MHLAConfig(blocks=(2, 2), cpe_kernel=3)
-    else:
-        model, forward, cfg = tiny_sana(), sana_train_forward, SANA_CFG
+    """Every base, with or without diffusers' add_adapter (DiT: add_lora injects peft's layers itself):
+    merged_lora_copy gives the plain MHLA model with the same output (to float32 rounding of W + B A),
+    leaving the original as it was."""
+    tiny = RECORDS[base].tiny.load()
+    model, forward, cfg = tiny.model(), tiny.output, tiny.mhla
     plain_keys = set(install_mhla(model, cfg).state_dict())
     add_lora(model, rank=4, alpha=8, init_lora_weights=False).eval()  # B random: the adapter moves the output
     assert_lora_and_mhla_train(model, forward)

@@ -5,6 +5,7 @@ remaining early crashes. Every case of the issue is a test here; user bytes are 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ from test_cli_errors import TINY_SANA, fails_in_one_line
 from test_ownership import TINY_DIT, assets, checksums, load_script, refused, user_files  # noqa: F401
 from train_helpers import PYTHON, REPO, run_inprocess, subprocess_env
 
+from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
 from mhla_gen.folders import LISTING, MARKER, listed, read_marker, write_marker
 
@@ -240,6 +242,58 @@ def test_adopt_samples_refuses_a_users_reference_images(assets, tmp_path):  # no
     shutil.copytree(assets / "samples", mine)
     user_files(mine, ["config.yaml"])
     refused(lambda t: adopt("samples", t), mine, match=r"manifest.jsonl: missing")
+
+
+def _sample_file(path: Path) -> Path:
+    """A PNG, or the head of an MP4 (what adopt reads of a video: its ``ftyp`` box)."""
+    if path.suffix == ".mp4":
+        path.write_bytes(b"\x00\x00\x00\x18ftypisom" + bytes(16))
+    else:
+        from PIL import Image
+
+        Image.new("RGB", (4, 4)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_adopt_accepts_the_sample_sets_and_sample_outputs_of_every_base(name, tmp_path):
+    """Regression: adopt knew base names as a tuple (dit, sana, wan) and refused every SANA-Video and Wan
+    I2V sample set (and their scripts/sample.py videos); it now asks the records, for model folders too."""
+    base = BASES[name]
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    _sample_file(samples / f"000000{base.sample_suffix}")
+    record = {"index": 0, "file": f"000000{base.sample_suffix}"}
+    (samples / "manifest.jsonl").write_text(json.dumps(record) + "\n")
+    (samples / "config.yaml").write_text(f"base: {name}\n")
+    adopt("samples", samples)
+    assert read_marker(samples)["kind"] == "samples"
+
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    images = [f"{name}_seed0_00_a_cat.png", f"{name}_seed0_grid.png"]
+    for file in [f"{name}_seed0_00.mp4"] if base.video else images:
+        _sample_file(outputs / file)
+    adopt("sample_outputs", outputs)
+    assert read_marker(outputs)["kind"] == "sample_outputs"
+
+    from mhla_gen import install_mhla
+
+    tiny = base.tiny.load()  # a model folder of the record's transformer class (config.json names it)
+    install_mhla(tiny.model(), tiny.mhla).save_pretrained(tmp_path / "model")
+    adopt("model", tmp_path / "model")
+    assert read_marker(tmp_path / "model")["kind"] == "model"
+
+
+def test_adopt_refuses_a_sample_set_of_an_unknown_base(tmp_path):
+    _sample_file(tmp_path / "000000.png")
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"index": 0, "file": "000000.png"}) + "\n")
+    (tmp_path / "config.yaml").write_text("base: unet\n")
+    refused(lambda t: adopt("samples", t), tmp_path, match=r"config.yaml: not an eval/generate.py config")
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    _sample_file(outputs / "unet_seed0_00.mp4")
+    refused(lambda t: adopt("sample_outputs", t), outputs, match=r"unet_seed0_00.mp4: not a file scripts/")
 
 
 def test_adopt_study_and_model_refuse_what_mhla_gen_did_not_write(tmp_path):
@@ -687,7 +741,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
         assert "fnmatch" not in source, f"{rel}: no deletion or ownership by pattern"
 
 
-@pytest.mark.parametrize("base", ["dit", "sana", "wan", "sana-video", "wan-i2v", "linearize"])
+@pytest.mark.parametrize("base", [*sorted(BASES), "linearize"])
 def test_every_input_setting_is_checked_apart_and_recorded(base):
     """Every path-like setting of every run config is an input the task reports (TrainTask.inputs):
     the loop checks output_dir against it and records it resolved in the run's marker."""
@@ -715,12 +769,12 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
         for part in parts[:-1]:
             target = getattr(target, part)
         setattr(target, parts[-1], f"/nonexistent/{setting}")
-    cfg.data.source = "teacher" if base in ("sana", "wan", "sana-video", "wan-i2v") else "latents"
+    cfg.data.source = "latents" if record.class_conditional else "teacher"
     if hasattr(cfg.train.distill, "output_weight"):
         cfg.train.distill.output_weight = 1.0
     build = lambda: TransferTask(cfg, task_cls(cfg)) if base == "linearize" else task_cls(cfg)
     reported = build().inputs()
-    if base in ("dit", "linearize"):  # data.teacher is read with data.source=teacher (its source)
+    if record.class_conditional:  # DiT reads data.teacher with data.source=teacher (its source)
         cfg.data.source = "teacher"
         reported = {**reported, **build().inputs()}
     missing = [s for s in settings if s not in reported]

@@ -24,60 +24,11 @@ from accelerate import cpu_offload, disk_offload
 from diffusers.hooks import apply_group_offloading
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
+from mhla_gen import install_mhla, mhla_parameters
+from mhla_gen.bases import BASES
 from mhla_gen.install import mhla_processors
-from mhla_gen.testing import tiny_dit, tiny_dit_pipeline, tiny_sana, tiny_sana_pipeline
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
 
 CPU = torch.device("cpu")
-
-
-def _dit():
-    model = tiny_dit().eval()
-    install_mhla(model, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True))
-    return model
-
-
-def _sana():
-    model = tiny_sana().eval()
-    install_mhla(model, MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True))
-    return model
-
-
-def _wan():
-    model = tiny_wan_transformer().eval()
-    install_mhla(model, MHLAConfig(blocks=(2, 2, 2), cpe_kernel=3, gate=True, wan_head_norm=True))
-    return model
-
-
-def _dit_inputs():
-    g = torch.Generator().manual_seed(1)
-    return dict(
-        hidden_states=torch.randn(2, 4, 8, 8, generator=g),
-        timestep=torch.tensor([10, 700]),
-        class_labels=torch.tensor([3, 7]),
-    )
-
-
-def _sana_inputs():
-    g = torch.Generator().manual_seed(2)
-    return dict(
-        hidden_states=torch.randn(2, 4, 8, 8, generator=g),
-        encoder_hidden_states=torch.randn(2, 5, 16, generator=g),
-        timestep=torch.tensor([10.0, 700.0]),
-    )
-
-
-def _wan_inputs():
-    g = torch.Generator().manual_seed(3)
-    return dict(
-        hidden_states=torch.randn(2, 16, 3, 6, 10, generator=g),  # token grid (3, 3, 5)
-        encoder_hidden_states=torch.randn(2, 7, TEXT_DIM, generator=g),
-        timestep=torch.tensor([300, 700]),
-    )
-
-
-MODELS = {"dit": (_dit, _dit_inputs), "sana": (_sana, _sana_inputs), "wan": (_wan, _wan_inputs)}
 
 
 def perturb_mhla_(model, seed=5):
@@ -95,9 +46,11 @@ def perturb_mhla_(model, seed=5):
 
 
 def build(base):
-    """``(model, inputs)``: a tiny model with perturbed MHLA (CPE, gate; Wan head norm), in eval mode."""
-    make, inputs = MODELS[base]
-    return perturb_mhla_(make()), inputs()
+    """``(model, inputs)``: the record's tiny model (its test reference) in eval mode with its test MHLA
+    config (CPE, gate; Wan's head norm) installed and perturbed, and its forward inputs."""
+    tiny = BASES[base].tiny.load()
+    model = perturb_mhla_(install_mhla(tiny.model().eval(), tiny.mhla))
+    return model, tiny.inputs(model, seed=1)
 
 
 @torch.no_grad()
@@ -105,7 +58,7 @@ def run(model, inputs):
     return model(**inputs, return_dict=False)[0]
 
 
-@pytest.fixture(params=list(MODELS))
+@pytest.fixture(params=sorted(BASES))
 def base(request):
     return request.param
 
@@ -115,7 +68,8 @@ def test_perturbed_mhla_parameters_change_the_output(base):
     model, inputs = build(base)
     reference = run(model, inputs)
     assert torch.isfinite(reference).all()
-    kinds = {"mixing", "cpe", "gate", "head_norm"} if base == "wan" else {"mixing", "cpe", "gate"}
+    kinds = {"mixing", "cpe", "gate", "head_norm"} if BASES[base].tiny.load().mhla.wan_head_norm else {
+        "mixing", "cpe", "gate"}
     for kind in kinds:
         other = copy.deepcopy(model)
         params = [p for n, p in mhla_parameters(other).items() if f".{kind}." in n]
@@ -149,11 +103,11 @@ def test_group_offloading_is_exact(base, offload_type, to_disk, tmp_path):
     Conv and gives the remaining parameters (the mixing matrix, Wan's head norm) a group on their own
     module: onloaded right before ``self.mixing()`` and swapped for ``torch.empty_like`` right after it
     returns, so ``MixingMatrix.forward`` must return a copy, not the Parameter."""
-    if base == "dit" and offload_type == "block_level" and to_disk:
+    if "group_offloading" not in BASES[base].capabilities and offload_type == "block_level" and to_disk:
         pytest.xfail(
-            "DiTTransformer2DModel declares _supports_group_offloading = False: its forward calls "
+            "the class declares _supports_group_offloading = False (DiT: its forward calls "
             "transformer_blocks[0].norm1.emb after the blocks, outside block 0's group, so the stock "
-            "model (no MHLA) gives garbage too"
+            "model, no MHLA, gives garbage too); test_group_offload_refusal checks diffusers refuses it"
         )
     model, inputs = build(base)
     reference = run(model, inputs)
@@ -169,58 +123,21 @@ def test_group_offloading_is_exact(base, offload_type, to_disk, tmp_path):
     assert torch.equal(run(model, inputs), reference)
 
 
-def _dit_pipeline():
-    return tiny_dit_pipeline(transformer=build("dit")[0])
+@pytest.mark.parametrize("name", [n for n, b in BASES.items() if "group_offloading" not in b.capabilities])
+def test_group_offload_refusal(name):
+    """A record whose class lacks diffusers' group offloading: ``enable_group_offload`` refuses it in one
+    line, MHLA or not."""
+    model, _ = build(name)
+    with pytest.raises(ValueError, match="does not support group offloading") as raised:
+        model.enable_group_offload(CPU)
+    assert "\n" not in str(raised.value)
 
 
-def _sana_pipeline():
-    return tiny_sana_pipeline(transformer=build("sana")[0])
-
-
-def _wan_pipeline():
-    return tiny_wan_pipeline(transformer=build("wan")[0])
-
-
-def _run_dit_pipeline(pipe):
-    g = torch.Generator().manual_seed(0)
-    return pipe(class_labels=[1, 2], num_inference_steps=2, generator=g, output_type="np").images
-
-
-def _run_sana_pipeline(pipe):
-    g = torch.Generator().manual_seed(0)
-    return pipe(
-        "a red cat",
-        num_inference_steps=2,
-        height=32,
-        width=32,
-        generator=g,
-        output_type="latent",
-        use_resolution_binning=False,
-        max_sequence_length=8,
-        complex_human_instruction=None,
-    ).images
-
-
-def _run_wan_pipeline(pipe):
-    g = torch.Generator().manual_seed(0)
-    return pipe(
-        "a red car",
-        height=48,
-        width=64,
-        num_frames=5,
-        num_inference_steps=2,
-        guidance_scale=2.0,
-        max_sequence_length=16,
-        output_type="latent",
-        generator=g,
-    ).frames
-
-
-PIPELINES = {
-    "dit": (_dit_pipeline, _run_dit_pipeline),
-    "sana": (_sana_pipeline, _run_sana_pipeline),
-    "wan": (_wan_pipeline, _run_wan_pipeline),
-}
+def pipeline_and_call(base):
+    """``(make, call)``: the record's tiny stock pipeline around :func:`build`'s model, and a 2-step call."""
+    tiny = BASES[base].tiny.load()
+    return (lambda: tiny.pipeline(transformer=build(base)[0]),
+            lambda pipe: tiny.sample(pipe, torch.Generator().manual_seed(0)))
 
 
 def _sequential_cpu_offload(pipe):
@@ -244,7 +161,7 @@ def test_pipeline_cpu_offload_is_exact(base, mode):
     between calls) and ``pipe.enable_model_cpu_offload(device="cpu")`` (``cpu_offload_with_hook``; without
     ``device`` it raises on a machine with no accelerator; on a CPU it moves nothing, so it checks that
     its hooks compose with MHLA's grid hooks)."""
-    make, call = PIPELINES[base]
+    make, call = pipeline_and_call(base)
     reference = call(make())
     pipe = make()
     if mode == "sequential":
@@ -310,17 +227,15 @@ def test_set_attention_backend_reaches_stock_layers_only(base):
     has the attribute (diffusers' dispatching processors: Wan's ``WanAttnProcessor``, which stays on the
     cross-attention and on hybrid models' softmax layers). MHLA processors do not have it, so MHLA
     layers are unaffected; DiT's and SANA's stock processors call SDPA directly and are unaffected too."""
-    model, inputs = build(base)
-    if base == "wan":  # a hybrid: layer 1 keeps its stock softmax self-attention
-        install_mhla(model, MHLAConfig(blocks=(2, 2, 2), layers=[0, 2], cpe_kernel=3, gate=True))
-        perturb_mhla_(model)
+    model, inputs = build(base)  # hybrid where the test config names some layers only
     reference = run(model, inputs)
     stock = [
         m.processor
         for m in model.modules()
         if hasattr(m, "processor") and hasattr(m.processor, "_attention_backend")
     ]
-    assert (len(stock) > 0) == (base == "wan")
+    if base == "wan":  # Wan's cross-attention and its softmax layer keep WanAttnProcessor
+        assert stock
     for backend in ("_native_math", "native"):  # native last: it stays diffusers' active backend
         model.set_attention_backend(backend)
         assert all(p._attention_backend == AttentionBackendName(backend) for p in stock)

@@ -1,5 +1,6 @@
 """save_pretrained -> load_transformer round trips and the MHLA-only export/import."""
 
+import dataclasses
 import json
 
 import pytest
@@ -14,33 +15,46 @@ from mhla_gen import (
     mhla_parameters,
     save_mhla_parameters,
 )
-from mhla_gen.testing import dit_forward as dit_call
+from mhla_gen.bases import BASES
 from mhla_gen.testing import sana_forward as sana_call
 from mhla_gen.testing import tiny_dit, tiny_sana
 
-BASES = [(tiny_dit, dit_call), (tiny_sana, sana_call)]
 CFG = MHLAConfig(blocks=(2, 2), layers=[1], cpe_kernel=3, gate=True, mixing_init="exp")
 
 
-def trained_like(factory):
+def record_case(name: str):
+    """``(factory, call, cfg)`` of a base record's test reference: its tiny model, its output under
+    ``no_grad`` (``call(model, size=1)``: at its second test size, another grid), its test MHLA config
+    with ``mixing_init="exp"``."""
+    tiny = BASES[name].tiny.load()
+
+    @torch.no_grad()
+    def call(model, size: int = 0):
+        return tiny.output(model, latent=tiny.sizes[size])
+
+    return tiny.model, call, dataclasses.replace(tiny.mhla, mixing_init="exp")
+
+
+def trained_like(factory, cfg=CFG):
     """A model with MHLA whose MHLA parameters are far from their init (so a lost tensor shows)."""
     model = factory().eval()
-    install_mhla(model, CFG)
+    install_mhla(model, cfg)
     torch.manual_seed(5)
     for p in mhla_parameters(model).values():
         p.data.uniform_(0.0, 0.5)
     return model
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_save_pretrained_load_transformer_round_trip(tmp_path, factory, call):
-    model = trained_like(factory)
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_save_pretrained_load_transformer_round_trip(tmp_path, name):
+    factory, call, cfg = record_case(name)
+    model = trained_like(factory, cfg)
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["mhla"] == CFG.to_dict()
+    assert json.loads((tmp_path / "config.json").read_text())["mhla"] == cfg.to_dict()
     loaded = load_transformer(tmp_path)
-    assert type(loaded) is type(model) and loaded.mhla_config == CFG
+    assert type(loaded) is type(model) and loaded.mhla_config == cfg
     assert torch.equal(call(loaded), call(model))
-    assert torch.equal(call(loaded, size=10), call(model, size=10))
+    assert torch.equal(call(loaded, size=1), call(model, size=1))
     loaded_state = loaded.state_dict()
     assert all(torch.equal(loaded_state[k], v) for k, v in model.state_dict().items())
 
@@ -97,16 +111,17 @@ def test_mhla_config_mismatch_in_folder_is_caught(tmp_path):
         load_transformer(tmp_path)
 
 
-@pytest.mark.parametrize("factory, call", BASES)
-def test_mhla_only_export_import(tmp_path, factory, call):
-    model = trained_like(factory)
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_mhla_only_export_import(tmp_path, name):
+    factory, call, cfg = record_case(name)
+    model = trained_like(factory, cfg)
     file = tmp_path / "mhla.safetensors"
     save_mhla_parameters(model, file)
     assert set(load_file(file)) == set(mhla_parameters(model))
 
     fresh = factory().eval()  # same pretrained weights (same seed), no MHLA
     load_mhla_parameters(fresh, file)
-    assert fresh.mhla_config == CFG
+    assert fresh.mhla_config == cfg
     assert torch.equal(call(fresh), call(model))
 
 

@@ -14,6 +14,7 @@ BASE = Base(
     run_config=Ref("mhla_gen.train.config:DiTRunConfig"),
     task=Ref("mhla_gen.train.dit:DiTTask"),
     sampler=Ref("mhla_gen.pipelines.dit:DiTSampler"),
+    tiny=Ref("mhla_gen.testing:TINY_DIT"),
     converter_config="linearize/dit_xl2_256",
     diffusers_tests="tests/models/transformers/test_models_dit_transformer2d.py",
 )

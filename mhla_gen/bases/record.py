@@ -5,9 +5,10 @@ One :class:`Base` per family, one module per record (``bases/dit.py``, ...), lis
 conversion) asks a record; nothing else compares base names. ``docs/extending.md`` walks through the fields.
 
 The record holds the MHLA processor class itself (processors sit below every other layer of the package)
-and names the upper layers (run config, training task and objective, pipeline sampler) as ``module:attribute``
-references (:class:`Ref`), imported on first use: importing a record loads no training or pipeline code,
-so ``python -m mhla_gen.adopt`` stays light and no import cycle runs through the records.
+and names the upper layers (run config, training task and objective, pipeline sampler, test reference) as
+``module:attribute`` references (:class:`Ref`), imported on first use: importing a record loads no training,
+pipeline or test code, so ``python -m mhla_gen.adopt`` stays light and no import cycle runs through the
+records.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 from ..processors.base import MHLAProcessor
 
 CONDITIONING = ("labels", "captions", "captions+image")
+CAPABILITIES = ("lora", "group_offloading", "single_file", "context_parallel")
+"""What diffusers may offer a transformer class (:attr:`Base.capabilities`)."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,15 @@ class Base:
             :class:`~mhla_gen.train.objectives.Objective` class: ``mhla_gen.train.objectives:DDPM``, DiT's
             DDPM with or without a learned variance; ``...:FlowMatching``, rectified flow matching); its
             run config has that objective's settings section (``diffusion``, ``flow``).
-        data_sources: the ``data.source`` values its training task reads.
+        data_sources: the ``data.source`` values its training task reads (its run config accepts these).
         sampler: its :class:`~mhla_gen.pipelines.PipelineSampler` (loader + sampling call; :class:`Ref`).
         stream_sampler: the sampler of its block-causal models (``mhla-gen sample --stream``,
             ``docs/streaming.md``; :class:`Ref`), or None: it does not stream.
+        tiny: its test reference (:class:`Ref` to a :class:`mhla_gen.testing.TinyBase`): a tiny transformer
+            and pipeline, forward inputs, a test MHLA config, a tiny sampling call and the tiny training
+            config. The cross-cutting tests (loaders, LoRA, compile, offloading, save / load, FSDP,
+            conversion, attention statistics) run on every record through it, and
+            ``mhla_gen.metrics.attention.example_inputs`` builds a model's forward inputs with it.
         run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
             task yet, the base samples, installs, saves and loads only).
         task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
@@ -75,7 +83,7 @@ class Base:
             training task).
         text_dim: the transformer config key of the caption-embedding width (None without captions).
         diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
-            run by ``scripts/diffusers_model_tests.py``; None: none, or another record runs it).
+            or one ``scripts/diffusers_model_tests.py`` writes there, which runs it; None: none).
         release_checkpoint: reads a single-file checkpoint of an original MHLA release for
             ``from_single_file`` of the MHLA class (:class:`Ref` to ``f(checkpoint, load_config) -> model |
             None``: None when the checkpoint is not in the release format; :mod:`mhla_gen.single_file`).
@@ -90,6 +98,7 @@ class Base:
     objective: Ref
     data_sources: tuple[str, ...]
     sampler: Ref
+    tiny: Ref
     run_config: Ref | None = None
     task: Ref | None = None
     converter_config: str | None = None
@@ -114,6 +123,11 @@ class Base:
         return self.processor.model_cls
 
     @property
+    def class_name(self) -> str:
+        """The diffusers transformer class's name (what a ``config.json`` records as ``_class_name``)."""
+        return self.transformer_class.__name__
+
+    @property
     def video(self) -> bool:
         """Whether samples are videos (3D token grid): MP4 files, frame counts."""
         return self.grid.ndim == 3
@@ -124,6 +138,23 @@ class Base:
         ``enable_parallelism`` shards its tokens and MHLA all-reduces its summaries (``mhla_gen.parallel``).
         diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V, I2V, both Wan2.2 experts) has one."""
         return getattr(self.transformer_class, "_cp_plan", None) is not None
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What diffusers offers the transformer class, read from the class (:data:`CAPABILITIES`):
+        ``lora`` (diffusers' ``PeftAdapterMixin``: ``add_adapter``, ``load_lora_adapter``, the pipeline's
+        ``load_lora_weights``), ``group_offloading`` (``_supports_group_offloading``), ``single_file``
+        (``from_single_file``), ``context_parallel`` (:attr:`context_parallel`). diffusers 0.42: DiT has none
+        of them; SANA and SANA-Video all but context parallelism; Wan and Wan I2V all. The cross-cutting tests
+        run each capability a base has and check the refusal of each it lacks."""
+        cls = self.transformer_class
+        offered = {
+            "lora": hasattr(cls, "load_lora_adapter"),
+            "group_offloading": bool(getattr(cls, "_supports_group_offloading", False)),
+            "single_file": hasattr(cls, "from_single_file"),
+            "context_parallel": self.context_parallel,
+        }
+        return frozenset(name for name, has in offered.items() if has)
 
     @property
     def class_conditional(self) -> bool:

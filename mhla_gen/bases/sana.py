@@ -14,6 +14,7 @@ BASE = Base(
     run_config=Ref("mhla_gen.train.config:SanaRunConfig"),
     task=Ref("mhla_gen.train.finetune:SanaTask"),
     sampler=Ref("mhla_gen.pipelines.sana:SanaSampler"),
+    tiny=Ref("mhla_gen.testing:TINY_SANA"),
     converter_config="linearize/sana_600m_1024",
     text_dim="caption_channels",
     diffusers_tests="tests/models/transformers/test_models_transformer_sana.py",

@@ -15,6 +15,7 @@ BASE = Base(
     run_config=Ref("mhla_gen.train.finetune_sana_video:SanaVideoRunConfig"),
     task=Ref("mhla_gen.train.finetune_sana_video:SanaVideoTask"),
     sampler=Ref("mhla_gen.pipelines.sana_video:SanaVideoSampler"),
+    tiny=Ref("mhla_gen.testing_video:TINY_SANA_VIDEO"),
     converter_config="linearize/sana-video_2b_480p",
     text_dim="caption_channels",
     diffusers_tests="tests/models/transformers/test_models_transformer_sana_video.py",

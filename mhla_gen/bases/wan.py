@@ -14,6 +14,7 @@ BASE = Base(
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune:WanTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanSampler"),
+    tiny=Ref("mhla_gen.testing_wan:TINY_WAN"),
     release_checkpoint=Ref("mhla_gen.convert_wan:release_checkpoint_model"),
     stream_sampler=Ref("mhla_gen.pipelines.wan_stream:WanStreamSampler"),
     converter_config="linearize/wan_1_3b_480p",

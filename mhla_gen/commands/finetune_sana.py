@@ -7,11 +7,12 @@ accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen
 Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.SanaTask).
 """
 
+from mhla_gen.bases.sana import BASE
 from mhla_gen.cli import run, train_main
 
 
 def main(argv=None):
-    return train_main("sana", __doc__.splitlines()[0], None, argv)
+    return train_main(BASE.name, __doc__.splitlines()[0], None, argv)
 
 
 if __name__ == "__main__":

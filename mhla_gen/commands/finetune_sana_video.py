@@ -8,11 +8,12 @@ Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
 mhla_gen.train.finetune_sana_video.SanaVideoTask).
 """
 
+from mhla_gen.bases.sana_video import BASE
 from mhla_gen.cli import run, train_main
 
 
 def main(argv=None):
-    return train_main("sana-video", __doc__.splitlines()[0], None, argv)
+    return train_main(BASE.name, __doc__.splitlines()[0], None, argv)
 
 
 if __name__ == "__main__":

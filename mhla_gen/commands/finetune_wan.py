@@ -7,11 +7,12 @@ accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen
 Same program as finetune_sana.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.WanTask).
 """
 
+from mhla_gen.bases.wan import BASE
 from mhla_gen.cli import run, train_main
 
 
 def main(argv=None):
-    return train_main("wan", __doc__.splitlines()[0], None, argv)
+    return train_main(BASE.name, __doc__.splitlines()[0], None, argv)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
 mhla_gen.train.finetune_wan_i2v.WanI2VTask): each video's first frame is its condition.
 """
 
+from mhla_gen.bases.wan_i2v import BASE
 from mhla_gen.cli import run, train_main
 
 
 def main(argv=None):
-    return train_main("wan-i2v", __doc__.splitlines()[0], None, argv)
+    return train_main(BASE.name, __doc__.splitlines()[0], None, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mhla_gen.bases import BASES, Base, base_for
+from mhla_gen.bases.dit import BASE as DIT
 from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.configs import resolve_config
@@ -49,7 +50,7 @@ class GenerateConfig:
     ``run_config``: DiT without ``model`` — a training run's ``config.yaml``, whose own sampler (pixel space
     or VAE) is rebuilt; ``mhla``: MHLAConfig fields to install fresh on a stock transformer."""
 
-    base: str = "dit"  # dit | sana | wan | ... (mhla_gen.bases.BASES)
+    base: str = DIT.name  # a record of mhla_gen.bases.BASES: dit, sana, wan, ...
     output_dir: str = "samples/run"
     model: str | None = None
     transformer: str | None = None

@@ -6,13 +6,14 @@ accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen
     --config ... key=value
 """
 
+from mhla_gen.bases.dit import BASE
 from mhla_gen.cli import run, train_main
 
 DEFAULT_CONFIG = "dit_digits"  # the shipped mhla_gen/configs/dit_digits.yaml (mhla_gen.configs)
 
 
 def main(argv=None):
-    return train_main("dit", __doc__.splitlines()[0], DEFAULT_CONFIG, argv)
+    return train_main(BASE.name, __doc__.splitlines()[0], DEFAULT_CONFIG, argv)
 
 
 if __name__ == "__main__":

@@ -173,10 +173,11 @@ def save_attention_statistics(stats: list[dict], json_path: str | os.PathLike, p
 def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = None, frames: int = 3,
                    timestep: int = 500, images: torch.Tensor | None = None,
                    labels: torch.Tensor | None = None, seed: int = 0) -> dict:
-    """Forward kwargs for a DiT / SANA / Wan transformer: noised latents at ``timestep`` (DDPM linear
-    schedule, as DiT trains) from ``images`` ``(B, C, S, S)`` in [-1, 1] when given, else pure noise;
-    class labels (DiT) or random caption embeddings (SANA, Wan; Wan2.1 I2V: 512 text tokens and 5 image
-    tokens). ``size`` defaults to the model's ``sample_size``; ``frames``: latent frames of video models."""
+    """Forward kwargs for a transformer of any base record: noised latents at ``timestep`` (DDPM linear
+    schedule, as DiT trains) from ``images`` ``(B, C, S, S)`` in [-1, 1] when given, else pure noise, and the
+    conditioning its record's test reference builds (``Base.tiny``'s ``forward_kwargs``: class labels, or
+    random caption embeddings, image features where the model takes them). ``size`` defaults to the
+    model's ``sample_size``; ``frames``: latent frames of video models."""
     from diffusers import DDPMScheduler
 
     gen = torch.Generator().manual_seed(seed)
@@ -184,22 +185,8 @@ def example_inputs(transformer: nn.Module, batch: int = 2, size: int | None = No
     base = base_for_model(transformer)
     size = size or cfg.get("sample_size") or 8
     spatial = (frames, size, size) if base.video else (size, size)
-    shape = (batch, cfg.in_channels, *spatial)
-    noise = torch.randn(shape, generator=gen)
+    noise = torch.randn((batch, cfg.in_channels, *spatial), generator=gen)
     t = torch.full((batch,), timestep, dtype=torch.long)
     x = noise if images is None else DDPMScheduler().add_noise(images[:batch], noise, t)
-    param = next(transformer.parameters())
-    x = x.to(param.device, param.dtype)
-    if base.class_conditional:
-        if labels is None:
-            labels = torch.arange(batch) % min(cfg.num_embeds_ada_norm, 10)
-        labels = labels[:batch].to(param.device)
-        return {"hidden_states": x, "timestep": t.to(param.device), "class_labels": labels}
-    image_dim = cfg.get("image_dim")  # Wan2.1 I2V: CLIP image tokens next to exactly 512 text tokens
-    text = torch.randn(batch, 512 if image_dim else 8, cfg[base.text_dim], generator=gen)
-    inputs = {"hidden_states": x, "encoder_hidden_states": text.to(param.device, param.dtype),
-              "timestep": t.to(param.device, param.dtype)}
-    if image_dim:
-        image = torch.randn(batch, 5, image_dim, generator=gen)
-        inputs["encoder_hidden_states_image"] = image.to(param.device, param.dtype)
-    return inputs
+    labels = None if labels is None else labels[:batch]
+    return base.tiny.load().forward_kwargs(transformer, x, t, gen, labels=labels)

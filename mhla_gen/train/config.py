@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..bases import BASES
 from ..config import MHLAConfig
 from ..data.buckets import check_buckets
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
@@ -30,9 +31,6 @@ ATTENTION_TYPES = ("softmax", "linear", "mhla")
 # counted in scheduler calls, which Accelerate multiplies by the process count: not offered)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
-# data.source values; each is a class with its own checks (train/dit_sources.py, train/caption_sources.py)
-DIT_SOURCES = ("folder", "latents", "digits", "shapes", "teacher", "hf")
-CAPTION_SOURCES = ("folder", "teacher", "hf", "shards", "moving_shapes")
 # train.optimizer values (mhla_gen.train.optimizers: the library each comes from, the extra that installs it)
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 # flow.loss_weighting values: diffusers.training_utils.compute_loss_weighting_for_sd3's schemes
@@ -218,6 +216,22 @@ class RunConfig:
             raise ValueError(f"seed must be in 0..2**32-1, got {self.seed}")
         if not self.output_dir:
             raise ValueError("output_dir must be a folder path, got ''")
+        source, accepted = getattr(getattr(self, "data", None), "source", None), data_sources(type(self))
+        if source is not None and accepted and source not in accepted:
+            raise ValueError(f"data.source must be one of {', '.join(accepted)}, got {source!r}")
+
+
+def data_sources(schema: type) -> tuple[str, ...]:
+    """The ``data.source`` values of the base records that train with ``schema`` (their run config, or a
+    stage-1 schema built on it): each record's ``data_sources``, in record order; each value is a class
+    with its own checks (``train/dit_sources.py``, ``train/caption_sources.py``). Matched by the records'
+    ``module:attribute`` references, so no task or pipeline module is imported to answer."""
+    lineage = {f"{cls.__module__}:{cls.__qualname__}" for cls in schema.__mro__}
+    found: dict[str, None] = {}
+    for base in BASES.values():
+        if base.trains and base.run_config.path in lineage:
+            found.update(dict.fromkeys(base.data_sources))
+    return tuple(found)
 
 
 # --------------------------------------------------------------------------------------------- DiT
@@ -280,8 +294,6 @@ class DiTDataConfig:
     label_column: str = "label"
 
     def __post_init__(self):
-        if self.source not in DIT_SOURCES:
-            raise ValueError(f"data.source must be one of {', '.join(DIT_SOURCES)}, got {self.source!r}")
         if self.resolution < 1:
             raise ValueError(f"data.resolution must be a positive number of pixels, got {self.resolution}")
         if self.source == "teacher" and self.teacher_samples < 1:
@@ -454,8 +466,6 @@ class CaptionDataConfig:
         self.buckets = check_buckets(self.buckets)
         if not self.sample_prompts:
             raise ValueError("data.sample_prompts must hold at least one prompt (for the sample grids)")
-        if self.source not in CAPTION_SOURCES:
-            raise ValueError(f"data.source must be one of {', '.join(CAPTION_SOURCES)}, got {self.source!r}")
         if self.source == "teacher" and (self.teacher_samples < 1 or not self.prompts_file):
             raise ValueError(
                 "data.source=teacher needs data.prompts_file (one prompt per line) and data.teacher_samples "

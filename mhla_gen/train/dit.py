@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..bases import base_for
+from ..bases.dit import BASE as DIT
 from ..config import MHLAConfig
 from .attention import (
     attention_mhla_config,
@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 class DiTTask(TrainTask):
-    name = "dit"
-    base = base_for("dit")
+    base = DIT
+    name = DIT.name
     fsdp_units = ("BasicTransformerBlock", "CombinedTimestepLabelEmbeddings")  # FSDP2 (train.distributed)
     fsdp_shared = ("CombinedTimestepLabelEmbeddings",)  # block 0's embedder: the forward calls it outside
 

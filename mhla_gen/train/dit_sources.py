@@ -368,7 +368,7 @@ class TeacherSource(DiTSource):
             config = DiTTransformer2DModel.load_config(source, subfolder=sub)
         except OSError as err:
             raise ConfigError(f"data.teacher={source!r} cannot be loaded: {err}") from None
-        if stock_class_name(config.get("_class_name")) != "DiTTransformer2DModel":
+        if stock_class_name(config.get("_class_name")) != DiTTransformer2DModel.__name__:
             raise ConfigError(f"data.teacher={source!r} is a {config.get('_class_name')}, not a DiT")
         return config
 

@@ -12,14 +12,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..bases import base_for
+from ..bases.sana import BASE as SANA
+from ..bases.wan import BASE as WAN
 from .captioned import CaptionedTask
 from .config import ConfigError
 
 
 class SanaTask(CaptionedTask):
-    name = "sana"
-    base = base_for("sana")
+    base = SANA
+    name = SANA.name
 
     def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
         """DC-AE factor f x patch p; SanaPipeline also wants multiples of 32."""
@@ -82,8 +83,8 @@ class SanaTask(CaptionedTask):
 
 
 class WanTask(CaptionedTask):
-    name = "wan"
-    base = base_for("wan")
+    base = WAN
+    name = WAN.name
 
     def teacher_sample(self, pipe, prompt: str, seed: int) -> np.ndarray:
         """One video ``(F, H, W, 3)`` uint8."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..bases import base_for
+from ..bases.sana_video import BASE as SANA_VIDEO
 from .config import CaptionDataConfig, ConfigError, FinetuneModelConfig, FlowMatchingConfig, RunConfig
 from .finetune import WanTask
 
@@ -39,8 +39,8 @@ class SanaVideoRunConfig(RunConfig):
 class SanaVideoTask(WanTask):
     """:class:`WanTask` with SANA-Video's transformer, pipeline, text encoder and sampling call."""
 
-    name = "sana-video"
-    base = base_for("sana-video")
+    base = SANA_VIDEO
+    name = SANA_VIDEO.name
 
     def size_multiple(self, transformer: dict, vae: dict) -> tuple[int, str]:
         """Wan's; ``SanaVideoPipeline`` also wants heights and widths in multiples of 32, and the latents

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..bases import base_for
+from ..bases.wan_i2v import BASE as WAN_I2V
 from .config import ConfigError
 from .finetune import WanTask
 
@@ -33,8 +33,8 @@ class WanI2VTask(WanTask):
     """:class:`WanTask` conditioned on each video's first frame (and its CLIP features where the model has
     them), sampled through ``WanImageToVideoPipeline`` from the first frames of the data."""
 
-    name = "wan-i2v"
-    base = base_for("wan-i2v")
+    base = WAN_I2V
+    name = WAN_I2V.name
 
     def validate(self) -> None:
         """Wan's checks, and: a data source with videos (no teacher data), an image-to-video transformer
@@ -42,7 +42,7 @@ class WanI2VTask(WanTask):
         source, pretrained = self.cfg.data.source, self.cfg.model.pretrained
         if source not in self.base.data_sources:  # teacher data would need an image per prompt
             raise ConfigError(
-                f"data.source={source}: base wan-i2v trains on videos whose first frames are the "
+                f"data.source={source}: base {self.base.name} trains on videos whose first frames are the "
                 f"conditions; use one of {list(self.base.data_sources)}"
             )
         super().validate()
