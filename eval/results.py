@@ -70,8 +70,8 @@ sys.modules.setdefault("eval_results", sys.modules[__name__])  # the runners loa
 
 # ------------------------------------------------------------------------------------------ provenance
 def code_commit() -> str:
-    """The short commit of this checkout's code, ``+changes`` when tracked files differ from it, or
-    ``unknown`` (no git, or not a checkout)."""
+    """The short commit of this checkout's code, ``+changes`` when tracked files other than the
+    documentation (``docs/``, ``*.md``) differ from it, or ``unknown`` (no git, or not a checkout)."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
 
@@ -79,7 +79,8 @@ def code_commit() -> str:
         head = git("rev-parse", "--short=7", "HEAD")
         if head.returncode:
             return "unknown"
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs",
+                    ":(exclude)*.md").stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head.stdout.strip() + ("+changes" if dirty else "")

@@ -159,6 +159,11 @@ def test_lossless_compaction_keeps_float64_that_float32_cannot_hold():
     assert results._compact(np.array([0.1])).dtype == np.float64
 
 
+def test_code_commit_names_this_checkout():
+    results = load_results()
+    assert re.fullmatch(r"[0-9a-f]{7}(\+changes)?|unknown", results.code_commit())
+
+
 def test_commits_line_names_each_commit_and_its_arms():
     results = load_results()
     same = [{"arm": a, "seed": s, "commit": "abc1234"} for a in ("softmax", "mhla") for s in (0, 1)]
