@@ -395,7 +395,7 @@ def quarter_step(steps: list[int]) -> int:
 
 
 # Each question's primary metric and the step it is read at, declared before a run (chosen 2026-11-28, after
-# the runs of docs/results/evidence.md, which read every column alike): the validation loss (the denoiser's
+# the runs in docs/results/ before then, which read every column alike): the validation loss (the denoiser's
 # own objective on held-out triples, the least noisy score), at a quarter of stage 2 for the head-start
 # questions and at its end for the rest. The other columns of a row are secondaries under Holm's rule.
 DECISIONS = [

@@ -89,7 +89,7 @@ GRIDS = {  # grid -> data and budget (the digits: about an hour of 2 CPU cores p
     "64": dict(resolution=16, blocks=(2, 2), steps=1500, batch=32, fid_samples=1000, sample_steps=20),
     "256": dict(resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500, sample_steps=10),
     # shapes at 256 tokens: 4800 steps, since MHLA with 4x4 blocks draws the mirror symmetry only after
-    # 2400 (symmetric 0 at 2400, 0.17-0.29 at 4800 in 3 seeds: docs/results/evidence.md, 2026-11-27)
+    # 2400 (symmetric 0 at 2400, 0.17-0.29 at 4800 in 3 seeds: docs/results/mhla_vs_softmax.md, 2026-11-27)
     "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), steps=4800, batch=32, fid_samples=500,
                        sample_steps=10, recipe=SHAPES_RECIPE),
     "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), steps=2400, batch=16, fid_samples=300,
@@ -241,9 +241,10 @@ METRICS = ("fid", "fid_bootstrap_sd", "val_loss", "label_accuracy", "loss", "att
 SHAPES_METRICS = ("all_correct", "count_accuracy", "colour_accuracy", "shape_accuracy", "symmetric_rate",
                   "symmetry_error")
 # Each comparison's primary metric, declared before a run (chosen 2026-11-28, after the runs of
-# docs/results/evidence.md, which read FID and every property alike): the validation loss on the digits
-# (the denoiser's own objective on held-out triples, the least noisy score), all four properties on the
-# shapes (what that data set is for). Every other column is a secondary under Holm's rule.
+# docs/results/mhla_vs_softmax.md and its sibling pages, which read FID and every property alike): the
+# validation loss on the digits (the denoiser's own objective on held-out triples, the least noisy
+# score), all four properties on the shapes (what that data set is for). Every other column is a
+# secondary under Holm's rule.
 PRIMARY = {"digits": "val_loss", "shapes": "all_correct"}
 SECONDARY = {"digits": ("fid", "label_accuracy"),
              "shapes": ("val_loss", "fid", "count_accuracy", "colour_accuracy", "shape_accuracy",

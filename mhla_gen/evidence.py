@@ -165,14 +165,14 @@ def min_effect(metric: str, reference_mean: float) -> float:
 # paired difference in an earlier 3-seed comparison, never the comparison being judged. The rates were
 # scored by the shapes scorer's version 1; its symmetry error had other units (no pilot now).
 PILOT_SOURCES = {
-    "shapes-4800": "docs/results/evidence.md, 'MHLA learns the shapes' mirror later than softmax' "
+    "shapes-4800": "docs/results/mhla_vs_softmax.md, 'MHLA learns the shapes' mirror later than softmax' "
                    "(2026-11-27): MHLA − softmax at step 4800, shapes at 256 tokens, seeds 0-2, 300 "
                    "samples; sd of the per-seed differences of its table",
-    "shapes-buckets": "docs/results/evidence.md, 'The validation loss per timestep bucket' (2026-11-26): "
-                      "MHLA − softmax unclipped at step 1200, seeds 0-2; sd = half-width sqrt(3) / "
-                      "t(0.975, 2)",
-    "shapes-lora": "docs/results/evidence.md, LoRA-style stage 2 (2026-11-27): stage2-lora − mhla-stage1 "
-                   "on the shapes, 3 seeds; sd = half-width sqrt(3) / t(0.975, 2)",
+    "shapes-buckets": "docs/results/mhla_vs_softmax.md, 'The validation loss per timestep bucket' "
+                      "(2026-11-26): MHLA − softmax unclipped at step 1200, seeds 0-2; sd = half-width "
+                      "sqrt(3) / t(0.975, 2)",
+    "shapes-lora": "docs/results/stage2_schedules.md, LoRA-style stage 2 (2026-11-27): stage2-lora − "
+                   "mhla-stage1 on the shapes, 3 seeds; sd = half-width sqrt(3) / t(0.975, 2)",
     "digits-lora": "docs/results/adaptation_lora_64.md (2026-11-27): stage2-lora − mhla-stage1 at step "
                    "400, digits at 64 tokens, 3 seeds; sd = half-width sqrt(3) / t(0.975, 2)",
 }
