@@ -208,12 +208,17 @@ def build(runner: str, command: str, points: list[dict], run_folder: Path, meta:
 
 def configs(jobs) -> list[dict]:
     """The configuration of each arm of a study (``mhla_gen.experiments.Job`` list): its grid, base
-    config, overrides, stage-1 overrides and seeds; what ``meta["configs"]`` records."""
+    config, overrides, stage-1 overrides and seeds; what ``meta["configs"]`` records (paths inside this
+    checkout relative to it, so a committed record names no machine's folders)."""
+    def portable(overrides):
+        return None if overrides is None else [o.replace(f"{ROOT}{os.sep}", "") for o in overrides]
+
     arms: dict[tuple, dict] = {}
     for job in jobs:
         key = (job.extra.get("grid", ""), job.arm)
         entry = arms.setdefault(key, {"grid": key[0], "arm": job.arm, "config": Path(job.config).name,
-                                      "overrides": list(job.overrides), "stage1": job.stage1, "seeds": []})
+                                      "overrides": portable(job.overrides), "stage1": portable(job.stage1),
+                                      "seeds": []})
         entry["seeds"].append(job.seed)
     return list(arms.values())
 

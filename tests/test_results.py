@@ -138,16 +138,19 @@ def test_make_record_adds_provenance_and_refuses_what_no_runner_renders(tmp_path
         results.make_record("study", "x", points, [], {})
 
 
-def test_configs_name_each_arm_once_with_its_seeds():
+def test_configs_name_each_arm_once_with_its_seeds_and_no_local_folder():
+    """One entry per (grid, arm) with every seed; paths inside the checkout are relative to it."""
     results = load_results()
     from mhla_gen.experiments import Job
 
-    config, grid = "/x/dit_digits.yaml", {"grid": "64"}
-    jobs = [Job("mhla", seed, config, ["model.depth=2"], [1, 2], "r", "s", 8, grid) for seed in (0, 1)]
+    config, grid, teacher = "/x/dit_digits.yaml", {"grid": "64"}, results.ROOT / "runs" / "t" / "final"
+    jobs = [Job("mhla", seed, config, ["model.depth=2", f"model.init_from={teacher}"], [1, 2], "r", "s", 8,
+                grid, stage1=["/elsewhere/x"]) for seed in (0, 1)]
     jobs.append(Job("softmax", 0, config, [], [2], "r", "s", 8, grid))
     assert results.configs(jobs) == [
-        {"grid": "64", "arm": "mhla", "config": "dit_digits.yaml", "overrides": ["model.depth=2"],
-         "stage1": None, "seeds": [0, 1]},
+        {"grid": "64", "arm": "mhla", "config": "dit_digits.yaml",
+         "overrides": ["model.depth=2", "model.init_from=runs/t/final"], "stage1": ["/elsewhere/x"],
+         "seeds": [0, 1]},
         {"grid": "64", "arm": "softmax", "config": "dit_digits.yaml", "overrides": [], "stage1": None,
          "seeds": [0]}]
 
