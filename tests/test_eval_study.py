@@ -50,6 +50,11 @@ def test_study_quick_arms_seeds_steps_and_files(quick):
     assert "| mhla − softmax |" in table and "| mhla-fixed-mixing − mhla |" in table
     assert (out / "curves_smoke.png").stat().st_size > 0 and (out / "samples_smoke.png").stat().st_size > 0
     assert json.loads((out / "study.json").read_text())["records"] == records
+    record = sys.modules["eval_results"].load(out / "record.npz")  # what the tables are rendered from
+    assert record.points == records and record.meta["runner"] == "study"
+    configs = {(c["arm"], tuple(c["seeds"])) for c in record.meta["configs"]}
+    assert configs >= {(a, (0, 1)) for a in ("softmax", "linear", "mhla")}
+    assert all("val" in arrays and "fid_draws" in arrays for arrays in record.arrays)
 
 
 def test_study_resumes_only_what_is_missing(quick, monkeypatch):
