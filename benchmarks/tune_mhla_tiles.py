@@ -1,17 +1,22 @@
 """Choose the Triton MHLA kernels' launch parameters offline, per GPU, and write them into the tile table.
 
-    python benchmarks/tune_mhla_tiles.py           # CUDA, bf16, Wan 480p + SANA 4096 px: < 60 s on an H200
+    python benchmarks/tune_mhla_tiles.py           # CUDA, bf16, Wan 480p, SANA 4096 px, DiT 256 px (dense)
     python benchmarks/tune_mhla_tiles.py --list    # the candidates and table keys; nothing runs
     TRITON_INTERPRET=1 python benchmarks/tune_mhla_tiles.py --device cpu --shapes tiny --out /tmp/tiles.json
 
 For each model shape: the blocked PyTorch backend's forward + backward is the reference; each candidate
-``TileConfig`` (the heuristic first, then a few single changes of it: token tile, warps, pipeline stages,
-mixing columns) runs the Triton forward + backward once and must match the reference (output and every
-gradient within a few units of the dtype's roundoff: a broken configuration is off by O(1)); then its
+``TileConfig`` (the heuristic first, then a few changes of it) runs the Triton forward + backward once and
+must match the reference (output and every gradient within a few units of the dtype's roundoff: a broken
+configuration is off by O(1); one that fails to launch, e.g. out of shared memory, is rejected); then its
 forward + backward is timed (CUDA events, median of ``--repeats``). The fastest passing candidate is
 written into the table under this device's name and the shape's class (``mhla_gen.ops.tile_table``),
-which ``triton_mhla.tile_config`` reads from then on. ``--budget-s`` bounds the sweep: candidates that
-would start after it are skipped (the heuristic is always timed).
+which the kernels read from then on. ``--budget-s`` bounds the sweep: candidates that would start after it
+are skipped (the heuristic is always timed).
+
+Blocked shapes (``triton_mhla``) vary the token-loop kernels' tile, warps and pipeline depth (the summary,
+output, dq and dk/dv kernels share them) and the mixing kernel's tiles, warps and depth; dense shapes
+(``triton_dense``, for N up to its crossover) vary its tile, warps and depth, under the dense class
+``dense-d…-e…-dtype-N…``.
 
 The table (``--out``, default the package's ``mhla_gen/ops/mhla_tiles.json``) is checked before any work:
 an existing file is updated only if this script wrote it (it carries the record ``mhla_tile_table``) or
@@ -54,23 +59,28 @@ class Shape(NamedTuple):
     dim: int
     grid: tuple[int, ...]
     blocks: tuple[int, ...]
+    path: str = "blocked"  # the Triton path tuned: "blocked" (triton_mhla) or "dense" (triton_dense)
 
 
 SHAPES = {
     "wan480": Shape(2, 12, 128, (21, 30, 52), (3, 5, 10)),  # Wan2.1-1.3B, 480p: 32,760 tokens, M = 150
     "sana4096": Shape(2, 70, 32, (128, 128), (4, 4)),  # SANA-1.6B, 4096 px: 16,384 tokens, M = 16
+    "dit256": Shape(2, 16, 72, (16, 16), (4, 4), "dense"),  # DiT-XL/2, 256 px: 256 tokens, M = 16
     "tiny": Shape(1, 1, 16, (4, 6), (2, 2)),  # plumbing (interpreter)
+    "tinydense": Shape(1, 1, 16, (4, 6), (2, 2), "dense"),
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["wan480", "sana4096"])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES),
+                        default=["wan480", "sana4096", "dit256"])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--max-candidates", type=int, default=6, help="candidates per shape, heuristic first")
+    parser.add_argument("--max-candidates", type=int, default=12,
+                        help="candidates per shape, heuristic first")
     parser.add_argument("--repeats", type=int, default=10, help="timed forward + backward calls each")
-    parser.add_argument("--budget-s", type=float, default=35.0, help="no candidate starts after this many "
+    parser.add_argument("--budget-s", type=float, default=90.0, help="no candidate starts after this many "
                         "seconds of sweeping (split evenly over the shapes; the heuristic always runs)")
     parser.add_argument("--out", type=expand_path, default=str(tile_table.TABLE_PATH),
                         help="the tile table to update (default: the package's)")
@@ -98,24 +108,63 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def heuristic(shape: Shape, device: torch.device):
-    """``triton_mhla.tile_config``'s heuristic for ``shape`` (no table)."""
-    from mhla_gen.ops import triton_mhla
+    """The launch parameters the shape's path picks without a table: ``triton_mhla.tile_config``'s for the
+    blocked path; for the dense path ``triton_dense.dense_tiles``' as a ``TileConfig``."""
+    from mhla_gen.ops import triton_dense, triton_mhla
 
     geometry = triton_mhla._Geometry.of(shape.grid, shape.blocks)
+    if shape.path == "dense":
+        tiles = triton_dense.dense_tiles(shape.dim, shape.dim)
+        return triton_mhla.TileConfig(block_t=tiles.block_q, num_warps=tiles.num_warps,
+                                      num_stages=tiles.num_stages)
     return triton_mhla.tile_config(shape.dim, shape.dim, geometry.num_blocks, shape.batch * shape.heads,
                                    geometry.max_block_len, device)
 
 
+def _changes(shape: Shape, base) -> list[dict]:
+    """Changes of the heuristic ``base`` to try, most promising first (within each kernel family: longer
+    loops per tile, then deeper or shallower pipelines, then the other warp count)."""
+    from mhla_gen.ops import triton_mixing
+
+    other_warps = 4 if base.num_warps == 8 else 8
+    tokens = [{"block_t": base.block_t * 2}, {"num_stages": 4}, {"num_stages": 2},
+              {"num_warps": other_warps}, {"block_t": base.block_t // 2}]
+    if shape.path == "dense":
+        return [*tokens, {"block_t": base.block_t // 2, "num_warps": 4}]
+    m = num_blocks(shape)
+    mix = triton_mixing.mix_tiles(m)
+    rows = mix.block_m  # min(64, next power of two of M)
+    tried, mixing = [mix], []
+    for change in [  # the mixing kernel's tiles (defaults: triton_mixing.mix_tiles)
+        {"mix_block_c": max(64, min(256, 8192 // rows)), "mix_num_warps": 4},  # the tiles before 2026-11-28
+        {"mix_block_m": max(16, rows // 2), "mix_block_c": 64, "mix_num_warps": 8},  # more programs
+        {"mix_block_c": 256, "mix_num_warps": 8},  # W read less often
+        {"mix_num_stages": 2}, {"mix_num_stages": 4},
+        {"mix_block_m": 256, "mix_block_c": 64, "mix_num_warps": 8},  # up to 256 blocks in one row tile
+    ]:
+        tiles = triton_mixing.mix_tiles(m, **{_MIX_ARGS[name]: value for name, value in change.items()})
+        if tiles not in tried:  # not the default, nor another candidate under other numbers
+            tried.append(tiles)
+            mixing.append(change)
+    interleaved = [c for pair in zip(tokens, mixing) for c in pair]
+    return interleaved + tokens[len(mixing):] + mixing[len(tokens):] + [{"block_t": base.block_t * 4}]
+
+
+_MIX_ARGS = {"mix_block_m": "block_m", "mix_block_c": "block_c", "mix_num_warps": "num_warps",
+             "mix_num_stages": "num_stages"}  # TileConfig field -> triton_mixing.mix_tiles argument
+
+
+def num_blocks(shape: Shape) -> int:
+    """M of the shape's layout."""
+    return BlockLayout(shape.grid, shape.blocks).num_blocks
+
+
 def candidates(shape: Shape, device: torch.device, limit: int) -> list:
-    """The heuristic, then single changes of its tunable fields (``tile_table.FIELDS``), at most ``limit``."""
+    """The heuristic, then changes of its tunable fields (``tile_table.FIELDS``, :func:`_changes`), at most
+    ``limit``."""
     base = heuristic(shape, device)
-    changes = [  # most promising first: longer loops per tile, deeper pipelines
-        {"block_t": base.block_t * 2}, {"num_stages": 4}, {"num_stages": 2},
-        {"num_warps": 4 if base.num_warps == 8 else 8}, {"block_t": base.block_t // 2},
-        {"block_t": base.block_t * 4}, {"mix_block_c": 64}, {"mix_block_c": 256},
-    ]
     found = [base]
-    for change in changes:
+    for change in _changes(shape, base):
         try:
             tile_table.check_config(change, "candidate")
         except ValueError:
@@ -126,15 +175,21 @@ def candidates(shape: Shape, device: torch.device, limit: int) -> list:
     return found[:limit]
 
 
-def tuned_fields(config) -> dict[str, int]:
-    """The table's fields of ``config`` (those set)."""
-    return {name: getattr(config, name) for name in tile_table.FIELDS if getattr(config, name) is not None}
+def tuned_fields(config, shape: Shape | None = None) -> dict[str, int]:
+    """The table's fields of ``config`` (those set; for a dense shape only those the dense path reads)."""
+    names = DENSE_FIELDS if shape is not None and shape.path == "dense" else tile_table.FIELDS
+    return {name: getattr(config, name) for name in names if getattr(config, name) is not None}
+
+
+DENSE_FIELDS = ("block_t", "num_warps", "num_stages")  # what triton_dense.dense_tiles reads
 
 
 def table_key(shape: Shape, dtype: torch.dtype) -> str:
     from mhla_gen.ops import triton_mhla
 
     geometry = triton_mhla._Geometry.of(shape.grid, shape.blocks)
+    if shape.path == "dense":
+        return tile_table.dense_shape_class(shape.dim, shape.dim, dtype, geometry.num_tokens)
     return tile_table.shape_class(shape.dim, shape.dim, dtype, geometry.max_block_len)
 
 
@@ -154,7 +209,7 @@ def inputs(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0
 
 
 def forward_backward(module, shape: Shape, tensors, config=None):
-    """``(out, dq, dk, dv, dmixing)`` of ``module`` (``blocked`` or ``triton_mhla``)."""
+    """``(out, dq, dk, dv, dmixing)`` of ``module`` (``blocked``, ``triton_mhla`` or ``triton_dense``)."""
     q, k, v, g, mixing = tensors
     args = (q, k, v, shape.grid, shape.blocks, mixing, "relu", True, EPS)
     kwargs = {} if config is None else {"config": config}
@@ -201,22 +256,28 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
 
 def tune_shape(name: str, args, device: torch.device, dtype: torch.dtype, deadline: float) -> dict | None:
     """Check and time the candidates of one shape; the table entry of the fastest that passed (or None)."""
-    from mhla_gen.ops import triton_mhla
+    from mhla_gen.ops import triton_dense, triton_mhla
 
     shape = SHAPES[name]
+    module = triton_dense if shape.path == "dense" else triton_mhla
     tensors = inputs(shape, device, dtype)
     expected = forward_backward(blocked, shape, tensors)
-    rows, best = [], None
+    rows, best, default_ms = [], None, None
     for index, config in enumerate(candidates(shape, device, args.max_candidates)):
+        fields = tuned_fields(config, shape)
         if index > 0 and time.monotonic() > deadline:
-            rows.append(f"| {name} | {tuned_fields(config)} | – | skipped: --budget-s spent |")
+            rows.append(f"| {name} | {fields} | – | skipped: --budget-s spent |")
             continue
-        error = max_error(forward_backward(triton_mhla, shape, tensors, config), expected)
+        try:
+            error = max_error(forward_backward(module, shape, tensors, config), expected)
+        except Exception as failure:  # noqa: BLE001 - any failure to compile or launch rejects the candidate
+            rows.append(f"| {name} | {fields} | – | rejected: {type(failure).__name__} |")
+            continue
         if not error <= tolerance(dtype):
-            rows.append(f"| {name} | {tuned_fields(config)} | {error:.1e} | rejected: differs from PyTorch |")
+            rows.append(f"| {name} | {fields} | {error:.1e} | rejected: differs from PyTorch |")
             continue
-        ms = time_ms(lambda c=config: forward_backward(triton_mhla, shape, tensors, c), device, args.repeats)
-        rows.append(f"| {name} | {tuned_fields(config)} | {error:.1e} | {ms:.3f} ms |")
+        ms = time_ms(lambda c=config: forward_backward(module, shape, tensors, c), device, args.repeats)
+        rows.append(f"| {name} | {fields} | {error:.1e} | {ms:.3f} ms |")
         if index == 0:
             default_ms = ms
         if best is None or ms < best[1]:
@@ -225,7 +286,8 @@ def tune_shape(name: str, args, device: torch.device, dtype: torch.dtype, deadli
     if best is None:
         return None
     config, ms = best
-    return {"config": tuned_fields(config), "ms": round(ms, 4), "default_ms": round(default_ms, 4),
+    return {"config": tuned_fields(config, shape), "ms": round(ms, 4),
+            "default_ms": None if default_ms is None else round(default_ms, 4),
             "shape": f"{name} {shape}", "dtype": args.dtype, "measured": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": _triton_version()}
 
@@ -241,7 +303,7 @@ def list_candidates(args, dtype: torch.dtype) -> None:
     for name in args.shapes:
         print(f"{name}: table key {table_key(SHAPES[name], dtype)}")
         for config in candidates(SHAPES[name], device, args.max_candidates):
-            print(f"  {tuned_fields(config)}")
+            print(f"  {tuned_fields(config, SHAPES[name])}")
 
 
 def main(argv=None) -> None:

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 CARD = "README.md"
 TAGS = ("mhla", "mhla_gen", "linear-attention")  # plus the base family's name
-LOCAL_ONLY = (".*", "*/.*")  # never pushed: markers, listings, locks, temporary files (fnmatch patterns)
+LOCAL_ONLY = (".*", "*/.*")  # never pushed: markers, listings, locks, temporary files (ignore patterns)
 PAPER = "[MHLA (Multi-Head Linear Attention, arXiv 2601.07832)](https://arxiv.org/abs/2601.07832)"
 # folder names that say little alone: shown with their parent's
 _GENERIC = {"final", "transformer", "transformer_2", "train", "val", "validation", "test", "data", "images",

@@ -325,3 +325,17 @@ def test_full_size_dit_and_sana_configs_on_meta():
     install_mhla(models["dit"], MHLAConfig.preset("dit-256"))
     install_mhla(models["sana"], MHLAConfig.preset("sana"))
     assert len(mhla_processors(models["dit"])) == 28 and len(mhla_processors(models["sana"])) == 20
+
+
+def test_kernel_resources_compiles_for_a_gpu_without_one(capsys):
+    """``benchmarks/kernel_resources.py`` compiles the mixing kernel for sm_90 on a machine without a GPU and
+    prints its row complete (warps, registers, spilled bytes, shared KB); a bad --arch is refused."""
+    pytest.importorskip("triton")
+    from mhla_gen.errors import ConfigError
+
+    module = load("kernel_resources")
+    module.main(["--shapes", "sana4096"])
+    rows = _table_rows(capsys.readouterr().out, "sana4096")
+    assert len(rows) == 1 and rows[0][1].startswith("mixing") and all(c.isdigit() for c in rows[0][2:6])
+    with pytest.raises(ConfigError, match="--arch=70"):
+        module.main(["--arch", "70"])

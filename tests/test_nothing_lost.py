@@ -642,6 +642,7 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "benchmarks/bench_wan_step.py": "check_file_target", "benchmarks/bench_models.py": None,
     "benchmarks/conversion_budget.py": None, "benchmarks/profile_mhla.py": None,  # print only
     "benchmarks/bench_rope.py": None, "benchmarks/tune_mhla_tiles.py": "check_file_target",
+    "benchmarks/kernel_resources.py": None,  # print only
     "scripts/gpu_check.py": "check_report_target",  # one report file: new, its own, or --overwrite
     "benchmarks/bench_dit_step.py": None, "benchmarks/bench_sana_step.py": None,  # print only
     "benchmarks/bench_host_overhead.py": None, "benchmarks/step_timing.py": None,

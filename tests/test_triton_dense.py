@@ -27,8 +27,10 @@ from test_triton_mhla import (
     _cast,
     _mixing,
     _oracle,
+    _rel_errors,
     _run,
     _strided_inputs,
+    _term_scale,
     tolerance,
 )
 
@@ -112,12 +114,16 @@ CASES = [
     ((37,), (5,), 40, "relu+1e-6", True, 16, (2, 1)),  # 1D uneven, d = 40
     ((5, 7), (2, 3), 8, "identity", False, 16, (1, 2)),
     ((11, 9), (3, 4), 32, "relu", True, None, (1, 1)),  # default tiles (64 tokens, two of them)
+    # the shape whose ∂W an H200 got wrong on 2026-11-28 (bf16, fp16), default tiles (64 tokens, 4 warps,
+    # M = 24 in one-hot tiles of 32); a key tile spans 15 block ids
+    ((7, 9, 5), (2, 4, 3), 64, "relu", True, None, (1, 1)),
+    ((6, 8), (6, 8), 8, "relu", True, 32, (1, 1)),  # one token per block, M = 48: ∂W's key side loops
 ]
 CASE_IDS = [
     f"{'x'.join(map(str, grid))}-{'x'.join(map(str, blocks))}-d{d}-{feature_map}-norm{int(normalize)}"
     for grid, blocks, d, feature_map, normalize, *_ in CASES
 ]
-FP16_CASES = [0, 3, 4]
+FP16_CASES = [0, 3, 4, 7]
 
 
 def _check_case(tm, case, dtype):
@@ -209,8 +215,10 @@ def test_dense_gradient_subsets(tm, dense, launches, normalize):
 @interpreter_only
 @pytest.mark.parametrize("path", ["dense", "blocked"])
 def test_launches_per_call(td, launches, path):
-    """Through ``mhla_attention``: the dense path is one launch forward and two backward (so that "one
-    launch" cannot quietly become four); the blocked path runs its own kernels and none of the dense ones."""
+    """Through ``mhla_attention``: the dense path is one Triton launch forward and two backward (so that
+    "one launch" cannot quietly become four); with ∂W the backward also runs two PyTorch ops, the zero fill
+    of the partials buffer and its ``torch.sum`` (``docs/operator.md``), which this spy does not count.
+    The blocked path runs its own kernels and none of the dense ones."""
     from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 7), (2, 3))
@@ -297,6 +305,89 @@ def test_dense_fp16_weights_beyond_range(tm, dense):
     _assert_matches_oracle(got, tol, small_q, small_k, big_v, big_g, layout, mixing, "relu", False)
 
 
+@interpreter_only
+def test_dense_onehot_dw_variants(td, dense):
+    """The one-hot ∂W of before 2026-11-28 (kept for GPU checks, ``dw_method``) and its two halves give the
+    default's ∂W within fp16's rounding of dA ∘ P, and the same dq, dk, dv bit for bit."""
+    layout = BlockLayout((5, 7, 3), (2, 3, 2))
+    q, k, v, g = _strided_inputs(1, 1, layout.num_tokens, 16, torch.float16)
+    qx, kx, vx, gx = (_cast(x, torch.float16) for x in (q, k, v, g))
+    mixing = _mixing(layout)
+    args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
+    cfg = td.TileConfig(block_t=32)
+    out, *saved = td.forward(*args, config=cfg)
+    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    tol = dense_tolerance(torch.float16, 1, 1, layout.num_tokens, 16)
+    sums = td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg)
+    for method in ("sums", "onehot", "onehot-keys", "onehot-queries"):
+        got = td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg, dw_method=method)
+        assert all(torch.equal(a, b) for a, b in zip(sums[:3], got[:3])), method
+        assert _rel_errors((out, *got), expected, scale)["dmixing"] <= tol, method
+    with pytest.raises(ValueError, match="unknown dw_method"):
+        td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg, dw_method="atomic")
+
+
+def _poisoned(allocate):
+    """``allocate`` whose floating-point results are filled with NaN."""
+    def poisoned(*args, **kwargs):
+        x = allocate(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+    return poisoned
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalize", [True, False])
+def test_dense_uninitialised_buffers_never_leak(tm, dense, monkeypatch, normalize):
+    """NaN-fill every uninitialised buffer (``torch.empty``, ``new_empty``, ``empty_like``): the dense path's
+    results do not change (a ∂W program writes only the rows of its tile's query blocks into a buffer
+    zeroed by the host)."""
+    layout = BlockLayout((5, 7), (2, 3))
+    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=16)
+    clean, _ = _run(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
+    for owner, name in [(torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")]:
+        monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))
+    poisoned, _ = _run(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(clean, poisoned))
+
+
+@interpreter_only
+def test_dense_wide_offsets_give_the_same_bits(tm, td, dense, monkeypatch):
+    """int64 token offsets (taken where an (N, d) slice's offsets pass int32, ``_wide``) compute the same
+    numbers as the int32 ones."""
+    layout = BlockLayout((7, 5), (3, 2))
+    q, k, v, g = _strided_inputs(2, 2, layout.num_tokens, 24, torch.float32)
+    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=16)
+    narrow, _ = _run(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
+    monkeypatch.setattr(td, "_wide", lambda *tensors: True)
+    wide, _ = _run(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide))
+
+
+@interpreter_only
+def test_tuner_writes_a_dense_entry_dense_tiles_reads(monkeypatch, tmp_path, capsys):
+    """``benchmarks/tune_mhla_tiles.py`` on a dense shape in the interpreter (two candidates): each checked
+    against the PyTorch backend and timed, the fastest written under the dense class, which
+    ``dense_tiles`` then returns."""
+    from mhla_gen.ops import tile_table, triton_dense
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from test_tune_mhla_tiles import load_tuner
+
+    out = tmp_path / "tiles.json"
+    load_tuner().main(["--device", "cpu", "--shapes", "tinydense", "--dtype", "fp32", "--max-candidates", "2",
+                       "--repeats", "1", "--out", str(out)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tinydense |")]
+    assert len(rows) == 2 and all(row.endswith(" ms |") for row in rows), rows
+    entry = tile_table.read_table(out)["devices"]["cpu"]["dense-d16-e16-fp32-N32"]
+    assert set(entry["config"]) <= {"block_t", "num_warps", "num_stages"}
+    monkeypatch.setattr(tile_table, "TABLE_PATH", out)
+    tiles = triton_dense.dense_tiles(16, 16, num_tokens=24, dtype=torch.float32, device=torch.device("cpu"))
+    assert tiles.block_q == entry["config"]["block_t"]
+
+
 # --------------------------------------------------------------------------------------------------
 # the choice of path (no kernels run)
 
@@ -339,6 +430,55 @@ def test_fake_outputs_follow_the_crossover(tm):
     assert saved_shapes(4096, (4, 4)) == [(2, 16, 16, 72, 72), (2, 16, 16, 72), (2, 16, 4096)]
 
 
+LAYOUTS = [((37,), (5,)), ((7, 5), (3, 2)), ((7, 9, 5), (2, 4, 3)), ((4, 6), (1, 1)), ((4, 5), (4, 5)),
+           ((1, 3, 8), (1, 2, 3)), ((16, 16), (4, 4))]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="not a kernel test")
+@pytest.mark.parametrize("grid, blocks", LAYOUTS)
+def test_token_block_table_is_the_layouts_block_index(td, grid, blocks):
+    """The kernels' int32 token -> block table equals ``BlockLayout.block_index`` (uneven 1D/2D/3D, one
+    block, one token per block, a length-1 axis) and is built once per layout and device; the span ∂W
+    unrolls is the largest ``max - min + 1`` of the block ids in a key tile, 0 beyond 16."""
+    layout = BlockLayout(grid, blocks)
+    table = td.token_block_table(grid, blocks, "cpu")
+    assert table.dtype == torch.int32 and torch.equal(table.long(), layout.block_index)
+    assert td.token_block_table(list(grid), list(blocks), torch.device("cpu")) is table
+    for block_k in (16, 32, 64):
+        spans = [int(t.max() - t.min()) + 1 for t in layout.block_index.split(block_k)]
+        expected = max(spans) if max(spans) <= td.MAX_UNROLLED_SPAN else 0
+        assert td.key_tile_span(grid, blocks, block_k) == expected, block_k
+
+
+@pytest.mark.skipif(INTERPRETED, reason="not a kernel test")
+def test_dense_tiles_take_the_override_then_the_table(td, monkeypatch, tmp_path):
+    """Per field: the override, else the tile table's entry for this device and dense shape class
+    (``dense-d…-e…-dtype-N…``), else the heuristic; the table is read only with tokens, dtype and device."""
+    from mhla_gen.ops import tile_table
+
+    key = tile_table.dense_shape_class(72, 72, torch.bfloat16, 256)
+    assert key == "dense-d128-e128-bf16-N256"
+    path = tmp_path / "t.json"
+    table = tile_table.with_entry(tile_table.empty_table(), "cpu", key,
+                                  {"block_t": 64, "num_warps": 4, "num_stages": 2}, {"ms": 1.0})
+    path.write_text(tile_table.dumps(table))
+    monkeypatch.setattr(tile_table, "TABLE_PATH", path)
+    where = dict(num_tokens=256, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert td.dense_tiles(72, 72) == td.DenseTiles(32, 32, 8, None)  # the heuristic
+    assert td.dense_tiles(72, 72, **where) == td.DenseTiles(64, 64, 4, 2)
+    assert td.dense_tiles(72, 72, td.TileConfig(num_warps=2), **where) == td.DenseTiles(64, 64, 2, 2)
+    assert td.dense_tiles(72, 72, **{**where, "num_tokens": 1024}) == td.DenseTiles(32, 32, 8, None)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="not a kernel test")
+def test_wide_offsets_are_found_from_shapes_and_strides(td):
+    """``_wide``: the largest element offset of an (N, C) slice (sizes and strides past batch and heads)
+    reaches 2^31 (meta tensors: no memory)."""
+    small = torch.empty(2, 256, 3, 72, device="meta").transpose(1, 2)  # heads-interleaved
+    huge = torch.empty(1, 1, 2, 8, device="meta").as_strided((1, 1, 2, 8), (16, 16, 2**31, 1))
+    assert not td._wide(small, None, torch.empty(0)) and td._wide(small, huge)
+
+
 # --------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
 
@@ -354,19 +494,52 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("grid, blocks, d, b, h", GPU_SHAPES)
 def test_cuda_dense_vs_blocked_vs_oracle(tm, td, dtype, grid, blocks, d, b, h):
     """Default launch configuration on CUDA: dense and blocked paths against the float64 oracle, forward and
-    every gradient, both within the dtype's tolerance; dense results identical run to run (∂W from
-    per-program partials, no atomics)."""
+    every gradient, both within the dtype's tolerance, each path's errors reported under its name (the
+    2026-11-28 run checked them in turn with one message and could not say which path's ∂W was wrong);
+    dense results identical run to run (∂W from per-program partials, no atomics)."""
     layout = BlockLayout(grid, blocks)
     q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
     mixing = _mixing(layout).cuda()
-    results = {}
+    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    results, errors = {}, {}
     for path in ("dense", "blocked"):
         with td.triton_path(path):
             results[path], (state, *_) = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
         assert (state.numel() == 0) == (path == "dense")
+        assert all(torch.isfinite(x).all() for x in results[path]), path
+        errors[path] = _rel_errors(results[path], expected, scale)
     tol = dense_tolerance(dtype, b, h, layout.num_tokens, d)
-    for got in results.values():
-        _assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, "relu", True)
+    assert all(max(e.values()) <= tol for e in errors.values()), (tol, errors)
     with td.triton_path("dense"):
         again, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
     assert all(torch.equal(a, b) for a, b in zip(again, results["dense"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=False, reason="the one-hot ∂W of before 2026-11-28 was wrong on an H200 at this "
+                   "shape in bf16 and fp16 (error 2.0; docs/results/gpu_check_h200_2026-11-28.md), or the "
+                   "blocked path's was: kept to find out which, and which of its two dots")
+@pytest.mark.parametrize("dw_method", ["onehot", "onehot-keys", "onehot-queries"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_dense_onehot_dw(td, dtype, dw_method):
+    """The one-hot ∂W variants (``backward(dw_method=...)``) at the 2026-11-28 failing shape with the default
+    tiles (64 tokens, 4 warps: wgmma on an H100/H200), against the oracle; the default's error is in the
+    message (its own check is ``test_cuda_dense_vs_blocked_vs_oracle``, not expected to fail). XPASS for
+    all three: the one-hot ∂W was right and the failure was the blocked path's; XFAIL for "onehot-keys" or
+    "onehot-queries" names the construct."""
+    layout = BlockLayout((7, 9, 5), (2, 4, 3))
+    b, h, d = 2, 3, 64
+    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
+    qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
+    mixing = _mixing(layout).cuda()
+    args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
+    out, *saved = td.forward(*args)
+    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    errors = {}
+    for method in ("sums", dw_method):
+        grads = td.backward(gx, *args, out, *saved, NEEDS_ALL, dw_method=method)
+        errors[method] = _rel_errors((out, *grads), expected, scale)["dmixing"]
+    tol = dense_tolerance(dtype, b, h, layout.num_tokens, d)
+    assert errors[dw_method] <= tol, (tol, errors)

@@ -415,7 +415,7 @@ def test_mixing_kernel_matches_mix_blocks(m, shape, zshape, block_c):
     x = torch.randn(m, *shape, generator=gen)
     xz = None if zshape is None else torch.randn(m, *zshape, generator=gen)
     for weights in (w, w.T):
-        y, yz = triton_mixing.mix(weights, x, xz, torch.float32, "ieee", block_c)
+        y, yz = triton_mixing.mix(weights, x, xz, torch.float32, "ieee", triton_mixing.mix_tiles(m, block_c))
         assert y.shape == x.shape and y.dtype == torch.float32 and y.is_contiguous()
         for got, src in ((y, x), (yz, xz)):
             if src is None:
@@ -424,6 +424,27 @@ def test_mixing_kernel_matches_mix_blocks(m, shape, zshape, block_c):
             expected = mix_blocks(weights.double(), src.double())
             bound = _gemm_bound(weights.double(), src.double().view(m, -1), m).view_as(src)
             assert ((got.double() - expected).abs() <= bound).all(), (got.double() - expected).abs().max()
+
+
+@interpreter_only
+def test_mixing_kernel_tiles_and_wide_offsets(monkeypatch):
+    """Other mixing tiles (``triton_mixing.MixTiles``: row tiles of 16 over M = 70, dot steps of 16,
+    columns of 32, 2 warps, 2 stages) stay within the fp32 GEMM bound of float64; int64 offsets (``_wide``,
+    taken where M·C passes int32) give the int32 offsets' bits."""
+    from mhla_gen.ops import triton_mixing
+    from mhla_gen.ops.checks import mix_blocks
+
+    m, gen = 70, torch.Generator().manual_seed(4)
+    w = 0.1 + torch.rand(m, m, generator=gen)
+    x, xz = torch.randn(m, 2, 40, generator=gen), torch.randn(m, 6, generator=gen)
+    other = triton_mixing.MixTiles(block_m=16, block_k=16, block_c=32, num_warps=2, num_stages=2)
+    for got, src in zip(triton_mixing.mix(w, x, xz, torch.float32, "ieee", other), (x, xz)):
+        bound = _gemm_bound(w.double(), src.double().view(m, -1), m).view_as(src)
+        assert ((got.double() - mix_blocks(w.double(), src.double())).abs() <= bound).all()
+    narrow = triton_mixing.mix(w, x, xz, torch.float32, "ieee")
+    monkeypatch.setattr(triton_mixing, "_wide", lambda m, c: True)
+    wide = triton_mixing.mix(w, x, xz, torch.float32, "ieee")
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
 
 
 @interpreter_only

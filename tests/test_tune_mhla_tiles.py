@@ -121,6 +121,46 @@ def test_tuner_lists_candidates_without_running_anything(capsys):
     assert listed[1].startswith("{'block_t': 64,")  # then longer token tiles
 
 
+def test_tuner_lists_dense_and_mixing_candidates(capsys):
+    """The dense shape (DiT-XL/2 256 px) is tuned under its dense class with the fields the dense path
+    reads; Wan's candidates include the mixing kernel's tiles of before 2026-11-28 and the other mixing
+    tiles, none the same launch as the default or as each other."""
+    tuner = load_tuner()
+    tuner.main(["--list", "--shapes", "wan480", "dit256"])
+    out = capsys.readouterr().out
+    assert "dit256: table key dense-d128-e128-bf16-N256" in out
+    dense = out.split("dit256:")[1].splitlines()[1:]
+    assert dense[0].strip() == "{'block_t': 32, 'num_warps': 8}" and all("mix_" not in line for line in dense)
+    wan = [line for line in out.split("dit256:")[0].splitlines() if "mix_" in line]
+    assert any("'mix_block_c': 128, 'mix_num_warps': 4}" in line for line in wan)  # the tiles of before
+    assert len(wan) >= 4 and len(set(wan)) == len(wan)
+
+
+def test_mix_tiles_heuristic_and_overrides():
+    """``triton_mixing.mix_tiles``: 64 x 64 tiles at 8 warps for Wan's 150 blocks, 16 x 256 at 4 warps for
+    SANA's 16; each argument overrides its field; a row tile is at most M's next power of two."""
+    pytest.importorskip("triton")
+    from mhla_gen.ops import triton_mixing
+
+    assert triton_mixing.mix_tiles(150) == triton_mixing.MixTiles(64, 32, 64, 8, None)
+    assert triton_mixing.mix_tiles(16) == triton_mixing.MixTiles(16, 16, 256, 4, None)
+    assert triton_mixing.mix_tiles(150, 128, 32, 4, 2) == triton_mixing.MixTiles(32, 32, 128, 4, 2)
+    assert triton_mixing.mix_tiles(16, block_m=256).block_m == 16
+
+
+def test_tile_config_carries_the_mixing_fields(monkeypatch, tmp_path):
+    """A table entry's ``mix_*`` fields reach ``TileConfig`` (and so ``triton_mixing.mix_tiles``)."""
+    pytest.importorskip("triton")
+    from mhla_gen.ops import triton_mhla
+
+    path = tmp_path / "t.json"
+    path.write_text(tile_table.dumps(table_with({"mix_block_m": 32, "mix_num_warps": 4, "mix_num_stages": 2},
+                                                key="d16-e16-bf16-L64")))
+    monkeypatch.setattr(tile_table, "TABLE_PATH", path)
+    cfg = triton_mhla.tile_config(16, 16, 150, 2, 40, torch.device("cpu"), dtype=torch.bfloat16)
+    assert (cfg.mix_block_m, cfg.mix_num_warps, cfg.mix_num_stages, cfg.mix_block_c) == (32, 4, 2, None)
+
+
 def test_tuner_refuses_before_any_work(tmp_path, monkeypatch):
     """A file it did not write, a table of ours that does not read back, bad numbers, a device that cannot
     run: one ConfigError naming the setting, nothing written."""

@@ -34,6 +34,9 @@ FIELDS: dict[str, tuple[int, ...]] = {
     "num_warps": (1, 2, 4, 8, 16),
     "num_stages": (1, 2, 3, 4, 5),
     "mix_block_c": (32, 64, 128, 256, 512),
+    "mix_block_m": (16, 32, 64, 128, 256),
+    "mix_num_warps": (1, 2, 4, 8, 16),
+    "mix_num_stages": (1, 2, 3, 4, 5),
 }
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
@@ -51,6 +54,12 @@ def shape_class(d: int, e: int, dtype, max_block_len: int) -> str:
         raise ValueError(f"the tile table has no dtype {dtype}; choose one of {sorted(DTYPE_NAMES)}")
     return (f"d{_pow2_at_least_16(d)}-e{_pow2_at_least_16(e)}-{name}"
             f"-L{_pow2_at_least_16(max_block_len)}")
+
+
+def dense_shape_class(d: int, e: int, dtype, num_tokens: int) -> str:
+    """``"dense-d128-e128-bf16-N256"``: the dense path's class (``triton_dense.dense_tiles``): head dims,
+    input dtype and token count, rounded up to powers of two."""
+    return f"dense-{shape_class(d, e, dtype, 1).rsplit('-', 1)[0]}-N{_pow2_at_least_16(num_tokens)}"
 
 
 def empty_table() -> dict:
@@ -126,5 +135,5 @@ def dumps(table: dict) -> str:
     return json.dumps(check_table(table, "the table"), indent=2, sort_keys=True) + "\n"
 
 
-__all__ = ["FIELDS", "TABLE_KIND", "TABLE_PATH", "check_config", "dumps", "empty_table", "lookup",
-           "read_table", "shape_class", "with_entry"]
+__all__ = ["FIELDS", "TABLE_KIND", "TABLE_PATH", "check_config", "dense_shape_class", "dumps", "empty_table",
+           "lookup", "read_table", "shape_class", "with_entry"]

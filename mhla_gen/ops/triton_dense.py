@@ -21,22 +21,42 @@ Backward, two launches (``G`` the output gradient, ``g_num_t = G_t / den_t``,
                                                                           also writes g_den)
     dv = Aᵀ g_num     dφ(k) = dPᵀ φ(Q)                                    (kernel 2, per key tile)
 
-dq = φ'(q) ∘ dφ(q), dk likewise. ∂W comes from per-program ``M x M`` partials (one-hot block matrices and
-``tl.dot``), summed on the host with ``torch.sum``: no atomics, so results are identical run to run.
+dq = φ'(q) ∘ dφ(q), dk likewise. ∂W: each program of kernel 1 keeps ``acc[t, j] = Σ_{s∈j} dA[t, s] P[t, s]``
+for its query tokens (fp32 ``[BQ, M]``): per key tile, one masked row sum (``tl.sum``) for each key block
+the tile touches (a key tile of consecutive tokens touches few: 4 at DiT-XL/2 256 px), then per query
+block of its tile one masked column sum into its own ``M x M`` slice of a zeroed buffer, which the host
+adds up with ``torch.sum``. No atomics and no dots: the same numbers run to run, on any backend. Until
+2026-11-28 both sums were ``tl.dot``s with one-hot block matrices (the key side in the input dtype, the
+query side an fp32 dot of ``[M, BQ] @ [BQ, M]``); on an H200 that ∂W was wrong (relative error 2.0) at an
+uneven 3D grid in bf16 and fp16 while the interpreter and the DiT shape were right
+(``docs/results/gpu_check_h200_2026-11-28.md``; that run could not tell the dense path's ∂W from the
+blocked path's, which its test checked second with the same message). That variant is kept behind
+``backward(..., dw_method="onehot")`` (``"onehot-keys"``, ``"onehot-queries"``: one side of it) for the
+next GPU run to tell which construct fails (``tests/test_triton_dense.py``); nothing else uses it.
 
-Block ids come from token ids arithmetically (:func:`_token_blocks`, the inverse of ``_block_box``): the
-kernels read q, k, v in token order, tiles cross block boundaries freely, and uneven grids cost nothing.
+Block ids come from an int32 table ``b(t)`` per token (:func:`token_block_table`: N ints, built on the
+device once per layout and cached), loaded once per tile: the kernels read q, k, v in token order, tiles
+cross block boundaries freely, and uneven grids cost nothing. Until 2026-11-28 each tile computed its
+block ids from its token ids (about ten integer divisions per token) and gathered W with a masked
+``[BQ, BK]`` load: compiled for an H200 (triton 3.6, ``ptxas -v``; ``benchmarks/kernel_resources.py``
+prints these numbers) the forward at SANA's 1024-token shape
+(d = 32, tiles of 64, 4 warps, bf16) used 255 registers per thread and spilled 428 bytes, which fits its
+measured slowness there (1.19 ms against 0.25 ms for SANA's linear attention); now it uses 138 and spills
+nothing. Padded tokens read block 0, so the W gather needs no mask (their rows and columns of P are
+zero), token offsets are int32 where the tensors allow (:func:`_wide`), and a head dim that is a power of
+two drops the column masks.
 
-Precision, as in ``triton_mhla.py``: accumulators, row sums, ``den`` and ``g_den`` are fp32; dot operands
-are the input dtype (φ(q), φ(k), v, G exactly as loaded, and the fp32 tiles A, dP and dA ∘ P cast to it;
-for fp16 those three are first scaled by a power of two so that their largest entry is about 2^14, as
+Precision, as in ``triton_mhla.py``: accumulators, row sums, ``den``, ``g_den`` and ∂W are fp32; dot
+operands are the input dtype (φ(q), φ(k), v, G exactly as loaded, and the fp32 tiles A and dP cast to it;
+for fp16 those are first scaled by a power of two so that their largest entry is about 2^14, as
 ``_dot_operand`` does for the states); fp32 inputs use TF32 iff
-``torch.backends.cuda.matmul.allow_tf32``. Normalisers (Σ_s A, G·o) are fp32 vector reductions.
+``torch.backends.cuda.matmul.allow_tf32``. Normalisers (Σ_s A, G·o) and ∂W's sums are fp32 reductions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tile_table
 from .triton_mhla import (
     _DOT_DTYPES,
     FEATURE_IDS,
@@ -57,18 +78,26 @@ from .triton_mhla import (
     _precision,
     _ptr,
     _strides,
+    device_name,
     heads_interleaved_empty,
 )
 
 # The crossover (defaults; a per-GPU tuning table passes its own through uses_dense_path's arguments):
 # the dense path runs for at most DENSE_MAX_TOKENS tokens, DENSE_MAX_BLOCKS blocks and head dim
-# DENSE_MAX_HEAD_DIM. DENSE_BLOCK_LIMIT is a hard limit, also for a forced dense path: each program of
-# the dW pass keeps a (next power of two of M)² fp32 tile.
-DENSE_MAX_TOKENS = 1024
+# DENSE_MAX_HEAD_DIM. Measured on an H200 on 2026-11-28 (docs/results/gpu_check_h200_2026-11-28.md,
+# bf16, GPU time of one forward): at 256 tokens (DiT-XL/2 256 px) the dense forward took 42 µs in one
+# launch against about 70 µs for the blocked path's four; at 1024 tokens (SANA 1024 px) it took 1.19 ms
+# against 0.25 ms for SANA's linear attention, so 1024 was far past the crossover (it was the default
+# until then). DENSE_BLOCK_LIMIT is a hard limit, also for a forced dense path: each program of the dW
+# pass keeps an fp32 [BQ, next power of two of M] accumulator.
+DENSE_MAX_TOKENS = 256
 DENSE_MAX_BLOCKS = 64
 DENSE_MAX_HEAD_DIM = 128
 DENSE_BLOCK_LIMIT = 128
 PATHS = ("auto", "dense", "blocked")
+# ∂W in kernel 1: masked sums (the default); the one-hot dots of before 2026-11-28 on both sides, or on
+# the key side or the query side only (for GPU checks: which construct fails, tests/test_triton_dense.py)
+DW_METHODS = ("sums", "onehot", "onehot-keys", "onehot-queries")
 
 _forced_path = "auto"  # set by triton_path(); read by uses_dense_path
 
@@ -124,23 +153,91 @@ def ran_dense(state: torch.Tensor) -> bool:
     return state.numel() == 0
 
 
+# --------------------------------------------------------------------------------------------------
+# launch parameters and the token -> block table
+
+
 @dataclass(frozen=True)
 class DenseTiles:
-    """Launch parameters of the dense kernels: query and key tile lengths and warps per program."""
+    """Launch parameters of the dense kernels: query and key tile lengths, warps per program and the
+    depth of the key (query) loop's software pipeline (None: Triton's default)."""
 
     block_q: int
     block_k: int
     num_warps: int
+    num_stages: int | None = None
 
 
-def dense_tiles(d: int, e: int, override: TileConfig | None = None) -> DenseTiles:
-    """Tiles of 64 tokens for head dims up to 64, else 32 (full d and e per program, like the blocked
-    kernels); ``override.block_t`` sets both tile lengths (rounded up to a power of two >= 16, what
-    ``tl.dot`` needs) and ``override.num_warps`` the warps. Heuristic, not measured yet."""
+def dense_tiles(d: int, e: int, override: TileConfig | None = None, *, num_tokens: int | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | None = None) -> DenseTiles:
+    """Each field from ``override`` (``block_t`` sets both tile lengths, rounded up to a power of two >= 16,
+    what ``tl.dot`` needs; ``num_warps``, ``num_stages``), else from the tile table entry of this device
+    and dense shape class (``tile_table.dense_shape_class``; only when ``num_tokens``, ``dtype`` and
+    ``device`` are given), else the heuristic: tiles of 64 tokens and 4 warps for head dims up to 64, else
+    32 and 8 (full d and e per program, like the blocked kernels); Triton's default pipeline depth."""
     override = override or TileConfig()
+    tuned = {}
+    if num_tokens is not None and dtype is not None and device is not None:
+        key = tile_table.dense_shape_class(d, e, dtype, num_tokens)
+        tuned = tile_table.lookup(device_name(torch.device(device)), key)
+
+    def pick(name: str, default):
+        value = getattr(override, name)
+        return value if value is not None else tuned.get(name, default)
+
     wide = max(_pow2(d), _pow2(e)) > 64
-    block = _pow2(override.block_t) if override.block_t else (32 if wide else 64)
-    return DenseTiles(block, block, override.num_warps or (8 if wide else 4))
+    block = _pow2(pick("block_t", 32 if wide else 64))
+    return DenseTiles(block, block, pick("num_warps", 8 if wide else 4), pick("num_stages", None))
+
+
+_token_tables: dict[tuple, torch.Tensor] = {}  # (grid, blocks, device) -> int32 (N,), see token_block_table
+
+
+def token_block_table(grid: Sequence[int], blocks: Sequence[int], device) -> torch.Tensor:
+    """int32 ``(N,)``: the block ``b(t)`` of each row-major token t, as ``BlockLayout.block_index``.
+
+    Built with device ops (an axis of length L in b blocks: the first ``L mod b`` blocks one token longer;
+    block ids row-major over the block grid), nothing copied from the host, and cached per layout and
+    device (4 bytes a token); while a CUDA graph is being captured a missing table is built inside the
+    capture and not cached (the graph then rebuilds it each replay: a few tiny kernels)."""
+    geometry = _Geometry.of(grid, blocks)
+    device = torch.device(device)
+    key = (geometry.grid, geometry.blocks, device)
+    table = _token_tables.get(key)
+    if table is not None:
+        return table
+    ids = torch.zeros((), dtype=torch.int32, device=device)
+    for length, parts in zip(geometry.grid, geometry.blocks):
+        base, extra = divmod(length, parts)
+        x = torch.arange(length, dtype=torch.int32, device=device)
+        long_end = extra * (base + 1)
+        axis_ids = torch.where(x < long_end, x // (base + 1), extra + (x - long_end).clamp_min(0) // base)
+        ids = ids.unsqueeze(-1) * parts + axis_ids
+    table = ids.reshape(-1)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _token_tables[key] = table
+    return table
+
+
+def key_tile_span(grid: Sequence[int], blocks: Sequence[int], block_k: int) -> int:
+    """The most block ids a key tile of ``block_k`` consecutive tokens ranges over (largest - smallest + 1,
+    over all tiles): how many masked sums ∂W's key side unrolls per tile (``_add_key_block_sums``); 0 when
+    it would be more than MAX_UNROLLED_SPAN (the kernel then loops). Computed on the CPU, cached."""
+    return _key_tile_span(_Geometry.of(grid, blocks), block_k)
+
+
+MAX_UNROLLED_SPAN = 16
+
+
+@functools.lru_cache(maxsize=256)
+def _key_tile_span(geometry: _Geometry, block_k: int) -> int:
+    ids = token_block_table(geometry.grid, geometry.blocks, "cpu").long()
+    pad = (-ids.numel()) % block_k
+    tiles = torch.nn.functional.pad(ids, (0, pad), value=-1).view(-1, block_k)
+    smallest = torch.where(tiles >= 0, tiles, ids.max() + 1).min(dim=1).values
+    span = int((tiles.max(dim=1).values - smallest).max()) + 1
+    return span if span <= MAX_UNROLLED_SPAN else 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,53 +245,60 @@ def dense_tiles(d: int, e: int, override: TileConfig | None = None) -> DenseTile
 
 
 @triton.jit
-def _axis_block(x, BASE, EXTRA):
-    """Block of coordinate ``x`` along an axis whose first EXTRA blocks have BASE + 1 tokens (covering
-    EXTRA·(BASE + 1) tokens) and the rest BASE (>= 1, since blocks <= grid)."""
-    long_end = EXTRA * (BASE + 1)
-    return tl.where(x < long_end, x // (BASE + 1), EXTRA + (x - long_end) // BASE)
+def _offsets(tok, stride_n, o_c, stride_c, WIDE: tl.constexpr):
+    """Element offsets ``[len(tok), len(o_c)]`` of rows ``tok``, columns ``o_c`` from a (batch, head)'s
+    base pointer: int32 unless WIDE (the host checks that the largest offset fits, :func:`_wide`)."""
+    if WIDE:
+        tok = tok.to(tl.int64)
+    return tok[:, None] * stride_n + o_c[None, :] * stride_c
 
 
 @triton.jit
-def _token_blocks(tok, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2):
-    """Block ids ``b(t)`` of row-major token ids ``tok`` on the (G0, G1, G2) token grid.
-
-    Token t sits at (t // (G1·G2), (t // G2) % G1, t % G2); its block ids per axis are row-major over the
-    block grid (NB0, NB1, NB2). A token id >= N (tile padding) maps to a block id >= M.
-    """
-    b0 = _axis_block(tok // (G1 * G2), BASE0, EXTRA0)
-    b1 = _axis_block((tok // G2) % G1, BASE1, EXTRA1)
-    b2 = _axis_block(tok % G2, BASE2, EXTRA2)
-    return (b0 * NB1 + b1) * NB2 + b2
+def _tile_mask(m_t, m_c, EVEN: tl.constexpr):
+    """The ``[len(m_t), len(m_c)]`` mask of a row tile; EVEN (the head dim is the tile's): rows only."""
+    if EVEN:
+        mask = m_t[:, None]
+    else:
+        mask = m_t[:, None] & m_c[None, :]
+    return mask
 
 
 @triton.jit
-def _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c):
+def _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, EVEN: tl.constexpr, WIDE: tl.constexpr):
     """Tile ``[len(tok), len(o_c)]`` of a (N, C) matrix at ``base`` (rows ``tok``, columns ``o_c``) in its
     own dtype; zero outside the masks."""
-    ptrs = base + tok.to(tl.int64)[:, None] * stride_n + o_c[None, :] * stride_c
-    return tl.load(ptrs, mask=m_t[:, None] & m_c[None, :], other=0.0)
+    ptrs = base + _offsets(tok, stride_n, o_c, stride_c, WIDE)
+    return tl.load(ptrs, mask=_tile_mask(m_t, m_c, EVEN), other=0.0)
 
 
 @triton.jit
-def _store_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, x):
+def _store_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, x, EVEN: tl.constexpr, WIDE: tl.constexpr):
     """Store the fp32 tile ``x`` ``[len(tok), len(o_c)]`` into rows ``tok`` of the (N, C) matrix at ``base``,
     in that matrix's dtype, inside the masks."""
-    ptrs = base + tok.to(tl.int64)[:, None] * stride_n + o_c[None, :] * stride_c
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    ptrs = base + _offsets(tok, stride_n, o_c, stride_c, WIDE)
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=_tile_mask(m_t, m_c, EVEN))
 
 
 @triton.jit
-def _feature_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, FEATURE: tl.constexpr):
+def _feature_rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, FEATURE: tl.constexpr, EVEN: tl.constexpr,
+                  WIDE: tl.constexpr):
     """``(x, φ(x))`` fp32 tiles of q or k rows ``tok``; φ is zeroed outside the masks (φ(0) = 1 for elu+1)."""
-    x = _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c).to(tl.float32)
-    return x, tl.where(m_t[:, None] & m_c[None, :], _phi(x, FEATURE), 0.0)
+    x = _rows(base, tok, m_t, stride_n, o_c, m_c, stride_c, EVEN, WIDE).to(tl.float32)
+    return x, tl.where(_tile_mask(m_t, m_c, EVEN), _phi(x, FEATURE), 0.0)
 
 
 @triton.jit
-def _mixing_tile(w, blk_q, m_q, blk_k, m_k, M):
-    """``W[b(t), b(s)]`` fp32 ``[BQ, BK]`` gathered from the contiguous (M, M) table; 0 for padding."""
-    return tl.load(w + blk_q[:, None] * M + blk_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
+def _mixing_tile(w_rows, blk_k):
+    """``W[b(t), b(s)]`` fp32 ``[BQ, BK]`` from ``w_rows = w + b(t)·M`` (``[BQ]`` pointers into the contiguous
+    (M, M) table) and the key tile's block ids. Unmasked: a padded token has block 0 (:func:`_tile_blocks`),
+    a valid entry; its row or column of P is zero, so the value it reads never counts."""
+    return tl.load(w_rows[:, None] + blk_k[None, :])
+
+
+@triton.jit
+def _tile_blocks(blocks, tok, m_t):
+    """int32 ``b(t)`` of a tile's token ids from the token -> block table; 0 for padding (``tok >= N``)."""
+    return tl.load(blocks + tok, mask=m_t, other=0)
 
 
 @triton.jit
@@ -205,25 +309,73 @@ def _scaled_dot(a, b, DOT_DTYPE: tl.constexpr, SCALE: tl.constexpr, PRECISION: t
     return tl.dot(a_op, b, input_precision=PRECISION) * c
 
 
+@triton.jit
+def _add_block_sum(acc, x, blk_k, m_k, o_m, j):
+    """``acc[t, j] += Σ_{s in the tile, b(s) = j} x[t, s]``: a masked row sum of ``x`` ``[BQ, BK]`` into
+    column j of ``acc`` ``[BQ, BM]`` (fp32; adding 0 leaves the other columns exactly as they were)."""
+    in_j = (blk_k == j) & m_k  # [BK]
+    col = tl.sum(tl.where(in_j[None, :], x, 0.0), axis=1)  # [BQ]
+    return acc + tl.where(o_m[None, :] == j, col[:, None], 0.0)
+
+
+@triton.jit
+def _add_key_block_sums(acc, x, blk_k, m_k, o_m, SPAN: tl.constexpr):
+    """:func:`_add_block_sum` for every key block of the tile: the block ids from the tile's smallest on,
+    SPAN of them unrolled (the host's bound on ``largest - smallest + 1`` over the tiles,
+    :func:`key_tile_span`), so that the key loop has no inner loop and Triton pipelines its loads; SPAN = 0:
+    a loop up to the tile's largest id."""
+    j_first = tl.min(tl.where(m_k, blk_k, 2147483647), axis=0)
+    if SPAN > 0:
+        for jj in tl.static_range(SPAN):
+            acc = _add_block_sum(acc, x, blk_k, m_k, o_m, j_first + jj)
+    else:
+        j_last = tl.max(tl.where(m_k, blk_k, -1), axis=0)
+        for j in range(j_first, j_last + 1):
+            acc = _add_block_sum(acc, x, blk_k, m_k, o_m, j)
+    return acc
+
+
+@triton.jit
+def _store_query_block_sums(p_dw, acc, blk_q, m_q, o_m, M):
+    """``p_dw[i, j] = Σ_{t in the tile, b(t) = i} acc[t, j]`` (row-major ``M x M`` at ``p_dw``) for the query
+    blocks i of the tile; the other rows are left as they are (zero: the host zeroes the buffer)."""
+    i_first = tl.min(tl.where(m_q, blk_q, 2147483647), axis=0)
+    i_last = tl.max(tl.where(m_q, blk_q, -1), axis=0)
+    for i in range(i_first, i_last + 1):
+        in_i = (blk_q == i) & m_q  # [BQ]
+        row = tl.sum(tl.where(in_i[:, None], acc, 0.0), axis=0)  # [BM]
+        tl.store(p_dw + i * M + o_m, row, mask=o_m < M)
+
+
+@triton.jit
+def _store_onehot_dw(p_dw, acc, blk_q, m_q, o_m, M):
+    """The one-hot variant's query side (``dw_method="onehot"``, as before 2026-11-28): all M rows of
+    ``p_dw`` from ``onehot(b(t))ᵀ acc``, an fp32 ``[BM, BQ] @ [BQ, BM]`` dot."""
+    onehot_q = ((blk_q[:, None] == o_m[None, :]) & m_q[:, None]).to(tl.float32)  # [BQ, BM]
+    b_dw = tl.dot(tl.trans(onehot_q), acc, input_precision="ieee")
+    tl.store(p_dw + o_m[:, None] * M + o_m[None, :], b_dw, mask=(o_m[:, None] < M) & (o_m[None, :] < M))
+
+
 # --------------------------------------------------------------------------------------------------
 # kernels
 
 
 @triton.jit
 def _dense_fwd_kernel(
-    q, k, v, w, out, den,
+    q, k, v, w, blocks, out, den,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_ob, stride_oh, stride_on, stride_oe,
-    H, N, M, D, E, eps, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    H, N, M, D, E, eps,
     FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE: tl.constexpr, CLIP_FP16: tl.constexpr,
+    SCALE: tl.constexpr, CLIP_FP16: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
 ):
     """o_t = Σ_s A[t, s] v_s / den_t for one tile of BQ query tokens of one (batch, head).
 
-    Grid (cdiv(N, BQ), B*H). Writes ``den`` (B, H, N) contiguous fp32 (with the normaliser).
+    Grid (cdiv(N, BQ), B*H). ``blocks``: int32 (N,) token -> block table. Writes ``den`` (B, H, N)
+    contiguous fp32 (with the normaliser).
     """
     i_q, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -231,9 +383,9 @@ def _dense_fwd_kernel(
     m_d, m_e = o_d < D, o_e < E
     tok_q = i_q * BQ + tl.arange(0, BQ)  # [BQ] token ids, row-major on the grid
     m_q = tok_q < N
-    blk_q = _token_blocks(tok_q, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    w_rows = w + _tile_blocks(blocks, tok_q, m_q) * M  # W[b(t), :] of the query tokens
     _, b_fq = _feature_rows(q + i_b * stride_qb + i_h * stride_qh, tok_q, m_q, stride_qn, o_d, m_d,
-                            stride_qd, FEATURE)
+                            stride_qd, FEATURE, EVEN, WIDE)
     b_fq = b_fq.to(DOT_DTYPE)  # φ(Q) [BQ, BD]
     k_base = k + i_b * stride_kb + i_h * stride_kh
     v_base = v + i_b * stride_vb + i_h * stride_vh
@@ -243,11 +395,11 @@ def _dense_fwd_kernel(
     for s0 in range(0, N, BK):
         tok_k = s0 + tl.arange(0, BK)
         m_k = tok_k < N
-        blk_k = _token_blocks(tok_k, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
-        _, b_fk = _feature_rows(k_base, tok_k, m_k, stride_kn, o_d, m_d, stride_kd, FEATURE)  # [BK, BD]
-        b_v = _rows(v_base, tok_k, m_k, stride_vn, o_e, m_e, stride_ve).to(DOT_DTYPE)  # [BK, BE]
+        blk_k = _tile_blocks(blocks, tok_k, m_k)
+        _, b_fk = _feature_rows(k_base, tok_k, m_k, stride_kn, o_d, m_d, stride_kd, FEATURE, EVEN, WIDE)
+        b_v = _rows(v_base, tok_k, m_k, stride_vn, o_e, m_e, stride_ve, EVEN, WIDE).to(DOT_DTYPE)  # [BK, BE]
         b_p = tl.dot(b_fq, tl.trans(b_fk.to(DOT_DTYPE)), input_precision=PRECISION)  # P [BQ, BK]
-        b_a = b_p * _mixing_tile(w, blk_q, m_q, blk_k, m_k, M)  # A = P ∘ W[b(t), b(s)]
+        b_a = b_p * _mixing_tile(w_rows, blk_k)  # A = P ∘ W[b(t), b(s)]
         if NORMALIZE:
             rowsum += tl.sum(b_a, axis=1)
         acc += _scaled_dot(b_a, b_v, DOT_DTYPE, SCALE, PRECISION)
@@ -258,21 +410,23 @@ def _dense_fwd_kernel(
         tl.store(den + i_bh.to(tl.int64) * N + tok_q, b_den, mask=m_q)
     if CLIP_FP16:
         acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    _store_rows(out + i_b * stride_ob + i_h * stride_oh, tok_q, m_q, stride_on, o_e, m_e, stride_oe, acc)
+    _store_rows(out + i_b * stride_ob + i_h * stride_oh, tok_q, m_q, stride_on, o_e, m_e, stride_oe, acc,
+                EVEN, WIDE)
 
 
 @triton.jit
 def _query_prologue(g_base, o_base, den, gden, row0, tok_q, m_q, stride_gn, stride_ge, stride_on, stride_oe,
-                    o_e, m_e, NORMALIZE: tl.constexpr, STORE_GDEN: tl.constexpr):
+                    o_e, m_e, NORMALIZE: tl.constexpr, STORE_GDEN: tl.constexpr, EVEN: tl.constexpr,
+                    WIDE: tl.constexpr):
     """``(G, 1/den, g_den)`` of a query tile: G [BQ, BE] as loaded; fp32 [BQ] ``1/den_t`` and
     ``g_den_t = -(G_t·o_t)/den_t`` (1 and 0 without the normaliser). ``row0``: offset of this (batch,
     head) in the (B, H, N) buffers ``den`` and ``gden``; STORE_GDEN writes g_den there."""
-    b_g = _rows(g_base, tok_q, m_q, stride_gn, o_e, m_e, stride_ge)
+    b_g = _rows(g_base, tok_q, m_q, stride_gn, o_e, m_e, stride_ge, EVEN, WIDE)
     b_rden = tl.full(tok_q.shape, 1.0, tl.float32)
     b_gden = tl.zeros(tok_q.shape, tl.float32)
     if NORMALIZE:
         b_rden = 1.0 / tl.load(den + row0 + tok_q, mask=m_q, other=1.0)
-        b_o = _rows(o_base, tok_q, m_q, stride_on, o_e, m_e, stride_oe).to(tl.float32)
+        b_o = _rows(o_base, tok_q, m_q, stride_on, o_e, m_e, stride_oe, EVEN, WIDE).to(tl.float32)
         b_gden = -tl.sum(b_g.to(tl.float32) * b_o, axis=1) * b_rden
         if STORE_GDEN:
             tl.store(gden + row0 + tok_q, b_gden, mask=m_q)
@@ -281,24 +435,28 @@ def _query_prologue(g_base, o_base, den, gden, row0, tok_q, m_q, stride_gn, stri
 
 @triton.jit
 def _dense_dq_kernel(
-    q, k, v, w, g, o, den, gden, dq, dw,
+    q, k, v, w, blocks, g, o, den, gden, dq, dw,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_gb, stride_gh, stride_gn, stride_ge,
     stride_ob, stride_oh, stride_on, stride_oe,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    BH, H, N, M, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    BH, H, N, M, D, E,
     FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     SCALE: tl.constexpr, STORE_GDEN: tl.constexpr, COMPUTE_DQ: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    ONEHOT_K: tl.constexpr, ONEHOT_Q: tl.constexpr, SPAN: tl.constexpr,
+    EVEN: tl.constexpr, WIDE: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
 ):
     """Backward over one query tile: g_den (for kernel 2), dq and this program's ∂W partial.
 
     Grid (cdiv(N, BQ), B*H). Per key tile, with dA[t, s] = (G_t·v_s)/den_t + g_den_t:
-        dφ(q) += (W[b(t), b(s)] ∘ dA) φ(K)        Σ_{s∈j} dA[t, s] P[t, s] += (dA ∘ P) onehot(b(s))
-    Writes ``gden`` (B, H, N) fp32 (STORE_GDEN) and ``dw`` (cdiv(N, BQ), B*H, M, M) fp32, program (i_q, bh)
-    its own ``[M, M]`` slice: ``Σ_{t∈i, s∈j}`` over its query tokens t and all keys s.
+        dφ(q) += (W[b(t), b(s)] ∘ dA) φ(K)        acc_dw[t, j] += Σ_{s∈j} dA[t, s] P[t, s]
+    Writes ``gden`` (B, H, N) fp32 (STORE_GDEN) and ``dw`` (cdiv(N, BQ), B*H, M, M) fp32, zeroed by the host,
+    program (i_q, bh) its own ``[M, M]`` slice: ``Σ_{t∈i, s∈j}`` over its query tokens t and all keys s.
+    ONEHOT_K / ONEHOT_Q: the key-side / query-side sums as one-hot ``tl.dot``s (as before 2026-11-28; for
+    GPU checks only, ``backward(dw_method=...)``).
     """
     i_q, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -306,14 +464,15 @@ def _dense_dq_kernel(
     m_d, m_e = o_d < D, o_e < E
     tok_q = i_q * BQ + tl.arange(0, BQ)
     m_q = tok_q < N
-    blk_q = _token_blocks(tok_q, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    blk_q = _tile_blocks(blocks, tok_q, m_q)
+    w_rows = w + blk_q * M
     b_g, b_rden, b_gden = _query_prologue(
         g + i_b * stride_gb + i_h * stride_gh, o + i_b * stride_ob + i_h * stride_oh, den, gden,
         i_bh.to(tl.int64) * N, tok_q, m_q, stride_gn, stride_ge, stride_on, stride_oe, o_e, m_e,
-        NORMALIZE, STORE_GDEN)
+        NORMALIZE, STORE_GDEN, EVEN, WIDE)
     if COMPUTE_DQ or COMPUTE_DW:
         b_q, b_fq = _feature_rows(q + i_b * stride_qb + i_h * stride_qh, tok_q, m_q, stride_qn, o_d, m_d,
-                                  stride_qd, FEATURE)
+                                  stride_qd, FEATURE, EVEN, WIDE)
         b_fq_op, b_g_op = b_fq.to(DOT_DTYPE), b_g.to(DOT_DTYPE)
         acc_dfq = tl.zeros([BQ, BD], dtype=tl.float32)  # dφ(q)
         acc_dw = tl.zeros([BQ, BM], dtype=tl.float32)  # [t, j]: Σ_{s∈j} dA[t, s] P[t, s]
@@ -322,44 +481,48 @@ def _dense_dq_kernel(
         for s0 in range(0, N, BK):
             tok_k = s0 + tl.arange(0, BK)
             m_k = tok_k < N
-            blk_k = _token_blocks(tok_k, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
-            _, b_fk = _feature_rows(k_base, tok_k, m_k, stride_kn, o_d, m_d, stride_kd, FEATURE)
+            blk_k = _tile_blocks(blocks, tok_k, m_k)
+            _, b_fk = _feature_rows(k_base, tok_k, m_k, stride_kn, o_d, m_d, stride_kd, FEATURE, EVEN, WIDE)
             b_fk = b_fk.to(DOT_DTYPE)  # [BK, BD]
-            b_v = _rows(v_base, tok_k, m_k, stride_vn, o_e, m_e, stride_ve).to(DOT_DTYPE)  # [BK, BE]
+            b_v = _rows(v_base, tok_k, m_k, stride_vn, o_e, m_e, stride_ve, EVEN, WIDE).to(DOT_DTYPE)
             b_da = tl.dot(b_g_op, tl.trans(b_v), input_precision=PRECISION)  # G_t·v_s [BQ, BK]
             b_da = b_da * b_rden[:, None] + b_gden[:, None]  # dA
             if COMPUTE_DQ:
-                b_dp = b_da * _mixing_tile(w, blk_q, m_q, blk_k, m_k, M)  # dP = W[b(t), b(s)] ∘ dA
+                b_dp = b_da * _mixing_tile(w_rows, blk_k)  # dP = W[b(t), b(s)] ∘ dA
                 acc_dfq += _scaled_dot(b_dp, b_fk, DOT_DTYPE, SCALE, PRECISION)
             if COMPUTE_DW:
                 b_p = tl.dot(b_fq_op, tl.trans(b_fk), input_precision=PRECISION)  # P [BQ, BK]
-                onehot_k = ((blk_k[:, None] == o_m[None, :]) & m_k[:, None]).to(DOT_DTYPE)  # [BK, BM]
-                acc_dw += _scaled_dot(b_da * b_p, onehot_k, DOT_DTYPE, SCALE, PRECISION)
+                if ONEHOT_K:
+                    onehot_k = ((blk_k[:, None] == o_m[None, :]) & m_k[:, None]).to(DOT_DTYPE)  # [BK, BM]
+                    acc_dw += _scaled_dot(b_da * b_p, onehot_k, DOT_DTYPE, SCALE, PRECISION)
+                else:
+                    acc_dw = _add_key_block_sums(acc_dw, b_da * b_p, blk_k, m_k, o_m, SPAN)
 
         if COMPUTE_DQ:
             dq_base = dq + i_b * stride_dqb + i_h * stride_dqh
-            _store_rows(dq_base, tok_q, m_q, stride_dqn, o_d, m_d, stride_dqd, acc_dfq * _dphi(b_q, FEATURE))
+            _store_rows(dq_base, tok_q, m_q, stride_dqn, o_d, m_d, stride_dqd, acc_dfq * _dphi(b_q, FEATURE),
+                        EVEN, WIDE)
         if COMPUTE_DW:
-            # [i, j] = Σ_t onehot(b(t))[t, i] acc_dw[t, j]: [BM, BQ] @ [BQ, BM] in fp32 (no operand rounding)
-            onehot_q = ((blk_q[:, None] == o_m[None, :]) & m_q[:, None]).to(tl.float32)  # [BQ, BM]
-            b_dw = tl.dot(tl.trans(onehot_q), acc_dw, input_precision="ieee")
-            p_dw = dw + (i_q * BH + i_bh).to(tl.int64) * M * M + o_m[:, None] * M + o_m[None, :]
-            tl.store(p_dw, b_dw, mask=(o_m[:, None] < M) & (o_m[None, :] < M))
+            p_dw = dw + (i_q * BH + i_bh).to(tl.int64) * M * M
+            if ONEHOT_Q:
+                _store_onehot_dw(p_dw, acc_dw, blk_q, m_q, o_m, M)
+            else:
+                _store_query_block_sums(p_dw, acc_dw, blk_q, m_q, o_m, M)
 
 
 @triton.jit
 def _dense_dkv_kernel(
-    q, k, v, w, g, den, gden, dk, dv,
+    q, k, v, w, blocks, g, den, gden, dk, dv,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_ve,
     stride_gb, stride_gh, stride_gn, stride_ge,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dve,
-    H, N, M, D, E, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2,
+    H, N, M, D, E,
     FEATURE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+    SCALE: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
 ):
     """Backward over one key tile: dv_s = Σ_t A[t, s] G_t / den_t and dφ(k_s) = Σ_t dP[t, s] φ(q_t).
 
@@ -371,11 +534,11 @@ def _dense_dkv_kernel(
     m_d, m_e = o_d < D, o_e < E
     tok_k = i_k * BK + tl.arange(0, BK)
     m_k = tok_k < N
-    blk_k = _token_blocks(tok_k, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
+    blk_k = _tile_blocks(blocks, tok_k, m_k)
     b_k, b_fk = _feature_rows(k + i_b * stride_kb + i_h * stride_kh, tok_k, m_k, stride_kn, o_d, m_d,
-                              stride_kd, FEATURE)
+                              stride_kd, FEATURE, EVEN, WIDE)
     b_fk_op = b_fk.to(DOT_DTYPE)  # [BK, BD]
-    b_v = _rows(v + i_b * stride_vb + i_h * stride_vh, tok_k, m_k, stride_vn, o_e, m_e, stride_ve)
+    b_v = _rows(v + i_b * stride_vb + i_h * stride_vh, tok_k, m_k, stride_vn, o_e, m_e, stride_ve, EVEN, WIDE)
     b_v = b_v.to(DOT_DTYPE)  # [BK, BE]
     row0 = i_bh.to(tl.int64) * N  # this (batch, head) in den and gden
     q_base = q + i_b * stride_qb + i_h * stride_qh
@@ -386,11 +549,10 @@ def _dense_dkv_kernel(
     for t0 in range(0, N, BQ):
         tok_q = t0 + tl.arange(0, BQ)
         m_q = tok_q < N
-        blk_q = _token_blocks(tok_q, G1, G2, NB1, NB2, BASE0, EXTRA0, BASE1, EXTRA1, BASE2, EXTRA2)
-        _, b_fq = _feature_rows(q_base, tok_q, m_q, stride_qn, o_d, m_d, stride_qd, FEATURE)
+        _, b_fq = _feature_rows(q_base, tok_q, m_q, stride_qn, o_d, m_d, stride_qd, FEATURE, EVEN, WIDE)
         b_fq = b_fq.to(DOT_DTYPE)  # [BQ, BD]
-        b_g = _rows(g_base, tok_q, m_q, stride_gn, o_e, m_e, stride_ge).to(DOT_DTYPE)  # [BQ, BE]
-        b_w = _mixing_tile(w, blk_q, m_q, blk_k, m_k, M)  # [BQ, BK]
+        b_g = _rows(g_base, tok_q, m_q, stride_gn, o_e, m_e, stride_ge, EVEN, WIDE).to(DOT_DTYPE)  # [BQ, BE]
+        b_w = _mixing_tile(w + _tile_blocks(blocks, tok_q, m_q) * M, blk_k)  # [BQ, BK]
         b_rden = tl.full([BQ], 1.0, tl.float32)
         if NORMALIZE:
             b_rden = 1.0 / tl.load(den + row0 + tok_q, mask=m_q, other=1.0)
@@ -406,27 +568,45 @@ def _dense_dkv_kernel(
 
     if COMPUTE_DK:
         _store_rows(dk + i_b * stride_dkb + i_h * stride_dkh, tok_k, m_k, stride_dkn, o_d, m_d, stride_dkd,
-                    acc_dfk * _dphi(b_k, FEATURE))
+                    acc_dfk * _dphi(b_k, FEATURE), EVEN, WIDE)
     if COMPUTE_DV:
         _store_rows(dv + i_b * stride_dvb + i_h * stride_dvh, tok_k, m_k, stride_dvn, o_e, m_e, stride_dve,
-                    acc_dv)
+                    acc_dv, EVEN, WIDE)
 
 
 # --------------------------------------------------------------------------------------------------
 # host side: the contract of triton_mhla.forward / backward (``mhla.py``), same arguments
 
 
-def _constexprs(dtype: torch.dtype, feature_map: str, tiles: DenseTiles, d: int, e: int) -> dict:
-    """Constexpr kwargs shared by the three kernels."""
+def _wide(*tensors: torch.Tensor | None) -> bool:
+    """Whether some (N, C) slice of a (B, H, N, C) tensor has an element offset beyond int32 (the kernels
+    then compute token offsets in int64)."""
+    def largest(t: torch.Tensor) -> int:
+        return sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+
+    return any(t is not None and t.numel() > 0 and largest(t) >= 2**31 for t in tensors)
+
+
+def _constexprs(dtype: torch.dtype, feature_map: str, tiles: DenseTiles, d: int, e: int, *tensors) -> dict:
+    """Constexpr and launch kwargs shared by the three kernels (``tensors``: those whose rows they read or
+    write)."""
     dot_dtype = _DOT_DTYPES[dtype]
+    stages = {} if tiles.num_stages is None else {"num_stages": tiles.num_stages}
     return dict(FEATURE=FEATURE_IDS[feature_map], DOT_DTYPE=dot_dtype, PRECISION=_precision(dtype),
-                SCALE=dot_dtype == tl.float16, BQ=tiles.block_q, BK=tiles.block_k, BD=_pow2(d), BE=_pow2(e),
-                num_warps=tiles.num_warps)
+                SCALE=dot_dtype == tl.float16, EVEN=d == _pow2(d) and e == _pow2(e), WIDE=_wide(*tensors),
+                BQ=tiles.block_q, BK=tiles.block_k, BD=_pow2(d), BE=_pow2(e), num_warps=tiles.num_warps,
+                **stages)
 
 
 def _mixing_table(mixing: torch.Tensor) -> torch.Tensor:
     """W as the kernels gather it: (M, M) contiguous fp32 (no copy when it already is)."""
     return mixing.to(torch.float32).contiguous()
+
+
+def _tiles(q, v, config: TileConfig | None) -> DenseTiles:
+    """The launch parameters of this call (override, tile table, heuristic: :func:`dense_tiles`)."""
+    return dense_tiles(q.shape[-1], v.shape[-1], config, num_tokens=q.shape[2], dtype=q.dtype,
+                       device=q.device)
 
 
 def forward_outputs_like(q: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], normalize: bool):
@@ -451,68 +631,78 @@ def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature
     _check(q, k, v, mixing, geometry, feature_map)
     b, h, n, d = q.shape
     e = v.shape[-1]
-    tiles = dense_tiles(d, e, config)
+    tiles = _tiles(q, v, config)
     out, state, norm, den = forward_outputs_like(q, v, blocks, normalize)
     _dense_fwd_kernel[(triton.cdiv(n, tiles.block_q), b * h)](
-        q, k, v, _mixing_table(mixing), out, den if normalize else q,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        h, n, geometry.num_blocks, d, e, float(eps), *geometry.args(),
+        q, k, v, _mixing_table(mixing), token_block_table(grid, blocks, q.device), out,
+        den if normalize else q, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        h, n, geometry.num_blocks, d, e, float(eps),
         NORMALIZE=normalize, CLIP_FP16=q.dtype == torch.float16,
-        **_constexprs(q.dtype, feature_map, tiles, d, e),
+        **_constexprs(q.dtype, feature_map, tiles, d, e, q, k, v, out),
     )
     return out, state, norm, den
 
 
 def backward(grad_out, q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str,
              normalize: bool, eps: float, out, state, norm, den, needs: Sequence[bool], *,
-             config: TileConfig | None = None):
+             config: TileConfig | None = None, dw_method: str = "sums"):
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`forward`, None where ``needs[i]`` is False: at most two
-    launches, kernel 1 (query tiles: g_den, dq, ∂W partials) then kernel 2 (key tiles: dk, dv).
+    launches, kernel 1 (query tiles: g_den, dq, ∂W partials) then kernel 2 (key tiles: dk, dv); with ∂W
+    also a memset of the partials and their ``torch.sum``.
 
     Arguments as ``triton_mhla.backward``; of the saved tensors only ``den`` is read (eps is in it). dq, dk,
     dv in the dtypes of q, k, v on heads-interleaved memory; dmixing ``(M, M)`` in mixing's dtype.
+    ``dw_method``: ``"sums"`` (masked fp32 sums, the default); ``"onehot"`` (the one-hot dots of before
+    2026-11-28, wrong on an H200 at an uneven 3D grid), ``"onehot-keys"`` or ``"onehot-queries"`` (one side
+    of them): kept only to find out on a GPU which construct fails.
     """
+    if dw_method not in DW_METHODS:
+        raise ValueError(f"unknown dw_method {dw_method!r}; choose one of {DW_METHODS}")
     geometry = _Geometry.of(grid, blocks)
     _check(q, k, v, mixing, geometry, feature_map)
     need_q, need_k, need_v, need_w = (bool(x) for x in needs)
     b, h, n, d = q.shape
-    tiles = dense_tiles(d, v.shape[-1], config)
-    w = _mixing_table(mixing)
+    tiles = _tiles(q, v, config)
+    w, table = _mixing_table(mixing), token_block_table(grid, blocks, q.device)
     # g_den (B, H, N) fp32, written by kernel 1 for kernel 2
     gden = q.new_empty(b, h, n, dtype=torch.float32) if normalize and (need_k or need_v) else None
     dq, dmixing = None, None
     if need_q or need_w or gden is not None:
-        dq, dmixing = _query_pass(grad_out, q, k, v, geometry, w, feature_map, normalize, out, den, gden,
-                                  need_q, need_w, tiles)
+        dq, dmixing = _query_pass(grad_out, q, k, v, geometry, w, table, feature_map, normalize, out, den,
+                                  gden, need_q, need_w, tiles, dw_method)
         dmixing = None if dmixing is None else dmixing.to(mixing.dtype)
     dk, dv = None, None
     if need_k or need_v:
-        dk, dv = _key_pass(grad_out, q, k, v, geometry, w, feature_map, normalize, den, gden, need_k, need_v,
-                           tiles)
+        dk, dv = _key_pass(grad_out, q, k, v, geometry, w, table, feature_map, normalize, den, gden, need_k,
+                           need_v, tiles)
     return dq, dk, dv, dmixing
 
 
-def _query_pass(grad_out, q, k, v, geometry: _Geometry, w, feature_map: str, normalize: bool, out, den, gden,
-                need_q: bool, need_w: bool, tiles: DenseTiles):
+def _query_pass(grad_out, q, k, v, geometry: _Geometry, w, table, feature_map: str, normalize: bool, out, den,
+                gden, need_q: bool, need_w: bool, tiles: DenseTiles, dw_method: str):
     """Kernel 1: ``(dq, dW)`` (None where not needed); writes ``gden`` when given. dW ``(M, M)`` fp32 is
     the sum of the programs' ``(M, M)`` partials over query tiles and batch·heads (``torch.sum``: a fixed
-    reduction order, no atomics)."""
+    reduction order, no atomics); the partials buffer is zeroed first (a program writes only the rows of
+    the query blocks its tile touches)."""
     b, h, n, d = q.shape
     e, m = v.shape[-1], geometry.num_blocks
     num_q_tiles = triton.cdiv(n, tiles.block_q)
     dq = heads_interleaved_empty(b, h, n, d, q) if need_q else None
-    partials = q.new_empty(num_q_tiles, b * h, m, m, dtype=torch.float32) if need_w else None
+    partials = q.new_zeros(num_q_tiles, b * h, m, m, dtype=torch.float32) if need_w else None
     _dense_dq_kernel[(num_q_tiles, b * h)](
-        q, k, v, w, grad_out, out, den if normalize else q, _ptr(gden, q), _ptr(dq, q), _ptr(partials, q),
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *out.stride(), *_strides(dq, 4),
-        b * h, h, n, m, d, e, *geometry.args(),
+        q, k, v, w, table, grad_out, out, den if normalize else q, _ptr(gden, q), _ptr(dq, q),
+        _ptr(partials, q),
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *_strides(out, 4), *_strides(dq, 4),
+        b * h, h, n, m, d, e,
         NORMALIZE=normalize, STORE_GDEN=gden is not None, COMPUTE_DQ=need_q, COMPUTE_DW=need_w,
-        BM=_pow2(m), **_constexprs(q.dtype, feature_map, tiles, d, e),
+        ONEHOT_K=dw_method in ("onehot", "onehot-keys"), ONEHOT_Q=dw_method in ("onehot", "onehot-queries"),
+        SPAN=key_tile_span(geometry.grid, geometry.blocks, tiles.block_k), BM=_pow2(m),
+        **_constexprs(q.dtype, feature_map, tiles, d, e, q, k, v, grad_out, out if normalize else None, dq),
     )
     return dq, None if partials is None else partials.sum(dim=(0, 1))
 
 
-def _key_pass(grad_out, q, k, v, geometry: _Geometry, w, feature_map: str, normalize: bool, den, gden,
+def _key_pass(grad_out, q, k, v, geometry: _Geometry, w, table, feature_map: str, normalize: bool, den, gden,
               need_k: bool, need_v: bool, tiles: DenseTiles):
     """Kernel 2: ``(dk, dv)`` (None where not needed), reading den and g_den (with the normaliser)."""
     b, h, n, d = k.shape
@@ -520,11 +710,11 @@ def _key_pass(grad_out, q, k, v, geometry: _Geometry, w, feature_map: str, norma
     dk = heads_interleaved_empty(b, h, n, d, k) if need_k else None
     dv = heads_interleaved_empty(b, h, n, e, v) if need_v else None
     _dense_dkv_kernel[(triton.cdiv(n, tiles.block_k), b * h)](
-        q, k, v, w, grad_out, den if normalize else q, _ptr(gden, q), _ptr(dk, q), _ptr(dv, q),
+        q, k, v, w, table, grad_out, den if normalize else q, _ptr(gden, q), _ptr(dk, q), _ptr(dv, q),
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *_strides(dk, 4), *_strides(dv, 4),
-        h, n, geometry.num_blocks, d, e, *geometry.args(),
+        h, n, geometry.num_blocks, d, e,
         NORMALIZE=normalize, COMPUTE_DK=need_k, COMPUTE_DV=need_v,
-        **_constexprs(q.dtype, feature_map, tiles, d, e),
+        **_constexprs(q.dtype, feature_map, tiles, d, e, q, k, v, grad_out, dk, dv),
     )
     return dk, dv
 
@@ -534,12 +724,14 @@ __all__ = [
     "DENSE_MAX_BLOCKS",
     "DENSE_MAX_HEAD_DIM",
     "DENSE_MAX_TOKENS",
+    "DW_METHODS",
     "DenseTiles",
     "backward",
     "dense_tiles",
     "forward",
     "forward_outputs_like",
     "ran_dense",
+    "token_block_table",
     "triton_path",
     "uses_dense_path",
 ]

@@ -428,10 +428,12 @@ class TileConfig:
     block_t: tokens per tile. block_d: d-tile of the summary kernel (<= next power of two of d).
     block_e: e-tile of the output kernel. split: programs per block in the output and dk/dv kernels
     (each takes every split-th token tile). num_warps, num_stages: of the token-loop kernels (num_stages:
-    the depth of Triton's software pipelining of their loops; None is Triton's default). mix_block_c:
-    columns per program of the mixing kernel. fp32_state_dots: for bf16/fp16 inputs, keep the states in
-    fp32 and run the dots against them and the mixing in fp32 ("ieee") instead of the input dtype and tf32
-    (no tensor cores there; for precision comparisons).
+    the depth of Triton's software pipelining of their loops; None is Triton's default). mix_block_c,
+    mix_block_m, mix_num_warps, mix_num_stages: the mixing kernel's column tile, row tile (blocks), warps
+    and pipeline depth (``triton_mixing.mix_tiles``). The dense path (``triton_dense.dense_tiles``) reads
+    block_t (its query and key tiles), num_warps and num_stages. fp32_state_dots: for bf16/fp16 inputs,
+    keep the states in fp32 and run the dots against them and the mixing in fp32 ("ieee") instead of the
+    input dtype and tf32 (no tensor cores there; for precision comparisons).
     """
 
     block_t: int | None = None
@@ -441,6 +443,9 @@ class TileConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     mix_block_c: int | None = None
+    mix_block_m: int | None = None
+    mix_num_warps: int | None = None
+    mix_num_stages: int | None = None
     fp32_state_dots: bool = False
 
 
@@ -493,6 +498,9 @@ def tile_config(d: int, e: int, num_blocks: int, batch_heads: int, max_block_len
         num_warps=pick("num_warps", 8 if bd * be > 64 * 64 else 4),
         num_stages=pick("num_stages", None),
         mix_block_c=pick("mix_block_c", None),
+        mix_block_m=pick("mix_block_m", None),
+        mix_num_warps=pick("mix_num_warps", None),
+        mix_num_stages=pick("mix_num_stages", None),
         fp32_state_dots=override.fp32_state_dots,
     )
 
@@ -647,7 +655,9 @@ def _mix(w, x, xz, dtype: torch.dtype, cfg: TileConfig):
     """The mixing kernel: ``(w x, w xz)`` over block-major states (M, ...), w x in the state dtype of
     inputs of ``dtype``, w xz fp32 (None for xz None)."""
     store = state_dtype(dtype, cfg.fp32_state_dots)
-    return mixing_kernels.mix(w, x, xz, store, _mixing_precision(dtype, cfg), cfg.mix_block_c)
+    tiles = mixing_kernels.mix_tiles(w.shape[0], cfg.mix_block_c, cfg.mix_block_m, cfg.mix_num_warps,
+                                     cfg.mix_num_stages)
+    return mixing_kernels.mix(w, x, xz, store, _mixing_precision(dtype, cfg), tiles)
 
 
 def forward(q, k, v, grid: Sequence[int], blocks: Sequence[int], mixing, feature_map: str, normalize: bool,

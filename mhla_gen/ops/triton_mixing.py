@@ -17,6 +17,8 @@ Every launch of the Triton backend goes through :func:`launch` (the tests count 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,8 +38,17 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _mix_tile(w, x, y, M, C, i0, c0, stride_wi, stride_wj,
-              PRECISION: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+def _row_offsets(o_r, o_c, C, WIDE: tl.constexpr):
+    """Element offsets ``[len(o_r), len(o_c)]`` of rows ``o_r``, columns ``o_c`` of an (M, C) matrix with
+    contiguous rows: int32 unless WIDE (the host checks whether M·C fits)."""
+    if WIDE:
+        o_r = o_r.to(tl.int64)
+    return o_r[:, None] * C + o_c[None, :]
+
+
+@triton.jit
+def _mix_tile(w, x, y, M, C, i0, c0, stride_wi, stride_wj, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+              BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """y[i0:i0+BM, c0:c0+BC] = Σ_j w[i, j] x[j, c] (rows of length C)."""
     o_i = i0 + tl.arange(0, BM)
     o_c = c0 + tl.arange(0, BC)
@@ -48,16 +59,16 @@ def _mix_tile(w, x, y, M, C, i0, c0, stride_wi, stride_wj,
         m_j = o_j < M
         b_w = tl.load(w + o_i[:, None] * stride_wi + o_j[None, :] * stride_wj,
                       mask=m_i[:, None] & m_j[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        b_x = tl.load(x + o_j[:, None].to(tl.int64) * C + o_c[None, :],
+        b_x = tl.load(x + _row_offsets(o_j, o_c, C, WIDE),
                       mask=m_j[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BK, BC]
         acc += tl.dot(b_w, b_x, input_precision=PRECISION)
-    p_y = y + o_i[:, None].to(tl.int64) * C + o_c[None, :]
+    p_y = y + _row_offsets(o_i, o_c, C, WIDE)
     tl.store(p_y, acc.to(y.dtype.element_ty), mask=m_i[:, None] & m_c[None, :])
 
 
 @triton.jit
 def _mix_kernel(w, x, y, xz, yz, M, C, CZ, stride_wi, stride_wj,
-                HAS_Z: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_Z: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """y = w x ``(M, C)`` and yz = w xz ``(M, CZ)`` in one launch.
 
@@ -67,9 +78,10 @@ def _mix_kernel(w, x, y, xz, yz, M, C, CZ, stride_wi, stride_wj,
     i_m, i_c = tl.program_id(0), tl.program_id(1)
     n_c = tl.cdiv(C, BC)
     if i_c < n_c:
-        _mix_tile(w, x, y, M, C, i_m * BM, i_c * BC, stride_wi, stride_wj, PRECISION, BM, BK, BC)
+        _mix_tile(w, x, y, M, C, i_m * BM, i_c * BC, stride_wi, stride_wj, PRECISION, WIDE, BM, BK, BC)
     elif HAS_Z:
-        _mix_tile(w, xz, yz, M, CZ, i_m * BM, (i_c - n_c) * BC, stride_wi, stride_wj, PRECISION, BM, BK, BC)
+        _mix_tile(w, xz, yz, M, CZ, i_m * BM, (i_c - n_c) * BC, stride_wi, stride_wj, PRECISION, WIDE,
+                  BM, BK, BC)
 
 
 @triton.jit
@@ -137,27 +149,66 @@ def _check_rows(*states: torch.Tensor | None) -> None:
                              f"strides {x.stride()}")
 
 
-def mix_tiles(m: int, block_c: int | None = None) -> tuple[int, int, int]:
-    """``(BM, BK, BC)`` of :func:`mix` for M blocks: row tiles of up to 64 blocks, 32 blocks per dot
-    step, and columns so that the fp32 accumulator is about 8192 values (64 registers a thread at 4 warps)."""
-    bm, bk = min(64, _pow2(m)), min(32, _pow2(m))
-    return bm, bk, block_c or max(64, min(256, 8192 // bm))
+@dataclass(frozen=True)
+class MixTiles:
+    """Launch parameters of :func:`mix`: row tile (blocks), dot step (blocks), column tile, warps, pipeline
+    depth of the dot-step loop (None: Triton's default)."""
+
+    block_m: int
+    block_k: int
+    block_c: int
+    num_warps: int
+    num_stages: int | None = None
+
+
+def mix_tiles(m: int, block_c: int | None = None, block_m: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> MixTiles:
+    """:class:`MixTiles` for M blocks, each field from its argument (a ``TileConfig``'s ``mix_*`` fields, from
+    an override or the tile table; a row tile at most M's next power of two), else: row tiles of up to 64
+    blocks, 32 blocks per dot step, columns so
+    that the fp32 accumulator holds about 4096 values (64 columns at 64 rows, 256 at 16), 8 warps for row
+    tiles of 64 and 4 below, Triton's pipeline depth.
+
+    Why (2026-11-28, reasoned, not yet timed): at Wan 480p (M = 150, bf16 states, 24 batch·heads x 128 x
+    128 columns) the mixing took 598 µs of a 1.26 ms forward on an H200, ~400 GB/s for ~236 MB: a pass
+    bound by how many loads each multiprocessor keeps in flight, with five dot steps per program. Compiled
+    for the H200 (triton 3.6, ``ptxas -v``, bf16 states with their fp32 normalisers;
+    ``benchmarks/kernel_resources.py``), the tiles of before
+    (64 x 128, 4 warps, int64 offsets) used 255 registers a thread and 72 KB of shared memory: two programs,
+    8 warps, per multiprocessor. With int32 offsets (:func:`mix`) the same tiles need 208 registers, still
+    two programs; 64 x 64 tiles at 8 warps need 118 (two programs, 16 warps: twice the loads in flight,
+    for W tiles read twice as often, from L1: W is 90 KB). The directions that read W less use more
+    registers: 64 x 256 at 8 warps 248 (one program), all 150 rows in one tile of 256 rows 216 at 64
+    columns (and 1.9 KB of spills at 128). The tile sweep (``benchmarks/tune_mhla_tiles.py``) times these
+    alternatives; the table it writes overrides this heuristic."""
+    bm = min(_pow2(block_m), _pow2(m)) if block_m else min(64, _pow2(m))
+    bc = block_c or max(64, min(256, 4096 // bm))
+    return MixTiles(bm, min(32, _pow2(m)), bc, num_warps or (8 if bm >= 64 else 4), num_stages)
+
+
+def _wide(m: int, c: int) -> bool:
+    """Whether an (M, C) matrix has element offsets beyond int32 (the mixing kernel then uses int64)."""
+    return m * c >= 2**31
 
 
 def mix(w: torch.Tensor, x: torch.Tensor, xz: torch.Tensor | None, dtype: torch.dtype, precision: str,
-        block_c: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(w @ x, w @ xz)``: x ``(M, ...)`` with contiguous rows in any float dtype, the result like x in
     ``dtype``; xz ``(M, ...)`` contiguous (or None), the result in fp32. w ``(M, M)``, any strides and
-    float dtype (``w.T`` mixes back). ``precision``: the fp32 dots' ``input_precision``."""
+    float dtype (``w.T`` mixes back). ``precision``: the fp32 dots' ``input_precision``; ``tiles``:
+    launch parameters (default :func:`mix_tiles`)."""
     _check_rows(x, xz)
     m = w.shape[0]
     c, cz = x[0].numel(), 0 if xz is None else xz[0].numel()
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     yz = None if xz is None else torch.empty(xz.shape, dtype=torch.float32, device=x.device)
-    bm, bk, bc = mix_tiles(m, block_c)
+    tiles = tiles or mix_tiles(m)
+    bm, bc = tiles.block_m, tiles.block_c
     grid = (triton.cdiv(m, bm), triton.cdiv(c, bc) + triton.cdiv(cz, bc))
+    stages = {} if tiles.num_stages is None else {"num_stages": tiles.num_stages}
     launch(_mix_kernel, grid, w, x, y, x if xz is None else xz, y if yz is None else yz, m, c, cz,
-           *w.stride(), HAS_Z=xz is not None, PRECISION=precision, BM=bm, BK=bk, BC=bc, num_warps=4)
+           *w.stride(), HAS_Z=xz is not None, PRECISION=precision, WIDE=_wide(m, max(c, cz)),
+           BM=bm, BK=tiles.block_k, BC=bc, num_warps=tiles.num_warps, **stages)
     return y, yz
 
 
@@ -193,4 +244,4 @@ def gram(a: torch.Tensor, b: torch.Tensor, az: torch.Tensor | None, bz: torch.Te
     return out
 
 
-__all__ = ["gram", "gram_split", "launch", "mix", "mix_tiles"]
+__all__ = ["MixTiles", "gram", "gram_split", "launch", "mix", "mix_tiles"]
