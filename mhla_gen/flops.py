@@ -85,7 +85,8 @@ def train_flops_per_image(cfg) -> dict[str, float]:
     x = torch.empty(1, channels, size, size, device="meta")
     t, y = (torch.zeros(1, dtype=torch.long, device="meta") for _ in range(2))
     forward = count_flops(lambda: model(x, timestep=t, class_labels=y).sample)
-    train = count_flops(lambda: model(x, timestep=t, class_labels=y).sample.sum().backward())
+    with torch.enable_grad():  # also from an evaluation under no_grad
+        train = count_flops(lambda: model(x, timestep=t, class_labels=y).sample.sum().backward())
     return {"forward": float(forward), "train": float(train)}
 
 

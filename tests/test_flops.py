@@ -5,6 +5,7 @@ compute every evaluation point of mhla_gen.experiments records."""
 import dataclasses
 
 import pytest
+import torch
 from torch.utils.flop_counter import sdpa_flop_count
 
 from mhla_gen.configs import CONFIG_DIR
@@ -54,7 +55,8 @@ def test_conversion_compute_at_equal_total_and_with_the_teacher_sunk():
 
 def test_every_point_records_its_compute_and_a_conversion_adds_stage1_and_teacher():
     cfg = config("mhla", "train.global_batch_size=8")
-    point = training_compute(cfg, 10)
+    with torch.no_grad():  # as in an evaluation
+        point = training_compute(cfg, 10)
     per_image = train_flops_per_image(cfg)["train"]
     assert point == {"flops_per_image": per_image, "batch": 8, "train_flops": 10 * 8 * per_image}
     report = {"steps": 5, "wall_seconds": 1.0, "teacher_forward_equivalents": 20.0, "softmax_layers": [],
