@@ -38,13 +38,15 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
   also name single sweep arms (``softmax1-e2e``, ``softmax2-fixed``, ...) without the whole sweep.
 
 FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
-``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/adaptation.md,
-OUT/adaptation.json and OUT/curves_<grid>.png.
+``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/record.npz (the record
+every table and plot is rendered from: eval/results.py), OUT/adaptation.md, OUT/adaptation.json and
+OUT/curves_<grid>.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -53,7 +55,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from mhla_gen.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
@@ -84,6 +85,19 @@ from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 from mhla_gen.train.loop import train
+
+
+def _sibling(name: str):
+    """``eval/<name>.py`` (eval/ is not a package: its files load each other by path, once per process)."""
+    key = f"eval_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+results = _sibling("results")  # the record this study renders from
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)  # eval/study.py's
@@ -219,7 +233,8 @@ def plan(args) -> list:
         teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")
                     if f"@{a}" in named}  # only the teachers the chosen arms start from
         chosen = [with_teachers(arm, teachers, grid["stage1_steps"]) for arm in chosen]
-        extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
+        extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2,
+                 "commit": results.code_commit()}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         recipe = grid.get("recipe", ())  # the training runs' (stage 2, from scratch), not stage 1's
         jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
@@ -472,13 +487,13 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
                       fontsize=9)
     axes[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    results.save_figure(fig, path)
 
 
-def softmax_layer_report(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
-    """The K sweep's table (``mhla_gen.softmax_layers``) with each K's inference latency, timed here side by
-    side on models of the grid's size (K softmax layers from the release's pattern: only K matters)."""
+def softmax_layer_latency(grid: str) -> dict[int, float]:
+    """Each K's inference milliseconds per image (K = 0 .. depth / 2), timed here side by side on models of
+    the grid's size (K softmax layers from the release's pattern: only K matters); for the K sweep's
+    table (:func:`mhla_gen.softmax_layers.sweep_table`)."""
     config, model = dict(GRIDS[grid]), grid_model(GRIDS[grid])
     depth = model["depth"]
 
@@ -489,10 +504,8 @@ def softmax_layer_report(records: list[dict], grid: str, samples: SampleSets | N
                                                  f"mhla.layers={layers}"])
         return DiTTask(cfg).build_transformer()
 
-    ms = latency(build, [0, *sweep_ks(depth)], config["resolution"], max(2, 8192 // (
+    return latency(build, [0, *sweep_ks(depth)], config["resolution"], max(2, 8192 // (
         (config["resolution"] // model["patch_size"]) ** 2)))
-    recs = [r for r in records if r["grid"] == grid]
-    return sweep_table(recs, ms, depth, SWEEP_K0, samples)
 
 
 def select_grids(args) -> list[str]:
@@ -540,8 +553,7 @@ def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path)
            yscale="log", title=f"{recs[0]['tokens']} tokens: convert vs from scratch at equal compute")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    results.save_figure(fig, path)
     return (f"Quality against compute (conversion arms start after the teacher's {teacher_steps} steps): "
             f"[{path.name}]({path.name})\n")
 
@@ -611,32 +623,47 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     start = time.perf_counter()
-    records = study_records(args.out, plan(args), args.jobs, args.report_only)
+    jobs = plan(args)
+    records = study_records(args.out, jobs, args.jobs, args.report_only)
     for r in records:  # records of earlier versions name the digits' FID only
         r.setdefault("fid", r.get("fid_digits"))
-    minutes = (time.perf_counter() - start) / 60
-    core_hours = sum(r.get("segment_seconds", 0) for r in records) / 3600
-    how = ("tables from the runs finished so far" if args.report_only
-           else f"wall time of this call {minutes:.0f} min, {args.jobs} worker processes")
-    text = [f"# Adaptation study\n\n`{command}` — {time.strftime('%Y-%m-%d')}, {how}, torch "
-            f"{torch.__version__}; stage 2 and its evaluations summed over all runs: {core_hours:.1f} "
-            "core-hours\n"]
-    for grid in args.grids:
-        stage2 = [r for r in records if r["grid"] == grid and r["arm"] != "mhla-scratch"]
-        samples = SampleSets(args.out)  # the points' per-sample scores: the intervals' shared samples
-        text.append(grid_report(stage2, grid, samples))
-        plot_curves(stage2, grid, args.out / f"curves_{grid}.png")
-        if args.softmax_layers:
-            text.append(softmax_layer_report(records, grid, samples))
-        if any(r["arm"] == "mhla-scratch" for r in records if r["grid"] == grid):
-            text.append(plot_compute(records, grid, GRIDS[grid]["teacher_steps"],
-                                     args.out / f"compute_{grid}.png"))
-            text.append(equal_compute_table(records, grid, GRIDS[grid]["teacher_steps"], samples))
-    atomic_write_text(args.out / "adaptation.md", "\n".join(text))
+    latency_ms = {grid: softmax_layer_latency(grid) for grid in args.grids} if args.softmax_layers else {}
+    meta = {"grids": {g: dict(GRIDS[g], **({"steps": args.steps} if args.steps else {})) for g in args.grids},
+            "report_only": args.report_only, "wall_seconds": time.perf_counter() - start, "jobs": args.jobs,
+            "softmax_layers": args.softmax_layers, "latency_ms": latency_ms, "configs": results.configs(jobs)}
+    results.save(results.build("adaptation", command, records, args.out, meta), args.out / "record.npz")
+    render(results.load(args.out / "record.npz"), args.out)  # as regenerating from the file renders it
     atomic_write_text(args.out / "adaptation.json", json.dumps(
         {"command": command, "records": records, **file_record("study")}, indent=1))
-    print("\n".join(text))
+    print((args.out / "adaptation.md").read_text())
     return records
+
+
+def render(record, folder: Path) -> list[Path]:
+    """``adaptation.md`` and the plots of an adaptation study's record (:mod:`eval/results.py`) in
+    ``folder``, from the record alone; returns the files written."""
+    meta, points, samples = record.meta, record.points, record.samples()
+    core_hours = sum(r.get("segment_seconds", 0) for r in points) / 3600
+    how = results.how_it_ran(meta)
+    text = [f"# Adaptation study\n\n`{meta['command']}` — {meta['date']}, {how}, torch {meta['torch']}; "
+            f"stage 2 and its evaluations summed over all runs: {core_hours:.1f} core-hours\n",
+            results.commits_line(points) + "\n"]
+    files = [folder / "adaptation.md"]
+    for grid, settings in meta["grids"].items():
+        stage2 = [r for r in points if r["grid"] == grid and r["arm"] != "mhla-scratch"]
+        text.append(grid_report(stage2, grid, samples))
+        plot_curves(stage2, grid, folder / f"curves_{grid}.png")
+        files.append(folder / f"curves_{grid}.png")
+        if meta["softmax_layers"]:
+            ms = {int(k): v for k, v in meta["latency_ms"][grid].items()}  # JSON keys are strings
+            depth = grid_model(settings)["depth"]
+            text.append(sweep_table([r for r in points if r["grid"] == grid], ms, depth, SWEEP_K0, samples))
+        if any(r["arm"] == "mhla-scratch" for r in points if r["grid"] == grid):
+            text.append(plot_compute(points, grid, settings["teacher_steps"], folder / f"compute_{grid}.png"))
+            files.append(folder / f"compute_{grid}.png")
+            text.append(equal_compute_table(points, grid, settings["teacher_steps"], samples))
+    atomic_write_text(folder / "adaptation.md", "\n".join(text))
+    return files
 
 
 if __name__ == "__main__":

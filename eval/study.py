@@ -25,13 +25,14 @@ with the same seeds): uniform vs locality mixing init, fixed vs learnable mixing
 and the output gate (App. F.2). Throughput of the three attentions is timed separately, side by side in
 one process, at 64, 256 and 1024 tokens.
 
-Writes OUT/study.md (tables), OUT/study.json (every record), OUT/curves_<grid>.png and
-OUT/samples_<grid>.png.
+Writes OUT/record.npz (the record every table and plot is rendered from: eval/results.py), OUT/study.md
+(tables), OUT/study.json (every point), OUT/curves_<grid>.png and OUT/samples_<grid>.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -67,6 +68,19 @@ from mhla_gen.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
+
+
+def _sibling(name: str):
+    """``eval/<name>.py`` (eval/ is not a package: its files load each other by path, once per process)."""
+    key = f"eval_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+results = _sibling("results")  # the record this study renders from
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 
@@ -171,7 +185,8 @@ def plan(args) -> list:
         grid = dict(GRIDS[name], **{k: v for k, v in chosen.items() if v})
         model = grid_model(grid)
         base, seeds = base_overrides(grid, model), list(range(args.first_seed, args.first_seed + args.seeds))
-        extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2}
+        extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2,
+                 "commit": results.code_commit()}
         arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
         steps = sorted({*args.eval_steps, grid["steps"]}) if args.eval_steps else eval_steps(grid["steps"])
         if steps[-1] > grid["steps"]:
@@ -247,8 +262,9 @@ def questions(arms: list[str], data: str) -> list[Question]:
     return [Question(name, a, b, PRIMARY.get(data)) for name, a, b in pairs if a in arms and b in arms]
 
 
-def grid_tables(records: list[dict], grid: str, out: Path) -> str:
-    """The final-step table, the curves and the paired comparisons of one grid, as markdown."""
+def grid_tables(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
+    """The final-step table, the curves and the paired comparisons of one grid, as markdown (per-sample
+    scores from ``samples``: a :class:`mhla_gen.evidence.SampleSets` or a record's)."""
     recs = [r for r in records if r["grid"] == grid]
     last = max(r["step"] for r in recs)
     arms = list(dict.fromkeys(r["arm"] for r in recs))
@@ -261,7 +277,6 @@ def grid_tables(records: list[dict], grid: str, out: Path) -> str:
             f"{r0['fid_samples']} samples (the same noise and labels for every arm and seed), validation "
             f"loss on {r0.get('val_triples', '—')} fixed held-out triples; attention rank of "
             f"{r0['attention_tokens']}, row entropy of at most {r0['max_entropy']:.2f} nats")
-    samples = SampleSets(out)
     return "\n".join([head, "", final_table(stats, arms, last, shapes, recs),
                       curve_table(recs, stats, "fid"), curve_table(recs, stats, "val_loss"),
                       paired_table(recs, arms, last, samples), bucket_table(recs, arms, samples)])
@@ -388,53 +403,89 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
                       fontsize=9)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    results.save_figure(fig, path)
 
 
-def plot_samples(records: list[dict], grid: str, out: Path, path: Path) -> None:
-    """Ten samples of each class per main arm (the first seed, the last step), side by side."""
+def shown_samples(records: list[dict], grid: str) -> list[dict]:
+    """The points whose kept samples :func:`plot_samples` shows: each main arm's first seed at the last
+    step."""
+    main = [r for r in records if r["grid"] == grid and r["group"] == "main"]
+    first = min((r["seed"] for r in main), default=0)
+    recs = [r for r in main if r["seed"] == first]
+    last = max((r["step"] for r in recs), default=0)
+    return [r for r in recs if r["step"] == last]
+
+
+def kept_samples(records: list[dict], out: Path, grids: list[str]) -> dict[tuple[str, str], np.ndarray]:
+    """``{(grid, arm): the kept samples}`` of :func:`shown_samples` in the study folder ``out``."""
+    kept = {}
+    for grid in grids:
+        for r in shown_samples(records, grid):
+            path = out / grid / "results" / r["arm"] / f"seed{r['seed']}" / f"step{r['step']:07d}_samples.npy"
+            if path.is_file():
+                kept[(grid, r["arm"])] = np.load(path)
+    return kept
+
+
+def plot_samples(records: list[dict], grid: str, images: dict, path: Path) -> bool:
+    """Ten samples of each class per main arm (the first seed, the last step), side by side, from
+    ``images`` (:func:`kept_samples`); False (nothing written) where none was kept."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = min(r["seed"] for r in records if r["grid"] == grid and r["group"] == "main")
-    recs = [r for r in records if r["grid"] == grid and r["seed"] == first and r["group"] == "main"]
-    last = max(r["step"] for r in recs)
-    recs = [r for r in recs if r["step"] == last]
+    recs = [r for r in shown_samples(records, grid) if (grid, r["arm"]) in images]
+    if not recs:
+        return False
     fig, axes = plt.subplots(1, len(recs), figsize=(3.2 * len(recs), 3.5))
     for ax, r in zip(np.atleast_1d(axes), recs):
-        samples = np.load(out / grid / "results" / r["arm"] / f"seed{first}" / f"step{last:07d}_samples.npy")
+        samples = images[(grid, r["arm"])]
         rows = [np.concatenate(list(samples[i::10][:10]), axis=0) for i in range(min(10, len(samples)))]
         ax.imshow(np.concatenate(rows, axis=1), cmap="gray", vmin=0, vmax=255)  # (rows, cols[, 3])
         ax.set_title(f"{r['arm']}: FID {r['fid']:.1f}", fontsize=9)
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    results.save_figure(fig, path)
+    return True
+
+
+def render(record, folder: Path) -> list[Path]:
+    """``study.md`` and the plots of a study's record (:mod:`eval/results.py`) in ``folder``, from the
+    record alone; returns the files written."""
+    meta, points, samples = record.meta, record.points, record.samples()
+    how = results.how_it_ran(meta)
+    text = [f"# Softmax / linear / MHLA study\n\n`{meta['command']}` — {meta['date']}, {how}, "
+            f"torch {meta['torch']}; training and evaluation summed over all runs: "
+            f"{sum(r.get('segment_seconds', 0) for r in points) / 3600:.1f} core-hours\n",
+            results.commits_line(points) + "\n"]
+    files = [folder / "study.md"]
+    for grid in meta["grids"]:
+        text.append(grid_tables(points, grid, samples))
+        if any(r["grid"] == grid and r["group"] == "main" for r in points):  # not with ablations only
+            plot_curves(points, grid, folder / f"curves_{grid}.png")
+            files.append(folder / f"curves_{grid}.png")
+            if plot_samples(points, grid, record.images, folder / f"samples_{grid}.png"):
+                files.append(folder / f"samples_{grid}.png")
+    if meta.get("throughput"):
+        text.append("Throughput of the study's model (images/s; batch 8192 / tokens; the three attentions "
+                    f"timed interleaved in one process, {meta['threads']} threads):\n\n"
+                    + throughput_table(meta["throughput"]))
+    atomic_write_text(folder / "study.md", "\n".join(text))
+    return files
 
 
 def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
-    how = ("tables from the runs finished so far" if args.report_only
-           else f"wall time of this call {seconds / 60:.0f} min, {args.jobs} worker processes")
-    text = [f"# Softmax / linear / MHLA study\n\n`{args.command}` — {time.strftime('%Y-%m-%d')}, {how}, "
-            f"torch {torch.__version__}; training and evaluation summed over all runs: "
-            f"{sum(r.get('segment_seconds', 0) for r in records) / 3600:.1f} core-hours\n"]
-    for grid in args.grids:
-        text.append(grid_tables(records, grid, args.out))
-        if any(r["grid"] == grid and r["group"] == "main" for r in records):  # not with ablations only
-            plot_curves(records, grid, args.out / f"curves_{grid}.png")
-            plot_samples(records, grid, args.out, args.out / f"samples_{grid}.png")
-    if speed:
-        text.append("Throughput of the study's model (images/s; batch 8192 / tokens; the three attentions "
-                    f"timed interleaved in one process, {torch.get_num_threads()} threads):\n\n"
-                    + throughput_table(speed))
-    report = "\n".join(text)
-    atomic_write_text(args.out / "study.md", report)
+    """The call's record (``OUT/record.npz``), the report rendered from it and ``study.json``."""
+    meta = {"grids": args.grids, "report_only": args.report_only, "wall_seconds": seconds, "jobs": args.jobs,
+            "throughput": speed, "threads": torch.get_num_threads(), "configs": getattr(args, "configs", [])}
+    record = results.build("study", args.command, records, args.out, meta,
+                           kept_samples(records, args.out, args.grids))
+    results.save(record, args.out / "record.npz")
+    render(results.load(args.out / "record.npz"), args.out)  # as regenerating from the file renders it
     everything = {"command": args.command, "records": records, "throughput": speed, **file_record("study")}
     atomic_write_text(args.out / "study.json", json.dumps(everything, indent=1))
-    return report
+    return (args.out / "study.md").read_text()
 
 
 def check_names(flag: str, names: list[str], choices: list[Arm]) -> None:
@@ -521,10 +572,12 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # a line per file of every checkpoint
     start = time.perf_counter()
-    records = study_records(args.out, plan(args), args.jobs, args.report_only)
+    jobs = plan(args)
+    records = study_records(args.out, jobs, args.jobs, args.report_only)
     for r in records:  # records of earlier versions name the digits' FID only
         r.setdefault("fid", r.get("fid_digits"))
     speed = {} if args.no_throughput else {n: throughput(n) for n in (64, 256, 1024, 4096)}
+    args.configs = results.configs(jobs)
     print(write_report(args, records, speed, time.perf_counter() - start))
     return records
 

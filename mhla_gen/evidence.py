@@ -202,7 +202,10 @@ class SampleSets:
     """The per-sample scores every evaluation point keeps beside its record, under a study folder
     ``root``: ``<root>/<grid>/results/<arm>/seed<k>/step<n>_features.npz`` (``pool``: the sample features;
     ``val``: the per-triple validation losses; newer records also :data:`PER_SAMPLE`'s arrays). A
-    record relabelled to another step (the equal-compute table) names its own with ``result_step``."""
+    record relabelled to another step (the equal-compute table) names its own with ``result_step``.
+
+    :func:`compare` reads any object with these three methods (``arrays``, ``fid_draws``, ``count``):
+    ``eval/results.py`` serves the same from a study's committed record, without the run folder."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -219,6 +222,10 @@ class SampleSets:
         if path not in self._arrays:
             self._arrays[path] = dict(np.load(path)) if path.is_file() else None
         return self._arrays[path]
+
+    def count(self, record: dict) -> int:
+        """How many samples the record's FID is of (its joint resamples draw that many indices)."""
+        return self.arrays(record)["pool"].shape[0]
 
     def fid_draws(self, record: dict) -> tuple[float, np.ndarray] | None:
         """The record's FID and its :data:`FID_DRAWS` joint resamples (:func:`evidence_stats.fid_draws`)."""
@@ -253,7 +260,7 @@ def _sample_interval(metric: str, pairs: list[tuple[dict, dict]], samples: Sampl
         draws = [(samples.fid_draws(a), samples.fid_draws(b)) for a, b in pairs]
         if any(x is None for pair in draws for x in pair):
             return None
-        if len({samples.arrays(r)["pool"].shape[0] for pair in pairs for r in pair}) != 1:
+        if len({samples.count(r) for pair in pairs for r in pair}) != 1:
             return None  # sample sets of different sizes are not resampled with the same indices
         full_a, full_b = (np.array([pair[k][0] for pair in draws]) for k in (0, 1))
         boot_a, boot_b = (np.stack([pair[k][1] for pair in draws]) for k in (0, 1))

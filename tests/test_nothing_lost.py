@@ -639,6 +639,7 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
     "eval/adaptation.py": "check_apart", "eval/study.py": "study_records", "eval/fid.py": "check_apart",
     "eval/vbench.py": "check_apart", "benchmarks/bench_attention.py": "check_file_target",
+    "eval/results.py": "check_render_target",  # render: a new or empty --out; regenerate: its listed files
     "benchmarks/bench_wan_step.py": "check_file_target", "benchmarks/bench_models.py": None,
     "benchmarks/conversion_budget.py": None, "benchmarks/profile_mhla.py": None,  # print only
     "benchmarks/bench_rope.py": None, "benchmarks/tune_mhla_tiles.py": "check_file_target",
