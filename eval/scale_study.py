@@ -108,6 +108,7 @@ SIZING_FORMAT = "mhla_gen scale-study sizing"
 REPORT = "scale_study.md"  # the tables, rendered from record.npz beside them
 REPORT_MARK = "<!-- mhla_gen: scale-study report -->"  # the report's first line: ours to replace
 RECORD = "record.npz"
+PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}  # train.mixed_precision
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -412,7 +413,8 @@ def render(record, folder: Path) -> list[Path]:
     """``scale_study.md`` of a scale-study record (eval/results.py) in ``folder``, from the record alone."""
     meta = record.meta
     heading = (f"# MHLA / softmax / linear where N ≫ M²\n\n`{meta['command']}` — {meta['date']}, "
-               f"{meta['device']} ({meta['precision']}), {results.how_it_ran(meta)}, "
+               f"{meta['device']} ({PRECISION_NAMES.get(meta['precision'], meta['precision'])}), "
+               f"{results.how_it_ran(meta)}, "
                f"torch {meta['torch']}\n\n{results.commits_line(record.points)}\n")
     path = Path(folder) / REPORT
     atomic_write_text(path, f"{REPORT_MARK}\n{report(record.points, record.samples(), heading)}")
