@@ -52,9 +52,13 @@ def test_smoke_runs_every_arm_to_its_points_and_writes_its_record(smoke, tmp_pat
     assert md.startswith(study.REPORT_MARK) and "| mhla − softmax | equal compute | 1 |" in md
     assert "(primary)" in md.split("| mhla − softmax | equal compute |")[1].split("\n")[0]
     # the tables again, from the record alone (the one command that regenerates every table)
-    written = study.results.render(record, tmp_path)
+    written = study.results.render(record, tmp_path / "again")
     assert [p.name for p in written] == ["scale_study.md"] and written[0].read_text() == md
     assert (out / "rec" / "record.npz").stat().st_size < 200_000
+    # committable as every study's record: added to a records folder, it regenerates byte for byte
+    added = study.results.add(out / "rec", "scale-smoke", tmp_path / "records")
+    assert added == ["scale-smoke/scale_study.md"]
+    assert study.results.regenerate(tmp_path / "records", check=True) == []
 
 
 def test_the_budget_matches_compute_across_arms(monkeypatch):
