@@ -184,11 +184,15 @@ def plan(args) -> list:
         chosen = {"steps": args.steps, "fid_samples": args.fid_samples, "val_triples": args.val_triples}
         grid = dict(GRIDS[name], **{k: v for k, v in chosen.items() if v})
         model = grid_model(grid)
-        base, seeds = base_overrides(grid, model), list(range(args.seeds))
+        base, seeds = base_overrides(grid, model), list(range(args.first_seed, args.first_seed + args.seeds))
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2,
                  "commit": results.code_commit()}
         arms = [next(a for a in MAIN_ARMS if a.name == n) for n in args.arms]
-        jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, eval_steps(grid["steps"]),
+        steps = sorted({*args.eval_steps, grid["steps"]}) if args.eval_steps else eval_steps(grid["steps"])
+        if steps[-1] > grid["steps"]:
+            raise ConfigError(f"--eval-steps {steps[-1]} is past the budget of --grids {name} "
+                              f"({grid['steps']} steps; --steps sets it)")
+        jobs += make_jobs(args.out / name, CONFIG, base, arms, seeds, steps,
                           grid["fid_samples"], extra, grid.get("val_triples", VAL_TRIPLES))
         named = [a for a in (*ABLATIONS, *NAMED_ONLY) if a.name in args.ablations]
         side = grid["resolution"] // model["patch_size"]
@@ -404,8 +408,11 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
 
 
 def shown_samples(records: list[dict], grid: str) -> list[dict]:
-    """The points whose kept samples :func:`plot_samples` shows: each main arm's seed 0 at the last step."""
-    recs = [r for r in records if r["grid"] == grid and r["seed"] == 0 and r["group"] == "main"]
+    """The points whose kept samples :func:`plot_samples` shows: each main arm's first seed at the last
+    step."""
+    main = [r for r in records if r["grid"] == grid and r["group"] == "main"]
+    first = min((r["seed"] for r in main), default=0)
+    recs = [r for r in main if r["seed"] == first]
     last = max((r["step"] for r in recs), default=0)
     return [r for r in recs if r["step"] == last]
 
@@ -415,15 +422,15 @@ def kept_samples(records: list[dict], out: Path, grids: list[str]) -> dict[tuple
     kept = {}
     for grid in grids:
         for r in shown_samples(records, grid):
-            path = out / grid / "results" / r["arm"] / "seed0" / f"step{r['step']:07d}_samples.npy"
+            path = out / grid / "results" / r["arm"] / f"seed{r['seed']}" / f"step{r['step']:07d}_samples.npy"
             if path.is_file():
                 kept[(grid, r["arm"])] = np.load(path)
     return kept
 
 
 def plot_samples(records: list[dict], grid: str, images: dict, path: Path) -> bool:
-    """Ten samples of each class per main arm (seed 0, the last step), side by side, from ``images``
-    (:func:`kept_samples`); False (nothing written) where none was kept."""
+    """Ten samples of each class per main arm (the first seed, the last step), side by side, from
+    ``images`` (:func:`kept_samples`); False (nothing written) where none was kept."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -514,8 +521,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--grids", nargs="+", choices=["64", "256", "1024"], default=None,
                         help="token counts (default: 64 256 for digits, 256 for shapes)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds --first-seed .. --first-seed + --seeds - 1 (fresh seeds: ones no earlier "
+                             "reading used)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     parser.add_argument("--steps", type=int, default=None, help="training budget (default: per grid)")
+    parser.add_argument("--eval-steps", type=int, nargs="+", default=None, metavar="STEP",
+                        help="the main arms' evaluation steps (default: a quarter, a half and all of the "
+                             "budget; the budget is always one)")
     parser.add_argument("--fid-samples", type=int, default=None)
     parser.add_argument("--val-triples", type=int, default=None,
                         help="fixed held-out (image, timestep, noise) triples of the validation loss "
@@ -540,6 +553,10 @@ def main(argv=None) -> list[dict]:
     for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.first_seed < 0:
+        raise ConfigError(f"--first-seed must be >= 0, got {args.first_seed}")
+    if args.eval_steps and min(args.eval_steps) < 1:
+        raise ConfigError(f"--eval-steps {' '.join(map(str, args.eval_steps))}: each must be positive")
     check_names("--arms", args.arms, MAIN_ARMS)
     check_names("--ablations", args.ablations, [*ABLATIONS, *NAMED_ONLY])
     args.grids = select_grids(args)

@@ -16,7 +16,8 @@ each: these models are small, one thread per process uses 2 cores better than 2 
 Evaluation (:func:`evaluate_point`, scores from :mod:`mhla_gen.evidence`): FID of ``fid_samples``
 samples (digits CNN or shapes CNN features) with its bootstrap spread, label accuracy, the shapes' exact
 properties, the validation loss on fixed held-out triples (:mod:`mhla_gen.validation_loss`), the
-training loss logged at that step, and the mean attention rank / row entropy over layers. Every arm and
+training loss logged at that step, the mean attention rank / row entropy over layers, and the training
+compute in FLOPs (:func:`training_compute`; with stage 1's and a teacher's for a conversion). Every arm and
 seed samples from the same noise and labels (common random numbers), so differences between arms are
 paired per sample set. Summaries (:func:`summarize`, :func:`paired`) give mean, min-max and a 95 %
 t-interval over seeds, and per-seed paired differences between arms.
@@ -24,6 +25,7 @@ t-interval over seeds, and per-seed paired differences between arms.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,7 +42,8 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .evidence import SAMPLE_SEED, DataScores, interval
+from .evidence import SAMPLE_SEED, SHAPES_SCORED, DataScores, interval
+from .flops import train_flops_per_image
 from .folders import claim, file_record, owned
 from .loading import load_transformer
 from .locks import die_with_parent
@@ -91,10 +94,14 @@ class Job:
     run_dir: str
     result_dir: str
     fid_samples: int
-    extra: dict = field(default_factory=dict)  # copied into every result record
+    extra: dict = field(default_factory=dict)  # copied into every result record (e.g. teacher_flops)
     stage1: list[str] | None = None  # linearize overrides (without output_dir / seed)
     stage1_dir: str = ""  # where that stage-1 run lives (shared by the jobs with the same stage 1 and seed)
     val_triples: int = VAL_TRIPLES  # fixed held-out (image, timestep, noise) triples of the validation loss
+    device: str = "cpu"  # where the evaluation runs (training: wherever Accelerate puts it)
+    sample_at: list[int] | None = None  # the steps whose evaluation draws and scores samples (None: every)
+    attention_stats: bool = True  # the attention maps' rank and entropy (N x N maps: small N only)
+    checkpoint_every: int = 0  # 0: the evaluation steps' gcd (irregular steps: set it, or every gcd step)
 
 
 def result_path(job: Job, step: int) -> Path:
@@ -118,10 +125,13 @@ def run_stage1(job: Job) -> dict:
 
 
 def stage1_summary(report: dict) -> dict:
-    """What a result record keeps of its stage-1 report: cost, the mean layer error before / after and
-    the end-to-end output error of the plain conversion and of the final stage-1 model."""
+    """What a result record keeps of its stage-1 report: cost (steps, seconds, teacher-forward
+    equivalents, FLOPs: :class:`mhla_gen.flops.Conversion`), the mean layer error before / after and the
+    end-to-end output error of the plain conversion and of the final stage-1 model."""
     keys = ("steps", "wall_seconds", "teacher_forward_equivalents", "softmax_layers")
-    return {**{k: report[k] for k in keys},
+    flops = report["teacher_forward_equivalents"] * report["teacher_forward_flops"] if (
+        "teacher_forward_flops" in report) else math.nan  # a report of before 2026-11-28 may lack it
+    return {**{k: report[k] for k in keys}, "flops": flops,
             "error_before": float(np.mean(list(report["errors_before"].values()))),
             "error_after": float(np.mean(list(report["errors_after"].values()))),
             **{k: report[k] for k in ("end_to_end_before", "end_to_end_final") if k in report}}
@@ -157,7 +167,7 @@ def run_job(job: Job) -> list[dict]:
 
 def job_config(job: Job, step: int) -> DiTRunConfig:
     """The run's config for the segment that ends at ``step`` (checkpoints at every evaluation step)."""
-    every = math.gcd(*[s for s in job.steps if s > 0])
+    every = job.checkpoint_every or math.gcd(*[s for s in job.steps if s > 0])
     start = [f"model.init_from={Path(job.stage1_dir) / 'final'}"] if job.stage1 else []
     return load_config(DiTRunConfig, job.config, [
         *job.overrides, *start, f"output_dir={job.run_dir}", f"seed={job.seed}", f"train.max_steps={step}",
@@ -176,35 +186,33 @@ def _reset_accelerate() -> None:
 
 @torch.no_grad()
 def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> dict:
-    """Scores of ``transformer`` (default: the run's ``final/``) at ``step``: FID with its bootstrap spread,
-    label accuracy (and the shapes' exact properties), the validation loss on fixed held-out triples,
-    the logged training loss and attention statistics. Samples come from one seed and one label list
-    for every arm and seed (common random numbers, :data:`mhla_gen.evidence.SAMPLE_SEED`); the first
-    100 (ten of each class) are kept as ``step<n>_samples.npy``, the sample features, per-triple
-    validation losses and per-sample scores as ``step<n>_features.npz`` (``pool``, ``val`` and
+    """Scores of ``transformer`` (default: the run's ``final/``) at ``step``, on ``job.device`` (under the
+    run's ``train.mixed_precision`` autocast on CUDA): FID with its bootstrap spread, label accuracy (and
+    the shapes' exact properties), the validation loss on fixed held-out triples, the logged training
+    loss and attention statistics. Samples come from one seed and one label list for every arm and seed
+    (common random numbers, :data:`mhla_gen.evidence.SAMPLE_SEED`); the first 100 (ten of each class)
+    are kept as ``step<n>_samples.npy``, the sample features, per-triple validation losses and
+    per-sample scores as ``step<n>_features.npz`` (``pool``, ``val`` and
     :data:`mhla_gen.evidence.PER_SAMPLE`'s keys: what the paired intervals resample,
-    :class:`mhla_gen.evidence.SampleSets`)."""
+    :class:`mhla_gen.evidence.SampleSets`). At a step outside ``job.sample_at`` no samples are drawn: the
+    sample scores are NaN and the arrays hold ``val`` alone."""
     transformer = transformer if transformer is not None else load_transformer(Path(job.run_dir) / "final")
+    transformer = transformer.to(job.device)
     task, scores = DiTTask(cfg), DataScores(cfg.data.source, cfg.data.resolution)
-    labels = [i % cfg.model.num_classes for i in range(job.fid_samples)]
-    start = time.perf_counter()
-    fake = task.generate(transformer, labels, seed=SAMPLE_SEED, output_type="pt").cpu()  # (N, C, R, R)
-    sample_seconds = time.perf_counter() - start
-    keep = (fake[:100].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)  # (<=100, R, R, C)
+    with _autocast(job, cfg):
+        sample_scores, arrays, sample_seconds = _sample_scores(job, task, scores, transformer, step)
+        held, held_labels = scores.held_out()
+        timesteps = task.scheduler.config.num_train_timesteps
+        triples = validation_set(held, held_labels, job.val_triples, timesteps)
+        losses = triple_losses(transformer, task.scheduler, triples)
+        stats = attention_summary(transformer, scores, job.seed) if job.attention_stats else dict(
+            rank=math.nan, tokens=math.nan, entropy=math.nan, max_entropy=math.nan)
     result_path(job, step).parent.mkdir(parents=True, exist_ok=True)
-    np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep[..., 0] if
-            keep.shape[-1] == 1 else keep)
-    sample_scores, features, per_sample = scores.score(fake, labels)
-    held, held_labels = scores.held_out()
-    triples = validation_set(held, held_labels, job.val_triples, task.scheduler.config.num_train_timesteps)
-    losses = triple_losses(transformer, task.scheduler, triples)
-    np.savez(result_path(job, step).with_name(f"step{step:07d}_features.npz"), pool=features, val=losses,
-             **per_sample)
+    np.savez(result_path(job, step).with_name(f"step{step:07d}_features.npz"), val=losses, **arrays)
     metrics = Path(job.run_dir) / "metrics.jsonl"
     records = read_jsonl(metrics) if metrics.is_file() else []  # none before the first step
     logged = [r for r in records if "loss" in r and r["step"] <= step]
     window = [r["loss"] for r in logged[-5:]]  # the last few logged losses: one batch is noisy
-    stats = attention_summary(transformer, scores, job.seed)
     return {
         "arm": job.arm, "seed": job.seed, "step": step, **job.extra, "data": cfg.data.source,
         "resolution": cfg.data.resolution,
@@ -214,10 +222,54 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
         "attention_entropy": stats["entropy"], "max_entropy": stats["max_entropy"],
         "train_images_per_s": float(np.median([r["steps_per_s"] for r in logged[1:]] or [math.nan]))
         * cfg.train.global_batch_size,
-        "sample_images_per_s": len(labels) / sample_seconds,
+        "sample_images_per_s": job.fid_samples / sample_seconds if sample_seconds else math.nan,
         "parameters": sum(p.numel() for p in transformer.parameters()),
+        **training_compute(cfg, step),
         "fid_samples": job.fid_samples, "val_triples": job.val_triples, "sample_seed": SAMPLE_SEED,
     }
+
+
+def training_compute(cfg: DiTRunConfig, step: int) -> dict:
+    """The run's training compute up to ``step``: ``flops_per_image`` (one training step per image,
+    :func:`mhla_gen.flops.train_flops_per_image`), ``batch`` and ``train_flops`` (step x batch x
+    flops_per_image: this run's own steps; a conversion's stage 1 and teacher are in ``stage1.flops``
+    and, where the runner gives it in ``Job.extra``, ``teacher_flops``: :class:`mhla_gen.flops.Conversion`
+    adds them up)."""
+    per_image = train_flops_per_image(cfg)["train"]
+    batch = cfg.train.global_batch_size
+    return {"flops_per_image": per_image, "batch": batch, "train_flops": step * batch * per_image}
+
+
+# the sample scores of a point that draws no samples (Job.sample_at)
+UNSAMPLED = ("fid", "fid_bootstrap_sd", "label_accuracy")
+
+
+def _sample_scores(job: Job, task: DiTTask, scores: DataScores, transformer, step: int
+                   ) -> tuple[dict, dict, float]:
+    """``(summary, per-sample arrays with "pool", sampling seconds)`` of ``job.fid_samples`` samples drawn
+    at ``step``; NaN scores, no arrays and 0 s where ``job.sample_at`` leaves the step out."""
+    if job.sample_at is not None and step not in job.sample_at:
+        names = UNSAMPLED + (SHAPES_SCORED if scores.source == "shapes" else ())
+        return {name: math.nan for name in names}, {}, 0.0
+    labels = [i % task.cfg.model.num_classes for i in range(job.fid_samples)]
+    start = time.perf_counter()
+    fake = task.generate(transformer, labels, seed=SAMPLE_SEED, output_type="pt")
+    fake = fake.float().cpu()  # (N, C, R, R) in [0, 1]
+    seconds = time.perf_counter() - start
+    keep = (fake[:100].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)  # (<=100, R, R, C)
+    result_path(job, step).parent.mkdir(parents=True, exist_ok=True)
+    np.save(result_path(job, step).with_name(f"step{step:07d}_samples.npy"), keep[..., 0] if
+            keep.shape[-1] == 1 else keep)
+    summary, features, per_sample = scores.score(fake, labels)
+    return summary, {"pool": features, **per_sample}, seconds
+
+
+def _autocast(job: Job, cfg: DiTRunConfig):
+    """The run's mixed precision for an evaluation on CUDA (none on the CPU, as before)."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    on_cuda = torch.device(job.device).type == "cuda"
+    dtype = dtypes.get(cfg.train.mixed_precision)
+    return torch.autocast("cuda", dtype=dtype) if on_cuda and dtype else contextlib.nullcontext()
 
 
 def attention_summary(transformer, scores: DataScores, seed: int) -> dict:

@@ -5,12 +5,20 @@ it count MHLA models right: the registered MHLA op (``mhla_gen::mhla`` and its b
 not know, and the backward of a *grouped* convolution, whose stock formula ignores ``groups`` in the
 weight gradient (it counts SANA's depthwise convolutions and MHLA's CPE as dense ones). Counts are FLOPs
 (2 per multiply-add); elementwise work is not counted. Works on the ``meta`` device (shapes only).
+
+Two uses of the counts for training budgets (the studies compare arms at equal compute with them):
+
+* :func:`train_flops_per_image`: one training step per image (forward and backward) of a DiT run config;
+* :class:`Conversion`: the compute behind a converted model (its teacher's training, stage 1, stage 2),
+  read at equal total compute or with the teacher as a sunk cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import (
@@ -60,3 +68,57 @@ def count_flops(fn: Callable[[], object]) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def train_flops_per_image(cfg) -> dict[str, float]:
+    """``{"forward", "train"}`` FLOPs per image of the transformer a ``DiTRunConfig`` trains: one forward,
+    and one training step (forward + backward), counted at batch 1 on the ``meta`` device (no memory, no
+    weights; every count scales with the batch). ``model.init_from`` is ignored: the architecture is
+    built from the config alone (a converted model has its teacher's shapes and the config's attention).
+    The optimizer, the EMA and elementwise work are not counted."""
+    from .train.dit import DiTTask
+
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
+    with torch.device("meta"):
+        model = DiTTask(cfg).build_transformer()
+    size, channels = model.config.sample_size, model.config.in_channels
+    x = torch.empty(1, channels, size, size, device="meta")
+    t, y = (torch.zeros(1, dtype=torch.long, device="meta") for _ in range(2))
+    forward = count_flops(lambda: model(x, timestep=t, class_labels=y).sample)
+    with torch.enable_grad():  # also from an evaluation under no_grad
+        train = count_flops(lambda: model(x, timestep=t, class_labels=y).sample.sum().backward())
+    return {"forward": float(forward), "train": float(train)}
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """The training compute (FLOPs) behind a converted model after ``stage2_steps`` steps of stage 2.
+
+    ``teacher``: its teacher's training; ``stage1``: stage 1's (its steps, the teacher's forward in each
+    included); ``stage2_step``: one stage-2 step (batch x :func:`train_flops_per_image`). A model
+    trained from scratch has no teacher and no stage 1: ``Conversion(stage2_step=...)``."""
+
+    teacher: float = 0.0
+    stage1: float = 0.0
+    stage2_step: float = 0.0
+
+    @classmethod
+    def of_point(cls, record: dict) -> Conversion:
+        """From an evaluation point of :mod:`mhla_gen.experiments`: ``flops_per_image`` x ``batch`` a
+        step, stage 1's ``flops`` (``record["stage1"]``) and ``teacher_flops`` (0 where absent)."""
+        return cls(float(record.get("teacher_flops", 0.0)), float(record.get("stage1", {}).get("flops", 0.0)),
+                   float(record["flops_per_image"]) * record["batch"])
+
+    def total(self, stage2_steps: int) -> float:
+        """Every FLOP that made the model: teacher, stage 1, stage 2 (equal total compute)."""
+        return self.teacher + self.stage1 + stage2_steps * self.stage2_step
+
+    def after_teacher(self, stage2_steps: int) -> float:
+        """The compute spent on the conversion alone: the teacher a sunk cost (a user who has it)."""
+        return self.stage1 + stage2_steps * self.stage2_step
+
+    def scratch_steps(self, stage2_steps: int, scratch_step: float, sunk_teacher: bool = False) -> float:
+        """The steps a from-scratch run of ``scratch_step`` FLOPs a step trains for the same compute
+        (``sunk_teacher``: the same compute as the conversion alone)."""
+        spent = self.after_teacher(stage2_steps) if sunk_teacher else self.total(stage2_steps)
+        return spent / scratch_step

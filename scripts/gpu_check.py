@@ -29,10 +29,19 @@ reported with its output and the next one runs):
 8. ``SANA-1.6B 1024 px step``: ``bench_sana_step.py``: stock linear attention vs MHLA, inference;
 9. ``host overhead``: ``bench_host_overhead.py``: host time per MHLA call, layer by layer;
 10. ``Wan2.1-1.3B step, compiled`` and 11. ``other gpu tests`` (compile, CUDA graphs of whole models, bf16
-    training steps): only when the time budget still holds their whole limit.
+    training steps): only when the time budget still holds their whole limit;
+12. ``scale-study sizing`` and 13. ``scale study`` (N >> M², ``eval/scale_study.py``): the training
+    images/s of softmax, MHLA and linear attention at 1024 and 4096 tokens (about 30 s; written to
+    ``scale_sizing.json`` beside the report), then the study sized by it: the three arms x 3 seeds at both
+    token counts, 80 s of device training per grid (within the section's 330 s with start-up and
+    evaluations), its record and tables in ``scale_study/`` beside the report (``record.npz``,
+    ``scale_study.md``). Optional: a default run leaves them out (the benchmarks fill its budget); the study
+    runs alone, within the same 7 minutes (90 + 330 s), and only after its sizing passed:
+
+        python scripts/gpu_check.py --out REPORT.md --only "scale-study sizing" "scale study"
 
 Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
-would get less than 20 s is not run, and the two optional sections run only when their whole limit fits.
+would get less than 20 s is not run, and the optional sections run only when their whole limit fits.
 
 The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit, copy
 bandwidth), then a summary table (status and time per section), then each section's command and the tail of
@@ -89,7 +98,8 @@ class Section:
     ``dry_command``: what ``--dry-run`` runs instead (CPU, tiny sizes, or ``--help``); ``trusts_kernels``:
     not run when the kernel tests failed; ``gate``: this section is the kernel tests; ``optional``: runs
     only when the budget still holds ``timeout_s``; ``whole_output``: the report keeps all of it;
-    ``needs_file``: not run while this file does not exist (a script still being written); ``writes``: the
+    ``needs_file``: not run while this file does not exist (a script still being written); ``needs_output``:
+    not run while the outputs folder lacks this file (an earlier section writes it); ``writes``: the
     files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it."""
 
     name: str
@@ -101,6 +111,7 @@ class Section:
     optional: bool = False
     whole_output: bool = False
     needs_file: Path | None = None
+    needs_output: str | None = None
     writes: tuple[str, ...] = ()
 
 
@@ -166,8 +177,33 @@ def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> 
                 _bench(python, "bench_wan_step.py", "--compile", "--help"), optional=True),
         Section("other gpu tests", [*pytest, *other_tests], 150, [*pytest, "--collect-only", *other_tests],
                 trusts_kernels=False, optional=True),
+        *scale_study_sections(python),
     ]
     return [s for s in sections if not (skip_tiles and s.name == "tile sweep")]
+
+
+SCALE_STUDY = REPO / "eval" / "scale_study.py"
+SIZING_FILE = "scale_sizing.json"  # the sizing section's measurements, read by the study section
+STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.py --export)
+STUDY_LIMIT_S = 330  # the study section: 2 grids x 80 s of training, process start-up and evaluations
+STUDY_SECONDS_PER_GRID = 80
+
+
+def scale_study_sections(python: str) -> list[Section]:
+    """``eval/scale_study.py`` (MHLA / softmax / linear at 1024 and 4096 tokens): its sizing (images/s per
+    arm and N, about 30 s) and the study sized by it; optional (a run names them with ``--only``); the
+    study's record and tables come back in the folder beside the report."""
+    script, sizing = [python, str(SCALE_STUDY)], f"{OUTPUTS}/{SIZING_FILE}"
+    export = ["--export", f"{OUTPUTS}/{STUDY_FOLDER}"]
+    return [
+        Section("scale-study sizing", [*script, "--sizing-only", "--sizing", sizing, "--sizing-seconds", "2"],
+                90, [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
+                optional=True, writes=(SIZING_FILE,)),
+        Section("scale study",
+                [*script, "--sizing", sizing, "--seconds", str(STUDY_SECONDS_PER_GRID), *export],
+                STUDY_LIMIT_S, [*script, "--smoke", *export], optional=True, needs_output=SIZING_FILE,
+                writes=(f"{STUDY_FOLDER}/record.npz", f"{STUDY_FOLDER}/scale_study.md")),
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,12 +320,15 @@ def _tail(text: str, lines: int | None = OUTPUT_TAIL_LINES) -> str:
     return "\n".join(([f"[... {cut} earlier lines]"] if cut > 0 else []) + kept[-lines:])
 
 
-def skip_reason(section: Section, remaining_s: float, kernels_failed: bool) -> str | None:
-    """Why ``section`` does not run now (None: it runs)."""
+def skip_reason(section: Section, remaining_s: float, kernels_failed: bool,
+                outputs: Path | None = None) -> str | None:
+    """Why ``section`` does not run now (None: it runs); ``outputs``: the folder beside the report."""
     if kernels_failed and section.trusts_kernels:
         return "not run (the kernel tests did not pass)"
     if section.needs_file is not None and not section.needs_file.is_file():
         return f"not run ({section.needs_file.relative_to(REPO)} does not exist)"
+    if section.needs_output is not None and not (outputs and (outputs / section.needs_output).is_file()):
+        return f"not run (no {section.needs_output} beside the report: its section did not write it)"
     needed = section.timeout_s if section.optional else MIN_SECTION_S
     if remaining_s < needed:
         return f"not run (time budget: {remaining_s:.0f} s left, {needed} s needed)"
@@ -403,7 +442,7 @@ def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner
     results, files, kernels_failed = [], {}, False
     for index, section in enumerate(planned, 1):
         remaining = args.budget_s - (time.monotonic() - start)
-        reason = skip_reason(section, remaining, kernels_failed)
+        reason = skip_reason(section, remaining, kernels_failed, folder)
         if reason is not None:
             results.append(SectionResult(section.name, section.command, reason, 0.0, ""))
         else:

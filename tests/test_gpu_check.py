@@ -61,12 +61,15 @@ def test_sections_in_order_within_the_budget(gpu_check):
     names = [s.name for s in gpu_check.default_sections()]
     assert names == ["kernel tests", "profile", "CUDA graphs", "small-N crossover", "tile sweep",
                      "Wan2.1-1.3B step", "DiT-XL/2 training step", "SANA-1.6B 1024 px step", "host overhead",
-                     "Wan2.1-1.3B step, compiled", "other gpu tests"]
+                     "Wan2.1-1.3B step, compiled", "other gpu tests", "scale-study sizing", "scale study"]
     assert "tile sweep" not in [s.name for s in gpu_check.default_sections(skip_tiles=True)]
     sections = gpu_check.default_sections()
     assert sections[0].gate and not sections[0].trusts_kernels
-    assert [s.name for s in sections if s.optional] == names[-2:]
+    assert [s.name for s in sections if s.optional] == names[-4:]
     assert gpu_check.DEFAULT_BUDGET_S <= 7 * 60
+    study = [s for s in sections if s.name.startswith("scale")]  # run alone, they fit the default budget
+    assert sum(s.timeout_s for s in study) <= gpu_check.DEFAULT_BUDGET_S
+    assert study[1].needs_output == study[0].writes[0] == gpu_check.SIZING_FILE
 
 
 def test_report_lists_environment_summary_and_every_section(gpu_check, tmp_path):
@@ -82,7 +85,8 @@ def test_report_lists_environment_summary_and_every_section(gpu_check, tmp_path)
     text = out.read_text()
     assert text.startswith(gpu_check.REPORT_RECORD + "\n# mhla_gen GPU check\n")
     sections = gpu_check.default_sections()
-    ran = [s for s in sections if s.needs_file is None or s.needs_file.is_file()]
+    ran = [s for s in sections if (s.needs_file is None or s.needs_file.is_file())
+           and s.needs_output is None]  # the fake sizing writes no file: the scale study is left out
     assert f"{len(ran) - 2} / {len(sections)} sections passed" in text
     for key, value in FAKE_ENVIRONMENT.items():
         assert f"| {key} | {value} |" in text
@@ -138,10 +142,43 @@ def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp
     assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
     assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
     clock[0], calls[:] = 0.0, []
-    budget = str(10 * 11 + 150 + 150)  # everything fits: the optional sections run too
+    budget = str(10 * 11 + 150 + 150)  # the optional benchmarks and the sizing fit, the scale study not
+    (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
-    assert [name for name, _ in calls][-2:] == ["Wan2.1-1.3B step, compiled", "other gpu tests"]
+    assert [name for name, _ in calls][-3:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
+                                                 "scale-study sizing"]
+    assert "| scale study | not run (time budget: 300 s left, 330 s needed) | |" in out.read_text()
+
+
+def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_check, tmp_path, monkeypatch):
+    """``--only "scale-study sizing" "scale study"``: both fit the default budget; the study runs only when
+    the sizing wrote its file into the folder beside the report (a failed sizing leaves it out)."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    only = ["--only", "scale-study sizing", "scale study"]
+
+    def sizing_writes(inner):
+        def run(section, limit, folder):
+            if section.name == "scale-study sizing":
+                (folder / gpu_check.SIZING_FILE).write_text("{}")
+            return inner(section, limit, folder)
+        return run
+
+    calls = []
+    out = tmp_path / "R.md"
+    runner = sizing_writes(fake_runner(gpu_check, {}, calls, clock))
+    assert gpu_check.main(["--out", str(out), *only], probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
+    assert calls == [("scale-study sizing", 90.0), ("scale study", float(gpu_check.STUDY_LIMIT_S))]
+    study = next(s for s in gpu_check.default_sections() if s.name == "scale study")
+    assert f"{{outputs}}/{gpu_check.SIZING_FILE}" in study.command  # it reads what the sizing wrote
+    clock[0], calls[:] = 0.0, []
+    failed = fake_runner(gpu_check, {"scale-study sizing": ("failed (exit 1)", "boom")}, calls, clock)
+    assert gpu_check.main(["--out", str(tmp_path / "F.md"), *only], probe=lambda: FAKE_ENVIRONMENT,
+                          runner=failed) == 1
+    assert calls == [("scale-study sizing", 90.0)]
+    assert (f"| scale study | not run (no {gpu_check.SIZING_FILE} beside the report: its section did not "
+            "write it) | |") in (tmp_path / "F.md").read_text()
 
 
 def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):

@@ -692,6 +692,7 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
     "check_cache_target", "scripts/convert_wan_mhla.py": "check_apart", "scripts/diffusers_model_tests.py":
     "check_apart", "eval/generate.py": "check_apart", "eval/attention_stats.py": "check_apart",
     "eval/adaptation.py": "check_apart", "eval/study.py": "study_records", "eval/fid.py": "check_apart",
+    "eval/scale_study.py": "run_jobs",  # its --out through claim; --export: its own two files only
     "eval/vbench.py": "check_apart", "benchmarks/bench_attention.py": "check_file_target",
     "eval/results.py": "check_render_target",  # render: a new or empty --out; regenerate: its listed files
     "benchmarks/bench_wan_step.py": "check_file_target", "benchmarks/bench_models.py": None,

@@ -1,0 +1,181 @@
+"""eval/scale_study.py at smoke size on the CPU: its budgets (equal images, equal compute), its runs and
+evaluation points, its exported records and the tables they render again, its sizing file, and the
+refusals before any work."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhla_gen.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_study():
+    spec = importlib.util.spec_from_file_location("eval_scale_study", ROOT / "eval" / "scale_study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale")
+    records = load_study().main(["--smoke", "--out", str(out / "runs"), "--export", str(out / "rec")])
+    return out, records
+
+
+def test_smoke_runs_every_arm_to_its_points_and_writes_its_record(smoke, tmp_path):
+    out, records = smoke
+    study = load_study()
+    assert {(r["arm"], r["step"]) for r in records} == {(a, s) for a in ("softmax", "mhla", "linear")
+                                                       for s in (4, 8)}
+    for r in records:  # samples at the two end points only (here both at step 8); the loss everywhere
+        assert math.isfinite(r["val_loss"]) and r["images_steps"] == [4, 8]
+        assert math.isfinite(r["fid"]) == (r["step"] == 8), r
+        assert r["flops_per_image"] > 0 and r["batch"] == study.GRIDS["smoke"]["batch"]
+        assert r["train_flops"] == r["step"] * r["batch"] * r["flops_per_image"]
+    record = study.results.load(out / "rec" / "record.npz")
+    assert record.points == records and record.meta["runner"] == "scale_study"
+    assert record.meta["plans"]["smoke"]["images"] == 32 and len(record.meta["configs"]) == 3
+    samples = record.samples()
+    assert set(samples.arrays(next(r for r in records if r["step"] == 8))) >= {"val", "all", "fid_draws"}
+    assert set(samples.arrays(next(r for r in records if r["step"] == 4))) == {"val"}
+    md = (out / "rec" / "scale_study.md").read_text()
+    assert md == (out / "runs" / "scale_study.md").read_text()  # --out and --export: the same report
+    assert md.startswith(study.REPORT_MARK) and "| mhla − softmax | equal compute | 1 |" in md
+    assert "(primary)" in md.split("| mhla − softmax | equal compute |")[1].split("\n")[0]
+    # the tables again, from the record alone (the one command that regenerates every table)
+    written = study.results.render(record, tmp_path / "again")
+    assert [p.name for p in written] == ["scale_study.md"] and written[0].read_text() == md
+    assert (out / "rec" / "record.npz").stat().st_size < 200_000
+    # committable as every study's record: added to a records folder, it regenerates byte for byte
+    added = study.results.add(out / "rec", "scale-smoke", tmp_path / "records")
+    assert added == ["scale-smoke/scale_study.md"]
+    assert study.results.regenerate(tmp_path / "records", check=True) == []
+
+
+def test_the_budget_matches_compute_across_arms(monkeypatch):
+    """Equal images: every arm at the reference's steps. Equal compute: an arm whose training image costs
+    a third of softmax's trains three times the steps; --compute time uses measured images/s instead;
+    --seconds turns the sizing into the reference's images (every arm's runs added)."""
+    study = load_study()
+    costs = {"softmax": 3e9, "mhla": 1e9, "linear": 1e9}
+    monkeypatch.setattr(study, "train_flops_per_image",
+                        lambda cfg: {"train": costs[cfg.model.attention], "forward": 0.0})
+    args = study.parse_args(["--images", "1024", "--grids", "1024", "--device", "cpu"])
+    plan = study.grid_plan("1024", args, None)
+    assert plan["images_steps"] == [4, 8, 16, 32] and plan["images"] == 1024  # batch 32
+    assert plan["compute_steps"] == {"softmax": [4, 8, 16, 32], "mhla": [12, 24, 48, 96],
+                                     "linear": [12, 24, 48, 96]}
+    speed = {("1024", "softmax"): 100.0, ("1024", "mhla"): 200.0, ("1024", "linear"): 400.0}
+    args.compute = "time"
+    assert study.grid_plan("1024", args, speed)["compute_steps"]["linear"] == [16, 32, 64, 128]
+    args.compute, args.images, args.seconds = "flops", None, 120.0
+    # per reference image: 3 seeds x (1/100 + 3/200 + 3/400) s = 0.0975 s -> 1230 images -> 1024 (a unit
+    # of 32 x 8 images)
+    assert study.grid_plan("1024", args, speed)["images"] == 1024
+    jobs = study.plan_jobs(argparse_out(args), {"1024": plan})["1024"]
+    mhla = [j for j in jobs if j.arm == "mhla"]
+    assert len(mhla) == 3 and mhla[0].steps == [4, 8, 12, 16, 24, 32, 48, 96]
+    assert mhla[0].sample_at == [32, 96] and mhla[0].checkpoint_every == 96
+    assert not mhla[0].attention_stats and "train.learning_rate=1e-3" in mhla[0].overrides
+
+
+def argparse_out(args):
+    args.out = Path("/nonexistent/scale")  # planned only: nothing is written
+    return args
+
+
+def test_equal_compute_records_are_labelled_with_the_reference_step():
+    study = load_study()
+    recs = [{"arm": "mhla", "seed": 0, "step": s, "images_steps": [4, 8], "compute_steps": [12, 24]}
+            for s in (4, 8, 12, 24)]
+    assert [(r["step"], r["result_step"]) for r in study.at_compute(recs)] == [(4, 12), (8, 24)]
+    assert [r["step"] for r in study.at_images(recs)] == [4, 8]
+
+
+def test_refusals_before_any_work(tmp_path):
+    study = load_study()
+    with pytest.raises(ConfigError, match="give a budget"):
+        study.parse_args(["--device", "cpu"])
+    with pytest.raises(ConfigError, match="give --sizing"):
+        study.parse_args(["--device", "cpu", "--seconds", "60"])
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        study.parse_args(["--images", "64"])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "scale_study.md").write_text("my notes\n")
+    with pytest.raises(ConfigError, match="not written by this script"):
+        study.parse_args(["--smoke", "--export", str(tmp_path / "mine")])
+    assert (tmp_path / "mine" / "scale_study.md").read_text() == "my notes\n"
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "record.npz").write_bytes(b"their data")
+    with pytest.raises(ConfigError, match="not a record of ours"):
+        study.parse_args(["--smoke", "--export", str(tmp_path / "theirs")])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        study.parse_args(["--smoke", "--export", str(tmp_path / "file")])
+
+
+def test_sizing_file_is_written_and_checked(tmp_path):
+    study = load_study()
+    path = tmp_path / "sizing.json"
+    study.main(["--smoke", "--sizing-only", "--sizing", str(path), "--sizing-seconds", "0"])
+    measured = json.loads(path.read_text())
+    assert [r["arm"] for r in measured["rows"]] == ["softmax", "mhla", "linear"]
+    assert all(r["images_per_s"] > 0 and r["flops_per_image"] > 0 for r in measured["rows"])
+    speed = study.read_sizing(path, ["smoke"])
+    assert speed[("smoke", "mhla")] == measured["rows"][1]["images_per_s"]
+    with pytest.raises(ConfigError, match="measured grid 1024 with model None"):
+        study.read_sizing(path, ["1024"])
+    measured["rows"][0]["batch"] = 99
+    path.write_text(json.dumps(measured))
+    with pytest.raises(ConfigError, match="no softmax row at grid smoke with batch"):
+        study.read_sizing(path, ["smoke"])
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a sizing file"):
+        study.main(["--smoke", "--sizing-only", "--sizing", str(tmp_path / "other.json")])
+    assert np.isfinite(speed[("smoke", "softmax")])
+
+
+def test_log_points_and_equal_compute_steps():
+    study = load_study()
+    assert study.log_points(64, 4) == [8, 16, 32, 64]
+    assert study.log_points(3, 4) == [1, 3]  # a short budget: the duplicates dropped
+    with pytest.raises(ValueError):
+        study.log_points(0, 2)
+    # an arm at 1/1.57 of the reference's cost per step spends the reference's compute at 1.57x the steps
+    assert study.equal_compute_steps([8, 16, 32, 64], 1.57, 1) == [13, 25, 50, 100]
+    assert study.equal_compute_steps([8, 16, 32, 64], 1.57, 4) == [12, 24, 52, 100]  # multiples of the unit
+    assert study.equal_compute_steps([8], 0.01, 4) == [4]  # at least one unit
+    with pytest.raises(ValueError):
+        study.equal_compute_steps([8], 0.0, 1)
+
+
+def test_images_for_seconds_adds_every_run_of_every_arm():
+    # reference 100 images/s; an arm training 2x the images at 400 images/s: per reference image and
+    # seed 1/100 + 2/400 = 0.015 s, 3 seeds: 0.045 s -> 90 s hold 2000 images
+    study = load_study()
+    cost = {"softmax": (1.0, 100.0), "mhla": (2.0, 400.0)}
+    assert study.images_for_seconds(90, 3, cost) == 2000
+    assert study.images_for_seconds(90, 3, cost, multiple=256) == 1792
+    with pytest.raises(ValueError, match="fewer than one budget unit"):
+        study.images_for_seconds(1, 3, cost, multiple=256)
+
+
+def test_measure_training_trains_the_model_it_times():
+    import torch
+
+    study = load_study()
+    model = study.DiTTask(study.arm_config(study.GRIDS["smoke"], study.ARMS[1])).build_transformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    speed = study.measure_training(lambda: model, batch=2, resolution=32, channels=3, device="cpu",
+                                   dtype=torch.bfloat16, seconds=0.0, warmup=1)
+    assert speed["steps"] >= 3 and speed["images_per_s"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # AdamW stepped
