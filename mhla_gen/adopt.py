@@ -21,6 +21,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from .bases import BASES, base_for_class_name
 from .cli import run
 from .errors import ConfigError
@@ -376,15 +378,25 @@ def prove_study(folder: Path) -> list[tuple[Path, str]]:
         if name in ("study.json", "adaptation.json"):
             if not file_is_ours(path, "study"):
                 raise _misfit(path, "has no mhla_gen record")
-        elif name in ("study.md", "adaptation.md"):
+        elif name in ("study.md", "adaptation.md", "scale_study.md"):
             path.read_text()
-        elif re.fullmatch(r"(curves|samples)_\w+\.png", name):
+        elif name == "record.npz":  # eval/results.py's record: a numpy archive of arrays, no pickles
+            _record(path)
+        elif re.fullmatch(r"(curves|samples|compute)_[\w.-]+\.png", name):
             _image(path)
         elif path.is_dir() and not path.is_symlink():
             marks += _prove_study_tree(path)
         else:
             raise _misfit(path, "not an entry of a study")
     return marks
+
+
+def _record(path: Path) -> None:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            archive.files  # noqa: B018 - reads the archive's index
+    except (OSError, ValueError) as err:
+        raise _misfit(path, f"not a study record ({err})") from None
 
 
 def _prove_study_tree(folder: Path) -> list[tuple[Path, str]]:

@@ -45,7 +45,9 @@ def test_the_checkout_script_runs_the_commands_main(name):
 def test_every_script_and_eval_entry_is_a_command_or_a_checkout_tool():
     """A new script under scripts/ or eval/ gets a subcommand, or is named here as needing a checkout."""
     checkout_only = {"scripts/gpu_check.py", "scripts/diffusers_model_tests.py",  # the repo's tests
-                     "eval/study.py", "eval/adaptation.py"}  # research harnesses, run from a checkout
+                     "eval/study.py", "eval/adaptation.py", "eval/scale_study.py",  # research harnesses,
+                     "eval/stream_study.py", "eval/stream_bed.py", "eval/stream_report.py",  # run from a
+                     "eval/results.py"}  # checkout (their records and pages live in it)
     scripts = {str(p.relative_to(REPO)) for d in ("scripts", "eval") for p in (REPO / d).glob("*.py")}
     assert scripts == {c.script for c in COMMANDS.values() if c.script} | checkout_only
 

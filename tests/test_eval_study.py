@@ -4,6 +4,7 @@ along training, summarised with intervals and paired differences; resumable."""
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def test_study_quick_arms_seeds_steps_and_files(quick):
     configs = {(c["arm"], tuple(c["seeds"])) for c in record.meta["configs"]}
     assert configs >= {(a, (0, 1)) for a in ("softmax", "linear", "mhla")}
     assert all("val" in arrays and "fid_draws" in arrays for arrays in record.arrays)
+
+
+def test_a_study_folder_that_lost_its_marks_is_adopted(quick, tmp_path):
+    """``mhla-gen adopt study`` accepts every file the runner writes today (record, reports, plots)."""
+    from mhla_gen.adopt import adopt
+    from mhla_gen.folders import read_marker
+
+    copy = tmp_path / "study"
+    shutil.copytree(quick[0], copy, ignore=shutil.ignore_patterns(".*"))  # markers, listings, locks
+    assert read_marker(copy) is None and (copy / "record.npz").is_file()
+    adopt(copy, "study", show=lambda line: None)
+    assert read_marker(copy)["kind"] == "study"
 
 
 def test_study_resumes_only_what_is_missing(quick, monkeypatch):
