@@ -83,11 +83,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mhla_gen import BlockLayout, locality_init, mhla_attention
 from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
-from mhla_gen.folders import check_file_target, file_record
-from mhla_gen.locks import writing_files
+from mhla_gen.outputs.folders import check_file_target, file_record
+from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
-BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
+BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.outputs.folders.file_record)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -762,7 +762,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.out is not None:  # before hours of timing (mhla_gen.folders); the checked path is the written one
+    if args.out is not None:  # before hours of timing (outputs.folders); the checked path is the written one
         args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)
     with writing_files((args.out, "--out")):  # one writer per file (a second one stops, naming this pid)
         bench(args)

@@ -63,13 +63,13 @@ from diffusers import WanTransformer3DModel
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
-from mhla_gen.folders import check_file_target, file_record
 from mhla_gen.install import is_mhla_installed, mhla_processors
-from mhla_gen.locks import writing_files
+from mhla_gen.outputs.folders import check_file_target, file_record
+from mhla_gen.outputs.locks import writing_files
 from mhla_gen.serialization import cast_like_diffusers
 from mhla_gen.train.io import atomic_write_text
 
-BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.folders.file_record)
+BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.outputs.folders.file_record)
 
 # diffusers scripts/convert_wan_to_diffusers.py, get_transformer_config("Wan-T2V-1.3B"), plus diffusers'
 # default rope_max_seq_len (image_dim / added_kv_proj_dim None: text-to-video)
@@ -118,7 +118,7 @@ def parse_args(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
-    if args.out is not None:  # before any timing (mhla_gen.folders)
+    if args.out is not None:  # before any timing (mhla_gen.outputs.folders)
         args.out = check_file_target(args.out, "--out", BENCH_KIND, args.overwrite)  # ~ expanded
 
     if args.frames < 1 or (args.frames - 1) % VAE_TIME:

@@ -43,9 +43,9 @@ from mhla_gen import BlockLayout, locality_init
 from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_file_target
-from mhla_gen.locks import writing_files
 from mhla_gen.ops import blocked, tile_table
+from mhla_gen.outputs.folders import check_file_target
+from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
 EPS = 1e-6

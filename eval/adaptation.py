@@ -79,7 +79,7 @@ from mhla_gen.experiments import (
     study_records,
     summarize,
 )
-from mhla_gen.folders import check_apart, claim, file_record
+from mhla_gen.outputs.folders import check_apart, claim, file_record
 from mhla_gen.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask

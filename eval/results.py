@@ -60,7 +60,7 @@ from mhla_gen.train.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "records"  # the committed records and what they render
-RECORD_KIND = "study_record"  # the record every record.npz carries (mhla_gen.folders.file_is_ours)
+RECORD_KIND = "study_record"  # the record every record.npz carries (mhla_gen.outputs.folders.file_is_ours)
 RECORD_VERSION = 1
 RUNNER_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a runner is eval/<runner>.py, which defines render()
 PER_POINT = ("val", "label_correct", "all", "count", "colour", "shape", "symmetric", "symmetry_error")

@@ -52,7 +52,7 @@ from mhla_gen.train.randomness import StepRandom
 
 ARMS = ("softmax-kv", "global-state", "mhla-general", "mhla-factorised")
 TEXT_DIM, TEXT_TOKENS, TEXT_SEED = 32, 4, 1234  # the class embeddings (one fixed draw for every run)
-KIND = "stream_study"  # the record our .npz / .json files carry (mhla_gen.folders.file_is_ours)
+KIND = "stream_study"  # the record our .npz / .json files carry (mhla_gen.outputs.folders.file_is_ours)
 SAMPLE_SEED = 0  # every arm and seed streams from this noise (common random numbers)
 SHIFT = 1.0  # σ shift of training and sampling (pixels at 32 x 32: no shift)
 CHECKS = ("count", "colour", "motion", "all")

@@ -12,7 +12,7 @@ import numpy as np
 import stream_bed as bed
 
 from mhla_gen import evidence_stats as es
-from mhla_gen.folders import file_is_ours
+from mhla_gen.outputs.folders import file_is_ours
 
 # The questions (eval/stream_study.py's docstring), declared before the run
 MIN_EFFECT, FLOOR, DRAWS = 0.05, 0.02, 2000  # evidence.py's for a rate; joint resamples

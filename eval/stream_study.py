@@ -50,7 +50,7 @@ if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a
 import stream_bed as bed  # noqa: E402
 
 from mhla_gen.errors import ConfigError  # noqa: E402
-from mhla_gen.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
+from mhla_gen.outputs.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
 
 KIND = bed.KIND
 STAGES = ("all", "train", "costs", "report")

@@ -64,7 +64,7 @@ from mhla_gen.experiments import (
     study_records,
     summarize,
 )
-from mhla_gen.folders import file_record
+from mhla_gen.outputs.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text

@@ -10,7 +10,7 @@ its MHLA settings, how it was trained, what the run measured, and how to load it
 Nothing local leaves: cards and shared files name models by hub id or by folder name, never by an absolute
 path (:func:`public_ref`; :func:`scrub_local_paths` removes the ``_name_or_path`` entries diffusers writes
 into configs). The local records the project's input checks need (a stage-1 teacher, a LoRA's base:
-resolved and fingerprinted, :func:`mhla_gen.folders.input_record`) stay in the folder's marker, which, like
+resolved and fingerprinted, :func:`outputs.folders.input_record`) stay in the folder's marker, which, like
 all of the project's dot-file bookkeeping, :func:`push_to_hub` never uploads (:data:`LOCAL_ONLY`).
 
 diffusers' ``load_or_create_model_card`` is not used: it first looks the card up with ``ModelCard.load``,
@@ -32,7 +32,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .config import MHLAConfig
 from .errors import ConfigError
-from .folders import listed, read_marker, record_files
+from .outputs.folders import listed, read_marker, record_files
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ a base config; every (arm, seed) pair is one training run of ``mhla_gen.train.lo
 segments up to each evaluation step (``resume=latest`` continues exactly, so segments give the weights
 of an uninterrupted run) and evaluated after each segment. Each evaluation is one JSON file:
 
-    OUT/runs/<arm>/seed<k>/        the training run (a run folder, mhla_gen.folders)
+    OUT/runs/<arm>/seed<k>/        the training run (a run folder, mhla_gen.outputs.folders)
     OUT/results/<arm>/seed<k>/step<n>.json
 
 Resumable at that grain: a point whose JSON exists is never recomputed, a killed study continues from
@@ -44,10 +44,10 @@ import torch
 from .errors import ConfigError
 from .evidence import SAMPLE_SEED, SHAPES_SCORED, DataScores, interval
 from .flops import train_flops_per_image
-from .folders import claim, file_record, owned
 from .loading import load_transformer
-from .locks import die_with_parent
 from .metrics.attention import attention_statistics, example_inputs
+from .outputs.folders import claim, file_record, owned
+from .outputs.locks import die_with_parent
 from .train.config import DiTRunConfig, load_config
 from .train.dit import DiTTask
 from .train.io import atomic_write_text, read_jsonl
@@ -57,7 +57,7 @@ from .validation_loss import bucket_means, triple_losses, validation_set
 
 logger = logging.getLogger(__name__)
 
-RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.folders.file_record)
+RESULT_KIND = "experiment_point"  # the record in each result JSON (mhla_gen.outputs.folders.file_record)
 # Validation triples per evaluation point: 256 per timestep bucket (4 buckets), so a bucket's own noise is
 # small (until 2026-11-28: 512, 128 per bucket; the runs of docs/results/evidence.md had 256, 64 a bucket)
 VAL_TRIPLES = 1024
@@ -309,7 +309,7 @@ def _key(overrides: tuple[str, ...]) -> str:
 
 
 def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1) -> list[dict]:
-    """Claim ``out`` (a ``kind`` folder of ours: mhla_gen.folders) and run ``jobs``, ``workers`` at a time
+    """Claim ``out`` (a ``kind`` folder of ours: outputs.folders) and run ``jobs``, ``workers`` at a time
     in fresh processes (one torch thread each); returns every result record."""
     claim(out, kind, setting)
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]

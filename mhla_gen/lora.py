@@ -65,7 +65,6 @@ from torch import nn
 
 from .bases import base_for_class_name, base_for_model
 from .config import MHLAConfig
-from .folders import fingerprint, read_marker
 from .install import (
     CONFIG_KEY,
     MHLA_MODEL_CLASSES,
@@ -76,6 +75,7 @@ from .install import (
     stock_class_name,
     uninstall_mhla,
 )
+from .outputs.folders import fingerprint, read_marker
 from .serialization import cast_like_diffusers, load_mhla_parameters, read_mhla_config, save_mhla_parameters
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from pathlib import Path
 from mhla_gen.bases import BASES
 from mhla_gen.cli import expand_path
 from mhla_gen.cli import run as run_cli
-from mhla_gen.folders import check_apart, claim
+from mhla_gen.outputs.folders import check_apart, claim
 
 WAN_I2V_SUITE = "tests/models/transformers/test_mhla_wan_i2v.py"
 WAN_I2V_SOURCE = '''"""diffusers' own model test mixins on a Wan2.1 image-to-video config (written by
@@ -217,7 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     args.diffusers, args.out = Path(args.diffusers), Path(args.out)
     check_apart(args.out, "--out", {"--diffusers": args.diffusers})
-    claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.folders)
+    claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.outputs.folders)
     export(args.diffusers, args.rev, args.out)
     # the exported tests first, then the caller's PYTHONPATH (a checkout of mhla_gen it points at)
     pythonpath = os.pathsep.join(p for p in (str(args.out), os.environ.get("PYTHONPATH", "")) if p)

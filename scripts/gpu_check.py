@@ -74,15 +74,15 @@ sys.path.insert(0, str(REPO))  # run from anywhere: `python scripts/gpu_check.py
 
 from mhla_gen.cli import run as run_cli  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
-from mhla_gen.folders import check_writable, claim, record_files  # noqa: E402
-from mhla_gen.locks import writing_files  # noqa: E402
+from mhla_gen.outputs.folders import check_writable, claim, record_files  # noqa: E402
+from mhla_gen.outputs.locks import writing_files  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
 BENCH_DIR = REPO / "benchmarks"  # where the benchmark scripts live: the one line to change if they move
 TESTS = REPO / "tests"
 KERNEL_TEST_FILES = [TESTS / "test_triton_mhla.py", TESTS / "test_ops.py"]
 REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report is ours to replace
-OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.folders.KINDS)
+OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.outputs.folders.KINDS)
 OUTPUT_TAIL_LINES = 80  # per section in the report; the whole output is in the folder beside it
 MIN_SECTION_S = 20  # a section that would get less time than this is not started
 OUTPUTS = "{outputs}"  # in a section's arguments: the folder beside the report (outputs_folder)

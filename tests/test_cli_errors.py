@@ -128,7 +128,7 @@ def test_sana_bad_captions_and_batch_fail_before_the_cache(sana_ckpt, tmp_path, 
 
 def test_sample_and_generate_refuse_labels_the_model_was_not_trained_on(tmp_path, capsys, monkeypatch):
     from mhla_gen import MHLAConfig, install_mhla
-    from mhla_gen.folders import write_marker
+    from mhla_gen.outputs.folders import write_marker
     from mhla_gen.testing import tiny_dit_pipeline
 
     pipe = tiny_dit_pipeline()

@@ -60,8 +60,8 @@ def test_study_quick_arms_seeds_steps_and_files(quick):
 
 def test_a_study_folder_that_lost_its_marks_is_adopted(quick, tmp_path):
     """``mhla-gen adopt study`` accepts every file the runner writes today (record, reports, plots)."""
-    from mhla_gen.adopt import adopt
-    from mhla_gen.folders import read_marker
+    from mhla_gen.outputs.adopt import adopt
+    from mhla_gen.outputs.folders import read_marker
 
     copy = tmp_path / "study"
     shutil.copytree(quick[0], copy, ignore=shutil.ignore_patterns(".*"))  # markers, listings, locks

@@ -102,7 +102,7 @@ def test_report_lists_environment_summary_and_every_section(gpu_check, tmp_path)
     assert (folder / ".mhla_gen.json").is_file()
     wan = folder / "06-wan2-1-1-3b-step.txt"
     assert wan.read_text().count("timed wan480") == 850 and "REPORT.files/06-wan2-1-1-3b-step.txt" in text
-    from mhla_gen.folders import listed
+    from mhla_gen.outputs.folders import listed
 
     assert set(listed(folder)) == {p.name for p in folder.glob("*.txt")}
 

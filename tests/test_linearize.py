@@ -23,7 +23,7 @@ from train_helpers import (
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import read_marker
+from mhla_gen.outputs.folders import read_marker
 from mhla_gen.processors import MHLAProcessor
 
 TINY = {base: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{base}.yaml") for base in ("dit", "sana", "wan")}

@@ -20,7 +20,7 @@ from train_helpers import REPO, run_inprocess, write_captioned_videos
 from mhla_gen import MHLAConfig, load_transformer
 from mhla_gen.cards import CARD, LOCAL_ONLY, local_paths, push_to_hub, shared_files, write_card
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import MARKER, read_marker
+from mhla_gen.outputs.folders import MARKER, read_marker
 
 TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml") for name in ("dit", "sana", "wan")}
 SANA_ID = "Efficient-Large-Model/Sana_600M_512px_diffusers"
@@ -233,7 +233,7 @@ def test_saved_pipeline_card_loads_with_diffusers(root, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------- writing and pushing
 def test_a_users_readme_is_never_replaced(tmp_path, caplog):
-    from mhla_gen.folders import write_marker
+    from mhla_gen.outputs.folders import write_marker
 
     folder = tmp_path / "final"
     folder.mkdir()

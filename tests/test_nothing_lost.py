@@ -24,7 +24,7 @@ from train_helpers import PYTHON, REPO, run_inprocess, subprocess_env
 
 from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import LISTING, MARKER, listed, read_marker, write_marker
+from mhla_gen.outputs.folders import LISTING, MARKER, listed, read_marker, write_marker
 
 
 def linearize(*args):
@@ -197,7 +197,7 @@ def test_old_checkpoints_are_pruned_only_when_they_hold_what_they_list(tmp_path,
     before = checksums(ckpts / "checkpoint_2", old)
     _checkpointed(run, 3)
     assert checksums(ckpts / "checkpoint_2", old) == before
-    assert f"python -m mhla_gen.adopt checkpoint {old}" in caplog.text
+    assert f"python -m mhla_gen.outputs.adopt checkpoint {old}" in caplog.text
     assert "(my_notes.txt); left untouched" in caplog.text
     adopt("run", run)  # lists checkpoint_1's files: the next save prunes it
     (ckpts / "checkpoint_2" / "my_notes.txt").unlink()
@@ -208,7 +208,7 @@ def test_old_checkpoints_are_pruned_only_when_they_hold_what_they_list(tmp_path,
 def test_a_torn_checkpoint_save_is_kept_unless_it_holds_only_what_it_lists(tmp_path, caplog):
     """A save killed inside accelerator.save_state leaves a marked temp folder whose files are not listed
     yet: it stays (warning), and the resumed run saves that step into a temp folder of its own."""
-    from mhla_gen.folders import record_files
+    from mhla_gen.outputs.folders import record_files
 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
@@ -229,7 +229,7 @@ def test_a_torn_checkpoint_save_is_kept_unless_it_holds_only_what_it_lists(tmp_p
 
 # ------------------------------------------------------------------------------ 3. adopt proves content
 def adopt(*args):
-    from mhla_gen.adopt import main
+    from mhla_gen.outputs.adopt import main
 
     main(list(map(str, args)))
 
@@ -328,7 +328,7 @@ def test_every_refusal_of_an_earlier_versions_folder_prints_the_adopt_command(tm
     """A folder an earlier version marked without listing its files (or did not mark at all) is never
     replaced or deleted; every refusal and warning prints the command that lists it, exactly."""
     from mhla_gen.data.teacher import check_teacher_folder
-    from mhla_gen.folders import check_replaceable, discard
+    from mhla_gen.outputs.folders import check_replaceable, discard
     from mhla_gen.train import checkpoint
 
     checks = {
@@ -346,7 +346,7 @@ def test_every_refusal_of_an_earlier_versions_folder_prints_the_adopt_command(tm
             refused(check, folder, match=rf"python -m mhla_gen\.adopt {kind} {folder}$")
             before = checksums(folder)
             assert not discard(folder, kind, "output_dir") and checksums(folder) == before
-            assert f"python -m mhla_gen.adopt {kind} {folder}" in caplog.text
+            assert f"python -m mhla_gen.outputs.adopt {kind} {folder}" in caplog.text
 
 
 # ------------------------------------------------------------------------------ 4. recorded teacher
@@ -448,8 +448,8 @@ def test_a_second_writer_stops_naming_the_holder(teacher_run, tmp_path, capsys, 
 
 
 def test_a_stale_lock_record_is_cleared_with_a_message(tmp_path, caplog):
-    from mhla_gen.folders import claim
-    from mhla_gen.locks import LOCK, release
+    from mhla_gen.outputs.folders import claim
+    from mhla_gen.outputs.locks import LOCK, release
 
     dead = subprocess.Popen([PYTHON, "-c", "pass"])
     dead.wait()
@@ -515,7 +515,7 @@ def test_a_second_writer_of_one_output_file_stops_naming_the_holder(writer, tmp_
 
 
 def test_a_single_file_lock_is_removed_on_release_and_a_stale_one_cleared(tmp_path, caplog):
-    from mhla_gen.locks import file_lock_path, lock_file, release_file, writing_files
+    from mhla_gen.outputs.locks import file_lock_path, lock_file, release_file, writing_files
 
     out = tmp_path / "report.json"
     load_script("benchmarks/bench_attention.py").main(["--sizes", "--device", "cpu", "--out", str(out)])
@@ -537,7 +537,7 @@ def test_a_single_file_lock_is_removed_on_release_and_a_stale_one_cleared(tmp_pa
 
 PARENT = """
 import subprocess, sys, time
-code = ("import os, time; from mhla_gen.locks import die_with_parent; die_with_parent(os.getppid()); "
+code = ("import os, time; from mhla_gen.outputs.locks import die_with_parent; die_with_parent(os.getppid()); "
         "print('ready', flush=True); time.sleep(60)")
 child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 child.stdout.readline()
@@ -566,10 +566,10 @@ def test_workers_die_with_their_parent(tmp_path):
 
 LOCKS_ALONE = """
 import sys, types
-package = types.ModuleType("mhla_gen")  # mhla_gen.locks without the package's imports (diffusers: 10 s)
+package = types.ModuleType("mhla_gen")  # outputs.locks without the package's imports (diffusers: 10 s)
 package.__path__ = [sys.argv[1]]
 sys.modules["mhla_gen"] = package
-from mhla_gen.locks import die_with_launcher, dying_with_us
+from mhla_gen.outputs.locks import die_with_launcher, dying_with_us
 """
 RANK = LOCKS_ALONE + """
 import os, time
@@ -707,10 +707,12 @@ ENTRY_POINTS = {  # script -> how it keeps outputs apart from inputs, and locks/
 }
 # The only places that delete files, each deleting what its own listing / marker names
 DELETERS = {
-    "mhla_gen/folders.py": "remove_listed, replace_with, discard (a marked folder holding what it lists)",
+    "mhla_gen/outputs/folders.py":
+        "remove_listed, replace_with, discard (a marked folder holding what it lists)",
     "mhla_gen/data/teacher.py": "its own parts/ files by name once assembled",
     "mhla_gen/commands/generate.py": "the manifest shards it listed",
-    "mhla_gen/locks.py": "the .<name>.mhla_gen.lock file it created (or a pid record of a killed writer)",
+    "mhla_gen/outputs/locks.py":
+        "the .<name>.mhla_gen.lock file it created (or a pid record of a killed writer)",
 }
 PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher", "prompts_file",
                "cache_dir")
@@ -739,7 +741,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
         source = path.read_text()
         deletes = any(call in source for call in ("rmtree(", ".unlink(", "os.remove(", ".rmdir("))
         rel = str(path.relative_to(REPO))
-        assert not deletes or rel in DELETERS, f"{rel} deletes files: list by name (mhla_gen.folders)"
+        assert not deletes or rel in DELETERS, f"{rel} deletes files: list by name (mhla_gen.outputs.folders)"
         assert "fnmatch" not in source, f"{rel}: no deletion or ownership by pattern"
 
 

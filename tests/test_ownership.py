@@ -1,6 +1,6 @@
 """Nothing lost: every command that writes, against folders and files that are not its own.
 
-The matrix of ``mhla_gen.folders``' rule: each writer x {an empty folder, a user's files with names the
+The matrix of ``outputs.folders``' rule: each writer x {an empty folder, a user's files with names the
 project uses, a marked folder of another kind, our own earlier output, a leftover temporary folder of
 ours, a user's ``.tmp-<name>`` sibling, a sharded model folder, an existing reference ``.npz``}. User
 bytes are compared by checksum before and after; our own outputs must be reusable.
@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from train_helpers import REPO, run_inprocess
 
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import MARKER, read_marker, write_marker
+from mhla_gen.outputs.folders import MARKER, read_marker, write_marker
 
 TINY_DIT = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
 
@@ -138,7 +138,7 @@ def _release_checkpoint(root: Path) -> None:
 @dataclass(frozen=True)
 class Writer:
     name: str
-    kind: str  # the folder kind it writes (mhla_gen.folders.KINDS)
+    kind: str  # the folder kind it writes (mhla_gen.outputs.folders.KINDS)
     user_names: tuple[str, ...]  # names it writes itself, planted as a user's files
     temp: bool = False  # builds in a .tmp-<name> sibling
 
@@ -227,7 +227,7 @@ def test_a_leftover_temp_folder_of_ours_is_cleaned_up(name, listing, assets, tmp
     """An interrupted earlier run left its marked temporary folder. Holding exactly what it lists, it is
     removed; holding a file it does not list, it stays byte for byte (a warning names it) and the command
     builds in a new temporary folder. Either way the command goes on."""
-    from mhla_gen.folders import record_files
+    from mhla_gen.outputs.folders import record_files
 
     target = tmp_path / "out"
     temp_parent, temp_kind = (target, "model") if name == "train_dit" else (tmp_path, WRITERS[name].kind)
@@ -282,13 +282,13 @@ def test_a_users_file_inside_a_folder_of_ours_is_not_replaced_with_it(assets, tm
 
 def test_a_folder_from_before_markers_is_refused_then_adopted(assets, tmp_path):
     """The explicit, named way to adopt a folder an mhla_gen without markers wrote."""
-    from mhla_gen.adopt import main as adopt
+    from mhla_gen.outputs.adopt import main as adopt
 
     target = tmp_path / "old"
     write("extract_latents", assets, target)
     (target / MARKER).unlink()  # as written before markers existed
     refused(lambda t: write("extract_latents", assets, t), target,
-            match=rf"python -m mhla_gen.adopt latent_cache {target}")
+            match=rf"python -m mhla_gen.outputs.adopt latent_cache {target}")
     with pytest.raises(ConfigError, match="holds entries a DiT latent cache folder does not"):
         adopt(["latent_cache", str(user_files(tmp_path / "photos", ["me.jpg"]))])
     adopt(["latent_cache", str(target)])

@@ -19,7 +19,7 @@ from train_helpers import REPO, run_inprocess, write_captioned_videos
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.bases import base_for
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import input_record, write_marker
+from mhla_gen.outputs.folders import input_record, write_marker
 from mhla_gen.train.config import load_config
 
 TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml")

@@ -365,7 +365,7 @@ def test_output_dir_with_other_files_is_refused(tmp_path):
 def test_restart_without_checkpoint_drops_the_interrupted_runs_records(reference_run, tmp_path):
     """resume=latest, no checkpoint yet (killed before the first one): the run starts at step 0 and its
     records replace the interrupted run's, instead of being appended after them (1..5 then 1..3)."""
-    from mhla_gen.folders import write_marker
+    from mhla_gen.outputs.folders import write_marker
 
     write_marker(tmp_path, "run")
     stale = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 6))

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
 from mhla_gen.cards import CARD
-from mhla_gen.folders import LISTING, MARKER, read_marker
 from mhla_gen.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
+from mhla_gen.outputs.folders import LISTING, MARKER, read_marker
 
 # EMA on: it averages the trained parameters (LoRA + MHLA) and final/ holds the averages
 LORA = (

@@ -41,7 +41,7 @@ def test_shape_class_rounds_to_powers_of_two():
 
 
 def test_shipped_table_is_valid_and_ours():
-    from mhla_gen.folders import file_is_ours
+    from mhla_gen.outputs.folders import file_is_ours
 
     table = tile_table.read_table(tile_table.TABLE_PATH)
     assert file_is_ours(tile_table.TABLE_PATH, tile_table.TABLE_KIND)

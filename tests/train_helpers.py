@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mhla_gen.locks import dying_with_us
+from mhla_gen.outputs.locks import dying_with_us
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -7,7 +7,7 @@ conversion) asks a record; nothing else compares base names. ``docs/extending.md
 The record holds the MHLA processor class itself (processors sit below every other layer of the package)
 and names the upper layers (run config, training task and objective, pipeline sampler, test reference) as
 ``module:attribute`` references (:class:`Ref`), imported on first use: importing a record loads no training,
-pipeline or test code, so ``python -m mhla_gen.adopt`` stays light and no import cycle runs through the
+pipeline or test code, so ``mhla-gen adopt`` stays light and no import cycle runs through the
 records.
 """
 

@@ -10,7 +10,7 @@ image grid each layer also reports its mirror mass (attention on the horizontall
 are N × N per head, so N (tokens per layer) must stay small.
 Output: ``attention_stats.json`` and ``.png`` in ``--out-dir`` (default: ``attention_stats/`` beside the
 model folder, e.g. inside its training run, whose folder rule knows it); the folder must be new, empty or
-one this script wrote (mhla_gen.folders).
+one this script wrote (mhla_gen.outputs.folders).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.data.shapes import HELD_OUT_SEED, shapes_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_apart, claim, owned
 from mhla_gen.loading import load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
     save_attention_statistics,
 )
+from mhla_gen.outputs.folders import check_apart, claim, owned
 
-STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.folders.KINDS)
+STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.outputs.folders.KINDS)
 
 
 def digits_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from mhla_gen.cards import check_push_target, model_card, push_to_hub, scrub_local_paths, write_card
 from mhla_gen.cli import expand_path, run
 from mhla_gen.convert_wan import convert_wan_checkpoint, converted_card_facts
-from mhla_gen.folders import (
+from mhla_gen.outputs.folders import (
     check_apart,
     check_replaceable,
     check_temp,

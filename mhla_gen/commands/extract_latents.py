@@ -16,7 +16,7 @@ from mhla_gen.cli import expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import input_record
+from mhla_gen.outputs.folders import input_record
 
 
 def positive_int(text: str) -> int:

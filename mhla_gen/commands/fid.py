@@ -29,8 +29,6 @@ from PIL import Image
 from mhla_gen.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_apart, check_file_target, file_record
-from mhla_gen.locks import writing_files
 from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
@@ -44,10 +42,12 @@ from mhla_gen.metrics import (
     save_reference_stats,
 )
 from mhla_gen.metrics.fid import REFERENCE_STATS
+from mhla_gen.outputs.folders import check_apart, check_file_target, file_record
+from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-METRICS_KIND = "fid_metrics"  # the record in the metrics JSON (mhla_gen.folders.file_record)
+METRICS_KIND = "fid_metrics"  # the record in the metrics JSON (mhla_gen.outputs.folders.file_record)
 
 
 def load_images(source: str | Path, limit: int | None = None) -> torch.Tensor:
@@ -180,7 +180,7 @@ def default_out(samples: str) -> Path:
 
 
 def check_outputs(args) -> tuple[Path, Path | None]:
-    """The metrics JSON and reference-statistics paths, checked before any work (mhla_gen.folders): an
+    """The metrics JSON and reference-statistics paths, checked before any work (mhla_gen.outputs.folders): an
     existing file is replaced only if this script wrote it or ``--overwrite`` is given."""
     out = check_file_target(args.out or default_out(args.samples), "--out", METRICS_KIND, args.overwrite)
     check_apart(out, "--out", {"--ref": args.ref})  # a reference set is never written into

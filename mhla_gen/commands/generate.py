@@ -32,9 +32,9 @@ from mhla_gen.cli import run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.configs import resolve_config
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_apart, claim, listed, owned, record_files
-from mhla_gen.locks import die_with_launcher, release
 from mhla_gen.metrics.video import write_video
+from mhla_gen.outputs.folders import check_apart, claim, listed, owned, record_files
+from mhla_gen.outputs.locks import die_with_launcher, release
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
@@ -119,7 +119,7 @@ def load_generate_config(path: str | None, overrides: list[str]) -> GenerateConf
     return load_config(GenerateConfig, path, overrides)
 
 
-SAMPLES_FOLDER = "samples"  # the kind of folder output_dir is (mhla_gen.folders.KINDS)
+SAMPLES_FOLDER = "samples"  # the kind of folder output_dir is (mhla_gen.outputs.folders.KINDS)
 
 
 def check_labels(cfg: GenerateConfig, num_classes: int) -> None:

@@ -38,12 +38,12 @@ from mhla_gen.bases import BASES, base_for
 from mhla_gen.cli import expand_path, run
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import check_apart, claim, owned
+from mhla_gen.outputs.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images
 
-OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.folders.KINDS)
+OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.outputs.folders.KINDS)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

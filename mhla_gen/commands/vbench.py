@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from mhla_gen.cli import expand_path, run
-from mhla_gen.folders import check_apart, check_file_target, file_record
-from mhla_gen.locks import writing_files
 from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
 from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
+from mhla_gen.outputs.folders import check_apart, check_file_target, file_record
+from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".avi", ".mov", ".gif"}
-METRICS_KIND = "vbench_metrics"  # the record in the JSON (mhla_gen.folders.file_record)
+METRICS_KIND = "vbench_metrics"  # the record in the JSON (mhla_gen.outputs.folders.file_record)
 
 
 def build_feature_extractor(model_path: str | None, fallback: str):

@@ -8,7 +8,7 @@
   latents and the text encoder's embeddings, plus ``meta.json`` with a fingerprint of what made them
   (checkpoint, resolution, frames, text length); a different fingerprint rebuilds the cache.
 
-Both caches are folders this project marks (:mod:`mhla_gen.folders`): a folder that is not empty and
+Both caches are folders this project marks (:mod:`mhla_gen.outputs.folders`): a folder that is not empty and
 not marked as a cache of the same kind is refused before anything is written, as is a cache folder that
 is, contains or lies inside the data folder. Both are built in a marked temporary sibling (``.tmp-<name>``,
 cleaned up if an interrupted run left one) and put in place when complete.
@@ -27,12 +27,19 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..folders import check_apart, check_replaceable, check_temp, fresh_temp, record_files, replace_with
+from ..outputs.folders import (
+    check_apart,
+    check_replaceable,
+    check_temp,
+    fresh_temp,
+    record_files,
+    replace_with,
+)
 from .images import require_dir
 
 logger = logging.getLogger(__name__)
 
-LATENT_CACHE = "latent_cache"  # folder kinds (mhla_gen.folders.KINDS)
+LATENT_CACHE = "latent_cache"  # folder kinds (mhla_gen.outputs.folders.KINDS)
 FEATURE_CACHE = "feature_cache"
 
 

@@ -7,7 +7,7 @@ latent-cache layout that :class:`~mhla_gen.data.LatentCacheDataset` reads: ``lat
 ``(N, 2, C, h, w)`` (each sample and its horizontal flip), ``labels.npy``, ``meta.json``. Samples are drawn
 in chunks, each saved under ``parts/`` as soon as it is done and with its own seed, so a killed run
 continues where it stopped and gives the same data. The folder is a ``teacher_data`` folder of this
-project (:mod:`mhla_gen.folders`): only such a folder, or an empty one, is written into. Every file is
+project (:mod:`mhla_gen.outputs.folders`): only such a folder, or an empty one, is written into. Every file is
 listed (name and size) as it is written; a folder built with other settings (its ``meta.json``
 fingerprint differs) is rebuilt after deleting exactly the listed files, and a folder that also holds
 files the user put there is refused at start-up (:func:`check_teacher_folder`): they would be read as
@@ -27,11 +27,20 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..folders import adopt_command, claim, content, listed, owned, record_files, remove_listed, unlisted
+from ..outputs.folders import (
+    adopt_command,
+    claim,
+    content,
+    listed,
+    owned,
+    record_files,
+    remove_listed,
+    unlisted,
+)
 
 logger = logging.getLogger(__name__)
 
-TEACHER_DATA = "teacher_data"  # the folder kind (mhla_gen.folders.KINDS)
+TEACHER_DATA = "teacher_data"  # the folder kind (mhla_gen.outputs.folders.KINDS)
 
 
 def _fingerprint_matches(out: Path, fingerprint: dict) -> bool:

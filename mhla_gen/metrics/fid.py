@@ -150,7 +150,7 @@ def precision_recall(real, fake, k: int = 3) -> tuple[float, float]:
     return precision, recall
 
 
-REFERENCE_STATS = "reference_stats"  # the file kind (mhla_gen.folders.file_is_ours)
+REFERENCE_STATS = "reference_stats"  # the file kind (mhla_gen.outputs.folders.file_is_ours)
 REFERENCE_STATS_RECORD = "mhla_gen_kind"
 
 
@@ -162,7 +162,7 @@ def save_reference_stats(path: str | os.PathLike, feats: dict[str, np.ndarray], 
               "extractor": np.asarray(extractor_name)}
     if "spatial" in feats:
         arrays["mu_s"], arrays["sigma_s"] = feature_statistics(feats["spatial"])
-    arrays[REFERENCE_STATS_RECORD] = np.asarray(REFERENCE_STATS)  # marks the file as ours (mhla_gen.folders)
+    arrays[REFERENCE_STATS_RECORD] = np.asarray(REFERENCE_STATS)  # marks the file as ours (outputs.folders)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.npz")  # written whole, then renamed: never half a file
     np.savez(tmp, **arrays)

@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-TABLE_KIND = "mhla_tile_table"  # the file's record (mhla_gen.folders.file_record)
+TABLE_KIND = "mhla_tile_table"  # the file's record (mhla_gen.outputs.folders.file_record)
 TABLE_PATH = Path(__file__).with_name("mhla_tiles.json")
 
 _POW2 = (16, 32, 64, 128, 256)

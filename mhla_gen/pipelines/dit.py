@@ -19,7 +19,7 @@ from diffusers import DiTPipeline, DiTTransformer2DModel
 
 from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.folders import read_marker
+from mhla_gen.outputs.folders import read_marker
 from mhla_gen.train.config import DiTRunConfig, load_config
 
 from . import PipelineSampler, SampleSettings, load_pipeline_transformer

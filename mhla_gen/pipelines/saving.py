@@ -1,5 +1,5 @@
 """A pipeline whose transformer runs MHLA, saved as a folder to share: diffusers' ``save_pretrained`` under
-the project's file rules (:mod:`mhla_gen.folders`), with a model card (:mod:`mhla_gen.cards`).
+the project's file rules (:mod:`mhla_gen.outputs.folders`), with a model card (:mod:`mhla_gen.cards`).
 
     pipe = load_sana_pipeline(BASE, transformer_path="runs/sana/final")
     save_pipeline(pipe, "exports/sana-mhla", base_model="Efficient-Large-Model/Sana_600M_512px_diffusers")
@@ -24,7 +24,8 @@ from mhla_gen.cards import (
     scrub_local_paths,
     write_card,
 )
-from mhla_gen.folders import (
+from mhla_gen.install import is_mhla_installed
+from mhla_gen.outputs.folders import (
     check_apart,
     check_replaceable,
     check_temp,
@@ -32,9 +33,8 @@ from mhla_gen.folders import (
     replace_with,
     write_marker,
 )
-from mhla_gen.install import is_mhla_installed
 
-KIND = "pipeline"  # the kind of folder it writes (mhla_gen.folders.KINDS)
+KIND = "pipeline"  # the kind of folder it writes (mhla_gen.outputs.folders.KINDS)
 EXPERTS = ("transformer", "transformer_2")
 
 

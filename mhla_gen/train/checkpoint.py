@@ -4,15 +4,15 @@ Why not ``ProjectConfiguration(automatic_checkpoint_naming=True)``: Accelerate t
 ``checkpoints/checkpoint_<save count>``, so a job killed halfway through a save leaves a half-written
 folder that looks like the newest checkpoint, and the folder number counts saves, not optimizer steps.
 Here ``accelerator.save_state`` writes into a marked temporary folder ``checkpoints/.tmp-checkpoint_<step>``
-(:func:`mhla_gen.folders.fresh_temp`); the main process adds ``trainer_state.json`` (step + model
-signature), lists every file in the folder's marker (:func:`mhla_gen.folders.seal`) and only then renames
+(:func:`mhla_gen.outputs.folders.fresh_temp`); the main process adds ``trainer_state.json`` (step + model
+signature), lists every file in the folder's marker (:func:`outputs.folders.seal`) and only then renames
 the folder into place with ``os.replace`` (atomic on POSIX). Resume only ever sees complete checkpoints.
 
-Nothing is deleted by name or pattern (:mod:`mhla_gen.folders`): a leftover temporary folder and a
+Nothing is deleted by name or pattern (:mod:`mhla_gen.outputs.folders`): a leftover temporary folder and a
 checkpoint pruned by ``train.checkpoints_total_limit`` (the newest N are kept, pruned after the new one is
 in place) are deleted only when marked as ours and holding exactly what their listing names
-(:func:`mhla_gen.folders.discard`). A checkpoint holding a file of the user's, or written by an earlier
-version (no listing: ``python -m mhla_gen.adopt checkpoint FOLDER`` lists it), is left untouched with a
+(:func:`outputs.folders.discard`). A checkpoint holding a file of the user's, or written by an earlier
+version (no listing: ``mhla-gen adopt checkpoint FOLDER`` lists it), is left untouched with a
 warning. The main process does all of this; the other ranks wait and write into the folder it chose.
 """
 
@@ -25,12 +25,12 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..folders import adopt_command, discard, fresh_temp, read_marker, seal, strays
+from ..outputs.folders import adopt_command, discard, fresh_temp, read_marker, seal, strays
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-KIND = "checkpoint"  # the folder kind of a checkpoint and of its temporary folder (mhla_gen.folders.KINDS)
+KIND = "checkpoint"  # the folder kind of a checkpoint and of its temporary folder (outputs.folders.KINDS)
 SETTING = "output_dir (its checkpoints/)"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -88,7 +88,7 @@ def check_signature(checkpoint: Path, signature: dict) -> None:
 def remove_partial(output_dir: str | Path) -> None:
     """Main process, at start-up: delete the temporary folders of saves killed halfway (marked as our
     checkpoints, not named ``checkpoint_<step>``) that hold exactly what they list; others stay, with a
-    warning (:func:`mhla_gen.folders.discard`)."""
+    warning (:func:`outputs.folders.discard`)."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return

@@ -37,8 +37,8 @@ from torch.utils.data import Dataset, default_collate
 
 from ..bases import Base
 from ..flops import count_flops
-from ..folders import file_record, input_record
 from ..install import uninstall_mhla
+from ..outputs.folders import file_record, input_record
 from ..transfer import (
     TRAINABLE,
     TransferHooks,
@@ -176,7 +176,7 @@ class TransferTask(TrainTask):
     # ------------------------------------------------------------------------------------- checks
     def teacher(self) -> str:
         """Where the frozen teacher comes from: a local folder resolved and absolute, or a hub id (recorded
-        in ``final/``'s marker with its fingerprint, :func:`~mhla_gen.folders.input_record`)."""
+        in ``final/``'s marker with its fingerprint, :func:`~mhla_gen.outputs.folders.input_record`)."""
         source = str(self.inner.conversion_teacher()[0])
         local = Path(source).expanduser()
         return str(local.resolve()) if local.exists() else source

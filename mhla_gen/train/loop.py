@@ -21,7 +21,7 @@ Where a run starts (:func:`plan_start`): ``resume=latest`` continues from the ne
 this run is about to redo) are dropped from ``metrics.jsonl``; a folder holding a *finished* run
 (``final/``) is refused instead. In every case ``metrics.jsonl`` keeps only the rows up to the start step,
 and TensorBoard hides the events past it (``SummaryWriter(purge_step=start + 1)``). The output folder is
-a folder this project marked as a run (:mod:`mhla_gen.folders`): any other non-empty folder is refused,
+a folder this project marked as a run (:mod:`mhla_gen.outputs`): any other non-empty folder is refused,
 and ``final/`` is written in a temporary sibling and put in place when complete.
 
 FSDP is decided once (:attr:`Run.fsdp`, :mod:`mhla_gen.train.distributed`): the task names its FSDP2
@@ -53,7 +53,15 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..cards import check_push_target, push_to_hub, scrub_local_paths
-from ..folders import (
+from ..lora import (
+    LORA_TARGET_MODULES,
+    add_lora,
+    check_lora_targets,
+    lora_training_parameters,
+    merged_lora_copy,
+)
+from ..mixing import clamp_mixing_
+from ..outputs.folders import (
     check_apart,
     check_replaceable,
     check_temp,
@@ -64,15 +72,7 @@ from ..folders import (
     replace_with,
     write_marker,
 )
-from ..locks import die_with_launcher, release
-from ..lora import (
-    LORA_TARGET_MODULES,
-    add_lora,
-    check_lora_targets,
-    lora_training_parameters,
-    merged_lora_copy,
-)
-from ..mixing import clamp_mixing_
+from ..outputs.locks import die_with_launcher, release
 from ..processors.base import MHLAProcessor
 from . import checkpoint as ckpt
 from .card import write_run_card
@@ -94,7 +94,7 @@ from .tracking import check_trackers, log_grid, make_lr_scheduler, run_summary, 
 
 logger = logging.getLogger(__name__)
 
-RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.folders.KINDS)
+RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.outputs.folders.KINDS)
 
 
 class TrainTask:
@@ -125,7 +125,7 @@ class TrainTask:
 
     def inputs(self) -> dict[str, str | None]:
         """Every input the run reads, setting -> local path or hub id (start points, teachers, data, VAE):
-        ``output_dir`` must be apart from each (:func:`~mhla_gen.folders.check_apart`), and the run's
+        ``output_dir`` must be apart from each (:func:`~mhla_gen.outputs.folders.check_apart`), and the run's
         marker records each resolved, with a fingerprint for models."""
         return {}
 
@@ -299,7 +299,7 @@ def train(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = 
         run_steps(run)
         return finish(run)
     finally:
-        release(run.out)  # the output folder's lock (mhla_gen.locks); an exit of any kind also ends it
+        release(run.out)  # the output folder's lock (outputs.locks); an exit of any kind also ends it
 
 
 # ---------------------------------------------------------- 1. start_run: settings, checks, output folder

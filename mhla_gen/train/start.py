@@ -16,8 +16,8 @@ from torch import nn
 
 from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..folders import check_recorded, read_marker
 from ..install import stock_class_name
+from ..outputs.folders import check_recorded, read_marker
 from .attention import install_attention, load_start_transformer, saved_mhla, start_attention
 
 SETTING = "model.init_from"
@@ -33,7 +33,7 @@ class StartPoint:
             a hub id or no start point.
         saved: the MHLA config the folder was saved with (None: stock attention, hub id or no start).
         recorded_teacher: the teacher its marker records (a stage-1 folder), else None.
-        teacher_record: that teacher's resolved path and fingerprint (:func:`~mhla_gen.folders.input_record`).
+        teacher_record: that teacher's resolved path and fingerprint (:func:`outputs.folders.input_record`).
     """
 
     ref: str | None = None

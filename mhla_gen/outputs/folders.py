@@ -9,8 +9,8 @@ gets a marker file, ``.mhla_gen.json``, naming its *kind*. Names prove nothing: 
 * a folder marked with the same kind is ours: its files may be written and replaced;
 * a non-empty unmarked folder, a folder marked with another kind, or a file where a folder should be
   is refused with a :class:`ConfigError` naming the setting, before any work. A folder that an earlier
-  mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.adopt KIND FOLDER``,
-  which proves its content (:mod:`mhla_gen.adopt`).
+  mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.outputs.adopt KIND FOLDER``,
+  which proves its content (:mod:`mhla_gen.outputs.adopt`).
 
 **Delete only what you listed.** A writer removes or replaces only files its own listing names (relative
 path and byte size of each file it wrote: the marker's ``files`` for a folder built whole, :func:`seal`;
@@ -28,8 +28,8 @@ no output folder is, contains or lies inside one of the command's inputs (teache
 VAE, another run's cache, reference sets), compared as resolved real paths (symlinks followed).
 
 **One writer per folder.** :func:`claim` and :func:`fresh_temp` lock the folder they hand out
-(:mod:`mhla_gen.locks`); :func:`owned` refuses a folder another live command holds. A single output file
-is locked with :func:`mhla_gen.locks.lock_file` (a sibling ``.<name>.mhla_gen.lock`` while it is written).
+(:mod:`mhla_gen.outputs.locks`); :func:`owned` refuses a folder another live command holds. A single output file
+is locked with :func:`mhla_gen.outputs.locks.lock_file` (a sibling ``.<name>.mhla_gen.lock`` while it is written).
 
 **Recorded inputs cannot drift.** :func:`input_record` stores an input resolved and absolute with a
 fingerprint (sizes and a sampled hash of its weights); :func:`check_recorded` refuses one that moved or
@@ -50,7 +50,7 @@ import os
 import shlex
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .locks import LOCK, check_free, holder, lock_folder, main_rank, release
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ LISTING = ".mhla_gen.files.jsonl"  # the files we wrote into a marked folder: {"
 BOOKKEEPING = frozenset({MARKER, LISTING, LOCK})  # our records, not content
 FILE_RECORD = "mhla_gen"  # key of the record in a JSON file; .npz: FILE_RECORD + "_kind"
 
-# kind -> what it is (python -m mhla_gen.adopt proves a folder's content per kind)
+# kind -> what it is (python -m mhla_gen.outputs.adopt proves a folder's content per kind)
 KINDS: dict[str, str] = {
     "run": "training run (output_dir)",
     "checkpoint": "training checkpoint (output_dir/checkpoints/checkpoint_<step>)",
@@ -81,7 +81,7 @@ KINDS: dict[str, str] = {
 def adopt_command(kind: str, folder: str | Path) -> str:
     """The command that adopts (marks and lists) ``folder`` as a ``kind`` folder; every refusal of a folder
     an earlier version wrote ends with it."""
-    return f"python -m mhla_gen.adopt {kind} {shlex.quote(str(folder))}"
+    return f"python -m mhla_gen.outputs.adopt {kind} {shlex.quote(str(folder))}"
 
 
 def _resolved(path: str | Path) -> Path:
@@ -190,7 +190,7 @@ def owned(folder: str | Path, kind: str, setting: str) -> bool:
 
 def claim(folder: str | Path, kind: str, setting: str, **record) -> Path:
     """Create ``folder`` (or accept it, see :func:`owned`), mark it as a ``kind`` folder and hold its lock
-    (:func:`mhla_gen.locks.lock_folder`) until the command ends."""
+    (:func:`mhla_gen.outputs.locks.lock_folder`) until the command ends."""
     folder = Path(folder).expanduser()
     was_ours = owned(folder, kind, setting)
     folder.mkdir(parents=True, exist_ok=True)

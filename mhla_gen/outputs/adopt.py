@@ -1,10 +1,10 @@
 """Adopt a folder that an mhla_gen version without folder markers (or file listings) wrote.
 
-    python -m mhla_gen.adopt run runs/old_run
-    python -m mhla_gen.adopt latent_cache /data/imagenet256_latents
+    python -m mhla_gen.outputs.adopt run runs/old_run
+    python -m mhla_gen.outputs.adopt latent_cache /data/imagenet256_latents
 
 Every command refuses to write into a non-empty folder that does not carry mhla_gen's marker
-(``.mhla_gen.json``, see :mod:`mhla_gen.folders`), whatever the names of its files. This command is the
+(``.mhla_gen.json``, see :mod:`mhla_gen.outputs.folders`), whatever the names of its files. This command is the
 explicit way to say "this folder is mhla_gen's". Names prove nothing, so it proves the *content*: it lists
 what it is about to claim, then checks every entry against what a folder of that kind holds (a sample set's
 ``manifest.jsonl`` records match its images; a run's ``config.yaml`` parses as a run config; a model's
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .bases import BASES, base_for_class_name
-from .cli import run
-from .errors import ConfigError
+from ..bases import BASES, base_for_class_name
+from ..cli import run
+from ..errors import ConfigError
 from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
-from .install import stock_class_name
+from ..install import stock_class_name
 
 
 def _a(noun: str) -> str:
@@ -285,9 +285,9 @@ def prove_attention_stats(folder: Path) -> None:
 
 
 def _run_config(path: Path) -> None:
-    from .bases import BASES
-    from .train.config import load_config
-    from .train.linearize import stage1_schema
+    from ..bases import BASES
+    from ..train.config import load_config
+    from ..train.linearize import stage1_schema
 
     trained = [base for base in BASES.values() if base.trains]
     schemas = [base.run_config.load() for base in trained] + [stage1_schema(base) for base in trained]
@@ -462,7 +462,7 @@ def adopt(folder: str | Path, kind: str, show: Callable[[str], None] = print) ->
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mhla_gen.adopt",
+        prog="python -m mhla_gen.outputs.adopt",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 try:  # POSIX only; elsewhere folders are not locked (logged once)
     import fcntl
