@@ -34,11 +34,11 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
   matrix (``eps`` / M: exactly the teacher at step 0) or the paper's locality init;
 * ``--softmax-layers`` (any grid): K = 1 .. depth / 2 softmax layers chosen by the end-to-end ranking, by
   the per-layer error or by the release's fixed pattern, with each K's measured latency
-  (``mhla_gen.softmax_layers``: quality against latency; K = 0 is ``mhla-stage1-all``). ``--arms`` may
+  (``studies.softmax_layers``: quality against latency; K = 0 is ``mhla-stage1-all``). ``--arms`` may
   also name single sweep arms (``softmax1-e2e``, ``softmax2-fixed``, ...) without the whole sweep.
 
 FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
-``mhla_gen.experiments`` (the study's runner: resumable, parallel). Writes OUT/record.npz (the record
+``studies.experiments`` (the study's runner: resumable, parallel). Writes OUT/record.npz (the record
 every table and plot is rendered from: eval/results.py), OUT/adaptation.md, OUT/adaptation.json and
 OUT/curves_<grid>.png.
 """
@@ -55,11 +55,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from mhla_gen.cli import expand_path, run
-from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.errors import ConfigError
-from mhla_gen.evidence import (
+from studies.evidence import (
     NOTES,
     RULES,
     Question,
@@ -70,7 +66,7 @@ from mhla_gen.evidence import (
     fmt_comparison,
     footnotes,
 )
-from mhla_gen.experiments import (
+from studies.experiments import (
     SHAPES_RECIPE,
     VAL_TRIPLES,
     Arm,
@@ -79,8 +75,12 @@ from mhla_gen.experiments import (
     study_records,
     summarize,
 )
+from studies.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
+
+from mhla_gen.cli import expand_path, run
+from mhla_gen.configs import CONFIG_DIR
+from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import check_apart, claim, file_record
-from mhla_gen.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
@@ -493,7 +493,7 @@ def plot_curves(records: list[dict], grid: str, path: Path) -> None:
 def softmax_layer_latency(grid: str) -> dict[int, float]:
     """Each K's inference milliseconds per image (K = 0 .. depth / 2), timed here side by side on models of
     the grid's size (K softmax layers from the release's pattern: only K matters); for the K sweep's
-    table (:func:`mhla_gen.softmax_layers.sweep_table`)."""
+    table (:func:`studies.softmax_layers.sweep_table`)."""
     config, model = dict(GRIDS[grid]), grid_model(GRIDS[grid])
     depth = model["depth"]
 

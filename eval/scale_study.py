@@ -11,7 +11,7 @@ eval/study.py answered MHLA against softmax at N = M² (256 tokens, 4x4 blocks).
 N = 4 M² and 16 M². The arms are eval/study.py's: ``softmax`` (SDPA, FlashAttention on a GPU), ``mhla``
 (the registered op: Triton on CUDA) and ``linear`` (MHLA with one block). The model is one the GPU runs
 efficiently: DiT with hidden 256, depth 8, 4 heads of 64, bf16 autocast; the shapes' recipe
-(mhla_gen.experiments.SHAPES_RECIPE) as in every shapes study.
+(studies.experiments.SHAPES_RECIPE) as in every shapes study.
 
 Budgets. The softmax arm (the reference) trains ``--images`` images per grid, or as many as fit
 ``--seconds`` of the device per grid given ``--sizing`` (images/s per arm and N, measured by
@@ -56,11 +56,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from mhla_gen.cli import expand_path, run
-from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.errors import ConfigError
-from mhla_gen.evidence import (
+from studies.evidence import (
     RULES,
     Question,
     apply_holm,
@@ -70,7 +66,11 @@ from mhla_gen.evidence import (
     footnotes,
     interval,
 )
-from mhla_gen.experiments import SHAPES_RECIPE, VAL_TRIPLES, Arm, make_jobs, run_jobs
+from studies.experiments import SHAPES_RECIPE, VAL_TRIPLES, Arm, make_jobs, run_jobs
+
+from mhla_gen.cli import expand_path, run
+from mhla_gen.configs import CONFIG_DIR
+from mhla_gen.errors import ConfigError
 from mhla_gen.flops import train_flops_per_image
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -129,7 +129,7 @@ def base_overrides(grid: dict, precision: str, warmup: int = 50) -> list[str]:
     ]
 
 
-# The shapes' recipe (mhla_gen.experiments.SHAPES_RECIPE: lr 3e-3, Min-SNR-5, clipping at 1), its learning
+# The shapes' recipe (studies.experiments.SHAPES_RECIPE: lr 3e-3, Min-SNR-5, clipping at 1), its learning
 # rate scaled for a model 4x wider than the CPU studies' (hidden 256 against 64; Adam's update of a hidden
 # layer's output grows with its fan-in, so the rate goes about 1 / width: 3e-3 x 64/256 ~ 1e-3). Chosen
 # 2026-11-28 before any run at this width, not tuned.

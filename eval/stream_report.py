@@ -1,5 +1,5 @@
 """The tables of ``eval/stream_study.py`` from its records: quality per frame window, the declared paired
-comparisons with their verdicts (``mhla_gen.evidence_stats``), memory and time per chunk against length.
+comparisons with their verdicts (``studies.evidence_stats``), memory and time per chunk against length.
 Pure functions of the records: nothing here trains, streams or writes except :func:`plot_curves`."""
 
 from __future__ import annotations

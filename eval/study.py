@@ -19,7 +19,7 @@ attention, as SANA's. Grids:
 Each (arm, seed) is evaluated at 1/4, 1/2 and all of the budget (FID of samples drawn from the same
 noise and labels in every arm and seed, with its bootstrap spread; label accuracy; the shapes' exact
 properties; the validation loss on fixed held-out triples; training loss; attention rank / entropy;
-mhla_gen.evidence), through ``mhla_gen.experiments`` (the
+studies.evidence), through ``studies.experiments`` (the
 runner shared with eval/adaptation.py: resumable, parallel). Ablations (256 tokens, against plain MHLA
 with the same seeds): uniform vs locality mixing init, fixed vs learnable mixing (paper Tab. 7a), CPE
 and the output gate (App. F.2). Throughput of the three attentions is timed separately, side by side in
@@ -41,11 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from mhla_gen.cli import expand_path, run
-from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.errors import ConfigError
-from mhla_gen.evidence import (
+from studies.evidence import (
     RULES,
     Question,
     SampleSets,
@@ -55,7 +51,7 @@ from mhla_gen.evidence import (
     fmt_comparison,
     footnotes,
 )
-from mhla_gen.experiments import (
+from studies.experiments import (
     SHAPES_RECIPE,
     VAL_TRIPLES,
     Arm,
@@ -64,6 +60,10 @@ from mhla_gen.experiments import (
     study_records,
     summarize,
 )
+
+from mhla_gen.cli import expand_path, run
+from mhla_gen.configs import CONFIG_DIR
+from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
@@ -265,7 +265,7 @@ def questions(arms: list[str], data: str) -> list[Question]:
 
 def grid_tables(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
     """The final-step table, the curves and the paired comparisons of one grid, as markdown (per-sample
-    scores from ``samples``: a :class:`mhla_gen.evidence.SampleSets` or a record's)."""
+    scores from ``samples``: a :class:`studies.evidence.SampleSets` or a record's)."""
     recs = [r for r in records if r["grid"] == grid]
     last = max(r["step"] for r in recs)
     arms = list(dict.fromkeys(r["arm"] for r in recs))
@@ -288,7 +288,7 @@ def old_scorer_note(recs: list[dict]) -> str:
     ``shapes_scorer``), or nothing."""
     if recs[0].get("data") != "shapes" or all("shapes_scorer" in r for r in recs):
         return ""
-    from mhla_gen.evidence import NOTES
+    from studies.evidence import NOTES
 
     return "\n" + NOTES["old scorer"] + " (every property column of such records)\n"
 

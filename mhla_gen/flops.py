@@ -104,7 +104,7 @@ class Conversion:
 
     @classmethod
     def of_point(cls, record: dict) -> Conversion:
-        """From an evaluation point of :mod:`mhla_gen.experiments`: ``flops_per_image`` x ``batch`` a
+        """From an evaluation point of :mod:`studies.experiments`: ``flops_per_image`` x ``batch`` a
         step, stage 1's ``flops`` (``record["stage1"]``) and ``teacher_flops`` (0 where absent)."""
         return cls(float(record.get("teacher_flops", 0.0)), float(record.get("stage1", {}).get("flops", 0.0)),
                    float(record["flops_per_image"]) * record["batch"])

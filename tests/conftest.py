@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the study harness (eval/studies) is imported as `studies`, as `python eval/study.py` finds it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `pytest -n 2` runs one worker per core: one intra-op thread each (and in the subprocesses the

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import mhla_gen.experiments as experiments
+import studies.experiments as experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +131,8 @@ def test_softmax_layer_sweep_against_latency(tmp_path):
 
 def test_latency_feeds_each_model_its_own_channels():
     """The sweep's latency runs models of the data's channels (3 for the shapes, 1 for the digits)."""
-    from mhla_gen.softmax_layers import latency
+    from studies.softmax_layers import latency
+
     from mhla_gen.testing import tiny_dit
 
     for channels in (1, 3):
@@ -142,7 +142,7 @@ def test_latency_feeds_each_model_its_own_channels():
 
 
 def test_fixed_pattern_is_the_releases():
-    from mhla_gen.softmax_layers import fixed_layers, sweep_ks
+    from studies.softmax_layers import fixed_layers, sweep_ks
 
     assert fixed_layers(10, 30) == list(range(0, 30, 3))  # Wan2.1 release: i % 3 == 0 stays softmax
     assert fixed_layers(2, 4) == [0, 3] and fixed_layers(3, 4) == [0, 3, 1]
@@ -155,7 +155,7 @@ def test_shapes_recipe_reaches_training_runs_not_stage1(tmp_path):
     schedule; the digits add nothing."""
     import argparse
 
-    from mhla_gen.experiments import SHAPES_RECIPE
+    from studies.experiments import SHAPES_RECIPE
 
     module = load_adaptation()
     args = argparse.Namespace(grids=["shapes-smoke", "smoke"], steps=None, softmax_layers=False,
@@ -239,8 +239,9 @@ def test_shapes_report_carries_the_exact_properties():
 
 
 def test_a_question_without_a_primary_metric_is_refused(tmp_path, monkeypatch):
+    from studies.evidence import Question
+
     from mhla_gen.errors import ConfigError
-    from mhla_gen.evidence import Question
 
     module = load_adaptation()
     unnamed = Question("q", "mhla-plain", "mhla-stage1", None)

@@ -1,4 +1,4 @@
-"""eval/study.py --smoke and the runner behind it (mhla_gen.experiments): arms x seeds trained, evaluated
+"""eval/study.py --smoke and the runner behind it (studies.experiments): arms x seeds trained, evaluated
 along training, summarised with intervals and paired differences; resumable."""
 
 import importlib.util
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import studies.experiments as experiments
 import yaml
+from studies.experiments import interval, paired
 
-import mhla_gen.experiments as experiments
 from mhla_gen.errors import ConfigError
-from mhla_gen.experiments import interval, paired
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,7 +147,8 @@ def test_arm_bands_tell_more_than_ten_arms_apart():
 def test_every_arm_and_seed_is_scored_on_the_same_noise_and_triples(tmp_path):
     """Common random numbers: the evaluation of one model does not depend on the run's seed (samples,
     labels, validation triples), so paired differences between arms and seeds measure the models."""
-    from mhla_gen.experiments import Job, evaluate_point
+    from studies.experiments import Job, evaluate_point
+
     from mhla_gen.train.config import DiTRunConfig, load_config
     from mhla_gen.train.dit import DiTTask
 

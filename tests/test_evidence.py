@@ -11,11 +11,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-
-from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.data.shapes import class_colour, class_count, shapes_tensors
-from mhla_gen.errors import ConfigError
-from mhla_gen.evidence import (
+from studies.evidence import (
     PILOTS,
     Question,
     SampleSets,
@@ -27,12 +23,16 @@ from mhla_gen.evidence import (
     footnotes,
     min_effect,
 )
-from mhla_gen.evidence_stats import detectable, holm
+from studies.evidence_stats import detectable, holm
+from studies.validation_loss import bucket_means, triple_losses, validation_set
+
+from mhla_gen import MHLAConfig, install_mhla
+from mhla_gen.data.shapes import class_colour, class_count, shapes_tensors
+from mhla_gen.errors import ConfigError
 from mhla_gen.metrics import fid_from_features
 from mhla_gen.metrics.shapes import property_scores
 from mhla_gen.testing import tiny_dit
 from mhla_gen.transfer import TransferHooks, end_to_end_errors, finalize, relative_error
-from mhla_gen.validation_loss import bucket_means, triple_losses, validation_set
 
 
 # ------------------------------------------------------------------------------------------- shapes
@@ -195,7 +195,7 @@ def test_compare_resamples_the_points_per_sample_scores(tmp_path, monkeypatch):
     """With each point's per-sample scores on disk (SampleSets), every metric's interval is the joint
     bootstrap (no mark): the validation loss per triple (its buckets as strata), a rate per sample and
     the FID from the features; the per-seed differences are the records'."""
-    import mhla_gen.evidence as evidence
+    import studies.evidence as evidence
 
     rng = np.random.default_rng(0)
     real = rng.normal(size=(200, 4))

@@ -1,4 +1,4 @@
-"""mhla_gen.evidence_stats: intervals under common random numbers (coverage on synthetic studies with a
+"""studies.evidence_stats: intervals under common random numbers (coverage on synthetic studies with a
 known effect), the FID's joint resampling, Wilson intervals, Holm, verdicts and detectable differences."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 from scipy import stats
-
-from mhla_gen.evidence_stats import (
+from studies.evidence_stats import (
     Interval,
     bound_interval,
     combine,

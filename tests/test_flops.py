@@ -1,15 +1,15 @@
 """mhla_gen.flops for training budgets: FLOPs of a training image counted from the model (the attention's
 share checked against its formula), a converted model's compute with and without its teacher, and the
-compute every evaluation point of mhla_gen.experiments records."""
+compute every evaluation point of studies.experiments records."""
 
 import dataclasses
 
 import pytest
 import torch
+from studies.experiments import stage1_summary, training_compute
 from torch.utils.flop_counter import sdpa_flop_count
 
 from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.experiments import stage1_summary, training_compute
 from mhla_gen.flops import Conversion, mhla_forward_flops, train_flops_per_image
 from mhla_gen.train.config import DiTRunConfig, load_config
 

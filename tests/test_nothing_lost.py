@@ -737,7 +737,7 @@ def test_every_entry_point_checks_apart_and_every_deleter_is_known():
         assert how is None or how in source or "train_main" in source or "linearize_main" in source, script
         if "claim(" in source or "fresh_temp(" in source or "os.replace(" in source:
             assert how is not None, f"{script} writes a folder without an apart check"
-    for path in [*REPO.glob("mhla_gen/**/*.py"), *(p for d in folders for p in REPO.glob(f"{d}/*.py"))]:
+    for path in [*REPO.glob("mhla_gen/**/*.py"), *(p for d in folders for p in REPO.glob(f"{d}/**/*.py"))]:
         source = path.read_text()
         deletes = any(call in source for call in ("rmtree(", ".unlink(", "os.remove(", ".rmdir("))
         rel = str(path.relative_to(REPO))

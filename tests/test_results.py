@@ -141,7 +141,7 @@ def test_make_record_adds_provenance_and_refuses_what_no_runner_renders(tmp_path
 def test_configs_name_each_arm_once_with_its_seeds_and_no_local_folder():
     """One entry per (grid, arm) with every seed; paths inside the checkout are relative to it."""
     results = load_results()
-    from mhla_gen.experiments import Job
+    from studies.experiments import Job
 
     config, grid, teacher = "/x/dit_digits.yaml", {"grid": "64"}, results.ROOT / "runs" / "t" / "final"
     jobs = [Job("mhla", seed, config, ["model.depth=2", f"model.init_from={teacher}"], [1, 2], "r", "s", 8,

@@ -260,3 +260,12 @@ def test_training_classes_stay_readable():
     lengths = class_lengths(PACKAGE / "train")
     assert lengths["dit.py:DiTTask"] > 100  # the measure sees the classes
     assert {name: n for name, n in lengths.items() if n > 300} == {}
+
+
+def test_the_library_holds_no_study_harness():
+    """The study harness lives in eval/studies and the library imports nothing from it."""
+    harness = {p.stem for p in (ROOT / "eval" / "studies").glob("*.py")} - {"__init__"}
+    assert harness and not any((ROOT / "mhla_gen" / f"{name}.py").exists() for name in harness)
+    for path in (ROOT / "mhla_gen").rglob("*.py"):
+        source = path.read_text()
+        assert "import studies" not in source and "from studies" not in source, path

@@ -80,7 +80,7 @@ def sweep_table(recs: list[dict], ms: dict[int, float], depth: int, k0: str, sam
     end of stage 2: per K the measured latency, each ranking's mean ± 95 % t-interval (K = 0 is the arm
     ``k0``) and the paired comparisons e2e − fixed, e2e − layer, e2e − K0 and fixed − K0 with verdicts
     (exploratory: no primary metric, Holm over each row's four; per-sample scores from ``samples``, a
-    :class:`mhla_gen.evidence.SampleSets`)."""
+    :class:`studies.evidence.SampleSets`)."""
     step = max(r["step"] for r in recs)
     metrics = [m for m in DIGITS if any(m in r for r in recs)]
     return "\n".join([chosen_layers(recs, depth)] + [metric_table(recs, metric, step, ms, depth, k0, samples)

@@ -1,5 +1,5 @@
 """Evidence that decides: what the studies score samples with, and each paired comparison's interval,
-verdict and minimum detectable difference (the statistics themselves: :mod:`mhla_gen.evidence_stats`).
+verdict and minimum detectable difference (the statistics themselves: :mod:`studies.evidence_stats`).
 
 * :class:`DataScores` — per data source (``digits``, ``shapes``): the real images a Frechet distance
   compares with, the feature CNN, the held-out images of the validation loss, and the property scores
@@ -22,15 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import evidence_stats as es
-from .errors import ConfigError
-from .metrics import (
+from mhla_gen.errors import ConfigError
+from mhla_gen.metrics import (
     digits_extractor,
     extract_features,
     feature_statistics,
     fid_from_features,
     frechet_distance,
 )
+
+from . import evidence_stats as es
 
 SAMPLE_SEED = 10_000  # every arm and seed samples from this seed: common random numbers
 SHAPES_REFERENCE = 2000  # real shapes the Frechet distance compares with (a held-out draw)
@@ -48,16 +49,16 @@ class DataScores:
         return _real(self.source, self.resolution)
 
     def held_out(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images for the validation loss (see :mod:`mhla_gen.validation_loss`)."""
+        """Images for the validation loss (see :mod:`studies.validation_loss`)."""
         if self.source == "shapes":
-            from .data.shapes import HELD_OUT_SEED, shapes_tensors
+            from mhla_gen.data.shapes import HELD_OUT_SEED, shapes_tensors
 
             return shapes_tensors(self.resolution, 1000, seed=HELD_OUT_SEED)
         return self.real()
 
     def extractor(self):
         if self.source == "shapes":
-            from .metrics.shapes import shapes_extractor
+            from mhla_gen.metrics.shapes import shapes_extractor
 
             return shapes_extractor()
         return digits_extractor()
@@ -80,7 +81,7 @@ class DataScores:
         if self.source == "digits":
             out["fid_digits"] = out["fid"]  # the name records of earlier studies use
         else:
-            from .metrics.shapes import property_scores, summary_of
+            from mhla_gen.metrics.shapes import property_scores, summary_of
 
             per_sample.update(property_scores(fake, labels))
             out.update(summary_of({k: v for k, v in per_sample.items() if k != "label_correct"}))
@@ -90,12 +91,12 @@ class DataScores:
 @lru_cache(maxsize=4)
 def _real(source: str, resolution: int) -> tuple[torch.Tensor, torch.Tensor]:
     if source == "shapes":
-        from .data.shapes import shapes_tensors
+        from mhla_gen.data.shapes import shapes_tensors
 
         return shapes_tensors(resolution, SHAPES_REFERENCE, seed=2)
     if source != "digits":
         raise ValueError(f"the studies score data.source digits or shapes, got {source!r}")
-    from .data.digits import digits_tensors
+    from mhla_gen.data.digits import digits_tensors
 
     return digits_tensors(resolution)
 
@@ -149,7 +150,7 @@ FLOORS = {m: 0.02 for m in ("all_correct", "count_accuracy", "colour_accuracy", 
 PER_SAMPLE = {"label_accuracy": "label_correct", "all_correct": "all", "count_accuracy": "count",
               "colour_accuracy": "colour", "shape_accuracy": "shape", "symmetric_rate": "symmetric",
               "symmetry_error": "symmetry_error"}
-BUCKETS = 4  # validation-loss timestep buckets (mhla_gen.validation_loss.bucket_means)
+BUCKETS = 4  # validation-loss timestep buckets (studies.validation_loss.bucket_means)
 MEAN_DRAWS, FID_DRAWS, RESAMPLE_SEED = 2000, 200, 0  # the joint bootstrap of every report
 
 
@@ -305,14 +306,14 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int,
             samples: SampleSets | None = None) -> dict:
     """The paired comparison ``arm - other`` of ``metric`` at ``step`` over the seeds both have.
 
-    The interval resamples seeds and the shared samples jointly (:mod:`mhla_gen.evidence_stats`) from
+    The interval resamples seeds and the shared samples jointly (:mod:`studies.evidence_stats`) from
     the points' per-sample scores in ``samples``; without them (records of earlier versions, or no
     ``samples``) its sample-level part is a conservative bound (``source`` ``bound``) or unknown
     (``none``). Returns ``mean``, half-width ``ci``, ``low``, ``high``, ``n``, ``p``, the stated
     ``min_effect`` (relative to ``other``'s mean), ``at_floor`` (both arms at a rate's floor), ``mdd``
     (from the pilot's seed spread, :data:`PILOTS`, and this comparison's shared-sample variance),
     ``verdict``, ``marks`` (``old scorer`` / ``bound`` / ``none``), ``per_seed``, ``sampling_sd`` and the
-    :class:`~mhla_gen.evidence_stats.Interval` itself (``interval``)."""
+    :class:`~studies.evidence_stats.Interval` itself (``interval``)."""
     at_step = {(r["arm"], r["seed"]): r for r in records if r["step"] == step}
     seeds = sorted(s for a, s in at_step if a == arm and (other, s) in at_step
                    and math.isfinite(_value(at_step[(arm, s)], metric))
@@ -339,7 +340,7 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int,
 
 def apply_holm(cells: list[dict], primary: int | None = None) -> list[dict]:
     """Holm's rule over the secondaries of one question (every cell of ``cells`` but ``primary``): each
-    gets ``p_holm`` and its verdict judged with it (:func:`mhla_gen.evidence_stats.verdict`); the primary
+    gets ``p_holm`` and its verdict judged with it (:func:`studies.evidence_stats.verdict`); the primary
     keeps its own interval's verdict and is marked ``primary``. Returns ``cells``, changed in place."""
     secondary = [i for i, c in enumerate(cells) if i != primary and c["n"]]
     for i, adjusted in zip(secondary, es.holm([cells[i]["p"] for i in secondary])):

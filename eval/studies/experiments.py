@@ -13,9 +13,9 @@ Resumable at that grain: a point whose JSON exists is never recomputed, a killed
 the newest checkpoint of each run. Pairs run in parallel worker processes (``jobs``; one torch thread
 each: these models are small, one thread per process uses 2 cores better than 2 threads per run).
 
-Evaluation (:func:`evaluate_point`, scores from :mod:`mhla_gen.evidence`): FID of ``fid_samples``
+Evaluation (:func:`evaluate_point`, scores from :mod:`studies.evidence`): FID of ``fid_samples``
 samples (digits CNN or shapes CNN features) with its bootstrap spread, label accuracy, the shapes' exact
-properties, the validation loss on fixed held-out triples (:mod:`mhla_gen.validation_loss`), the
+properties, the validation loss on fixed held-out triples (:mod:`studies.validation_loss`), the
 training loss logged at that step, the mean attention rank / row entropy over layers, and the training
 compute in FLOPs (:func:`training_compute`; with stage 1's and a teacher's for a conversion). Every arm and
 seed samples from the same noise and labels (common random numbers), so differences between arms are
@@ -41,18 +41,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from mhla_gen.errors import ConfigError
+from mhla_gen.flops import train_flops_per_image
+from mhla_gen.loading import load_transformer
+from mhla_gen.metrics.attention import attention_statistics, example_inputs
+from mhla_gen.outputs.folders import claim, file_record, owned
+from mhla_gen.outputs.locks import die_with_parent
+from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.io import atomic_write_text, read_jsonl
+from mhla_gen.train.linearize import TransferTask, stage1_schema
+from mhla_gen.train.loop import train
+
 from .evidence import SAMPLE_SEED, SHAPES_SCORED, DataScores, interval
-from .flops import train_flops_per_image
-from .loading import load_transformer
-from .metrics.attention import attention_statistics, example_inputs
-from .outputs.folders import claim, file_record, owned
-from .outputs.locks import die_with_parent
-from .train.config import DiTRunConfig, load_config
-from .train.dit import DiTTask
-from .train.io import atomic_write_text, read_jsonl
-from .train.linearize import TransferTask, stage1_schema
-from .train.loop import train
 from .validation_loss import bucket_means, triple_losses, validation_set
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,11 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
     run's ``train.mixed_precision`` autocast on CUDA): FID with its bootstrap spread, label accuracy (and
     the shapes' exact properties), the validation loss on fixed held-out triples, the logged training
     loss and attention statistics. Samples come from one seed and one label list for every arm and seed
-    (common random numbers, :data:`mhla_gen.evidence.SAMPLE_SEED`); the first 100 (ten of each class)
+    (common random numbers, :data:`studies.evidence.SAMPLE_SEED`); the first 100 (ten of each class)
     are kept as ``step<n>_samples.npy``, the sample features, per-triple validation losses and
     per-sample scores as ``step<n>_features.npz`` (``pool``, ``val`` and
-    :data:`mhla_gen.evidence.PER_SAMPLE`'s keys: what the paired intervals resample,
-    :class:`mhla_gen.evidence.SampleSets`). At a step outside ``job.sample_at`` no samples are drawn: the
+    :data:`studies.evidence.PER_SAMPLE`'s keys: what the paired intervals resample,
+    :class:`studies.evidence.SampleSets`). At a step outside ``job.sample_at`` no samples are drawn: the
     sample scores are NaN and the arrays hold ``val`` alone."""
     transformer = transformer if transformer is not None else load_transformer(Path(job.run_dir) / "final")
     transformer = transformer.to(job.device)
