@@ -197,7 +197,7 @@ def test_old_checkpoints_are_pruned_only_when_they_hold_what_they_list(tmp_path,
     before = checksums(ckpts / "checkpoint_2", old)
     _checkpointed(run, 3)
     assert checksums(ckpts / "checkpoint_2", old) == before
-    assert f"python -m mhla_gen.outputs.adopt checkpoint {old}" in caplog.text
+    assert f"mhla-gen adopt checkpoint {old}" in caplog.text
     assert "(my_notes.txt); left untouched" in caplog.text
     adopt("run", run)  # lists checkpoint_1's files: the next save prunes it
     (ckpts / "checkpoint_2" / "my_notes.txt").unlink()
@@ -343,10 +343,10 @@ def test_every_refusal_of_an_earlier_versions_folder_prints_the_adopt_command(tm
             folder = user_files(tmp_path / f"{kind}_{marked}", ["000000.png", "weights.bin"])
             if marked:
                 write_marker(folder, kind)
-            refused(check, folder, match=rf"python -m mhla_gen\.adopt {kind} {folder}$")
+            refused(check, folder, match=rf"mhla-gen adopt {kind} {folder}$")
             before = checksums(folder)
             assert not discard(folder, kind, "output_dir") and checksums(folder) == before
-            assert f"python -m mhla_gen.outputs.adopt {kind} {folder}" in caplog.text
+            assert f"mhla-gen adopt {kind} {folder}" in caplog.text
 
 
 # ------------------------------------------------------------------------------ 4. recorded teacher

@@ -288,7 +288,7 @@ def test_a_folder_from_before_markers_is_refused_then_adopted(assets, tmp_path):
     write("extract_latents", assets, target)
     (target / MARKER).unlink()  # as written before markers existed
     refused(lambda t: write("extract_latents", assets, t), target,
-            match=rf"python -m mhla_gen.outputs.adopt latent_cache {target}")
+            match=rf"mhla-gen adopt latent_cache {target}")
     with pytest.raises(ConfigError, match="holds entries a DiT latent cache folder does not"):
         adopt(["latent_cache", str(user_files(tmp_path / "photos", ["me.jpg"]))])
     adopt(["latent_cache", str(target)])

@@ -9,7 +9,7 @@ gets a marker file, ``.mhla_gen.json``, naming its *kind*. Names prove nothing: 
 * a folder marked with the same kind is ours: its files may be written and replaced;
 * a non-empty unmarked folder, a folder marked with another kind, or a file where a folder should be
   is refused with a :class:`ConfigError` naming the setting, before any work. A folder that an earlier
-  mhla_gen (before markers) wrote can be adopted explicitly: ``python -m mhla_gen.outputs.adopt KIND FOLDER``,
+  mhla_gen (before markers) wrote can be adopted explicitly: ``mhla-gen adopt KIND FOLDER``,
   which proves its content (:mod:`mhla_gen.outputs.adopt`).
 
 **Delete only what you listed.** A writer removes or replaces only files its own listing names (relative
@@ -60,7 +60,7 @@ LISTING = ".mhla_gen.files.jsonl"  # the files we wrote into a marked folder: {"
 BOOKKEEPING = frozenset({MARKER, LISTING, LOCK})  # our records, not content
 FILE_RECORD = "mhla_gen"  # key of the record in a JSON file; .npz: FILE_RECORD + "_kind"
 
-# kind -> what it is (python -m mhla_gen.outputs.adopt proves a folder's content per kind)
+# kind -> what it is (mhla-gen adopt proves a folder's content per kind)
 KINDS: dict[str, str] = {
     "run": "training run (output_dir)",
     "checkpoint": "training checkpoint (output_dir/checkpoints/checkpoint_<step>)",
@@ -81,7 +81,7 @@ KINDS: dict[str, str] = {
 def adopt_command(kind: str, folder: str | Path) -> str:
     """The command that adopts (marks and lists) ``folder`` as a ``kind`` folder; every refusal of a folder
     an earlier version wrote ends with it."""
-    return f"python -m mhla_gen.outputs.adopt {kind} {shlex.quote(str(folder))}"
+    return f"mhla-gen adopt {kind} {shlex.quote(str(folder))}"
 
 
 def _resolved(path: str | Path) -> Path:
