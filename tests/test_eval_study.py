@@ -60,7 +60,7 @@ def test_study_quick_arms_seeds_steps_and_files(quick):
 
 def test_a_study_folder_that_lost_its_marks_is_adopted(quick, tmp_path):
     """``mhla-gen adopt study`` accepts every file the runner writes today (record, reports, plots)."""
-    from mhla_gen.outputs.adopt import adopt
+    from mhla_gen.commands.adopt import adopt
     from mhla_gen.outputs.folders import read_marker
 
     copy = tmp_path / "study"

@@ -229,7 +229,7 @@ def test_a_torn_checkpoint_save_is_kept_unless_it_holds_only_what_it_lists(tmp_p
 
 # ------------------------------------------------------------------------------ 3. adopt proves content
 def adopt(*args):
-    from mhla_gen.outputs.adopt import main
+    from mhla_gen.commands.adopt import main
 
     main(list(map(str, args)))
 

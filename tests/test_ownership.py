@@ -282,7 +282,7 @@ def test_a_users_file_inside_a_folder_of_ours_is_not_replaced_with_it(assets, tm
 
 def test_a_folder_from_before_markers_is_refused_then_adopted(assets, tmp_path):
     """The explicit, named way to adopt a folder an mhla_gen without markers wrote."""
-    from mhla_gen.outputs.adopt import main as adopt
+    from mhla_gen.commands.adopt import main as adopt
 
     target = tmp_path / "old"
     write("extract_latents", assets, target)

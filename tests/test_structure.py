@@ -240,7 +240,7 @@ def test_lookups_name_what_is_supported():
 def test_adopt_does_not_load_the_training_stack():
     """``mhla-gen adopt`` (and every entry point through mhla_gen.cli) imports the training loop
     and the pipelines only when its command trains or samples."""
-    code = ("import sys, mhla_gen.outputs.adopt, mhla_gen.cli; "
+    code = ("import sys, mhla_gen.commands.adopt, mhla_gen.cli; "
             "print(sorted(m for m in sys.modules if m.startswith(('mhla_gen.train', 'mhla_gen.pipelines'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

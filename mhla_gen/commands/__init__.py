@@ -44,6 +44,6 @@ COMMANDS = {
     "vbench": Command("mhla_gen.commands.vbench", "score videos: VBench-style dimensions", "eval/vbench.py"),
     "attention-stats": Command("mhla_gen.commands.attention_stats", "per-layer attention rank and entropy "
                                "of a saved transformer", "eval/attention_stats.py"),
-    "adopt": Command("mhla_gen.outputs.adopt", "adopt a folder an older mhla_gen wrote (checks its content)"),
+    "adopt": Command("mhla_gen.commands.adopt", "adopt a folder an older mhla_gen wrote (checks content)"),
     "configs": Command("mhla_gen.commands.configs", "list the shipped configs, or print one's path"),
 }

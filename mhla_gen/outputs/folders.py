@@ -10,7 +10,7 @@ gets a marker file, ``.mhla_gen.json``, naming its *kind*. Names prove nothing: 
 * a non-empty unmarked folder, a folder marked with another kind, or a file where a folder should be
   is refused with a :class:`ConfigError` naming the setting, before any work. A folder that an earlier
   mhla_gen (before markers) wrote can be adopted explicitly: ``mhla-gen adopt KIND FOLDER``,
-  which proves its content (:mod:`mhla_gen.outputs.adopt`).
+  which proves its content (:mod:`mhla_gen.commands.adopt`).
 
 **Delete only what you listed.** A writer removes or replaces only files its own listing names (relative
 path and byte size of each file it wrote: the marker's ``files`` for a folder built whole, :func:`seal`;

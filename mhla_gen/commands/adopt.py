@@ -1,10 +1,10 @@
 """Adopt a folder that an mhla_gen version without folder markers (or file listings) wrote.
 
-    python -m mhla_gen.outputs.adopt run runs/old_run
-    python -m mhla_gen.outputs.adopt latent_cache /data/imagenet256_latents
+    mhla-gen adopt run runs/old_run
+    mhla-gen adopt latent_cache /data/imagenet256_latents
 
 Every command refuses to write into a non-empty folder that does not carry mhla_gen's marker
-(``.mhla_gen.json``, see :mod:`mhla_gen.outputs.folders`), whatever the names of its files. This command is the
+(``.mhla_gen.json``, see :mod:`.outputs.folders`), whatever the names of its files. This command is the
 explicit way to say "this folder is mhla_gen's". Names prove nothing, so it proves the *content*: it lists
 what it is about to claim, then checks every entry against what a folder of that kind holds (a sample set's
 ``manifest.jsonl`` records match its images; a run's ``config.yaml`` parses as a run config; a model's
@@ -26,8 +26,8 @@ import numpy as np
 from ..bases import BASES, base_for_class_name
 from ..cli import run
 from ..errors import ConfigError
-from .folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
 from ..install import stock_class_name
+from ..outputs.folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
 
 
 def _a(noun: str) -> str:
@@ -462,7 +462,7 @@ def adopt(folder: str | Path, kind: str, show: Callable[[str], None] = print) ->
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mhla_gen.outputs.adopt",
+        prog="mhla-gen adopt",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
