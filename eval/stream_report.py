@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import stream_bed as bed
+from studies import evidence_stats as es
 
-from mhla_gen import evidence_stats as es
 from mhla_gen.outputs.folders import file_is_ours
 
 # The questions (eval/stream_study.py's docstring), declared before the run
