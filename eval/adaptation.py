@@ -46,7 +46,6 @@ OUT/curves_<grid>.png.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from studies import sibling
 from studies.evidence import (
     NOTES,
     RULES,
@@ -86,18 +86,7 @@ from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 from mhla_gen.train.loop import train
 
-
-def _sibling(name: str):
-    """``eval/<name>.py`` (eval/ is not a package: its files load each other by path, once per process)."""
-    key = f"eval_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
-
-
-results = _sibling("results")  # the record this study renders from
+results = sibling("results")  # the record this study renders from
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)  # eval/study.py's

@@ -45,7 +45,6 @@ render DIR/record.npz`` renders the tables again from the record alone.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
@@ -56,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from studies import sibling
 from studies.evidence import (
     RULES,
     Question,
@@ -76,18 +76,7 @@ from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 
-
-def _sibling(name: str):
-    """``eval/<name>.py`` (eval/ is not a package: its files load each other by path, once per process)."""
-    key = f"eval_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
-
-
-results = _sibling("results")  # the record every table is rendered from
+results = sibling("results")  # the record every table is rendered from
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # eval/study.py's base config
 MODEL = dict(hidden_size=256, depth=8, heads=4, patch_size=2)

@@ -32,7 +32,6 @@ Writes OUT/record.npz (the record every table and plot is rendered from: eval/re
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from studies import sibling
 from studies.evidence import (
     RULES,
     Question,
@@ -69,18 +69,7 @@ from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 
-
-def _sibling(name: str):
-    """``eval/<name>.py`` (eval/ is not a package: its files load each other by path, once per process)."""
-    key = f"eval_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
-
-
-results = _sibling("results")  # the record this study renders from
+results = sibling("results")  # the record this study renders from
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
 

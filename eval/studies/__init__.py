@@ -6,3 +6,19 @@ evidence and verdicts (:mod:`.evidence`, :mod:`.evidence_stats`), the validation
 It lives beside the scripts, not in the ``mhla_gen`` package: it is research code that uses the library's
 public modules and is run from a checkout (``python eval/study.py`` puts ``eval/`` on ``sys.path``; the
 tests add it in ``tests/conftest.py``)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def sibling(name: str):
+    """``eval/<name>.py`` as module ``eval_<name>`` (eval/ is not a package: its scripts load each other by
+    path, once per process)."""
+    key = f"eval_{name}"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
