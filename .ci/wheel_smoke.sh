@@ -37,7 +37,7 @@ mhla-gen --help > help.txt
 python -m mhla_gen --version
 python - <<'EOF'  # every subcommand's own --help, in one process (each would import torch otherwise)
 import contextlib, io, sys
-from mhla_gen.cli import main
+from mhla_gen.commands.cli import main
 from mhla_gen.commands import COMMANDS
 help_text = open("help.txt").read()
 for name in COMMANDS:

@@ -81,8 +81,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
-from mhla_gen.cli import expand_path
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.outputs.folders import check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text

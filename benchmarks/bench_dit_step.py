@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside t
 from step_timing import device_label, interleaved_seconds, median_ratio  # noqa: E402
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
-from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen.commands.cli import run as run_cli  # noqa: E402
 from mhla_gen.train.objectives import DDPMLoss  # noqa: E402
 
 # DiT paper Table 1 (as benchmarks/conversion_budget.py)

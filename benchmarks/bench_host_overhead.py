@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.ops import mhla as mhla_module
 from mhla_gen.ops import mhla_attention_autograd
 

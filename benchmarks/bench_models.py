@@ -58,7 +58,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import run as run_cli
 
 MODES = ("softmax", "linear", "mhla")
 LABELS = {"softmax": "softmax", "linear": "linear", "mhla": "MHLA"}

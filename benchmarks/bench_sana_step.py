@@ -9,9 +9,9 @@ diffusers' own conversion script (huggingface/diffusers ``scripts/convert_sana_t
 ``--image_size 1024``): 20 layers, 70 heads x 32 (hidden 2240), cross-attention 20 heads x 112, caption
 channels 2304 (Gemma-2-2B), mlp ratio 2.5, patch 1, no attention bias, norm eps 1e-6 without affine
 parameters, 32 latent channels; random weights, cast as ``from_pretrained(..., torch_dtype=...)`` casts
-them (``mhla_gen.serialization.cast_like_diffusers``). 1024 px through SANA's DC-AE (32x) is a 32 x 32
-latent: 1024 tokens. Two copies of one random model: ``stock`` keeps diffusers' SANA processor (global ReLU
-linear attention), ``mhla`` gets ``install_mhla(MHLAConfig.preset("sana"))`` (4 x 4 blocks).
+them (``mhla_gen.integration.serialization.cast_like_diffusers``). 1024 px through SANA's DC-AE (32x) is a 32
+x 32 latent: 1024 tokens. Two copies of one random model: ``stock`` keeps diffusers' SANA processor (global
+ReLU linear attention), ``mhla`` gets ``install_mhla(MHLAConfig.preset("sana"))`` (4 x 4 blocks).
 ``--tiny``: ``mhla_gen.testing.TINY_SANA_CONFIG`` (a 16 x 16 latent).
 
 What is measured: one transformer forward under ``torch.inference_mode()`` (a sampler's denoising step
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside t
 from step_timing import device_label, interleaved_seconds, median_ratio  # noqa: E402
 
 from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
-from mhla_gen.cli import run as run_cli  # noqa: E402
-from mhla_gen.serialization import cast_like_diffusers  # noqa: E402
+from mhla_gen.commands.cli import run as run_cli  # noqa: E402
+from mhla_gen.integration.serialization import cast_like_diffusers  # noqa: E402
 
 # diffusers scripts/convert_sana_to_diffusers.py: model_kwargs["SanaMS_1600M_P1_D20"] and the shared
 # transformer_kwargs at --image_size 1024 (sample_size 1024 // 32, interpolation_scale None)

@@ -17,7 +17,7 @@ config (``WAN_1_3B_CONFIG``) is the ``"Wan-T2V-1.3B"`` entry of diffusers' own c
 12 heads x 128, FFN 8960, text dim 4096, freq dim 256, patch (1, 2, 2), 16 latent channels, RMSNorm across
 heads, cross-attention norm, eps 1e-6 (the same widths as Wan's own ``wan/configs/wan_t2v_1_3B.py``:
 dim 1536 = 12 x 128). ``rope_max_seq_len`` is not set there, so it is diffusers' default, 1024.
-``--tiny`` uses ``mhla_gen.testing_wan.TINY_WAN_CONFIG`` instead (tests).
+``--tiny`` uses ``mhla_gen.testing.wan.TINY_WAN_CONFIG`` instead (tests).
 
 Inputs: ``--frames 81 --height 480 --width 832`` are video pixels; Wan's VAE compresses time 4x (plus the
 first frame) and space 8x, so the latent is (B, 16, 21, 60, 104) and the transformer's token grid
@@ -61,12 +61,12 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.cli import expand_path
-from mhla_gen.cli import run as run_cli
-from mhla_gen.install import is_mhla_installed, mhla_processors
+from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import run as run_cli
+from mhla_gen.integration.install import is_mhla_installed, mhla_processors
+from mhla_gen.integration.serialization import cast_like_diffusers
 from mhla_gen.outputs.folders import check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files
-from mhla_gen.serialization import cast_like_diffusers
 from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.outputs.folders.file_record)
@@ -111,7 +111,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: bf16 on CUDA, fp32 otherwise")
     parser.add_argument("--compile", action="store_true", help="torch.compile each variant (inductor)")
-    parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing_wan.TINY_WAN_CONFIG (tests)")
+    parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing.wan.TINY_WAN_CONFIG (tests)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=expand_path, default=None, help="also write the results as JSON here")
@@ -173,8 +173,8 @@ def build_variants(
     config: dict, grid: tuple[int, int, int], device, dtype, seed: int = 0
 ) -> dict[str, WanTransformer3DModel]:
     """``{variant: model}``: one random model (built on the CPU in fp32, then moved and cast with
-    ``mhla_gen.serialization.cast_like_diffusers``: as ``from_pretrained(..., dtype=...)`` loads it),
-    deep-copied per variant, MHLA installed in the copies
+    ``mhla_gen.integration.serialization.cast_like_diffusers``: as ``from_pretrained(..., dtype=...)`` loads
+    it), deep-copied per variant, MHLA installed in the copies
     (``variant_configs``; MHLA's parameters take the dtype of each layer's q projection)."""
     torch.manual_seed(seed)
     base = cast_like_diffusers(WanTransformer3DModel(**config).eval().to(device), dtype)
@@ -223,8 +223,8 @@ def device_name(device) -> str:
 
 def run(args) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.tiny:  # testing_wan builds tiny text encoders: transformers' UMT5 is imported only here
-        from mhla_gen.testing_wan import TINY_WAN_CONFIG
+    if args.tiny:  # mhla_gen.testing.wan builds tiny text encoders: transformers' UMT5 is imported only here
+        from mhla_gen.testing.wan import TINY_WAN_CONFIG
 
         config = dict(TINY_WAN_CONFIG)
     else:
@@ -271,7 +271,7 @@ def run(args) -> dict:
             peak_gib=peak_gib.get(name),
         )
     return dict(
-        model="tiny Wan (mhla_gen.testing_wan.TINY_WAN_CONFIG)" if args.tiny else "Wan2.1-T2V-1.3B",
+        model="tiny Wan (mhla_gen.testing.wan.TINY_WAN_CONFIG)" if args.tiny else "Wan2.1-T2V-1.3B",
         config={k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
         device=device_name(device),
         dtype=args.dtype,

@@ -6,10 +6,11 @@ For DiT-XL/2 at 256 px, SANA-600M at 1024 px and Wan2.1-1.3B at 480x832x81, buil
 device (shapes only), torch's ``FlopCounterMode`` counts the floating-point operations of
 
 * one **training step** of the MHLA model per sample (forward + backward, every parameter trained), and
-* one **stage-1 step** per sample (``mhla_gen.transfer``): the teacher's forward plus, in every converted
+* one **stage-1 step** per sample (``mhla_gen.train.transfer``): the teacher's forward plus, in every
+converted
   layer, the MHLA student's forward and the backward its loss needs, for ``trainable=mhla`` and ``all``.
 
-Counts come from ``mhla_gen.flops`` (which teaches FlopCounterMode the MHLA op and grouped convolution
+Counts come from ``mhla_gen.metrics.flops`` (which teaches FlopCounterMode the MHLA op and grouped convolution
 backward): FLOPs (2 per multiply-add) of the matmul-like ops; elementwise work is not counted.
 """
 
@@ -21,9 +22,9 @@ import torch
 from diffusers import DiTTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel
 
 from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.cli import run
-from mhla_gen.flops import count_flops
-from mhla_gen.transfer import TransferHooks
+from mhla_gen.commands.cli import run
+from mhla_gen.metrics.flops import count_flops
+from mhla_gen.train.transfer import TransferHooks
 
 # DiT paper Table 1; SANA-600M (Efficient-Large-Model/Sana_600M_1024px_diffusers); Wan2.1-T2V-1.3B
 # (diffusers scripts/convert_wan_to_diffusers.py)

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from typing import NamedTuple
 
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.errors import ConfigError
 
 

@@ -40,8 +40,8 @@ from typing import NamedTuple
 import torch
 
 from mhla_gen import BlockLayout, locality_init
-from mhla_gen.cli import expand_path
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.errors import ConfigError
 from mhla_gen.ops import blocked, tile_table
 from mhla_gen.outputs.folders import check_file_target

@@ -77,7 +77,7 @@ from studies.experiments import (
 )
 from studies.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import check_apart, claim, file_record

@@ -5,7 +5,7 @@ The command lives in ``mhla_gen/commands/fid.py``; this file keeps the command l
 working and re-exports the command's names for code that loads it.
 """
 
-from mhla_gen.cli import run
+from mhla_gen.commands.cli import run
 from mhla_gen.commands.fid import *  # noqa: F403
 from mhla_gen.commands.fid import main
 

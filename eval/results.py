@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from studies.evidence import SampleSets
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.train.io import atomic_write_text
 

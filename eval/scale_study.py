@@ -18,7 +18,7 @@ Budgets. The softmax arm (the reference) trains ``--images`` images per grid, or
 ``--sizing-only``). Every arm is evaluated at the same log-spaced image counts (the reference's budget
 halved ``--points - 1`` times: equal images) and trains on to the steps at which it has spent the
 reference's training FLOPs at each of them (equal compute; FLOPs of a training step counted by
-mhla_gen.flops, so MHLA and linear attention train more images than softmax for the same compute).
+mhla_gen.metrics.flops, so MHLA and linear attention train more images than softmax for the same compute).
 ``--compute time`` matches measured seconds (``--sizing``) instead of FLOPs. Samples are drawn and scored
 only at the two end points (equal images, equal compute); the validation loss is measured at every point.
 
@@ -68,10 +68,10 @@ from studies.evidence import (
 )
 from studies.experiments import SHAPES_RECIPE, VAL_TRIPLES, Arm, make_jobs, run_jobs
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
-from mhla_gen.flops import train_flops_per_image
+from mhla_gen.metrics.flops import train_flops_per_image
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text

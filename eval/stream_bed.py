@@ -40,11 +40,11 @@ import numpy as np
 import torch
 from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
 
-from mhla_gen.config import MHLAConfig
 from mhla_gen.data.moving_shapes import MOVING_CLASSES, moving_shapes_tensors
-from mhla_gen.install import install_mhla
+from mhla_gen.integration.install import install_mhla
 from mhla_gen.metrics.moving_shapes import clip_scores
 from mhla_gen.pipelines.wan_stream import stream_chunks
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.train.chunk_noise import FlowNoise
 from mhla_gen.train.config import FlowMatchingConfig
 from mhla_gen.train.objectives import flow_matching_mse

@@ -171,6 +171,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from mhla_gen.cli import run
+    from mhla_gen.commands.cli import run
 
     run(main)

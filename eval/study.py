@@ -61,7 +61,7 @@ from studies.experiments import (
     summarize,
 )
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import file_record

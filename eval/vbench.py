@@ -4,7 +4,7 @@ The command lives in ``mhla_gen/commands/vbench.py``; this file keeps the comman
 checkout working and re-exports the command's names for code that loads it.
 """
 
-from mhla_gen.cli import run
+from mhla_gen.commands.cli import run
 from mhla_gen.commands.vbench import *  # noqa: F403
 from mhla_gen.commands.vbench import main
 

@@ -1,15 +1,15 @@
 """MHLA: Multi-Head Linear Attention for image and video diffusion (arXiv 2601.07832)."""
 
-from .analysis import attention_matrix, attention_rank, compare_attention, row_entropy
-from .config import MHLAConfig
-from .extras import ConvPositionEncoding, OutputGate
-from .install import install_mhla, mhla_parameters, uninstall_mhla
-from .layout import BlockLayout
-from .loading import load_transformer
-from .mixing import MixingMatrix, clamp_mixing_, locality_init
+from .integration.install import install_mhla, mhla_parameters, uninstall_mhla
+from .integration.loading import load_transformer
+from .integration.serialization import load_mhla_parameters, save_mhla_parameters
+from .metrics.attention_maps import attention_matrix, attention_rank, compare_attention, row_entropy
 from .models import MHLADiTTransformer2DModel, MHLASanaTransformer2DModel, MHLAWanTransformer3DModel
 from .ops import MHLADecodeState, mhla_attention, mhla_decode_step
-from .serialization import load_mhla_parameters, save_mhla_parameters
+from .ops.layout import BlockLayout
+from .ops.mixing import MixingMatrix, clamp_mixing_, locality_init
+from .processors.config import MHLAConfig
+from .processors.extras import ConvPositionEncoding, OutputGate
 
 __version__ = "0.1.0"
 

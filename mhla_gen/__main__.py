@@ -1,6 +1,6 @@
-"""``python -m mhla_gen COMMAND ARGS``: the ``mhla-gen`` command (:func:`mhla_gen.cli.main`)."""
+"""``python -m mhla_gen COMMAND ARGS``: the ``mhla-gen`` command (:func:`mhla_gen.commands.cli.main`)."""
 
-from mhla_gen.cli import main
+from mhla_gen.commands.cli import main
 
 if __name__ == "__main__":
     main(prog="python -m mhla_gen")

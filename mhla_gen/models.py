@@ -17,17 +17,18 @@ first), and the class's ``from_pretrained`` / ``from_config`` build the model wi
 The MHLA classes add to the stock behaviour:
 
 - ``from_pretrained`` refuses a folder whose config records MHLA but whose weights lack it (a folder re-saved
-  by the stock class: :func:`mhla_gen.serialization.check_mhla_weights`) instead of leaving meta tensors;
+  by the stock class: :func:`mhla_gen.integration.serialization.check_mhla_weights`) instead of leaving meta
+  tensors;
 - ``save_pretrained`` refuses a model whose processors no longer match ``config["mhla"]``
-  (:func:`mhla_gen.install.check_mhla_consistent`), whoever replaced them module by module;
+  (:func:`mhla_gen.integration.install.check_mhla_consistent`), whoever replaced them module by module;
 - ``set_attn_processor`` (diffusers' ``AttentionMixin``: SANA, SANA-Video, Wan) sets what it is given, as in
-  diffusers, and the MHLA record follows (:func:`mhla_gen.install.record_mhla_layers`): replaced layers leave
-  MHLA, none left makes the model stock;
+  diffusers, and the MHLA record follows (:func:`mhla_gen.integration.install.record_mhla_layers`): replaced
+  layers leave MHLA, none left makes the model stock;
 - ``load_lora_adapter`` (``PeftAdapterMixin``: SANA, SANA-Video, Wan) also loads the MHLA parameters that a
-  LoRA + MHLA adapter file carries (:class:`mhla_gen.lora.MHLALoraMixin`), so
+  LoRA + MHLA adapter file carries (:class:`mhla_gen.integration.lora.MHLALoraMixin`), so
   ``pipe.load_lora_weights(folder)`` works; ``save_lora_adapter`` warns that it writes the adapter only;
 - ``from_single_file`` (``FromOriginalModelMixin``: SANA, SANA-Video, Wan) converts a release MHLA checkpoint
-  (the released Wan-MHLA) and refuses other MHLA single files (:mod:`mhla_gen.single_file`).
+  (the released Wan-MHLA) and refuses other MHLA single files (:mod:`mhla_gen.integration.single_file`).
 
 A new base is one line at the end of this file: ``MHLAFooModel = mhla_model_class(FooModel)`` (Wan2.2's
 ``transformer_2`` and Wan I2V are ``WanTransformer3DModel`` too: nothing to add).
@@ -50,8 +51,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
 
-from .config import MHLAConfig
-from .install import (
+from .integration.install import (
     check_mhla_consistent,
     check_mhla_placement,
     install_mhla,
@@ -60,9 +60,10 @@ from .install import (
     record_mhla_layers,
     register_mhla_class,
 )
-from .lora import MHLALoraMixin
-from .serialization import check_mhla_weights
-from .single_file import MHLASingleFileMixin
+from .integration.lora import MHLALoraMixin
+from .integration.serialization import check_mhla_weights
+from .integration.single_file import MHLASingleFileMixin
+from .processors.config import MHLAConfig
 
 
 class MHLAModelMixin:
@@ -75,7 +76,8 @@ class MHLAModelMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """diffusers' ``from_pretrained``; a folder whose config records MHLA must hold its MHLA weights
-        (a folder re-saved by the stock class does not: :func:`mhla_gen.serialization.check_mhla_weights`).
+        (a folder re-saved by the stock class does not:
+        :func:`mhla_gen.integration.serialization.check_mhla_weights`).
 
         Raises:
             ValueError: MHLA parameters missing from the weights (diffusers would leave them on the meta

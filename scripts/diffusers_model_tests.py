@@ -29,8 +29,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from mhla_gen.bases import BASES
-from mhla_gen.cli import expand_path
-from mhla_gen.cli import run as run_cli
+from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.outputs.folders import check_apart, claim
 
 WAN_I2V_SUITE = "tests/models/transformers/test_mhla_wan_i2v.py"

@@ -5,7 +5,7 @@ The command lives in ``mhla_gen/commands/finetune_wan.py``; this file keeps the 
 checkout working and re-exports the command's names for code that loads it.
 """
 
-from mhla_gen.cli import run
+from mhla_gen.commands.cli import run
 from mhla_gen.commands.finetune_wan import *  # noqa: F403
 from mhla_gen.commands.finetune_wan import main
 

@@ -72,7 +72,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere: `python scripts/gpu_check.py`
 
-from mhla_gen.cli import run as run_cli  # noqa: E402
+from mhla_gen.commands.cli import run as run_cli  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
 from mhla_gen.outputs.folders import check_writable, claim, record_files  # noqa: E402
 from mhla_gen.outputs.locks import writing_files  # noqa: E402

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mhla_gen.cli import linearize_main, run, train_main
+from mhla_gen.commands.cli import linearize_main, run, train_main
 from mhla_gen.train.loop import Run, TrainCallback
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ shim does what a GPU launch does and nothing else: it exports the environment ``
 --config_file CONFIG.yaml`` would (Accelerate's own ``prepare_multi_gpu_env``), and after
 ``AcceleratorState`` is set up it puts the distributed type to ``FSDP`` with that plugin (Accelerate's own
 tests switch the state the same way, through its environment and ``AcceleratorState`` internals). Then the
-script's ``main`` runs unchanged, with the same one-line errors (``mhla_gen.cli.run``). Used by
+script's ``main`` runs unchanged, with the same one-line errors (``mhla_gen.commands.cli.run``). Used by
 tests/test_train_fsdp.py.
 """
 
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
     spec = importlib.util.spec_from_file_location("_script", REPO / "scripts" / args.script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from mhla_gen.cli import run
+    from mhla_gen.commands.cli import run
 
     sys.argv = [args.script, *rest]
     run(lambda: module.main(rest))

@@ -13,7 +13,7 @@ from mhla_gen import (
     locality_init,
     row_entropy,
 )
-from mhla_gen.analysis import ATTENTION_KINDS, mirror_block_share, mirror_mass
+from mhla_gen.metrics.attention_maps import ATTENTION_KINDS, mirror_block_share, mirror_mass
 
 
 @pytest.fixture

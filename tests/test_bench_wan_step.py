@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.install import is_mhla_installed, mhla_processors
-from mhla_gen.testing_wan import TINY_WAN_CONFIG
+from mhla_gen.integration.install import is_mhla_installed, mhla_processors
+from mhla_gen.testing.wan import TINY_WAN_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = ["--tiny", "--frames", "5", "--height", "32", "--width", "48", "--batch", "1", "--reps", "2",

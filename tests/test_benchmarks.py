@@ -312,7 +312,7 @@ def test_full_size_dit_and_sana_configs_on_meta():
     layers of 70 x 32) as the step benchmarks build them, MHLA installed in every self-attention."""
     from diffusers import DiTTransformer2DModel, SanaTransformer2DModel
 
-    from mhla_gen.install import mhla_processors
+    from mhla_gen.integration.install import mhla_processors
 
     dit, sana = load("bench_dit_step"), load("bench_sana_step")
     with torch.device("meta"):

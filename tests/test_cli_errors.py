@@ -1,5 +1,5 @@
 """One error path for every entry point: a user's mistake prints one line naming the setting, exits with
-status 2, and nothing is written (``mhla_gen.cli.run``, which every script and eval job calls)."""
+status 2, and nothing is written (``mhla_gen.commands.cli.run``, which every script and eval job calls)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from PIL import Image
 from test_ownership import TINY_DIT, load_script
 from train_helpers import REPO, _reset_accelerate
 
-from mhla_gen.cli import run
+from mhla_gen.commands.cli import run
 
 TINY_SANA = str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml")
 
 
 def fails_in_one_line(script: str, argv: list[str], capsys, monkeypatch) -> str:
-    """Run ``script``'s main through ``mhla_gen.cli.run`` as its ``__main__`` does; return the message."""
+    """Run ``script``'s main through ``mhla_gen.commands.cli.run`` as its ``__main__`` does; return the
+    message."""
     module = load_script(script)
     monkeypatch.setattr(sys, "argv", [script, *argv])
     capsys.readouterr()  # earlier output
@@ -148,7 +149,7 @@ def test_sample_and_generate_refuse_labels_the_model_was_not_trained_on(tmp_path
 
 
 def test_sample_wan_default_size_is_checked_against_the_model(tmp_path, capsys, monkeypatch):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
     line = fails_in_one_line("scripts/sample.py", ["--base", "wan", "--model", str(tmp_path / "wan"),

@@ -13,7 +13,7 @@ import torch
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.bases import BASES
-from mhla_gen.install import mhla_processors
+from mhla_gen.integration.install import mhla_processors
 
 EXTRAS = dict(cpe_kernel=3, gate=True)
 # every base record through its test reference (tiny model, inputs on an uneven token grid, test MHLA

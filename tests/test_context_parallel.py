@@ -1,5 +1,5 @@
-"""Context parallelism for Wan MHLA (mhla_gen/parallel.py): 2 real CPU processes (gloo), every result
-compared with the 1-process computation of the same model / inputs.
+"""Context parallelism for Wan MHLA (mhla_gen/integration/parallel.py): 2 real CPU processes (gloo), every
+result compared with the 1-process computation of the same model / inputs.
 
 * Operator: ``mhla_shard`` on an odd sequence (45 tokens -> 23 + 22, so a rank boundary cuts blocks in
   the middle) against the dense float64 oracle, outputs and gradients of q, k, v and W.
@@ -61,9 +61,9 @@ BLOCKS = (2, 2, 4)  # uneven on every axis
 def _op_case(rank: int, normalize: bool, split_normaliser: bool) -> dict[str, float]:
     import torch.distributed as dist
 
-    from mhla_gen.layout import BlockLayout, split_sizes
+    from mhla_gen.integration.parallel import TokenShard, mhla_shard
+    from mhla_gen.ops.layout import BlockLayout, split_sizes
     from mhla_gen.ops.naive import mhla_dense
-    from mhla_gen.parallel import TokenShard, mhla_shard
 
     grid, blocks = (3, 3, 5), (2, 2, 3)
     layout = BlockLayout(grid, blocks)
@@ -118,7 +118,7 @@ def _wan(overrides: dict, install_after: bool, parallel: bool, variant: str = "t
     from diffusers import ContextParallelConfig
 
     from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
-    from mhla_gen.testing_wan import tiny_wan_transformer
+    from mhla_gen.testing.wan import tiny_wan_transformer
 
     cfg = MHLAConfig(blocks=BLOCKS, layers=[1, 2], cpe_kernel=3, gate=True, **overrides)
     model = tiny_wan_transformer(seed=0, **VARIANTS[variant])
@@ -156,7 +156,7 @@ def _run_wan(model, latent, conditioning: dict, weight) -> tuple[torch.Tensor, t
 def _conditioning(variant: str, g: torch.Generator) -> dict:
     """Timestep and text (I2V: 512 text tokens, as its cross-attention assumes, and 5 CLIP tokens; TI2V: one
     timestep per token, the first latent frame clean)."""
-    from mhla_gen.testing_wan import TEXT_DIM
+    from mhla_gen.testing.wan import TEXT_DIM
 
     batch, tokens = LATENT_SHAPE[0], 54
     text = torch.randn(batch, 512 if variant == "i2v" else 7, TEXT_DIM, generator=g)
@@ -173,7 +173,7 @@ def _conditioning(variant: str, g: torch.Generator) -> dict:
 def _model_case(rank: int, overrides: dict, install_after: bool, variant: str) -> dict[str, float]:
     import torch.distributed as dist
 
-    from mhla_gen.install import mhla_processors
+    from mhla_gen.integration.install import mhla_processors
 
     g = torch.Generator().manual_seed(2)
     channels = dict(t2v=16, i2v=36, ti2v=48)[variant]
@@ -260,7 +260,7 @@ def test_wan_context_parallel_matches_one_process(errors, case):
 
 def test_communication_formulas_for_the_readme_table():
     """The README's per-layer volumes for Wan2.1-1.3B at 480x832x81 (grid (21, 30, 52), blocks (3, 5, 10))."""
-    from mhla_gen.parallel import communication_per_layer
+    from mhla_gen.integration.parallel import communication_per_layer
 
     mb = {p: communication_per_layer(2, 12, 128, (21, 30, 52), (3, 5, 10), p) for p in (2, 4, 8)}
     assert mb[2]["summary_buffer"] == 2 * 12 * 150 * 128 * 129 * 4  # B H M d (d+1) fp32

@@ -15,17 +15,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from mhla_gen.config import MHLAConfig
-from mhla_gen.convert_wan import (
+from mhla_gen.integration.convert_wan import (
     MIXING_KEY,
     convert_wan_checkpoint,
     diffusers_to_original,
     diffusers_to_original_key,
     original_to_diffusers_key,
 )
-from mhla_gen.install import install_mhla, mhla_processors
-from mhla_gen.loading import load_transformer
-from mhla_gen.testing_wan import TEXT_DIM, TINY_WAN_CONFIG, tiny_wan_transformer
+from mhla_gen.integration.install import install_mhla, mhla_processors
+from mhla_gen.integration.loading import load_transformer
+from mhla_gen.processors.config import MHLAConfig
+from mhla_gen.testing.wan import TEXT_DIM, TINY_WAN_CONFIG, tiny_wan_transformer
 
 RELEASE_BLOCKS = (3, 5, 10)
 RELEASE_LAYERS = [1, 2]  # the release keeps softmax in layers i % 3 == 0

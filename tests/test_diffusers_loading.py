@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, uninstall_mhla
 from mhla_gen.bases import BASES as RECORDS
 from mhla_gen.bases import Base as Record
-from mhla_gen.install import MHLA_MODEL_CLASSES
+from mhla_gen.integration.install import MHLA_MODEL_CLASSES
 from mhla_gen.models import MHLAWanTransformer3DModel
-from mhla_gen.testing_video import tiny_wan_expert
-from mhla_gen.testing_wan import tiny_wan_pipeline
+from mhla_gen.testing.video import tiny_wan_expert
+from mhla_gen.testing.wan import tiny_wan_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -192,7 +192,7 @@ def test_pipeline_registered_before_an_in_place_install_needs_register_modules(t
 
 def test_converter_output_loads_through_diffusers(tmp_path):
     """scripts/convert_wan_mhla.py's model (convert_wan_checkpoint) saves as an MHLA Wan folder."""
-    from mhla_gen.convert_wan import convert_wan_checkpoint, diffusers_to_original
+    from mhla_gen.integration.convert_wan import convert_wan_checkpoint, diffusers_to_original
 
     model = trained_like(WAN)
     release_like = MHLAConfig.preset("wan-release", blocks=(1, 2, 2), layers=[0, 2])  # any config works
@@ -229,7 +229,7 @@ def test_every_supported_base_has_an_mhla_class():
     """A base record (mhla_gen/bases) needs its line in mhla_gen/models.py (mhla_model_class),
     else install_mhla leaves it stock-named and diffusers' loaders cannot rebuild its MHLA."""
     from mhla_gen.bases import BASES
-    from mhla_gen.install import MHLA_MODEL_CLASSES
+    from mhla_gen.integration.install import MHLA_MODEL_CLASSES
 
     classes = [base.transformer_class for base in BASES.values()]
     missing = [cls.__name__ for cls in classes if cls not in MHLA_MODEL_CLASSES]
@@ -244,7 +244,7 @@ def test_every_supported_base_has_an_mhla_class():
 def test_wan22_experts_load_with_mhla_through_diffusers(tmp_path):
     """Wan2.2: two Wan experts, ``transformer`` and ``transformer_2``, each resolved from model_index.json
     (SANA-Video and Wan I2V are base records: the tests above run them)."""
-    from mhla_gen.testing_video import tiny_wan22_pipeline
+    from mhla_gen.testing.video import tiny_wan22_pipeline
 
     experts = [trained_like(WAN, tiny_wan_expert(seed=s)) for s in (0, 1)]
     tiny_wan22_pipeline(transformer=experts[0], transformer_2=experts[1]).save_pretrained(tmp_path / "wan22")
@@ -309,7 +309,7 @@ def test_mhla_class_names_missing_mhla_weights(saved, tmp_path):
 
 def _release_like(base: Base):
     """A model of ``base`` with the wan-release preset on layers 1-2, perturbed: the release's keys."""
-    from mhla_gen.install import mhla_processors
+    from mhla_gen.integration.install import mhla_processors
 
     model = base.factory()
     install_mhla(model, MHLAConfig.preset("wan-release", layers=[1, 2]))
@@ -325,7 +325,7 @@ def test_from_single_file_converts_a_release_checkpoint_or_refuses(saved, tmp_pa
     """``from_single_file`` of the MHLA classes (those with diffusers' FromOriginalModelMixin): a checkpoint
     of the release (Wan, T2V and I2V) loads through the converter, exactly; MHLA parameters it cannot place
     are refused in one line; a stock file gives the stock model, as diffusers' own call does."""
-    from mhla_gen.convert_wan import diffusers_to_original
+    from mhla_gen.integration.convert_wan import diffusers_to_original
 
     base, root, _ = saved
     if "single_file" not in base.record.capabilities:  # DiT: diffusers has no single-file loader

@@ -1,9 +1,9 @@
 """LoRA + MHLA the diffusers way (issue 41, item 2): ``pipe.load_lora_weights(final)`` of a
 ``train.trainable=lora`` result (``save_lora_mhla``) loads adapter AND MHLA parameters into an MHLA
 transformer, with outputs equal to ``load_transformer(final)`` under diffusers' set_adapters / unload /
-fuse calls; on a stock transformer it fails loudly, naming ``mhla_gen.lora.load_lora_weights``, before
-changing anything. Every base record with diffusers' LoRA loader (``lora`` in its capabilities; diffusers has
-no DiT LoRA: test_lora checks that refusal), through its test reference."""
+fuse calls; on a stock transformer it fails loudly, naming ``mhla_gen.integration.lora.load_lora_weights``,
+before changing anything. Every base record with diffusers' LoRA loader (``lora`` in its capabilities;
+diffusers has no DiT LoRA: test_lora checks that refusal), through its test reference."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from test_lora import LORA_BASES, TINY_SANA, Lora
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, save_mhla_parameters
-from mhla_gen.install import MHLA_MODEL_CLASSES
-from mhla_gen.lora import (
+from mhla_gen.integration.install import MHLA_MODEL_CLASSES
+from mhla_gen.integration.lora import (
     ADAPTER_WEIGHTS,
     MANIFEST,
     MHLA_MARKER,
@@ -91,7 +91,7 @@ def test_stock_transformer_refuses_loudly_and_stays_untouched(lora_run):
     before = forward(pipe.transformer)
     with pytest.raises(TypeError) as raised:
         pipe.load_lora_weights(root / "final")
-    assert "mhla_gen.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
+    assert "mhla_gen.integration.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
     assert not getattr(pipe.transformer, "peft_config", None)
     assert torch.equal(forward(pipe.transformer), before)
 
@@ -227,7 +227,7 @@ def test_pipeline_save_lora_weights_with_lora_state_dict_keeps_mhla(lora_run, tm
     assert torch.equal(forward(reloaded.transformer), expected)
     with pytest.raises(TypeError) as raised:  # a stock transformer refuses it, naming the right call
         stock_pipe(name, root).load_lora_weights(tmp_path / "kept")
-    assert "mhla_gen.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
+    assert "mhla_gen.integration.lora.load_lora_weights(pipe, folder)" in str(raised.value.__cause__)
 
     pipeline.save_lora_weights(
         tmp_path / "dropped",
@@ -246,7 +246,7 @@ def test_model_save_lora_adapter_is_diffusers_own_and_warns(lora_run, tmp_path, 
     (adapter,) = pipe.get_active_adapters()
     with caplog.at_level(logging.WARNING, logger="mhla_gen"):
         pipe.transformer.save_lora_adapter(tmp_path, adapter_name=adapter)
-    assert "without its MHLA parameters; mhla_gen.lora.save_lora_mhla" in caplog.text
+    assert "without its MHLA parameters; mhla_gen.integration.lora.save_lora_mhla" in caplog.text
     written = set(load_file(tmp_path / ADAPTER_WEIGHTS))
     assert written == set(get_peft_model_state_dict(pipe.transformer, adapter_name=adapter))
 

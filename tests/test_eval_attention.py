@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-from mhla_gen.analysis import attention_matrix, mirror_block_share, mirror_mass
 from mhla_gen.bases import BASES
-from mhla_gen.config import MHLAConfig
-from mhla_gen.install import install_mhla, mhla_processors
+from mhla_gen.integration.install import install_mhla, mhla_processors
 from mhla_gen.metrics.attention import (
     attention_statistics,
     capture_qk,
     example_inputs,
     save_attention_statistics,
 )
+from mhla_gen.metrics.attention_maps import attention_matrix, mirror_block_share, mirror_mass
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.testing import tiny_dit, tiny_sana
 
 

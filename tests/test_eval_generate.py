@@ -79,7 +79,7 @@ def test_generate_config_errors():
 def test_generate_wan_videos_mp4_and_manifest(tmp_path):
     """Video path: a saved tiny WanPipeline (random weights) -> MP4s + manifest, scored by eval/vbench.py."""
     from mhla_gen.metrics.video import read_video
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
     out = tmp_path / "videos"
@@ -170,9 +170,9 @@ def test_generate_and_score_the_new_video_bases(base, tmp_path):
     import torch
 
     from mhla_gen import MHLAConfig, install_mhla
-    from mhla_gen.install import is_mhla_installed
+    from mhla_gen.integration.install import is_mhla_installed
     from mhla_gen.metrics.video import read_video
-    from mhla_gen.testing_video import (
+    from mhla_gen.testing.video import (
         tiny_sana_video,
         tiny_sana_video_pipeline,
         tiny_wan22_pipeline,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mhla_gen.metrics import pixel_extractor
+from mhla_gen.metrics.extractors import pixel_extractor
 from mhla_gen.metrics.video import (
     consistency,
     dynamic_degree,
@@ -115,7 +115,7 @@ def test_hf_extractor_from_a_local_folder(tmp_path):
     """A tiny random ViT saved locally stands in for DINO: the consistency path runs on its CLS features."""
     from transformers import ViTConfig, ViTImageProcessor, ViTModel
 
-    from mhla_gen.metrics import hf_image_extractor
+    from mhla_gen.metrics.extractors import hf_image_extractor
 
     config = ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1,
                        num_attention_heads=2, intermediate_size=32)
@@ -135,7 +135,7 @@ def test_raft_and_aesthetic_paths_with_local_random_weights(tmp_path):
     from torchvision.models.optical_flow import raft_small
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
-    from mhla_gen.metrics import hf_image_extractor
+    from mhla_gen.metrics.extractors import hf_image_extractor
     from mhla_gen.metrics.video import raft_flow
 
     torch.manual_seed(0)

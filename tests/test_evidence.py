@@ -29,10 +29,10 @@ from studies.validation_loss import bucket_means, triple_losses, validation_set
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.data.shapes import class_colour, class_count, shapes_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.metrics import fid_from_features
+from mhla_gen.metrics.fid import fid_from_features
 from mhla_gen.metrics.shapes import property_scores
 from mhla_gen.testing import tiny_dit
-from mhla_gen.transfer import TransferHooks, end_to_end_errors, finalize, relative_error
+from mhla_gen.train.transfer import TransferHooks, end_to_end_errors, finalize, relative_error
 
 
 # ------------------------------------------------------------------------------------------- shapes

@@ -130,7 +130,7 @@ def test_fid_draws_match_the_project_fid_and_resample_jointly():
     """The eigenvalue form of the Fréchet distance equals the project's (clean-fid's) FID; identical
     arms differ by exactly 0 on every joint draw; a shared sample set's noise does not shrink when the
     same set is scored by more seeds."""
-    from mhla_gen.metrics import fid_from_features
+    from mhla_gen.metrics.fid import fid_from_features
 
     rng = np.random.default_rng(6)
     real, fake = rng.normal(size=(300, 6)), rng.normal(0.3, 1.2, size=(120, 6)) @ rng.normal(size=(6, 6))

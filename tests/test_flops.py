@@ -1,6 +1,6 @@
-"""mhla_gen.flops for training budgets: FLOPs of a training image counted from the model (the attention's
-share checked against its formula), a converted model's compute with and without its teacher, and the
-compute every evaluation point of studies.experiments records."""
+"""mhla_gen.metrics.flops for training budgets: FLOPs of a training image counted from the model (the
+attention's share checked against its formula), a converted model's compute with and without its teacher, and
+the compute every evaluation point of studies.experiments records."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ from studies.experiments import stage1_summary, training_compute
 from torch.utils.flop_counter import sdpa_flop_count
 
 from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.flops import Conversion, mhla_forward_flops, train_flops_per_image
+from mhla_gen.metrics.flops import Conversion, mhla_forward_flops, train_flops_per_image
 from mhla_gen.train.config import DiTRunConfig, load_config
 
 DEPTH, HEADS, HEAD_DIM, SIDE = 2, 2, 8, 6  # a 6x6 token grid: 36 tokens, blocks 3x2 of uneven size

@@ -14,7 +14,7 @@ from mhla_gen.bases import base_for_class_name, base_for_model
 from mhla_gen.processors.base import MHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import tiny_dit, tiny_sana
-from mhla_gen.testing_wan import tiny_wan_transformer
+from mhla_gen.testing.wan import tiny_wan_transformer
 
 RECORDS = sorted(BASE_RECORDS)  # every base record, through its test reference (record.tiny)
 
@@ -202,7 +202,7 @@ def _sana_grid_inputs(height, width):
 
 
 def _wan_grid_inputs(frames, height, width):
-    from mhla_gen.testing_wan import TEXT_DIM
+    from mhla_gen.testing.wan import TEXT_DIM
 
     g = torch.Generator().manual_seed(frames * height)
     return dict(

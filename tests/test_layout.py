@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mhla_gen import BlockLayout
-from mhla_gen.layout import split_sizes
+from mhla_gen.ops.layout import split_sizes
 
 LAYOUTS = [
     ((12,), (3,)),  # 1D even

@@ -200,7 +200,7 @@ def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sa
 
 
 def test_wan_stage1_hybrid_with_cpe(tmp_path):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "ckpt")
     write_captioned_videos(tmp_path / "data")
@@ -291,7 +291,7 @@ def test_sana_and_wan_teacher_data_from_a_prompt_file(base, tmp_path):
     """data.source=teacher with a prompt file: images / videos sampled from the checkpoint's own pipeline
     into a captioned folder of the project, then cached and trained on; resumable sample by sample."""
     from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     (tiny_sana_pipeline() if base == "sana" else tiny_wan_pipeline()).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "prompts.txt").write_text("a red cat\n\na blue dog\n")

@@ -1,4 +1,5 @@
-"""LoRA + MHLA (mhla_gen.lora): install order, parameter selection, save / load of a LoRA + MHLA folder."""
+"""LoRA + MHLA (mhla_gen.integration.lora): install order, parameter selection, save / load of a LoRA + MHLA
+folder."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from peft import LoraConfig
 
 from mhla_gen import install_mhla, load_transformer, mhla_parameters
 from mhla_gen.bases import BASES as RECORDS
-from mhla_gen.lora import (
+from mhla_gen.integration.lora import (
     ADAPTER_WEIGHTS,
     LORA_TARGET_MODULES,
     MANIFEST,
@@ -139,7 +140,7 @@ def test_lora_mhla_folder_round_trip(tmp_path, base, caplog):
     shutil.move(tmp_path / "pretrained", tmp_path / "moved")  # the recorded base is gone: name the new place
     with pytest.raises(OSError):
         load_transformer(tmp_path / "final")
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="mhla_gen.lora"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="mhla_gen.integration.lora"):
         assert torch.equal(
             forward(load_transformer(tmp_path / "final", base=str(tmp_path / "moved"))), expected
         )

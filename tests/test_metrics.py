@@ -4,13 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from mhla_gen.metrics import (
-    digits_extractor,
-    extract_features,
+from mhla_gen.metrics.extractors import digits_extractor, extract_features, inception_extractor
+from mhla_gen.metrics.fid import (
     feature_statistics,
     fid_from_features,
     frechet_distance,
-    inception_extractor,
     inception_score,
     kernel_inception_distance,
     load_reference_stats,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mhla_gen import BlockLayout, MixingMatrix, clamp_mixing_, locality_init
-from mhla_gen.mixing import INIT_RULES
+from mhla_gen.ops.mixing import INIT_RULES
 
 
 def _linear_rule_by_hand(layout):
@@ -128,7 +128,7 @@ def test_fixed_mixing_stays_at_its_init_through_training_and_save(tmp_path):
     """mixing_learnable=False (the paper's fixed-mixing ablation): no gradient reaches W, whatever the
     optimizer holds; the weights still save and load as a parameter."""
     from mhla_gen import MHLAConfig, install_mhla, load_transformer
-    from mhla_gen.install import mhla_processors
+    from mhla_gen.integration.install import mhla_processors
     from mhla_gen.testing import tiny_dit
 
     model = install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2), mixing_learnable=False))

@@ -18,8 +18,8 @@ from test_ownership import load_script
 from train_helpers import REPO, run_inprocess, write_captioned_videos
 
 from mhla_gen import MHLAConfig, load_transformer
-from mhla_gen.cards import CARD, LOCAL_ONLY, local_paths, push_to_hub, shared_files, write_card
 from mhla_gen.errors import ConfigError
+from mhla_gen.integration.cards import CARD, LOCAL_ONLY, local_paths, push_to_hub, shared_files, write_card
 from mhla_gen.outputs.folders import MARKER, read_marker
 
 TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml") for name in ("dit", "sana", "wan")}
@@ -75,7 +75,7 @@ def root(tmp_path_factory):
     """Tiny SANA and Wan checkpoints with captioned data, side by side (a card names them by folder name:
     run from here, its snippet finds them)."""
     from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("cards")
     tiny_sana_pipeline().save_pretrained(root / "sana")
@@ -191,7 +191,7 @@ def test_stage1_card_names_the_teacher_by_name(root, monkeypatch):
 def test_converted_wan_card(root, tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    from mhla_gen.testing_wan import tiny_wan_pipeline, tiny_wan_transformer
+    from mhla_gen.testing.wan import tiny_wan_pipeline, tiny_wan_transformer
 
     model = _release_like_model()
     save_file(_original_state(model), tmp_path / "release.safetensors")
@@ -319,5 +319,5 @@ def test_a_failed_upload_says_how_to_retry(digits, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: None)
     monkeypatch.setattr(huggingface_hub, "upload_folder", offline)
-    with pytest.raises(RuntimeError, match=r"complete: retry with mhla_gen.cards.push_to_hub\("):
+    with pytest.raises(RuntimeError, match=r"complete: retry with mhla_gen.integration.cards.push_to_hub\("):
         loop._push(digits[0], "me/digits-mhla")

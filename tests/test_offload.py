@@ -26,7 +26,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 
 from mhla_gen import install_mhla, mhla_parameters
 from mhla_gen.bases import BASES
-from mhla_gen.install import mhla_processors
+from mhla_gen.integration.install import mhla_processors
 
 CPU = torch.device("cpu")
 

@@ -501,7 +501,7 @@ def test_eager_calls_skip_the_dispatcher_and_modes_keep_the_op(make_qkv, random_
     dispatch mode (FlopCounterMode, which counts the op by name) the op runs."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import mhla_gen.flops  # noqa: F401 - registers the op's FLOP formulas
+    import mhla_gen.metrics.flops  # noqa: F401 - registers the op's FLOP formulas
 
     layout = BlockLayout((7, 5), (3, 2))
     q, k, v = make_qkv(layout.num_tokens, grad=True)

@@ -62,15 +62,16 @@ def _work_entry_points():
 
     import mhla_gen.commands.attention_stats
     import mhla_gen.commands.convert_wan
-    import mhla_gen.convert_wan
-    import mhla_gen.loading
+    import mhla_gen.integration.convert_wan
+    import mhla_gen.integration.loading
     import mhla_gen.pipelines.dit
     from mhla_gen.data.images import CaptionedImageFolder
     from mhla_gen.train.dit import DiTTask
 
     return [(DiTTask, "build_transformer"), (diffusers.AutoencoderKL, "from_pretrained"),
-            (mhla_gen.convert_wan, "convert_wan_checkpoint"), (mhla_gen.loading, "load_transformer"),
-            (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder, "load"),
+            (mhla_gen.integration.convert_wan, "convert_wan_checkpoint"), (mhla_gen.integration.loading,
+            "load_transformer"), (mhla_gen.pipelines.dit, "load_dit_pipeline"), (CaptionedImageFolder,
+            "load"),
             # the names the commands imported (the scripts re-export the commands' modules)
             (mhla_gen.commands.convert_wan, "convert_wan_checkpoint"),
             (mhla_gen.commands.attention_stats, "load_transformer")]

@@ -53,7 +53,7 @@ def test_one_version_one_licence_and_the_project_urls():
     assert "END OF TERMS AND CONDITIONS" in licence  # the full text, not a pointer to it
     assert set(project["urls"]) == {"Homepage", "Repository", "Documentation", "Issues"}
     assert all(url.startswith(URL) for url in project["urls"].values())
-    assert project["scripts"] == {"mhla-gen": "mhla_gen.cli:main"}
+    assert project["scripts"] == {"mhla-gen": "mhla_gen.commands.cli:main"}
 
 
 def test_readme_links_work_without_a_checkout():
@@ -92,7 +92,7 @@ def test_the_wheel_holds_the_package_its_configs_and_its_licence(wheel):
     assert configs and configs <= names
     assert "mhla_gen/ops/mhla_tiles.json" in names  # the Triton tile table
     modules = {f"{c.module.replace('.', '/')}.py" for c in COMMANDS.values()}
-    assert modules | {"mhla_gen/__main__.py", "mhla_gen/cli.py"} <= names
+    assert modules | {"mhla_gen/__main__.py", "mhla_gen/commands/cli.py"} <= names
     assert {name.split("/")[0] for name in names} == {"mhla_gen", f"mhla_gen-{source_version()}.dist-info"}
     info = f"mhla_gen-{source_version()}.dist-info"
     assert wheel.read(f"{info}/licenses/LICENSE") == (REPO / "LICENSE").read_bytes()

@@ -184,8 +184,8 @@ def test_video_samplers_refuse_frames_the_vae_cannot_encode():
     from mhla_gen.pipelines import SampleSettings
     from mhla_gen.pipelines.sana_video import SanaVideoSampler
     from mhla_gen.pipelines.wan import WanSampler
-    from mhla_gen.testing_video import tiny_sana_video_pipeline
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.video import tiny_sana_video_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     for sampler, pipe, size in ((WanSampler, tiny_wan_pipeline(), (32, 32)),
                                 (SanaVideoSampler, tiny_sana_video_pipeline(), (32, 64))):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.install import mhla_processors
-from mhla_gen.testing_video import REAL_CONFIGS
+from mhla_gen.integration.install import mhla_processors
+from mhla_gen.testing.video import REAL_CONFIGS
 
 META = torch.device("meta")
 BLOCKS = (3, 5, 10)  # the paper's Wan2.1 480p layout; any resolution works with a fixed layout

@@ -26,8 +26,8 @@ import torch
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.ops import rope
 from mhla_gen.ops.rope import apply_wan_rotary, rope_backend, wan_rotary_pair
-from mhla_gen.testing_video import tiny_sana_video
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.testing.video import tiny_sana_video
+from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -12,11 +12,11 @@ from diffusers.models.transformers.transformer_sana_video import (
 )
 
 from mhla_gen import BlockLayout, MHLAConfig, install_mhla, load_transformer, mhla_parameters, uninstall_mhla
-from mhla_gen.install import mhla_processors
+from mhla_gen.integration.install import mhla_processors
+from mhla_gen.integration.serialization import load_mhla_parameters, save_mhla_parameters
 from mhla_gen.processors.sana_video import SANA_VIDEO_EPS, SanaVideoMHLAProcessor, video_token_grid
-from mhla_gen.serialization import load_mhla_parameters, save_mhla_parameters
 from mhla_gen.testing import OFFLOAD_MODES, offload
-from mhla_gen.testing_video import tiny_sana_video, tiny_sana_video_pipeline
+from mhla_gen.testing.video import tiny_sana_video, tiny_sana_video_pipeline
 
 BLOCKS = (2, 2, 3)  # on the token grid (3, 3, 5): every axis splits unevenly
 M = 12

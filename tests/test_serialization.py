@@ -68,14 +68,14 @@ def test_load_transformer_of_stock_folder_and_dtype(tmp_path):
 
 
 def test_load_transformer_has_one_home():
-    """load_transformer lives in mhla_gen.loading (above serialization and lora, which it dispatches to);
-    serialization keeps no alias of it (the alias was the last import cycle)."""
+    """load_transformer lives in mhla_gen.integration.loading (above serialization and lora, which it
+    dispatches to); serialization keeps no alias of it (the alias was the last import cycle)."""
     import mhla_gen
-    import mhla_gen.loading
-    import mhla_gen.serialization
+    import mhla_gen.integration.loading
+    import mhla_gen.integration.serialization
 
-    assert mhla_gen.load_transformer is mhla_gen.loading.load_transformer
-    assert not hasattr(mhla_gen.serialization, "load_transformer")
+    assert mhla_gen.load_transformer is mhla_gen.integration.loading.load_transformer
+    assert not hasattr(mhla_gen.integration.serialization, "load_transformer")
 
 
 def test_load_transformer_missing_files(tmp_path):

@@ -30,8 +30,8 @@ SCRIPTS = {"sana": "finetune_sana.py", "wan": "finetune_wan.py", "sana-video": "
 
 def _pipeline(base: str):
     from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing_video import tiny_sana_video_pipeline, tiny_wan_i2v_pipeline
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.video import tiny_sana_video_pipeline, tiny_wan_i2v_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     return {"sana": tiny_sana_pipeline, "wan": tiny_wan_pipeline, "sana-video": tiny_sana_video_pipeline,
             "wan-i2v": tiny_wan_i2v_pipeline}[base]()

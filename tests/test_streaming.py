@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mhla_gen import BlockLayout
-from mhla_gen.factorised_mixing import FactorisedMixing
-from mhla_gen.mixing import locality_init
+from mhla_gen.ops.factorised_mixing import FactorisedMixing
+from mhla_gen.ops.mixing import locality_init
 from mhla_gen.ops.streaming import (
     BlockCausal,
     block_causal_mhla,

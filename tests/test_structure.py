@@ -80,7 +80,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "mhla_gen.bases" in graph["mhla_gen.install"]  # the graph sees real edges
+    assert "mhla_gen.bases" in graph["mhla_gen.integration.install"]  # the graph sees real edges
     assert cycles(graph) == []
 
 
@@ -130,7 +130,7 @@ REVIEWED = {
     ("mhla_gen/processors/sana.py", "sana"): _FILE_TAG,
     ("mhla_gen/processors/sana_video.py", "sana-video"): _FILE_TAG,
     ("mhla_gen/processors/wan.py", "wan"): _FILE_TAG,
-    ("mhla_gen/config.py", "sana"): _PRESET,
+    ("mhla_gen/processors/config.py", "sana"): _PRESET,
     ("benchmarks/bench_sana_step.py", "sana"): _PRESET,
     ("benchmarks/conversion_budget.py", "sana"): _PRESET,
 }
@@ -238,9 +238,9 @@ def test_lookups_name_what_is_supported():
 
 
 def test_adopt_does_not_load_the_training_stack():
-    """``mhla-gen adopt`` (and every entry point through mhla_gen.cli) imports the training loop
+    """``mhla-gen adopt`` (and every entry point through mhla_gen.commands.cli) imports the training loop
     and the pipelines only when its command trains or samples."""
-    code = ("import sys, mhla_gen.commands.adopt, mhla_gen.cli; "
+    code = ("import sys, mhla_gen.commands.adopt, mhla_gen.commands.cli; "
             "print(sorted(m for m in sys.modules if m.startswith(('mhla_gen.train', 'mhla_gen.pipelines'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

@@ -162,7 +162,7 @@ def test_the_empty_caption_is_the_pipelines_unconditional_prompt(base):
 
         pipe, schema, extra = tiny_sana_pipeline(), SanaRunConfig, {"complex_human_instruction": None}
     else:
-        from mhla_gen.testing_wan import tiny_wan_pipeline
+        from mhla_gen.testing.wan import tiny_wan_pipeline
         from mhla_gen.train.finetune import WanTask as Task
 
         pipe, schema, extra = tiny_wan_pipeline(), WanRunConfig, {}

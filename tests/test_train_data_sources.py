@@ -38,7 +38,7 @@ def sources(tmp_path_factory):
     from PIL import Image
 
     from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("sources")
     tiny_sana_pipeline().save_pretrained(root / "sana")

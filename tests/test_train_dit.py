@@ -40,7 +40,7 @@ def reference_run(tmp_path_factory):
 
 def test_run_writes_everything(reference_run):
     from mhla_gen import MHLAConfig
-    from mhla_gen.loading import load_transformer
+    from mhla_gen.integration.loading import load_transformer
     from mhla_gen.train.config import DiTRunConfig, load_config
 
     out = reference_run
@@ -312,7 +312,7 @@ def test_lora_stage2_merges_into_final_keeps_the_base_and_resumes_exactly(tmp_pa
     from safetensors.torch import load_file
 
     from mhla_gen import load_transformer
-    from mhla_gen.install import is_mhla_installed
+    from mhla_gen.integration.install import is_mhla_installed
 
     pretrained = save_pretrained_dit(tmp_path / "dit")
     lora = (f"model.init_from={tmp_path / 'dit'}", "train.trainable=lora", "train.lora_rank=2",

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
 
-from mhla_gen.cards import CARD
-from mhla_gen.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
+from mhla_gen.integration.cards import CARD
+from mhla_gen.integration.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
 from mhla_gen.outputs.folders import LISTING, MARKER, read_marker
 
 # EMA on: it averages the trained parameters (LoRA + MHLA) and final/ holds the averages
@@ -45,7 +45,7 @@ def sana_setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wan_setup(tmp_path_factory):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan_lora")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")

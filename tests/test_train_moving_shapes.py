@@ -19,7 +19,7 @@ TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 @pytest.fixture(scope="module")
 def wan_checkpoint(tmp_path_factory):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan_moving")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")

@@ -49,7 +49,7 @@ def finetune(setup, out, *overrides):
 def test_finetune_all_weights_checkpoint_resume(sana_setup, tmp_path):
     """Accumulation 2 (global batch 2 = 2 micro-batches of 1): 2 steps, then resume=latest to 3, ends with
     exactly the weights of an uninterrupted 3-step run."""
-    from mhla_gen.loading import load_transformer
+    from mhla_gen.integration.loading import load_transformer
 
     run = tmp_path / "run"
     accumulate = "train.gradient_accumulation_steps=2"
@@ -77,7 +77,7 @@ def test_finetune_only_mhla_parameters(sana_setup, tmp_path):
     assert mhla_keys and all(".processor.mixing" in k for k in mhla_keys)
     assert all(torch.equal(before[k], after[k]) for k in before)  # frozen: bit-identical
     from mhla_gen import MHLAConfig
-    from mhla_gen.install import install_mhla
+    from mhla_gen.integration.install import install_mhla
     from mhla_gen.testing import tiny_sana
 
     fresh = install_mhla(tiny_sana(), MHLAConfig(blocks=(2, 2))).state_dict()
@@ -118,7 +118,7 @@ def test_bad_settings_fail_before_any_work(sana_setup, tmp_path, overrides, mess
 
 def test_wrong_model_family_is_named(sana_setup, tmp_path):
     from mhla_gen.errors import ConfigError
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
     with pytest.raises(

@@ -18,7 +18,7 @@ M = 4  # blocks (1, 2, 2)
 
 @pytest.fixture(scope="module")
 def sana_video_setup(tmp_path_factory):
-    from mhla_gen.testing_video import tiny_sana_video_pipeline
+    from mhla_gen.testing.video import tiny_sana_video_pipeline
 
     root = tmp_path_factory.mktemp("sana_video")
     tiny_sana_video_pipeline().save_pretrained(root / "ckpt")

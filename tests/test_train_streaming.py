@@ -53,7 +53,7 @@ def test_chunks_draw_independent_sigmas_and_weigh_their_own_loss():
 
 @pytest.fixture(scope="module")
 def wan_checkpoint(tmp_path_factory):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan_stream_train")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")
@@ -124,7 +124,7 @@ def test_streaming_settings_are_refused_before_any_work(wan_checkpoint, tmp_path
 
 def test_stage1_to_a_block_causal_student(wan_checkpoint, tmp_path):
     """Stage 1 against the bidirectional softmax teacher, the student block-causal; a hybrid is refused."""
-    from mhla_gen.loading import load_transformer
+    from mhla_gen.integration.loading import load_transformer
 
     common = ("--base", "wan", "--config", TINY, f"model.pretrained={wan_checkpoint}", *STREAM[:-1],
               "train.max_steps=2", "transfer.eval_batches=1")
@@ -148,8 +148,8 @@ def test_a_bidirectional_mhla_checkpoint_continues_block_causal(tmp_path):
     """``model.init_from`` saved with bidirectional MHLA plus ``mhla.chunk_frames``: the run trains its config
     with the chunks added and starts from its trained W (general mixing); factorised is refused."""
     from mhla_gen import MHLAConfig, install_mhla
-    from mhla_gen.install import mhla_processors
-    from mhla_gen.testing_wan import tiny_wan_transformer
+    from mhla_gen.integration.install import mhla_processors
+    from mhla_gen.testing.wan import tiny_wan_transformer
     from mhla_gen.train.attention import load_start_transformer, start_attention
 
     saved = tiny_wan_transformer()

@@ -20,7 +20,7 @@ TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 @pytest.fixture(scope="module")
 def wan_setup(tmp_path_factory):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan")
     tiny_wan_pipeline().save_pretrained(root / "ckpt")
@@ -44,7 +44,7 @@ def finetune(setup, out, *overrides):
 
 def test_finetune_hybrid_checkpoint_resume(wan_setup, tmp_path):
     """Accumulation 2: 2 steps, then resume=latest to 3, equals an uninterrupted 3-step run exactly."""
-    from mhla_gen.loading import load_transformer
+    from mhla_gen.integration.loading import load_transformer
 
     run = tmp_path / "run"
     common = ("train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2")

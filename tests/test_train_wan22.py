@@ -12,14 +12,14 @@ from train_helpers import REPO, run_inprocess, write_captioned_videos
 
 from mhla_gen import load_transformer
 from mhla_gen.errors import ConfigError
-from mhla_gen.testing_video import WAN22_T2V_BOUNDARY, tiny_wan22_pipeline
+from mhla_gen.testing.video import WAN22_T2V_BOUNDARY, tiny_wan22_pipeline
 
 TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 
 @pytest.fixture(scope="module")
 def a14b_setup(tmp_path_factory):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan22")
     tiny_wan22_pipeline().save_pretrained(root / "ckpt")

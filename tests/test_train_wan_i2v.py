@@ -19,7 +19,7 @@ TINY = str(REPO / "mhla_gen" / "configs" / "tiny" / "wan.yaml")
 
 @pytest.fixture(scope="module")
 def i2v_setup(tmp_path_factory):
-    from mhla_gen.testing_video import tiny_wan22_i2v_pipeline, tiny_wan_i2v_pipeline
+    from mhla_gen.testing.video import tiny_wan22_i2v_pipeline, tiny_wan_i2v_pipeline
 
     root = tmp_path_factory.mktemp("wan_i2v_train")
     tiny_wan22_i2v_pipeline().save_pretrained(root / "wan22")
@@ -105,7 +105,7 @@ def test_bad_settings_fail_before_any_work(i2v_setup, tmp_path, pretrained, over
 
 
 def test_a_text_to_video_checkpoint_is_refused(i2v_setup, tmp_path):
-    from mhla_gen.testing_wan import tiny_wan_pipeline
+    from mhla_gen.testing.wan import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "t2v")
     with pytest.raises(ConfigError, match="is a WanPipeline checkpoint, not a WanImageToVideoPipeline"):

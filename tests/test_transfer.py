@@ -1,4 +1,4 @@
-"""Stage 1 of the converter (mhla_gen.transfer): each MHLA layer learns from the teacher's own input."""
+"""Stage 1 of the converter (mhla_gen.train.transfer): each MHLA layer learns from the teacher's own input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mhla_gen import MHLAConfig, install_mhla, load_transformer
 from mhla_gen.bases import BASES
 from mhla_gen.processors import MHLAProcessor
 from mhla_gen.testing import tiny_dit, tiny_sana
-from mhla_gen.transfer import TransferHooks, converted_layers, finalize, hardest_layers
+from mhla_gen.train.transfer import TransferHooks, converted_layers, finalize, hardest_layers
 
 
 def _randomized(model):
@@ -79,7 +79,7 @@ def test_converted_runs_the_students_and_the_end_to_end_term():
     from types import SimpleNamespace
 
     from mhla_gen.train.linearize import TransferConfig, TransferTask
-    from mhla_gen.transfer import relative_error
+    from mhla_gen.train.transfer import relative_error
 
     model, args, kwargs = _dit()
     with torch.no_grad():

@@ -8,12 +8,12 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.utils import export_to_video
 
-from mhla_gen.config import MHLAConfig
-from mhla_gen.install import install_mhla, mhla_processors, uninstall_mhla
-from mhla_gen.layout import BlockLayout
-from mhla_gen.loading import load_transformer
+from mhla_gen.integration.install import install_mhla, mhla_processors, uninstall_mhla
+from mhla_gen.integration.loading import load_transformer
+from mhla_gen.ops.layout import BlockLayout
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.processors.wan import WanMHLAProcessor, wan_token_grid
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
+from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_pipeline, tiny_wan_transformer
 
 GRID, BLOCKS = (3, 3, 5), (2, 2, 3)  # every axis splits unevenly
 LATENT_SHAPE = (2, 16, 3, 6, 10)  # (B, C, F, H, W) with patch (1, 2, 2) -> token grid (3, 3, 5)

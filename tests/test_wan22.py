@@ -12,7 +12,7 @@ from PIL import Image
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.pipelines.wan import load_wan_i2v_pipeline, load_wan_pipeline
 from mhla_gen.processors.wan import WanMHLAProcessor
-from mhla_gen.testing_video import (
+from mhla_gen.testing.video import (
     WAN22_T2V_BOUNDARY,
     tiny_ti2v_pipeline,
     tiny_wan22_pipeline,

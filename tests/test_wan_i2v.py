@@ -21,13 +21,13 @@ from test_wan import _randomize_mhla_, _reference_self_attention
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.bases import base_for, base_for_class_name, base_for_model
-from mhla_gen.install import mhla_processors
+from mhla_gen.integration.install import mhla_processors
 from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.wan import WanI2VSampler
 from mhla_gen.processors.wan import WanMHLAProcessor, wan_token_grid
 from mhla_gen.testing import OFFLOAD_MODES, offload
-from mhla_gen.testing_video import (
+from mhla_gen.testing.video import (
     REAL_CONFIGS,
     WAN22_I2V_BOUNDARY,
     tiny_ti2v_pipeline,
@@ -35,7 +35,7 @@ from mhla_gen.testing_video import (
     tiny_wan_expert,
     tiny_wan_i2v_pipeline,
 )
-from mhla_gen.testing_wan import TEXT_DIM
+from mhla_gen.testing.wan import TEXT_DIM
 
 IMAGE_DIM = 8  # tiny_wan_i2v_pipeline's CLIP width
 VARIANTS = {  # transformer overrides of tiny_wan_expert
@@ -102,7 +102,7 @@ def test_a_base_without_a_training_task_is_refused_in_one_line(tmp_path, capsys,
     from test_cli_errors import fails_in_one_line
 
     from mhla_gen.bases import BASES
-    from mhla_gen.cli import train_main
+    from mhla_gen.commands.cli import train_main
     from mhla_gen.errors import ConfigError
 
     untrained = dataclasses.replace(base_for("wan-i2v"), name="sampling-only", task=None, run_config=None)

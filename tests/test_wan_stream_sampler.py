@@ -12,7 +12,7 @@ from mhla_gen.commands import sample
 from mhla_gen.errors import ConfigError
 from mhla_gen.metrics.video import read_video
 from mhla_gen.pipelines.wan_stream import stream_video
-from mhla_gen.testing_wan import tiny_wan_pipeline
+from mhla_gen.testing.wan import tiny_wan_pipeline
 
 FACTORISED = MHLAConfig(blocks=(1, 2, 2), chunk_frames=1, stream_mixing="factorised")
 

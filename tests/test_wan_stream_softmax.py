@@ -12,14 +12,14 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, uninstall_mhla
-from mhla_gen.install import mhla_processors
+from mhla_gen.integration.install import mhla_processors
+from mhla_gen.integration.streaming import WanStreamCache, stream_step
 from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.ops.kv_cache import KVStreamCache, block_causal_softmax
 from mhla_gen.ops.rope import apply_wan_rotary
 from mhla_gen.ops.streaming_naive import block_causal_softmax_dense
 from mhla_gen.processors.wan_softmax import WanBlockCausalSoftmaxProcessor
-from mhla_gen.streaming import WanStreamCache, stream_step
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
 from mhla_gen.train.attention import attention_mhla_config
 
 LATENT = (2, 16, 4, 6, 10)  # (B, C, F, H, W), patch (1, 2, 2) -> token grid (4, 3, 5): 15 tokens a frame

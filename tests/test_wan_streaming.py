@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer
-from mhla_gen.install import mhla_processors
-from mhla_gen.layout import BlockLayout
+from mhla_gen.integration.install import mhla_processors
+from mhla_gen.integration.streaming import WanStreamCache, stream_step
 from mhla_gen.models import MHLAWanTransformer3DModel
+from mhla_gen.ops.layout import BlockLayout
 from mhla_gen.ops.streaming_naive import block_causal_dense, factorised_dense
 from mhla_gen.processors.grid import rotary_at_frames
-from mhla_gen.streaming import WanStreamCache, stream_step
-from mhla_gen.testing_wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
 
 LATENT = (2, 16, 4, 6, 10)  # (B, C, F, H, W), patch (1, 2, 2) -> token grid (4, 3, 5): uneven in H and W
 GRID = (4, 3, 5)
@@ -173,7 +173,7 @@ def test_bad_streaming_settings_are_refused(settings, message):
 
 
 def test_models_that_cannot_stream_are_refused_before_install():
-    from mhla_gen.testing_video import tiny_sana_video
+    from mhla_gen.testing.video import tiny_sana_video
 
     cfg = MHLAConfig(blocks=(1, 2, 2), chunk_frames=1)
     with pytest.raises(ValueError, match="temporal patch of 1"):

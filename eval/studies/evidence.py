@@ -23,13 +23,8 @@ import numpy as np
 import torch
 
 from mhla_gen.errors import ConfigError
-from mhla_gen.metrics import (
-    digits_extractor,
-    extract_features,
-    feature_statistics,
-    fid_from_features,
-    frechet_distance,
-)
+from mhla_gen.metrics.extractors import digits_extractor, extract_features
+from mhla_gen.metrics.fid import feature_statistics, fid_from_features, frechet_distance
 
 from . import evidence_stats as es
 

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from mhla_gen.errors import ConfigError
-from mhla_gen.flops import train_flops_per_image
-from mhla_gen.loading import load_transformer
+from mhla_gen.integration.loading import load_transformer
 from mhla_gen.metrics.attention import attention_statistics, example_inputs
+from mhla_gen.metrics.flops import train_flops_per_image
 from mhla_gen.outputs.folders import claim, file_record, owned
 from mhla_gen.outputs.locks import die_with_parent
 from mhla_gen.train.config import DiTRunConfig, load_config
@@ -127,8 +127,8 @@ def run_stage1(job: Job) -> dict:
 
 def stage1_summary(report: dict) -> dict:
     """What a result record keeps of its stage-1 report: cost (steps, seconds, teacher-forward
-    equivalents, FLOPs: :class:`mhla_gen.flops.Conversion`), the mean layer error before / after and the
-    end-to-end output error of the plain conversion and of the final stage-1 model."""
+    equivalents, FLOPs: :class:`mhla_gen.metrics.flops.Conversion`), the mean layer error before / after and
+    the end-to-end output error of the plain conversion and of the final stage-1 model."""
     keys = ("steps", "wall_seconds", "teacher_forward_equivalents", "softmax_layers")
     flops = report["teacher_forward_equivalents"] * report["teacher_forward_flops"] if (
         "teacher_forward_flops" in report) else math.nan  # a report of before 2026-11-28 may lack it
@@ -232,10 +232,10 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
 
 def training_compute(cfg: DiTRunConfig, step: int) -> dict:
     """The run's training compute up to ``step``: ``flops_per_image`` (one training step per image,
-    :func:`mhla_gen.flops.train_flops_per_image`), ``batch`` and ``train_flops`` (step x batch x
+    :func:`mhla_gen.metrics.flops.train_flops_per_image`), ``batch`` and ``train_flops`` (step x batch x
     flops_per_image: this run's own steps; a conversion's stage 1 and teacher are in ``stage1.flops``
-    and, where the runner gives it in ``Job.extra``, ``teacher_flops``: :class:`mhla_gen.flops.Conversion`
-    adds them up)."""
+    and, where the runner gives it in ``Job.extra``, ``teacher_flops``:
+    :class:`mhla_gen.metrics.flops.Conversion` adds them up)."""
     per_image = train_flops_per_image(cfg)["train"]
     batch = cfg.train.global_batch_size
     return {"flops_per_image": per_image, "batch": batch, "train_flops": step * batch * per_image}

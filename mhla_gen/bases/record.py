@@ -86,8 +86,9 @@ class Base:
             or one ``scripts/diffusers_model_tests.py`` writes there, which runs it; None: none).
         release_checkpoint: reads a single-file checkpoint of an original MHLA release for
             ``from_single_file`` of the MHLA class (:class:`Ref` to ``f(checkpoint, load_config) -> model |
-            None``: None when the checkpoint is not in the release format; :mod:`mhla_gen.single_file`).
-            None: no release to read (an MHLA single file is then refused).
+            None``: None when the checkpoint is not in the release format;
+            :mod:`mhla_gen.integration.single_file`). None: no release to read (an MHLA single file is then
+            refused).
     """
 
     name: str
@@ -135,8 +136,9 @@ class Base:
     @property
     def context_parallel(self) -> bool:
         """Whether the transformer class has a diffusers context-parallel plan (``_cp_plan``), so that
-        ``enable_parallelism`` shards its tokens and MHLA all-reduces its summaries (``mhla_gen.parallel``).
-        diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V, I2V, both Wan2.2 experts) has one."""
+        ``enable_parallelism`` shards its tokens and MHLA all-reduces its summaries
+        (``mhla_gen.integration.parallel``). diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V,
+        I2V, both Wan2.2 experts) has one."""
         return getattr(self.transformer_class, "_cp_plan", None) is not None
 
     @property

@@ -40,8 +40,8 @@ BASE = WanI2VBase(
     run_config=Ref("mhla_gen.train.config:WanRunConfig"),
     task=Ref("mhla_gen.train.finetune_wan_i2v:WanI2VTask"),
     sampler=Ref("mhla_gen.pipelines.wan:WanI2VSampler"),
-    tiny=Ref("mhla_gen.testing_video:TINY_WAN_I2V"),
-    release_checkpoint=Ref("mhla_gen.convert_wan:release_checkpoint_model"),
+    tiny=Ref("mhla_gen.testing.video:TINY_WAN_I2V"),
+    release_checkpoint=Ref("mhla_gen.integration.convert_wan:release_checkpoint_model"),
     converter_config="linearize/wan-i2v_14b_480p",
     text_dim="text_dim",
     # written into the diffusers checkout by scripts/diffusers_model_tests.py from diffusers' Wan suite

@@ -1,7 +1,7 @@
 """The ``mhla-gen`` subcommands: one module each with ``main(argv)`` (its own argparse ``--help``).
 
 ``mhla-gen NAME ARGS``, ``python -m mhla_gen NAME ARGS`` and the checkout's ``python scripts/<name>.py
-ARGS`` / ``python eval/<name>.py ARGS`` run the same ``main`` (:func:`mhla_gen.cli.main` dispatches).
+ARGS`` / ``python eval/<name>.py ARGS`` run the same ``main`` (:func:`mhla_gen.commands.cli.main` dispatches).
 Nothing here imports a command: listing them must not load torch's training or metric stacks.
 """
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from ..bases import BASES, base_for_class_name
-from ..cli import run
 from ..errors import ConfigError
-from ..install import stock_class_name
+from ..integration.install import stock_class_name
 from ..outputs.folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
+from .cli import run
 
 
 def _a(noun: str) -> str:

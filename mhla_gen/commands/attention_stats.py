@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.data.shapes import HELD_OUT_SEED, shapes_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.loading import load_transformer
+from mhla_gen.integration.loading import load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,

@@ -5,8 +5,8 @@
 
 ``--config-from`` is a diffusers Wan pipeline (local folder or hub id), its ``transformer`` folder, or
 a ``config.json``. The output loads with ``mhla_gen.load_transformer(OUT)`` and plugs into
-``mhla_gen.pipelines.wan.load_wan_pipeline(BASE, transformer_path=OUT)``. See ``mhla_gen/convert_wan.py``
-for how the release differs from this library's defaults.
+``mhla_gen.pipelines.wan.load_wan_pipeline(BASE, transformer_path=OUT)``. See
+``mhla_gen/integration/convert_wan.py`` for how the release differs from this library's defaults.
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ from pathlib import Path
 
 import torch
 
-from mhla_gen.cards import check_push_target, model_card, push_to_hub, scrub_local_paths, write_card
-from mhla_gen.cli import expand_path, run
-from mhla_gen.convert_wan import convert_wan_checkpoint, converted_card_facts
+from mhla_gen.commands.cli import expand_path, run
+from mhla_gen.integration.cards import (
+    check_push_target,
+    model_card,
+    push_to_hub,
+    scrub_local_paths,
+    write_card,
+)
+from mhla_gen.integration.convert_wan import convert_wan_checkpoint, converted_card_facts
 from mhla_gen.outputs.folders import (
     check_apart,
     check_replaceable,

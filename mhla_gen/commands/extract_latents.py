@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 from mhla_gen.errors import ConfigError

@@ -26,22 +26,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mhla_gen.cli import expand_path, run
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.metrics import (
-    digits_extractor,
-    extract_features,
+from mhla_gen.metrics.extractors import digits_extractor, extract_features, inception_extractor
+from mhla_gen.metrics.fid import (
+    REFERENCE_STATS,
     feature_statistics,
     frechet_distance,
-    inception_extractor,
     inception_score,
     kernel_inception_distance,
     load_reference_stats,
     precision_recall,
     save_reference_stats,
 )
-from mhla_gen.metrics.fid import REFERENCE_STATS
 from mhla_gen.outputs.folders import check_apart, check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text

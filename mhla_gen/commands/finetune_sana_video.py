@@ -4,12 +4,12 @@ mhla-gen finetune-sana-video --config sana-video_mhla data.path=DIR
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana-video \
     --config ... key=value
 
-Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
+Same program as finetune_wan.py (mhla_gen.commands.cli.train_main; the task is
 mhla_gen.train.finetune_sana_video.SanaVideoTask).
 """
 
 from mhla_gen.bases.sana_video import BASE
-from mhla_gen.cli import run, train_main
+from mhla_gen.commands.cli import run, train_main
 
 
 def main(argv=None):

@@ -4,11 +4,12 @@ mhla-gen finetune-wan --config wan_mhla_hybrid model.pretrained=PATH data.path=D
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-wan \
     --config ... key=value
 
-Same program as finetune_sana.py (mhla_gen.cli.train_main; the task is mhla_gen.train.finetune.WanTask).
+Same program as finetune_sana.py (mhla_gen.commands.cli.train_main; the task is
+mhla_gen.train.finetune.WanTask).
 """
 
 from mhla_gen.bases.wan import BASE
-from mhla_gen.cli import run, train_main
+from mhla_gen.commands.cli import run, train_main
 
 
 def main(argv=None):

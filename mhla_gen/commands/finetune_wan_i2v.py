@@ -5,12 +5,12 @@ mhla-gen finetune-wan-i2v --config wan_mhla_hybrid \
 accelerate launch --config_file "$(mhla-gen configs accelerate/fsdp)" -m mhla_gen finetune-wan-i2v \
     --config ... key=value
 
-Same program as finetune_wan.py (mhla_gen.cli.train_main; the task is
+Same program as finetune_wan.py (mhla_gen.commands.cli.train_main; the task is
 mhla_gen.train.finetune_wan_i2v.WanI2VTask): each video's first frame is its condition.
 """
 
 from mhla_gen.bases.wan_i2v import BASE
-from mhla_gen.cli import run, train_main
+from mhla_gen.commands.cli import run, train_main
 
 
 def main(argv=None):

@@ -28,8 +28,7 @@ import torch
 
 from mhla_gen.bases import BASES, Base, base_for
 from mhla_gen.bases.dit import BASE as DIT
-from mhla_gen.cli import run
-from mhla_gen.config import MHLAConfig
+from mhla_gen.commands.cli import run
 from mhla_gen.configs import resolve_config
 from mhla_gen.errors import ConfigError
 from mhla_gen.metrics.video import write_video
@@ -38,6 +37,7 @@ from mhla_gen.outputs.locks import die_with_launcher, release
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.train.config import load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,14 +7,14 @@ mhla-gen linearize --base sana --config linearize/sana_600m_1024 data.path=DIR
 mhla-gen linearize --base wan --config linearize/wan_1_3b_480p data.path=DIR
 
 Every MHLA layer learns to reproduce the frozen teacher layer's output from the teacher's own input
-(mhla_gen.transfer). Output: output_dir/final (the converted transformer: continue it with
+(mhla_gen.train.transfer). Output: output_dir/final (the converted transformer: continue it with
 train_dit.py or finetune_*.py model.init_from=...), transfer.json and
 transfer_errors.png. Settings: the base script's, plus transfer.trainable (all, the default | mhla |
 mhla+qk), transfer.output_weight (the end-to-end term; 0), transfer.eval_batches and
 hybrid.softmax_layers (null | auto:K | [layers]).
 """
 
-from mhla_gen.cli import linearize_main, run
+from mhla_gen.commands.cli import linearize_main, run
 
 
 def main(argv=None):

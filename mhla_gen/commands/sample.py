@@ -35,13 +35,13 @@ import torch
 from PIL import Image
 
 from mhla_gen.bases import BASES, base_for
-from mhla_gen.cli import expand_path, run
-from mhla_gen.config import MHLAConfig
+from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images
+from mhla_gen.processors.config import MHLAConfig
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.outputs.folders.KINDS)
 
@@ -229,7 +229,7 @@ def saved_transformer_config(args) -> dict:
     without loading weights; a LoRA + MHLA folder contributes its MHLA config."""
     from diffusers import WanTransformer3DModel
 
-    from mhla_gen.lora import is_lora_folder, lora_mhla_config
+    from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 
     if args.transformer is not None and is_lora_folder(args.transformer):
         config = dict(WanTransformer3DModel.load_config(args.model, subfolder="transformer"))

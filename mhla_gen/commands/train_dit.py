@@ -7,7 +7,7 @@ accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen
 """
 
 from mhla_gen.bases.dit import BASE
-from mhla_gen.cli import run, train_main
+from mhla_gen.commands.cli import run, train_main
 
 DEFAULT_CONFIG = "dit_digits"  # the shipped mhla_gen/configs/dit_digits.yaml (mhla_gen.configs)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mhla_gen.cli import expand_path, run
-from mhla_gen.metrics import digits_extractor, hf_image_extractor, pixel_extractor
+from mhla_gen.commands.cli import expand_path, run
+from mhla_gen.metrics.extractors import digits_extractor, hf_image_extractor, pixel_extractor
 from mhla_gen.metrics.video import evaluate_video, raft_flow, read_video
 from mhla_gen.outputs.folders import check_apart, check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files

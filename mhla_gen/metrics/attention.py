@@ -1,5 +1,6 @@
 """Per-layer attention statistics of a transformer: numerical rank and mean row entropy of the
-self-attention maps it actually computes (the paper's Fig. 3b measures, via :mod:`mhla_gen.analysis`).
+self-attention maps it actually computes (the paper's Fig. 3b measures, via
+:mod:`mhla_gen.metrics.attention_maps`).
 
 Capture: forward hooks on each self-attention layer's ``to_q`` / ``to_k`` record the projections
 ``(B, N, heads·d)``; the layer's q/k norms are applied the way the processors apply them (across heads
@@ -20,10 +21,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..analysis import attention_matrix, attention_rank, mirror_block_share, mirror_mass, row_entropy
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
 from ..processors.grid import latent_from_call
+from .attention_maps import attention_matrix, attention_rank, mirror_block_share, mirror_mass, row_entropy
 
 
 def self_attention_layers(transformer: nn.Module) -> list[nn.Module]:
@@ -94,9 +95,10 @@ def attention_statistics(transformer: nn.Module, run: Callable[[], object], max_
     Each entry: ``{"layer", "kind", "tokens", "heads", "rank", "rank_fraction", "entropy",
     "max_entropy"}`` — rank and entropy (nats) averaged over batch and heads; ``max_entropy = log N`` is
     the uniform map's entropy. On an image / video token grid also ``"mirror_mass"`` (averaged over heads)
-    and ``"mirror_mass_best_head"`` (the head that routes most): :func:`mhla_gen.analysis.mirror_mass`,
-    whose uniform value is ``1 / N``; MHLA layers on such a grid also ``"mirror_block_share"``, the same
-    question asked of their mixing matrix (:func:`mhla_gen.analysis.mirror_block_share`, uniform ``1 / M``).
+    and ``"mirror_mass_best_head"`` (the head that routes most):
+    :func:`mhla_gen.metrics.attention_maps.mirror_mass`, whose uniform value is ``1 / N``; MHLA layers on such
+    a grid also ``"mirror_block_share"``, the same question asked of their mixing matrix
+    (:func:`mhla_gen.metrics.attention_maps.mirror_block_share`, uniform ``1 / M``).
     """
     chunks = getattr(getattr(transformer, "mhla_config", None), "chunk_frames", None)
     if chunks is not None:  # the maps below are bidirectional: they would misdescribe a block-causal model

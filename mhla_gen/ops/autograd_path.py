@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BlockLayout
 from .checks import accumulation_dtype, autocast_off, cast_output, check_inputs, mix_blocks
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 
 
 def mhla_attention_autograd(

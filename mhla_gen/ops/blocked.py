@@ -33,9 +33,9 @@ import math
 
 import torch
 
-from ..layout import SubGrid, layout_for
 from .checks import accumulation_dtype, autocast_off, mix_blocks
 from .feature_maps import FEATURE_MAPS_INPLACE, feature_map_vjp_
+from .layout import SubGrid, layout_for
 
 
 def backward_reads_out(state) -> bool:

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from ..layout import BlockLayout
+from .layout import BlockLayout
 
 
 def check_inputs(q, k, v, layout: BlockLayout, mixing: torch.Tensor, causal: bool) -> None:

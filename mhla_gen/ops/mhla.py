@@ -53,11 +53,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..layout import BlockLayout
 from . import blocked
 from .autograd_path import mhla_attention_autograd
 from .checks import check_inputs
 from .feature_maps import FEATURE_MAPS, get_feature_map
+from .layout import BlockLayout
 
 
 def mhla_attention(

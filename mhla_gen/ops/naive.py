@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BlockLayout
 from .checks import check_inputs
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 
 
 def mhla_dense_weights(q, k, layout: BlockLayout, mixing, feature_map="relu", causal=False) -> torch.Tensor:

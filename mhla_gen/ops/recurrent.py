@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import BlockLayout
 from .checks import accumulation_dtype, cast_output
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 
 
 @dataclass

@@ -35,9 +35,9 @@ import math
 
 import torch
 
-from ..layout import BlockLayout
 from .checks import accumulation_dtype, autocast_off, cast_output, check_inputs
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 from .mhla import mhla_attention
 
 

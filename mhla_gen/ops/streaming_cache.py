@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import BlockLayout
 from .checks import accumulation_dtype, autocast_off, cast_output
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 from .streaming import (
     BlockCausal,
     block_summaries,

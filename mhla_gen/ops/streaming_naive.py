@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..layout import BlockLayout
 from .feature_maps import get_feature_map
+from .layout import BlockLayout
 
 
 def token_chunks(layout: BlockLayout, chunk_frames: int) -> torch.Tensor:

@@ -15,11 +15,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
-from mhla_gen.install import CONFIG_KEY, MHLA_MODEL_CLASSES, install_mhla, is_mhla_installed, stock_class_name
-from mhla_gen.loading import load_transformer
-from mhla_gen.serialization import saved_with_mhla
+from mhla_gen.integration.install import (
+    CONFIG_KEY,
+    MHLA_MODEL_CLASSES,
+    install_mhla,
+    is_mhla_installed,
+    stock_class_name,
+)
+from mhla_gen.integration.loading import load_transformer
+from mhla_gen.integration.serialization import saved_with_mhla
+from mhla_gen.processors.config import MHLAConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from diffusers import DiTPipeline, DiTTransformer2DModel
 
-from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import read_marker
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.train.config import DiTRunConfig, load_config
 
 from . import PipelineSampler, SampleSettings, load_pipeline_transformer
@@ -110,7 +110,7 @@ class DiTSampler(PipelineSampler):
     def run_pipeline(cls, run_config, transformer_path, mhla, torch_dtype, device):
         """A DiT training run: its transformer (``transformer_path`` or the run's ``final/``) and the run's
         own sampler (pixel space or its VAE)."""
-        from mhla_gen.loading import load_transformer
+        from mhla_gen.integration.loading import load_transformer
         from mhla_gen.train.dit import DiTTask
 
         run_cfg = load_config(DiTRunConfig, run_config)

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from diffusers import SanaPipeline, SanaTransformer2DModel
 
-from mhla_gen.config import MHLAConfig
+from mhla_gen.processors.config import MHLAConfig
 
 from . import PipelineSampler, SampleSettings, load_pipeline_transformer
 

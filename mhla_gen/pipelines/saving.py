@@ -1,5 +1,6 @@
 """A pipeline whose transformer runs MHLA, saved as a folder to share: diffusers' ``save_pretrained`` under
-the project's file rules (:mod:`mhla_gen.outputs.folders`), with a model card (:mod:`mhla_gen.cards`).
+the project's file rules (:mod:`mhla_gen.outputs.folders`), with a model card
+(:mod:`mhla_gen.integration.cards`).
 
     pipe = load_sana_pipeline(BASE, transformer_path="runs/sana/final")
     save_pipeline(pipe, "exports/sana-mhla", base_model="Efficient-Large-Model/Sana_600M_512px_diffusers")
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from mhla_gen import cards
 from mhla_gen.bases import base_for_model
-from mhla_gen.cards import (
+from mhla_gen.integration.cards import (
     CardFacts,
     Snippet,
     base_license,
@@ -24,7 +25,7 @@ from mhla_gen.cards import (
     scrub_local_paths,
     write_card,
 )
-from mhla_gen.install import is_mhla_installed
+from mhla_gen.integration.install import is_mhla_installed
 from mhla_gen.outputs.folders import (
     check_apart,
     check_replaceable,

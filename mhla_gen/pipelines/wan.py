@@ -28,8 +28,8 @@ import dataclasses
 import torch
 from diffusers import DiffusionPipeline, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
-from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
+from mhla_gen.processors.config import MHLAConfig
 
 from . import PipelineSampler, SampleSettings, check_frames, load_pipeline_transformer
 

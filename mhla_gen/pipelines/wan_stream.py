@@ -1,6 +1,6 @@
 """Streaming video from a block-causal Wan model (MHLA, softmax with a KV cache, or both): chunk by chunk,
-each chunk conditioned on the clean chunks before it through the model's cache (``mhla_gen.streaming``,
-``docs/streaming.md``).
+each chunk conditioned on the clean chunks before it through the model's cache
+(``mhla_gen.integration.streaming``, ``docs/streaming.md``).
 
     pipe = load_wan_pipeline(WAN_DIR, transformer_path="runs/wan-stream/final")     # MHLA with chunk_frames
     video = stream_video(pipe, "a cat surfing", num_frames=161, num_inference_steps=8).frames[0]
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from mhla_gen.config import MHLAConfig
 from mhla_gen.errors import ConfigError
+from mhla_gen.integration.streaming import WanStreamCache, check_streaming_model, stream_step
+from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.processors.wan_causal import check_chunk_grid, fixed_length
-from mhla_gen.streaming import WanStreamCache, check_streaming_model, stream_step
 
 from . import SampleSettings
 from .wan import WanSampler

@@ -9,10 +9,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..extras import ConvPositionEncoding, OutputGate
-from ..layout import BlockLayout, layout_for
-from ..mixing import MixingMatrix
 from ..ops import mhla_attention
+from ..ops.layout import BlockLayout, layout_for
+from ..ops.mixing import MixingMatrix
+from .extras import ConvPositionEncoding, OutputGate
 from .grid import check_grid
 
 

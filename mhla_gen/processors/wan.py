@@ -27,17 +27,18 @@ returns a :class:`~mhla_gen.processors.grid.GridRotaryEmb` (see ``grid.py``).
 
 Block-causal (streaming) attention (``MHLAConfig.chunk_frames``, ``docs/streaming.md``; the layers left
 softmax run :class:`~mhla_gen.processors.wan_softmax.WanBlockCausalSoftmaxProcessor`): RoPE on q and k,
-then ``block_causal_mhla`` (general mixing, the ``(M, M)`` :class:`~mhla_gen.mixing.MixingMatrix` masked) or
-``factorised_block_causal_mhla`` (factorised: ``mixing`` is a :class:`~mhla_gen.factorised_mixing.
+then ``block_causal_mhla`` (general mixing, the ``(M, M)`` :class:`~mhla_gen.ops.mixing.MixingMatrix` masked)
+or ``factorised_block_causal_mhla`` (factorised: ``mixing`` is a :class:`~mhla_gen.ops.factorised_mixing.
 FactorisedMixing`, ``W_s`` and a decay per head) over a whole video; for one streamed chunk, the layer's
-cache steps instead (``wan_causal.py``; ``mhla_gen.streaming.stream_step``).
+cache steps instead (``wan_causal.py``; ``mhla_gen.integration.streaming.stream_step``).
 
 Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``): diffusers sets
 :attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
 latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
 tokens only. The layer then all-reduces block summaries instead of running the registered op on the
-whole sequence, and gathers V for CPE (see ``mhla_gen/parallel.py``). ``forward`` hands this rank's
-``TokenShard`` to :meth:`WanMHLAProcessor.attention_core` and ``apply_extras``, the two steps that differ.
+whole sequence, and gathers V for CPE (see ``mhla_gen/integration/parallel.py``). ``forward`` hands this
+rank's ``TokenShard`` to :meth:`WanMHLAProcessor.attention_core` and ``apply_extras``, the two steps that
+differ.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, _get_qkv_projections
 from torch import nn
 
-from ..factorised_mixing import FactorisedMixing
-from ..layout import BlockLayout
+from ..integration.parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
+from ..ops.factorised_mixing import FactorisedMixing
 from ..ops.feature_maps import get_feature_map
+from ..ops.layout import BlockLayout
 from ..ops.rope import apply_wan_rotary, wan_rotary_pair  # noqa: F401 (the reference, importable here)
 from ..ops.streaming import block_causal_mhla, factorised_block_causal_mhla
-from ..parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from .base import MHLAProcessor
 from .grid import STREAM_ATTR, GridRotaryEmb, wan_rotary_with_grid
 from .wan_causal import block_causal_for, check_chunk_grid, check_stream_config
@@ -168,7 +169,8 @@ class WanMHLAProcessor(MHLAProcessor):
 
     @classmethod
     def check_call(cls, transformer: WanTransformer3DModel, grid: tuple[int, ...]) -> None:
-        """A streamed chunk was checked against its cache (``mhla_gen.streaming``); a whole video here."""
+        """A streamed chunk was checked against its cache (``mhla_gen.integration.streaming``); a whole video
+        here."""
         if getattr(transformer.rope, STREAM_ATTR, None) is None:
             cls.check_token_grid(transformer.mhla_config, grid)
 
@@ -212,7 +214,8 @@ class WanMHLAProcessor(MHLAProcessor):
 
     def attend_rope_shard(self, q, k, v, rotary_emb, shard: TokenShard) -> torch.Tensor:
         """:meth:`attend_rope` for this rank's tokens under context parallelism (one all-reduce of block
-        summaries, ``mhla_gen/parallel.py``). q, k, v ``(B, heads, n, d)`` -> same, n = ``shard.length``."""
+        summaries, ``mhla_gen/integration/parallel.py``). q, k, v ``(B, heads, n, d)`` -> same, n =
+        ``shard.length``."""
         cfg = self.cfg
         acc = accumulation_dtype(q.dtype)
         phi = get_feature_map(cfg.feature_map)

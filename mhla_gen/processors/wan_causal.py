@@ -6,7 +6,7 @@ A Wan transformer installed with ``MHLAConfig.chunk_frames`` runs block-causal M
 * **a whole video** (training, a full forward): the processor builds the :class:`BlockCausal` of this
   call's token grid (:func:`block_causal_for`) and runs ``block_causal_mhla`` (general mixing) or
   ``factorised_block_causal_mhla`` (factorised mixing);
-* **one chunk** (streaming, ``mhla_gen.streaming.stream_step``; the block-causal softmax layers of
+* **one chunk** (streaming, ``mhla_gen.integration.streaming.stream_step``; the block-causal softmax layers of
   ``wan_softmax.py`` step a KV cache the same way): a :class:`StreamCall` hangs on
   ``transformer.rope`` for the duration of one forward. The rope hook (``grid.wan_rotary_with_grid``)
   gives the chunk the rotary angles of its absolute frames (``grid.rotary_at_frames``) and tags the
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layout import layout_for
+from ..ops.layout import layout_for
 from ..ops.streaming import BlockCausal
 from .grid import STREAM_ATTR, check_grid  # noqa: F401 (STREAM_ATTR: where a StreamCall hangs)
 

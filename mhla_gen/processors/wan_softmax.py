@@ -12,7 +12,8 @@ across heads before the head split, the same interleaved RoPE through ``ops.rope
 
 * **a whole video**: :func:`~mhla_gen.ops.kv_cache.block_causal_softmax` over the call's token grid (the
   grid rides on the rotary embedding, ``grid.py``);
-* **one streamed chunk** (``mhla_gen.streaming.stream_step``): the rotary angles are those of the chunk's
+* **one streamed chunk** (``mhla_gen.integration.streaming.stream_step``): the rotary angles are those of the
+chunk's
   absolute frames (the rope hook), and the layer steps its :class:`~mhla_gen.ops.kv_cache.KVStreamCache`
   through the forward's ``StreamCall`` (``wan_causal.py``), as the MHLA layers step theirs.
 
@@ -32,7 +33,7 @@ from .grid import GridRotaryEmb
 
 class WanBlockCausalSoftmaxProcessor(WanAttnProcessor):
     """``WanAttnProcessor`` for self-attention, block-causal over chunks of ``cfg.chunk_frames`` latent
-    frames. ``cfg``: the model's :class:`~mhla_gen.config.MHLAConfig` (``chunk_frames`` set)."""
+    frames. ``cfg``: the model's :class:`~mhla_gen.processors.config.MHLAConfig` (``chunk_frames`` set)."""
 
     def __init__(self, cfg):
         super().__init__()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..install import CONFIG_KEY, install_mhla, mhla_processors, uninstall_mhla
-from ..loading import load_transformer
+from ..integration.install import CONFIG_KEY, install_mhla, mhla_processors, uninstall_mhla
+from ..integration.loading import load_transformer
+from ..processors.config import MHLAConfig
 
 
 def attention_mhla_config(attention: str, mhla: MHLAConfig) -> MHLAConfig | None:

@@ -1,5 +1,5 @@
-"""The model card of a training run's ``final/`` (:mod:`mhla_gen.cards`): what the run's config and
-``metrics.jsonl`` say, in words that name no local path.
+"""The model card of a training run's ``final/`` (:mod:`mhla_gen.integration.cards`): what the run's config
+and ``metrics.jsonl`` say, in words that name no local path.
 
 :func:`write_run_card` is called twice by the loop: when ``final/`` is built (the metrics logged so far)
 and after the end-of-run evaluation (its metrics too). ``share.base_model`` names the model the run starts
@@ -16,7 +16,7 @@ import diffusers
 from torch import nn
 
 from ..bases import base_for_model
-from ..cards import (
+from ..integration.cards import (
     CardFacts,
     Snippet,
     base_license,
@@ -26,8 +26,8 @@ from ..cards import (
     public_ref,
     write_card,
 )
-from ..install import is_mhla_installed
-from ..lora import is_lora_folder
+from ..integration.install import is_mhla_installed
+from ..integration.lora import is_lora_folder
 from .io import read_jsonl
 
 OPERATIONAL = {"step", "loss", "lr", "grad_norm", "steps_per_s", "num_processes"}  # not results
@@ -114,7 +114,7 @@ def usage(cfg, base, folder: Path, repo_id: str | None, name: str) -> Snippet:
     snippet.add([f"from diffusers import {pipeline}"], [base_line(base_model, what)])
     if is_lora_folder(folder):
         into = ", load_into_transformer_2=True" if slot == "transformer_2" else ""
-        snippet.add(["from mhla_gen.lora import load_lora_weights"],
+        snippet.add(["from mhla_gen.integration.lora import load_lora_weights"],
                     [f"pipe = {pipeline}.from_pretrained(base)",
                      f"load_lora_weights(pipe, folder{into})  # installs MHLA, loads adapter + MHLA weights"])
     else:

@@ -21,10 +21,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..bases import BASES
-from ..config import MHLAConfig
 from ..data.buckets import check_buckets
 from ..errors import ConfigError  # noqa: F401 - re-exported: raised by load_config and the tasks
-from ..lora import LORA_TARGET_MODULES, check_lora_settings
+from ..integration.lora import LORA_TARGET_MODULES, check_lora_settings
+from ..processors.config import MHLAConfig
 
 ATTENTION_TYPES = ("softmax", "linear", "mhla")
 # diffusers.optimization.SchedulerType names train.lr_scheduler takes (piecewise_constant wants step rules
@@ -98,7 +98,8 @@ class TrainConfig:
     trainable: str = "all"  # all | mhla (only the MHLA parameters: mixing, CPE, gate) | lora (see below)
     # trainable=lora: a peft LoRA adapter on every attention's to_q/to_k/to_v/to_out.0 plus the MHLA
     # parameters are trained, the rest is frozen; final/ holds adapter + MHLA for SANA / Wan
-    # (mhla_gen.lora), the adapter merged into the weights for DiT (DiTPipeline has no LoRA loader)
+    # (mhla_gen.integration.lora), the adapter merged into the weights for DiT (DiTPipeline has no LoRA
+    # loader)
     lora_rank: int = 16
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     # module names (suffixes, peft's rule) that get an adapter; each must name a module of the model
@@ -181,7 +182,8 @@ class LogConfig:
 @dataclass
 class ShareConfig:
     """What a run's ``final/`` says about itself where it is shared (its README.md model card, a LoRA
-    folder's ``mhla_lora.json``) and where it goes; local paths never leave the machine (mhla_gen.cards)."""
+    folder's ``mhla_lora.json``) and where it goes; local paths never leave the machine
+    (mhla_gen.integration.cards)."""
 
     base_model: str | None = None  # hub id of the model the run starts from, named instead of a local folder
     license: str | None = None  # the card's license; default: the one a local copy of the base declares

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..bases import base_for_model
 from ..processors import MHLAProcessor
-from ..transfer import error_terms, relative_errors
+from .transfer import error_terms, relative_errors
 
 
 class _LayerOutputs:

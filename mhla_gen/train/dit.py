@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..bases.dit import BASE as DIT
-from ..config import MHLAConfig
+from ..processors.config import MHLAConfig
 from .attention import (
     attention_mhla_config,
     check_mhla_layers,

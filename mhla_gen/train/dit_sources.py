@@ -29,7 +29,7 @@ from ..data.hf_datasets import HFClassImages
 from ..data.images import check_readable, class_folders, require_dir
 from ..data.teacher import check_teacher_folder, write_teacher_samples
 from ..errors import ConfigError
-from ..install import stock_class_name
+from ..integration.install import stock_class_name
 from ..outputs.folders import check_apart, input_record
 from .attention import load_teacher
 from .dit_model import IdentityVAE

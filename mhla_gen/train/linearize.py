@@ -2,7 +2,7 @@
 layers chosen by their remaining error).
 
 :class:`TransferTask` wraps the training task of the base model (DiT, SANA or Wan: its data, noising and
-conditioning) and replaces its objective by :mod:`mhla_gen.transfer`'s: every MHLA layer learns to
+conditioning) and replaces its objective by :mod:`mhla_gen.train.transfer`'s: every MHLA layer learns to
 reproduce the frozen teacher layer's output from the teacher's own input. It runs through the same
 :func:`~mhla_gen.train.loop.train` as every training script, so it checkpoints, resumes exactly and writes
 ``config.yaml`` / ``metrics.jsonl`` the same way. At the end (:meth:`TransferTask.save_final`):
@@ -10,10 +10,10 @@ reproduce the frozen teacher layer's output from the teacher's own input. It run
 1. each converted layer's relative error on ``transfer.eval_batches`` held-out batches, for the trained
    layers and for the layers at their init, and the end-to-end number beside them: the converted
    model's output error against the teacher's on the same inputs (plain conversion, after stage 1, with
-   each layer alone kept softmax, and the final model; :func:`mhla_gen.transfer.end_to_end_errors`);
+   each layer alone kept softmax, and the final model; :func:`mhla_gen.train.transfer.end_to_end_errors`);
 2. ``hybrid.softmax_layers``: ``auto:K`` keeps stock attention in the K layers whose keeping lowers the
    end-to-end error most (``hybrid.rank_by=layer_error``: whose own error stays largest); a list keeps
-   those layers, null none; :func:`mhla_gen.transfer.finalize`;
+   those layers, null none; :func:`mhla_gen.train.transfer.finalize`;
 3. ``final/``: the converted transformer, which ``load_transformer``, the pipelines and the training
    scripts (``model.init_from``) read; its marker records the teacher;
 4. ``output_dir/transfer.json`` (errors, chosen layers, cost: steps, wall time, FLOPs in teacher-forward
@@ -36,10 +36,15 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ..bases import Base
-from ..flops import count_flops
-from ..install import uninstall_mhla
+from ..integration.install import uninstall_mhla
+from ..metrics.flops import count_flops
 from ..outputs.folders import file_record, input_record
-from ..transfer import (
+from .attention import attention_mhla_config, saved_mhla
+from .config import ConfigError, TrainConfig
+from .io import atomic_write_text, read_jsonl
+from .loop import TrainTask, processes_mean
+from .randomness import StepRandom
+from .transfer import (
     TRAINABLE,
     TransferHooks,
     converted_layers,
@@ -49,11 +54,6 @@ from ..transfer import (
     hardest_layers,
     relative_errors,
 )
-from .attention import attention_mhla_config, saved_mhla
-from .config import ConfigError, TrainConfig
-from .io import atomic_write_text, read_jsonl
-from .loop import TrainTask, processes_mean
-from .randomness import StepRandom
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class TransferTask(TrainTask):
 
     def cost(self, transformer: nn.Module) -> dict:
         """Steps and wall time of stage 1 (from ``metrics.jsonl``), and its FLOPs in forwards of the
-        teacher on the same batch (counted with :mod:`mhla_gen.flops`)."""
+        teacher on the same batch (counted with :mod:`mhla_gen.metrics.flops`)."""
         inputs = self.eval_inputs()[0]
 
         def stage1_step():

@@ -52,15 +52,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..cards import check_push_target, push_to_hub, scrub_local_paths
-from ..lora import (
+from ..integration.cards import check_push_target, push_to_hub, scrub_local_paths
+from ..integration.lora import (
     LORA_TARGET_MODULES,
     add_lora,
     check_lora_targets,
     lora_training_parameters,
     merged_lora_copy,
 )
-from ..mixing import clamp_mixing_
+from ..ops.mixing import clamp_mixing_
 from ..outputs.folders import (
     check_apart,
     check_replaceable,
@@ -219,7 +219,7 @@ class TrainTask:
 
     def with_lora(self, transformer: nn.Module) -> nn.Module:
         """``train.trainable=lora``: a LoRA adapter on every attention's q/k/v/out.0, the MHLA parameters
-        kept trainable (``mhla_gen.lora.add_lora``); ``transformer`` as it is otherwise."""
+        kept trainable (``mhla_gen.integration.lora.add_lora``); ``transformer`` as it is otherwise."""
         tc = self.cfg.train
         if tc.trainable != "lora":
             return transformer
@@ -548,7 +548,7 @@ def _distributed(run: Run) -> str:
 
 def trainable_parameters(transformer: nn.Module, which: str) -> list[nn.Parameter]:
     """``all``: every parameter; ``mhla``: only those of the MHLA processors; ``lora``: the LoRA adapter
-    and the MHLA parameters (``mhla_gen.lora``). The others are frozen."""
+    and the MHLA parameters (``mhla_gen.integration.lora``). The others are frozen."""
     if which == "all":
         params = list(transformer.parameters())
     elif which == "lora":
@@ -806,8 +806,8 @@ def _push(final: Path, repo_id: str | None) -> None:
         push_to_hub(final, repo_id)
     except Exception as err:
         raise RuntimeError(f"share.push_to_hub={repo_id}: uploading {final} failed ({type(err).__name__}: "
-                           f"{err}); the run itself is complete: retry with mhla_gen.cards.push_to_hub("
-                           f"{str(final)!r}, {repo_id!r})") from err
+                           f"{err}); the run itself is complete: retry with "
+                           f"mhla_gen.integration.cards.push_to_hub({str(final)!r}, {repo_id!r})") from err
 
 
 def _write_card(task: TrainTask, model: nn.Module, folder: Path) -> None:

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from ..bases import Base
-from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..install import stock_class_name
-from ..lora import is_lora_folder, save_lora_mhla
+from ..integration.install import stock_class_name
+from ..integration.lora import is_lora_folder, save_lora_mhla
 from ..outputs.folders import input_record
+from ..processors.config import MHLAConfig
 from .attention import attention_mhla_config, install_attention, load_teacher
 from .experts import check_expert, pipeline_with
 from .loop import TrainTask, empty_model

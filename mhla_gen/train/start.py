@@ -14,10 +14,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config import MHLAConfig
 from ..errors import ConfigError
-from ..install import stock_class_name
+from ..integration.install import stock_class_name
 from ..outputs.folders import check_recorded, read_marker
+from ..processors.config import MHLAConfig
 from .attention import install_attention, load_start_transformer, saved_mhla, start_attention
 
 SETTING = "model.init_from"

@@ -19,7 +19,7 @@ is not an adapter weight, so it freezes the MHLA parameters of an ``install_mhla
   ``mhla_lora.json`` naming the pretrained checkpoint the base weights come from: its hub id, or for a
   local checkpoint its folder name and its path relative to the LoRA folder, never an absolute path (the
   folder is shared as it is). A training run also records the local base resolved, with a fingerprint,
-  in ``final/``'s marker (``base_record``), which the Hub never sees (:mod:`mhla_gen.cards`).
+  in ``final/``'s marker (``base_record``), which the Hub never sees (:mod:`mhla_gen.integration.cards`).
   :func:`mhla_gen.load_transformer` reads such a folder back (:func:`load_lora_mhla`): base weights, then
   MHLA, then the adapter.
 
@@ -63,8 +63,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from .bases import base_for_class_name, base_for_model
-from .config import MHLAConfig
+from ..bases import base_for_class_name, base_for_model
+from ..outputs.folders import fingerprint, read_marker
+from ..processors.config import MHLAConfig
 from .install import (
     CONFIG_KEY,
     MHLA_MODEL_CLASSES,
@@ -75,7 +76,6 @@ from .install import (
     stock_class_name,
     uninstall_mhla,
 )
-from .outputs.folders import fingerprint, read_marker
 from .serialization import cast_like_diffusers, load_mhla_parameters, read_mhla_config, save_mhla_parameters
 
 logger = logging.getLogger(__name__)
@@ -84,12 +84,13 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")  # every attention la
 ADAPTER_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 MHLA_WEIGHTS = "mhla.safetensors"
 MANIFEST = "mhla_lora.json"
+# The manifest's format tags (fixed names written into users' folders, not this module's path):
 _FORMAT = "mhla_gen.lora/2"  # /2: adapter keys prefixed "transformer." and the MHLA parameters inside
-_FORMATS = ("mhla_gen.lora/1", _FORMAT)  # /1: unprefixed adapter keys (save_lora_adapter), read still
+_FORMATS = ("mhla_gen.lora/1", _FORMAT)  # /1: unprefixed adapter keys (save_lora_adapter), still read
 ADAPTER_PREFIX = "transformer"  # diffusers' pipeline LoRA files: the component the keys belong to
 MHLA_ENTRY = "mhla_with_lora"  # adapter-file keys <prefix>.mhla_with_lora.<MHLA parameter> ("lora" in
 # every key is what diffusers' load_lora_weights checks)
-MHLA_MARKER = "mhla (MHLA LoRA: load it with mhla_gen.lora.load_lora_weights(pipe, folder))"
+MHLA_MARKER = "mhla (MHLA LoRA: load it with mhla_gen.integration.lora.load_lora_weights(pipe, folder))"
 """Adapter-metadata key holding the MHLA config: not a ``LoraConfig`` field, so a stock transformer's
 ``load_lora_adapter`` raises a TypeError that shows this text instead of loading without MHLA."""
 _METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
@@ -208,8 +209,8 @@ def lora_training_parameters(transformer: nn.Module) -> list[nn.Parameter]:
     lora = lora_parameters(transformer)
     if not lora:
         raise ValueError(
-            f"this {type(transformer).__name__} has no LoRA adapter: add one with mhla_gen.lora.add_lora "
-            "(or diffusers' add_adapter) first"
+            f"this {type(transformer).__name__} has no LoRA adapter: add one with "
+            "mhla_gen.integration.lora.add_lora (or diffusers' add_adapter) first"
         )
     keep = {id(p) for p in [*lora.values(), *mhla_parameters(transformer).values()]}
     for param in transformer.parameters():
@@ -325,8 +326,9 @@ def save_lora_mhla(
 
 
 def base_entries(base: str, folder: Path, base_id: str | None = None) -> dict:
-    """The manifest's ``base`` (hub id, else the local folder's name: :func:`mhla_gen.cards.public_ref`)
-    and, for a local base, ``base_path``: its path relative to ``folder``."""
+    """The manifest's ``base`` (hub id, else the local folder's name:
+    :func:`mhla_gen.integration.cards.public_ref`) and, for a local base, ``base_path``: its path relative to
+    ``folder``."""
     from .cards import public_ref
 
     entries = {"base": public_ref(base, base_id).name}
@@ -512,9 +514,9 @@ class MHLALoraMixin:
         if is_mhla_installed(self):
             logger.warning(
                 "save_lora_adapter wrote the LoRA adapter of this %s to %s without its MHLA parameters; "
-                "mhla_gen.lora.save_lora_mhla(transformer, folder, base=...) writes both, as does a "
-                "pipeline's save_lora_weights given transformer_lora_layers=mhla_gen.lora.lora_state_dict("
-                "transformer)",
+                "mhla_gen.integration.lora.save_lora_mhla(transformer, folder, base=...) writes both, as "
+                "does a pipeline's save_lora_weights given "
+                "transformer_lora_layers=mhla_gen.integration.lora.lora_state_dict(transformer)",
                 type(self).__name__, save_directory,
             )
 
@@ -543,7 +545,7 @@ class MHLALoraMixin:
             raise ValueError(
                 f"this LoRA was trained with MHLA {cfg.to_dict()}, but this {type(self).__name__} runs MHLA "
                 f"{self.mhla_config.to_dict()}: uninstall_mhla and install_mhla(transformer, "
-                "mhla_gen.lora.lora_mhla_config(folder)) first"
+                "mhla_gen.integration.lora.lora_mhla_config(folder)) first"
             )
         self._check_mhla_entries(mhla, kwargs.get("adapter_name"), hotswap)
         super().load_lora_adapter(state, prefix=prefix, hotswap=hotswap, metadata=metadata, **kwargs)

@@ -3,10 +3,11 @@
 Two kinds of folder, told apart by their files:
 
 - a whole saved transformer (``transformer.save_pretrained`` after ``install_mhla``: ``config.json`` with
-  the MHLA config, safetensors weights): :func:`mhla_gen.serialization.load_saved_transformer`;
-- a LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters, a manifest naming
+  the MHLA config, safetensors weights): :func:`mhla_gen.integration.serialization.load_saved_transformer`;
+- a LoRA + MHLA folder (:func:`mhla_gen.integration.lora.save_lora_mhla`: adapter, MHLA parameters, a manifest
+naming
   the pretrained base), e.g. the ``final/`` of a ``train.trainable=lora`` run:
-  :func:`mhla_gen.lora.load_lora_mhla`.
+  :func:`mhla_gen.integration.lora.load_lora_mhla`.
 
 This module sits above both: ``lora`` writes and reads its MHLA parameters with ``serialization``, and only
 the dispatch here needs to know about LoRA folders.
@@ -30,9 +31,9 @@ logger = logging.getLogger(__name__)
 def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:
     """Rebuild a transformer saved with ``save_pretrained``, with its MHLA installed and weights loaded.
 
-    A LoRA + MHLA folder (:func:`mhla_gen.lora.save_lora_mhla`: adapter, MHLA parameters and a manifest,
-    e.g. the ``final/`` of a ``train.trainable=lora`` run) loads too: the pretrained base weights, then
-    MHLA, then the adapter (:func:`mhla_gen.lora.load_lora_mhla`).
+    A LoRA + MHLA folder (:func:`mhla_gen.integration.lora.save_lora_mhla`: adapter, MHLA parameters and a
+    manifest, e.g. the ``final/`` of a ``train.trainable=lora`` run) loads too: the pretrained base weights,
+    then MHLA, then the adapter (:func:`mhla_gen.integration.lora.load_lora_mhla`).
 
     Args:
         path: the folder holding ``config.json`` and the safetensors weights (or a LoRA + MHLA folder).

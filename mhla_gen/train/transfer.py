@@ -35,10 +35,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from .bases import base_for_model
-from .config import MHLAConfig
-from .install import install_mhla
-from .processors import MHLAProcessor
+from ..bases import base_for_model
+from ..integration.install import install_mhla
+from ..processors import MHLAProcessor
+from ..processors.config import MHLAConfig
 
 TRAINABLE = ("mhla", "mhla+qk", "all")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .mixing import INIT_RULES
-from .ops.feature_maps import FEATURE_MAPS
+from ..ops.feature_maps import FEATURE_MAPS
+from ..ops.mixing import INIT_RULES
 
 WAN_ROPE_MODES = ("before_phi", "after_phi_numerator")
 STREAM_MIXINGS = ("general", "factorised")
@@ -25,9 +25,9 @@ class MHLAConfig:
         feature_map: ``relu``, ``elu+1`` or ``relu+1e-6`` (the original release's).
         normalize: divide by ``φ(q)ᵀ z̃ + eps`` (the released Wan recipe has no normaliser).
         eps: normaliser epsilon.
-        mixing_init: locality rule for W (``linear`` is the paper's); see ``mhla_gen.mixing``.
+        mixing_init: locality rule for W (``linear`` is the paper's); see ``mhla_gen.ops.mixing``.
         mixing_normalize: ``row`` (paper) or ``column`` (the original release's init rules, exactly; see
-            ``mhla_gen.mixing``).
+            ``mhla_gen.ops.mixing``).
         mixing_temperature: scale for the ``exp``/``gaussian``/``local`` rules.
         mixing_learnable: train the mixing matrix (the paper); False keeps it at its init (Tab. 7a).
         cpe_kernel: depthwise-conv positional encoding kernel on V (0 = off).

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the training stack is imported by the commands that train, not by every entry point
-    from .train.loop import TrainCallback
+    from ..train.loop import TrainCallback
 
 # a user's mistake in settings, data or paths (ConfigError is a ValueError; FileNotFoundError,
 # PermissionError, IsADirectoryError and a read-only file system are OSErrors)
@@ -70,14 +70,14 @@ def parse_run_args(
         "overrides", nargs="*", help="OmegaConf dotlist, e.g. train.max_steps=10 output_dir=runs/x"
     )
     args = parser.parse_args(argv)
-    from .configs import resolve_config
+    from ..configs import resolve_config
 
     config = None if args.config is None else resolve_config(args.config, "--config")  # a path or a name
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # one INFO line per saved file
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # "Saving current state to ..."
     # (mhla_gen.train.checkpoint logs one line once a checkpoint is in place)
-    from .train.config import load_config
+    from ..train.config import load_config
 
     return load_config(schema, config, args.overrides)
 
@@ -85,10 +85,10 @@ def parse_run_args(
 def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
     """``scripts/linearize.py``: ``--base NAME`` picks the base record (its config schema and task), then
     stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
-    from .bases import BASES
-    from .bases.dit import BASE as DEFAULT
-    from .train.linearize import TransferTask, stage1_schema
-    from .train.loop import train
+    from ..bases import BASES
+    from ..bases.dit import BASE as DEFAULT
+    from ..train.linearize import TransferTask, stage1_schema
+    from ..train.loop import train
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--base", choices=sorted(BASES), default=DEFAULT.name,
@@ -102,8 +102,8 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
 
 def trainable(name: str, setting: str):
     """The base record ``name``, when it has a training task; ConfigError naming ``setting`` otherwise."""
-    from .bases import BASES, base_for
-    from .errors import ConfigError
+    from ..bases import BASES, base_for
+    from ..errors import ConfigError
 
     record = base_for(name)
     if not record.trains:
@@ -123,7 +123,7 @@ def train_main(
     """The training scripts' ``main``: parse the command line into the run config of the base record named
     ``base`` (``dit``, ``sana``, ``wan``, ...), then :func:`~mhla_gen.train.loop.train` its task with
     ``callbacks``; returns ``final/``."""
-    from .train.loop import train
+    from ..train.loop import train
 
     record = trainable(base, "base")
     cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
@@ -132,8 +132,8 @@ def train_main(
 
 def command_parser(prog: str) -> argparse.ArgumentParser:
     """The top-level parser: ``--help`` lists every command with its one line; ``--version``."""
-    from . import __version__
-    from .commands import COMMANDS
+    from .. import __version__
+    from . import COMMANDS
 
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{command.summary}" for name, command in COMMANDS.items())
@@ -152,7 +152,7 @@ def command_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str = "mhla-gen") -> None:
     """``mhla-gen COMMAND ARGS``: run the command's ``main(ARGS)`` through :func:`run` (its errors in one
     line, ``<prog> COMMAND: error: ...``, exit status 2). Only the chosen command's module is imported."""
-    from .commands import COMMANDS
+    from . import COMMANDS
 
     argv = list(sys.argv[1:] if argv is None else argv)
     name = command_parser(prog).parse_args(argv[:1]).command  # -h, --version, unknown names: argparse's
@@ -162,4 +162,4 @@ def main(argv: Sequence[str] | None = None, prog: str = "mhla-gen") -> None:
 
 
 if __name__ == "__main__":
-    main(prog="python -m mhla_gen.cli")
+    main(prog="python -m mhla_gen.commands.cli")

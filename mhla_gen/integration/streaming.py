@@ -29,14 +29,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import MHLAConfig
+from ..ops.kv_cache import KVStreamCache
+from ..ops.streaming_cache import FactorisedStreamCache, GeneralStreamCache
+from ..processors.config import MHLAConfig
+from ..processors.grid import STREAM_ATTR
+from ..processors.wan import WanMHLAProcessor
+from ..processors.wan_causal import StreamCall, block_causal_for, check_chunk_grid, fixed_length
+from ..processors.wan_softmax import WanBlockCausalSoftmaxProcessor
 from .install import is_mhla_installed
-from .ops.kv_cache import KVStreamCache
-from .ops.streaming_cache import FactorisedStreamCache, GeneralStreamCache
-from .processors.grid import STREAM_ATTR
-from .processors.wan import WanMHLAProcessor
-from .processors.wan_causal import StreamCall, block_causal_for, check_chunk_grid, fixed_length
-from .processors.wan_softmax import WanBlockCausalSoftmaxProcessor
 
 
 def check_streaming_model(transformer: nn.Module) -> MHLAConfig:

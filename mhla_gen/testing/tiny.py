@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import MHLAConfig
+from ..processors.config import MHLAConfig
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from accelerate import init_empty_weights
 from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file
 
-from .config import MHLAConfig
+from ..processors.config import MHLAConfig
 from .install import install_mhla, stock_class_name
 
 # module paths outside the blocks: original -> diffusers (each followed by ".weight" / ".bias")
@@ -350,9 +350,9 @@ def is_release_checkpoint(state: dict[str, torch.Tensor]) -> bool:
 
 
 def release_checkpoint_model(checkpoint: dict[str, torch.Tensor], load_config):
-    """``MHLAWanTransformer3DModel.from_single_file``'s converter (:mod:`mhla_gen.single_file`): the model
-    (a ``WanTransformer3DModel`` with MHLA) of a release-format checkpoint (the tensors as diffusers reads
-    the file, dtypes kept), or None when ``checkpoint`` carries no release MHLA. ``load_config()`` gives
+    """``MHLAWanTransformer3DModel.from_single_file``'s converter (:mod:`mhla_gen.integration.single_file`):
+    the model (a ``WanTransformer3DModel`` with MHLA) of a release-format checkpoint (the tensors as diffusers
+    reads the file, dtypes kept), or None when ``checkpoint`` carries no release MHLA. ``load_config()`` gives
     the diffusers transformer config; it is called only for a release checkpoint."""
     if not is_release_checkpoint(checkpoint):
         return None
@@ -379,9 +379,9 @@ def _check_against_model(model: WanTransformer3DModel, converted: dict[str, torc
 def converted_card_facts(transformer: WanTransformer3DModel, out: Path, checkpoint, config_from,
                          base_model: str | None = None, license: str | None = None,
                          repo_id: str | None = None):
-    """What the model card of a converted release checkpoint says (:mod:`mhla_gen.cards`): the Wan
+    """What the model card of a converted release checkpoint says (:mod:`mhla_gen.integration.cards`): the Wan
     pipeline it plugs into (``config_from``, or ``base_model``'s hub id), the MHLA it runs, how to load it."""
-    from .bases import base_for_model
+    from ..bases import base_for_model
     from .cards import CardFacts, Snippet, base_license, base_line, load_folder, public_ref
 
     base = public_ref(config_from, base_model)

@@ -27,10 +27,10 @@ from diffusers import (
     WanTransformer3DModel,
 )
 
-from .config import MHLAConfig
-from .testing import TinyBase, caption_forward_kwargs, tiny_gemma2
-from .testing import tiny_tokenizer as tiny_gemma_tokenizer
-from .testing_wan import (
+from ..processors.config import MHLAConfig
+from .tiny import TinyBase, caption_forward_kwargs, tiny_gemma2
+from .tiny import tiny_tokenizer as tiny_gemma_tokenizer
+from .wan import (
     TINY_WAN,
     TINY_WAN_CONFIG,
     tiny_text_encoder,

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .config import MHLAConfig
-from .errors import ConfigError
-from .outputs.folders import listed, read_marker, record_files
+from ..errors import ConfigError
+from ..outputs.folders import listed, read_marker, record_files
+from ..processors.config import MHLAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,8 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, token: str | None = Non
 
     folder = Path(folder)
     if not (folder / CARD).is_file():
-        raise ValueError(f"{folder} has no {CARD} model card: write one (mhla_gen.cards) before pushing")
+        raise ValueError(f"{folder} has no {CARD} model card: write one (mhla_gen.integration.cards) "
+                         "before pushing")
     leaks = local_paths(folder)
     if leaks:
         raise ValueError(f"{folder} names local paths in files it would share: {', '.join(leaks[:5])}")

@@ -12,8 +12,8 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-from .config import MHLAConfig
-from .testing import TinyBase, caption_forward_kwargs, on_model
+from ..processors.config import MHLAConfig
+from .tiny import TinyBase, caption_forward_kwargs, on_model
 
 TEXT_DIM = 32
 

@@ -4,7 +4,8 @@ Saving a whole transformer is diffusers' own ``transformer.save_pretrained(d)``:
 ``nn.Module`` children of the attention layers, so their parameters are in the safetensors file, and
 ``install_mhla`` registered the MHLA config into ``config.json`` under the key ``"mhla"``.
 :func:`load_saved_transformer` reads such a folder back (stock folders too: no ``"mhla"`` key, no install);
-:func:`mhla_gen.load_transformer` (:mod:`mhla_gen.loading`) reads it and LoRA + MHLA folders alike.
+:func:`mhla_gen.load_transformer` (:mod:`mhla_gen.integration.loading`) reads it and LoRA + MHLA folders
+alike.
 
 The MHLA parameters alone (a few KB: mixing matrices, CPE, gates) can be exported and imported with
 :func:`save_mhla_parameters` / :func:`load_mhla_parameters`; the MHLA config travels in the file metadata.
@@ -30,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .bases import base_for_class_name, base_for_model
-from .config import MHLAConfig
+from ..bases import base_for_class_name, base_for_model
+from ..processors.config import MHLAConfig
 from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters, stock_class_name
 
 METADATA_CONFIG_KEY = "mhla_config"

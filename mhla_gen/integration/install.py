@@ -27,10 +27,10 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
-from .bases import base_for_model
-from .config import MHLAConfig
-from .processors import MHLAProcessor
-from .processors.grid import latent_from_call
+from ..bases import base_for_model
+from ..processors import MHLAProcessor
+from ..processors.config import MHLAConfig
+from ..processors.grid import latent_from_call
 
 CONFIG_KEY = "mhla"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BlockLayout
-from .ops.feature_maps import get_feature_map
-from .ops.naive import mhla_dense_weights
+from ..ops.feature_maps import get_feature_map
+from ..ops.layout import BlockLayout
+from ..ops.naive import mhla_dense_weights
 
 ATTENTION_KINDS = ("softmax", "linear", "mhla")
 

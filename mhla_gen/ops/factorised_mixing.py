@@ -4,7 +4,7 @@
 (``mhla_gen/ops/streaming.py``, ``docs/streaming.md``). Neither depends on the video's length, so a model
 trained on short clips streams any number of chunks with a cache of constant size.
 
-Parameterisation (no clamp after the optimizer step, unlike :class:`~mhla_gen.mixing.MixingMatrix`):
+Parameterisation (no clamp after the optimizer step, unlike :class:`~mhla_gen.ops.mixing.MixingMatrix`):
 
     W_s = softplus(spatial_raw)       > 0, initialised at the locality init (entries floored at 1e-4)
     γ_h = sigmoid(decay_logit_h)      in (0, 1), initialised at ``decay_init``
@@ -39,7 +39,7 @@ class FactorisedMixing(nn.Module):
         chunk_layout: the block layout of one chunk, ``(chunk_frames, H, W)``.
         heads: attention heads (one decay each).
         decay_init: initial ``γ`` of every head, in (0, 1).
-        rule, normalize, temperature: the spatial init (:func:`~mhla_gen.mixing.locality_init`).
+        rule, normalize, temperature: the spatial init (:func:`~mhla_gen.ops.mixing.locality_init`).
     """
 
     def __init__(self, chunk_layout: BlockLayout, heads: int, decay_init: float = 0.9, rule: str = "linear",

@@ -6,9 +6,10 @@ its converter for the stock architecture: MHLA keys end up unused (a warning) an
 
 - a checkpoint in the format of an original MHLA release (the released Wan-MHLA checkpoint: its base
   records name the reader, ``Base.release_checkpoint``) is converted exactly as
-  ``scripts/convert_wan_mhla.py`` converts it (:func:`mhla_gen.convert_wan.convert_wan_checkpoint`), with
-  the diffusers config ``from_single_file`` would use (``config=`` / ``subfolder=``, or the default repo
-  diffusers infers from the keys);
+  ``scripts/convert_wan_mhla.py`` converts it
+  (:func:`mhla_gen.integration.convert_wan.convert_wan_checkpoint`), with the diffusers config
+  ``from_single_file`` would use (``config=`` / ``subfolder=``, or the default repo diffusers infers from the
+  keys);
 - any other file holding MHLA parameters is refused in one line (a single file has no MHLA config);
 - a stock checkpoint gives the stock model, as diffusers' own call does (the MHLA class on a stock folder
   gives the stock model too).
@@ -19,7 +20,7 @@ from __future__ import annotations
 from diffusers.loaders.single_file_utils import fetch_diffusers_config, load_single_file_checkpoint
 from torch import nn
 
-from .bases import BASES
+from ..bases import BASES
 
 MHLA_KEY_MARKERS = (".processor.", "block_attn")
 """Substrings of the keys of MHLA parameters: diffusers' layout (``attn1.processor.mixing.weight``) and the

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from .ops import mhla as _mhla_op_module  # noqa: F401 - registers torch.ops.mhla_gen.*
+from ..ops import mhla as _mhla_op_module  # noqa: F401 - registers torch.ops.mhla_gen.*
 
 
 def mhla_forward_flops(q_shape, v_shape, blocks) -> int:
@@ -76,7 +76,7 @@ def train_flops_per_image(cfg) -> dict[str, float]:
     weights; every count scales with the batch). ``model.init_from`` is ignored: the architecture is
     built from the config alone (a converted model has its teacher's shapes and the config's attention).
     The optimizer, the EMA and elementwise work are not counted."""
-    from .train.dit import DiTTask
+    from ..train.dit import DiTTask
 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
     with torch.device("meta"):
