@@ -71,9 +71,9 @@ from studies.experiments import SHAPES_RECIPE, VAL_TRIPLES, Arm, make_jobs, run_
 from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
-from mhla_gen.metrics.flops import train_flops_per_image
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.dit_flops import train_flops_per_image
 from mhla_gen.train.io import atomic_write_text
 
 results = sibling("results")  # the record every table is rendered from

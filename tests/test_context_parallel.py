@@ -1,4 +1,4 @@
-"""Context parallelism for Wan MHLA (mhla_gen/integration/parallel.py): 2 real CPU processes (gloo), every
+"""Context parallelism for Wan MHLA (mhla_gen/ops/context_parallel.py): 2 real CPU processes (gloo), every
 result compared with the 1-process computation of the same model / inputs.
 
 * Operator: ``mhla_shard`` on an odd sequence (45 tokens -> 23 + 22, so a rank boundary cuts blocks in
@@ -61,7 +61,7 @@ BLOCKS = (2, 2, 4)  # uneven on every axis
 def _op_case(rank: int, normalize: bool, split_normaliser: bool) -> dict[str, float]:
     import torch.distributed as dist
 
-    from mhla_gen.integration.parallel import TokenShard, mhla_shard
+    from mhla_gen.ops.context_parallel import TokenShard, mhla_shard
     from mhla_gen.ops.layout import BlockLayout, split_sizes
     from mhla_gen.ops.naive import mhla_dense
 
@@ -260,7 +260,7 @@ def test_wan_context_parallel_matches_one_process(errors, case):
 
 def test_communication_formulas_for_the_readme_table():
     """The README's per-layer volumes for Wan2.1-1.3B at 480x832x81 (grid (21, 30, 52), blocks (3, 5, 10))."""
-    from mhla_gen.integration.parallel import communication_per_layer
+    from mhla_gen.ops.context_parallel import communication_per_layer
 
     mb = {p: communication_per_layer(2, 12, 128, (21, 30, 52), (3, 5, 10), p) for p in (2, 4, 8)}
     assert mb[2]["summary_buffer"] == 2 * 12 * 150 * 128 * 129 * 4  # B H M d (d+1) fp32

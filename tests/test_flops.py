@@ -10,8 +10,9 @@ from studies.experiments import stage1_summary, training_compute
 from torch.utils.flop_counter import sdpa_flop_count
 
 from mhla_gen.configs import CONFIG_DIR
-from mhla_gen.metrics.flops import Conversion, mhla_forward_flops, train_flops_per_image
+from mhla_gen.metrics.flops import Conversion, mhla_forward_flops
 from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.dit_flops import train_flops_per_image
 
 DEPTH, HEADS, HEAD_DIM, SIDE = 2, 2, 8, 6  # a 6x6 token grid: 36 tokens, blocks 3x2 of uneven size
 

@@ -65,6 +65,7 @@ def _work_entry_points():
     import mhla_gen.integration.convert_wan
     import mhla_gen.integration.loading
     import mhla_gen.pipelines.dit
+    import mhla_gen.train.runs
     from mhla_gen.data.images import CaptionedImageFolder
     from mhla_gen.train.dit import DiTTask
 
@@ -74,7 +75,8 @@ def _work_entry_points():
             "load"),
             # the names the commands imported (the scripts re-export the commands' modules)
             (mhla_gen.commands.convert_wan, "convert_wan_checkpoint"),
-            (mhla_gen.commands.attention_stats, "load_transformer")]
+            (mhla_gen.commands.attention_stats, "load_transformer"),
+            (mhla_gen.train.runs, "load_transformer")]
 
 
 def _no_work(*args, **kwargs):

@@ -88,6 +88,62 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def unit(module: str) -> str:
+    """The room a module lives in: its subpackage of ``mhla_gen`` (``ops``, ``train``, ...) or its top-level
+    module (``models``); the package's own ``__init__`` is ``mhla_gen``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_the_packages_import_downward_only():
+    """The subpackages (and top-level modules) form layers: no two import each other, directly or round a
+    loop, so ``mhla_gen/`` reads bottom up (``docs/extending.md``, Layout)."""
+    units: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        units.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    assert {"ops", "processors", "bases", "integration", "train", "commands"} <= set(units)
+    assert cycles(units) == [], "a package imports one above it"
+
+
+def is_own_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or (node.module or "").startswith("mhla_gen")
+    return isinstance(node, ast.Import) and any(alias.name.startswith("mhla_gen") for alias in node.names)
+
+
+def inner_own_imports(path: Path) -> list[tuple[int, bool]]:
+    """``(line, explained)`` for every import of mhla_gen inside a function of ``path``: explained when a
+    comment stands on its line, its last line or the line above its group of imports."""
+    lines = path.read_text().split("\n")
+    found = {}
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        imports = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for node in filter(is_own_import, imports):
+            first = node
+            while (prev := next((n for n in imports if n.end_lineno == first.lineno - 1), None)) is not None:
+                first = prev  # the top of a contiguous group of imports
+            explained = any("#" in lines[i - 1] for i in (node.lineno, node.end_lineno)) or lines[
+                first.lineno - 2].strip().startswith("#")
+            found[node.lineno] = explained
+    return sorted(found.items())
+
+
+def test_imports_inside_functions_say_why():
+    """Own-module imports sit at the top of a file; one inside a function (a cycle, or a heavy stack the
+    caller may not need) carries a comment saying which."""
+    bare = [f"{p.relative_to(ROOT)}:{line}" for p in PACKAGE.rglob("*.py")
+            for line, explained in inner_own_imports(p) if not explained]
+    assert bare == []
+
+
+def test_inner_import_scan_sees_a_bare_import(tmp_path):
+    code = "def f():\n    from .a import b\n    # heavy\n    from .c import d\n    from .e import g\n"
+    (tmp_path / "m.py").write_text(code)
+    assert inner_own_imports(tmp_path / "m.py") == [(2, False), (4, True), (5, True)]
+
+
 def test_no_base_name_switch_outside_the_records():
     """Which base is a question for its record: no ``base == ...`` style test anywhere else (a record's
     name as a literal is test_no_record_name_literal_outside_the_records's)."""

@@ -44,11 +44,11 @@ import torch
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.loading import load_transformer
 from mhla_gen.metrics.attention import attention_statistics, example_inputs
-from mhla_gen.metrics.flops import train_flops_per_image
 from mhla_gen.outputs.folders import claim, file_record, owned
 from mhla_gen.outputs.locks import die_with_parent
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.dit_flops import train_flops_per_image
 from mhla_gen.train.io import atomic_write_text, read_jsonl
 from mhla_gen.train.linearize import TransferTask, stage1_schema
 from mhla_gen.train.loop import train
@@ -232,7 +232,7 @@ def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> 
 
 def training_compute(cfg: DiTRunConfig, step: int) -> dict:
     """The run's training compute up to ``step``: ``flops_per_image`` (one training step per image,
-    :func:`mhla_gen.metrics.flops.train_flops_per_image`), ``batch`` and ``train_flops`` (step x batch x
+    :func:`mhla_gen.train.dit_flops.train_flops_per_image`), ``batch`` and ``train_flops`` (step x batch x
     flops_per_image: this run's own steps; a conversion's stage 1 and teacher are in ``stage1.flops``
     and, where the runner gives it in ``Job.extra``, ``teacher_flops``:
     :class:`mhla_gen.metrics.flops.Conversion` adds them up)."""

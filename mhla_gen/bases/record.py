@@ -137,7 +137,7 @@ class Base:
     def context_parallel(self) -> bool:
         """Whether the transformer class has a diffusers context-parallel plan (``_cp_plan``), so that
         ``enable_parallelism`` shards its tokens and MHLA all-reduces its summaries
-        (``mhla_gen.integration.parallel``). diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V,
+        (``mhla_gen.ops.context_parallel``). diffusers 0.42: DiT, SANA and SANA-Video have none; Wan (T2V,
         I2V, both Wan2.2 experts) has one."""
         return getattr(self.transformer_class, "_cp_plan", None) is not None
 

@@ -285,7 +285,7 @@ def prove_attention_stats(folder: Path) -> None:
 
 
 def _run_config(path: Path) -> None:
-    from ..bases import BASES
+    # here, not at the top: adopting any other kind of folder loads no training stack
     from ..train.config import load_config
     from ..train.linearize import stage1_schema
 

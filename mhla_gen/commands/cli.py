@@ -21,6 +21,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import __version__
+from ..bases import BASES, base_for
+from ..bases.dit import BASE as DEFAULT
+from ..configs import resolve_config
+from ..errors import ConfigError
+from . import COMMANDS
+
 if TYPE_CHECKING:  # the training stack is imported by the commands that train, not by every entry point
     from ..train.loop import TrainCallback
 
@@ -70,7 +77,6 @@ def parse_run_args(
         "overrides", nargs="*", help="OmegaConf dotlist, e.g. train.max_steps=10 output_dir=runs/x"
     )
     args = parser.parse_args(argv)
-    from ..configs import resolve_config
 
     config = None if args.config is None else resolve_config(args.config, "--config")  # a path or a name
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,8 +91,7 @@ def parse_run_args(
 def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
     """``scripts/linearize.py``: ``--base NAME`` picks the base record (its config schema and task), then
     stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
-    from ..bases import BASES
-    from ..bases.dit import BASE as DEFAULT
+    # here, not at the top: the dispatcher (`mhla-gen --help`) loads no training stack
     from ..train.linearize import TransferTask, stage1_schema
     from ..train.loop import train
 
@@ -102,9 +107,6 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
 
 def trainable(name: str, setting: str):
     """The base record ``name``, when it has a training task; ConfigError naming ``setting`` otherwise."""
-    from ..bases import BASES, base_for
-    from ..errors import ConfigError
-
     record = base_for(name)
     if not record.trains:
         trained = sorted(n for n, b in BASES.items() if b.trains)
@@ -123,7 +125,7 @@ def train_main(
     """The training scripts' ``main``: parse the command line into the run config of the base record named
     ``base`` (``dit``, ``sana``, ``wan``, ...), then :func:`~mhla_gen.train.loop.train` its task with
     ``callbacks``; returns ``final/``."""
-    from ..train.loop import train
+    from ..train.loop import train  # here: the dispatcher loads no training stack
 
     record = trainable(base, "base")
     cfg = parse_run_args(record.run_config.load(), description, default_config, argv)
@@ -132,9 +134,6 @@ def train_main(
 
 def command_parser(prog: str) -> argparse.ArgumentParser:
     """The top-level parser: ``--help`` lists every command with its one line; ``--version``."""
-    from .. import __version__
-    from . import COMMANDS
-
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{command.summary}" for name, command in COMMANDS.items())
     parser = argparse.ArgumentParser(
@@ -152,8 +151,6 @@ def command_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str = "mhla-gen") -> None:
     """``mhla-gen COMMAND ARGS``: run the command's ``main(ARGS)`` through :func:`run` (its errors in one
     line, ``<prog> COMMAND: error: ...``, exit status 2). Only the chosen command's module is imported."""
-    from . import COMMANDS
-
     argv = list(sys.argv[1:] if argv is None else argv)
     name = command_parser(prog).parse_args(argv[:1]).command  # -h, --version, unknown names: argparse's
     module = importlib.import_module(COMMANDS[name].module)

@@ -39,6 +39,7 @@ from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
 from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.train.config import load_config
+from mhla_gen.train.runs import rebuilds_pipeline, run_classes, run_pipeline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,7 +94,7 @@ class GenerateConfig:
         if self.record.image_conditioned and self.prompts and not self.images:
             raise ValueError(f"base={self.base} needs `images` next to `prompts` (one per prompt, or one for "
                              "all), or a prompts_file of (prompt, image) pairs")
-        if not self.model and not self.record.sampler.load().from_run_config:
+        if not self.model and not rebuilds_pipeline(self.record):
             raise ValueError(f"base={self.base} needs `model` (a pipeline folder or hub id)")
         if not (self.model or self.run_config):
             raise ValueError(f"base={self.base} needs `model` (a pipeline) or `run_config` (a training run's "
@@ -133,8 +134,10 @@ def check_labels(cfg: GenerateConfig, num_classes: int) -> None:
 def trained_classes(cfg: GenerateConfig) -> int | None:
     """The classes a class-conditional model was trained on, where a record says (the training run's
     config, or the record in its ``final/``); None otherwise (the pipeline then checks its label table)."""
+    if cfg.run_config:
+        return run_classes(cfg.record, cfg.run_config)
     folder = cfg.transformer or (Path(cfg.model) / "transformer" if cfg.model else None)
-    return cfg.record.sampler.load().trained_classes(folder, cfg.run_config)
+    return cfg.record.sampler.load().trained_classes(folder)
 
 
 def config_hash(cfg: GenerateConfig) -> str:
@@ -194,7 +197,7 @@ class Sampler:
         dtype = DTYPES[cfg.dtype]
         mhla = MHLAConfig.from_dict(dict(cfg.mhla)) if cfg.mhla else None
         if cfg.model is None:  # a training run's own pipeline (DiT)
-            self.pipe = self.sampler.run_pipeline(cfg.run_config, cfg.transformer, mhla, dtype, device)
+            self.pipe = run_pipeline(cfg.record, cfg.run_config, cfg.transformer, mhla, dtype, device)
         else:
             self.pipe = self.sampler.load(cfg.model, mhla, dtype, device, cfg.transformer)
             conditions = [condition(item) for item in sample_items(cfg)]

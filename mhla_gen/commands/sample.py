@@ -37,10 +37,13 @@ from PIL import Image
 from mhla_gen.bases import BASES, base_for
 from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.errors import ConfigError
+from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 from mhla_gen.outputs.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
 from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images
+from mhla_gen.pipelines.wan import WAN_DEFAULT_SIZE
+from mhla_gen.pipelines.wan_stream import check_stream_settings
 from mhla_gen.processors.config import MHLAConfig
 
 OUTPUT_KIND = "sample_outputs"  # the kind of folder --out is (mhla_gen.outputs.folders.KINDS)
@@ -229,7 +232,6 @@ def saved_transformer_config(args) -> dict:
     without loading weights; a LoRA + MHLA folder contributes its MHLA config."""
     from diffusers import WanTransformer3DModel
 
-    from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 
     if args.transformer is not None and is_lora_folder(args.transformer):
         config = dict(WanTransformer3DModel.load_config(args.model, subfolder="transformer"))
@@ -245,8 +247,6 @@ def check_stream(args) -> None:
     from the configs before anything is loaded or written."""
     from diffusers import AutoencoderKLWan
 
-    from mhla_gen.pipelines.wan import WAN_DEFAULT_SIZE
-    from mhla_gen.pipelines.wan_stream import check_stream_settings
 
     config = saved_transformer_config(args)
     mhla = MHLAConfig.from_dict(config["mhla"]) if config.get("mhla") else None

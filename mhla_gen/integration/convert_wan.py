@@ -43,7 +43,9 @@ from accelerate import init_empty_weights
 from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file
 
+from ..bases import base_for_model
 from ..processors.config import MHLAConfig
+from .cards import CardFacts, Snippet, base_license, base_line, load_folder, public_ref
 from .install import install_mhla, stock_class_name
 
 # module paths outside the blocks: original -> diffusers (each followed by ".weight" / ".bias")
@@ -381,9 +383,6 @@ def converted_card_facts(transformer: WanTransformer3DModel, out: Path, checkpoi
                          repo_id: str | None = None):
     """What the model card of a converted release checkpoint says (:mod:`mhla_gen.integration.cards`): the Wan
     pipeline it plugs into (``config_from``, or ``base_model``'s hub id), the MHLA it runs, how to load it."""
-    from ..bases import base_for_model
-    from .cards import CardFacts, Snippet, base_license, base_line, load_folder, public_ref
-
     base = public_ref(config_from, base_model)
     where = Path(str(config_from)).expanduser()
     pipeline_folder = where.parent if where.is_file() or where.name == "transformer" else where

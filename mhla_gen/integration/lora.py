@@ -66,6 +66,7 @@ from torch import nn
 from ..bases import base_for_class_name, base_for_model
 from ..outputs.folders import fingerprint, read_marker
 from ..processors.config import MHLAConfig
+from .cards import public_ref
 from .install import (
     CONFIG_KEY,
     MHLA_MODEL_CLASSES,
@@ -329,8 +330,6 @@ def base_entries(base: str, folder: Path, base_id: str | None = None) -> dict:
     """The manifest's ``base`` (hub id, else the local folder's name:
     :func:`mhla_gen.integration.cards.public_ref`) and, for a local base, ``base_path``: its path relative to
     ``folder``."""
-    from .cards import public_ref
-
     entries = {"base": public_ref(base, base_id).name}
     if Path(base).expanduser().is_dir():
         entries["base_path"] = os.path.relpath(Path(base).expanduser().resolve(), Path(folder).resolve())

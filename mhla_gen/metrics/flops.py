@@ -8,14 +8,14 @@ weight gradient (it counts SANA's depthwise convolutions and MHLA's CPE as dense
 
 Two uses of the counts for training budgets (the studies compare arms at equal compute with them):
 
-* :func:`train_flops_per_image`: one training step per image (forward and backward) of a DiT run config;
+* :func:`step_flops`: one forward and one training step (forward and backward) of a model on given inputs
+  (:func:`mhla_gen.train.dit_flops.train_flops_per_image`: per image of a DiT run config);
 * :class:`Conversion`: the compute behind a converted model (its teacher's training, stage 1, stage 2),
   read at equal total compute or with the teacher as a sunk cost.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,24 +70,18 @@ def count_flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def train_flops_per_image(cfg) -> dict[str, float]:
-    """``{"forward", "train"}`` FLOPs per image of the transformer a ``DiTRunConfig`` trains: one forward,
-    and one training step (forward + backward), counted at batch 1 on the ``meta`` device (no memory, no
-    weights; every count scales with the batch). ``model.init_from`` is ignored: the architecture is
-    built from the config alone (a converted model has its teacher's shapes and the config's attention).
-    The optimizer, the EMA and elementwise work are not counted."""
-    from ..train.dit import DiTTask
+def step_flops(model: torch.nn.Module, inputs: dict) -> dict[str, float]:
+    """``{"forward", "train"}`` FLOPs of ``model(**inputs)``: one forward, and one training step (forward +
+    backward of the output's sum). Build the model and the inputs on the ``meta`` device to count without
+    memory or weights; every count scales with the batch of ``inputs``."""
 
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
-    with torch.device("meta"):
-        model = DiTTask(cfg).build_transformer()
-    size, channels = model.config.sample_size, model.config.in_channels
-    x = torch.empty(1, channels, size, size, device="meta")
-    t, y = (torch.zeros(1, dtype=torch.long, device="meta") for _ in range(2))
-    forward = count_flops(lambda: model(x, timestep=t, class_labels=y).sample)
+    def forward():
+        return model(**inputs, return_dict=False)[0]
+
+    count = count_flops(forward)
     with torch.enable_grad():  # also from an evaluation under no_grad
-        train = count_flops(lambda: model(x, timestep=t, class_labels=y).sample.sum().backward())
-    return {"forward": float(forward), "train": float(train)}
+        train = count_flops(lambda: forward().sum().backward())
+    return {"forward": float(count), "train": float(train)}
 
 
 @dataclass(frozen=True)
@@ -95,7 +89,8 @@ class Conversion:
     """The training compute (FLOPs) behind a converted model after ``stage2_steps`` steps of stage 2.
 
     ``teacher``: its teacher's training; ``stage1``: stage 1's (its steps, the teacher's forward in each
-    included); ``stage2_step``: one stage-2 step (batch x :func:`train_flops_per_image`). A model
+    included); ``stage2_step``: one stage-2 step (batch x
+    :func:`~mhla_gen.train.dit_flops.train_flops_per_image`). A model
     trained from scratch has no teacher and no stage 1: ``Conversion(stage2_step=...)``."""
 
     teacher: float = 0.0

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.shapes import SHAPES_CLASSES, class_colour, class_count, class_radii, shapes_tensors
+from .extractors import cached_cnn
 
 SCORER_VERSION = 2  # records carry it as ``shapes_scorer`` (none: version 1, the module docstring)
 FOREGROUND = 0.5  # every drawn pixel has max channel 1, the background 0
@@ -234,6 +235,4 @@ def train_shapes_cnn(seed: int = 0, epochs: int = 3) -> tuple[ShapesCNN, float]:
 def shapes_extractor(cache_path: str | os.PathLike | None = None, seed: int = 0) -> ShapesCNN:
     """The shapes CNN (eval mode, no grad), trained on first use (a few seconds) and cached as safetensors
     (``~/.cache/mhla_gen/shapes_cnn_seed{seed}.safetensors``; ``$MHLA_GEN_CACHE`` overrides the folder)."""
-    from .extractors import cached_cnn
-
     return cached_cnn(ShapesCNN, train_shapes_cnn, "shapes", cache_path, seed)

@@ -111,13 +111,8 @@ def check_frames(settings: SampleSettings, pipe) -> None:
 
 class PipelineSampler:
     """How a base's stock diffusers pipeline is loaded with an MHLA transformer and called (one subclass
-    per base, next to its loader; the base record's ``sampler`` names it).
-
-    Attributes:
-        from_run_config: :meth:`run_pipeline` can rebuild the pipeline of a training run's config.
-    """
-
-    from_run_config = False
+    per base, next to its loader; the base record's ``sampler`` names it). A training run's own pipeline
+    is its task's (:func:`mhla_gen.train.runs.run_pipeline`)."""
 
     @classmethod
     def load(cls, path_or_id, mhla: MHLAConfig | None, torch_dtype: torch.dtype, device, transformer_path):
@@ -125,12 +120,7 @@ class PipelineSampler:
         raise NotImplementedError
 
     @classmethod
-    def run_pipeline(cls, run_config, transformer_path, mhla, torch_dtype, device):
-        """The pipeline of a training run (its ``config.yaml``), where the base can rebuild one."""
-        raise NotImplementedError(f"{cls.__name__} samples pipelines only (from_run_config=False)")
-
-    @classmethod
-    def trained_classes(cls, folder, run_config=None) -> int | None:
+    def trained_classes(cls, folder) -> int | None:
         """The classes a class-conditional model was trained on, where a record says; None otherwise."""
         return None
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.install import CONFIG_KEY
+from mhla_gen.integration.lora import MANIFEST, lora_mhla_config
 from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.processors.grid import check_grid
 
@@ -29,8 +30,6 @@ def local_configs(model: str | None, transformer: str | None, subfolder: str = "
     from local files: the ``transformer`` folder (a saved model, or a LoRA folder: its recorded base
     architecture and the MHLA its adapter file carries), else ``model/<subfolder>``; the VAE of the
     ``model`` pipeline. Entries that are not local are left out."""
-    from mhla_gen.integration.lora import MANIFEST, lora_mhla_config
-
     found = {}
     folder = Path(transformer).expanduser() if transformer else None
     if folder is not None and (folder / MANIFEST).is_file():

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 from diffusers import DiTPipeline, DiTTransformer2DModel
+from omegaconf import OmegaConf
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import read_marker
 from mhla_gen.processors.config import MHLAConfig
-from mhla_gen.train.config import DiTRunConfig, load_config
 
 from . import PipelineSampler, SampleSettings, load_pipeline_transformer
 
@@ -65,10 +65,11 @@ def trained_num_classes(folder) -> int | None:
         return record["num_classes"]
     run = folder.resolve().parent
     if folder.name == "final" and (read_marker(run) or {}).get("kind") == "run":
-        try:
-            return load_config(DiTRunConfig, run / "config.yaml").model.num_classes
+        try:  # the run's resolved config: read the one setting, no schema (pipelines sit below train/)
+            classes = OmegaConf.select(OmegaConf.load(run / "config.yaml"), "model.num_classes")
         except (ValueError, OSError):
             return None
+        return classes if isinstance(classes, int) else None
     return None
 
 
@@ -100,32 +101,12 @@ def check_class_labels(
 class DiTSampler(PipelineSampler):
     """``DiTPipeline``: class labels, one square size (the model's ``sample_size``)."""
 
-    from_run_config = True
-
     @classmethod
     def load(cls, path_or_id, mhla, torch_dtype, device, transformer_path):
         return load_dit_pipeline(path_or_id, mhla, torch_dtype, device, transformer_path=transformer_path)
 
     @classmethod
-    def run_pipeline(cls, run_config, transformer_path, mhla, torch_dtype, device):
-        """A DiT training run: its transformer (``transformer_path`` or the run's ``final/``) and the run's
-        own sampler (pixel space or its VAE)."""
-        from mhla_gen.integration.loading import load_transformer
-        from mhla_gen.train.dit import DiTTask
-
-        run_cfg = load_config(DiTRunConfig, run_config)
-        path = transformer_path or str(Path(run_config).parent / "final")
-        transformer = load_transformer(path, torch_dtype=torch_dtype, device=device)
-        if mhla is not None:
-            raise ValueError("`mhla` is for stock transformers; a training run's transformer has its own")
-        task = DiTTask(run_cfg)
-        task.load_vae(device)  # a latent-space run decodes with its data's VAE
-        return task.pipeline(transformer).to(device)
-
-    @classmethod
-    def trained_classes(cls, folder, run_config=None) -> int | None:
-        if run_config:
-            return load_config(DiTRunConfig, run_config).model.num_classes
+    def trained_classes(cls, folder) -> int | None:
         return trained_num_classes(folder)
 
     @classmethod

@@ -22,6 +22,7 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.processors.config import MHLAConfig
 
 from . import PipelineSampler, SampleSettings, check_frames, load_pipeline_transformer
+from .checks import video_token_grid
 
 SANA_VIDEO_DEFAULT_SIZE = (480, 832)  # SanaVideoPipeline's default height and width
 
@@ -66,7 +67,6 @@ class SanaVideoSampler(PipelineSampler):
 
     @classmethod
     def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int, int] | None:
-        from .checks import video_token_grid
 
         height = settings.height or SANA_VIDEO_DEFAULT_SIZE[0]
         width = settings.width or SANA_VIDEO_DEFAULT_SIZE[1]

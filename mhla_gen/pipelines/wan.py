@@ -32,6 +32,8 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.processors.config import MHLAConfig
 
 from . import PipelineSampler, SampleSettings, check_frames, load_pipeline_transformer
+from .checks import video_token_grid
+from .conditions import open_image
 
 WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
 
@@ -133,7 +135,6 @@ class WanSampler(PipelineSampler):
 
     @classmethod
     def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int, int] | None:
-        from .checks import video_token_grid
 
         height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
         return video_token_grid(configs, height, width, settings.frames)
@@ -200,8 +201,6 @@ class WanI2VSampler(WanSampler):
     def sample(cls, pipe, conditions, generator, settings: SampleSettings):
         """One pipeline call per ``(prompt, image)`` pair (diffusers' I2V pipeline repeats one image's
         features over a batch); ``generator``: one for all, or one per pair. Returns the videos."""
-        from .conditions import open_image
-
         cls.check_settings(dict(pipe.transformer.config), settings)
         generators = generator if isinstance(generator, list) else [generator] * len(conditions)
         optional = settings.optional(num_frames="frames", max_sequence_length="max_sequence_length",

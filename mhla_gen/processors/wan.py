@@ -36,7 +36,7 @@ Context parallelism (``transformer.enable_parallelism(config=ContextParallelConf
 :attr:`WanMHLAProcessor._parallel_config` and splits the sequence; the rope hook still reads the whole
 latent, so the grid is the whole grid while ``hidden_states`` and the rotary tables hold this rank's
 tokens only. The layer then all-reduces block summaries instead of running the registered op on the
-whole sequence, and gathers V for CPE (see ``mhla_gen/integration/parallel.py``). ``forward`` hands this
+whole sequence, and gathers V for CPE (see ``mhla_gen/ops/context_parallel.py``). ``forward`` hands this
 rank's ``TokenShard`` to :meth:`WanMHLAProcessor.attention_core` and ``apply_extras``, the two steps that
 differ.
 """
@@ -52,9 +52,9 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, _get_qkv_projections
 from torch import nn
 
-from ..integration.parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from ..ops import mhla_attention
 from ..ops.checks import accumulation_dtype, cast_output
+from ..ops.context_parallel import TokenShard, context_parallel_shard, mhla_shard, shard_cpe
 from ..ops.factorised_mixing import FactorisedMixing
 from ..ops.feature_maps import get_feature_map
 from ..ops.layout import BlockLayout
@@ -214,7 +214,7 @@ class WanMHLAProcessor(MHLAProcessor):
 
     def attend_rope_shard(self, q, k, v, rotary_emb, shard: TokenShard) -> torch.Tensor:
         """:meth:`attend_rope` for this rank's tokens under context parallelism (one all-reduce of block
-        summaries, ``mhla_gen/integration/parallel.py``). q, k, v ``(B, heads, n, d)`` -> same, n =
+        summaries, ``mhla_gen/ops/context_parallel.py``). q, k, v ``(B, heads, n, d)`` -> same, n =
         ``shard.length``."""
         cfg = self.cfg
         acc = accumulation_dtype(q.dtype)

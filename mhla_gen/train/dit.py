@@ -56,6 +56,7 @@ class DiTTask(TrainTask):
     name = DIT.name
     fsdp_units = ("BasicTransformerBlock", "CombinedTimestepLabelEmbeddings")  # FSDP2 (train.distributed)
     fsdp_shared = ("CombinedTimestepLabelEmbeddings",)  # block 0's embedder: the forward calls it outside
+    rebuilds_pipeline = True  # a run's config alone rebuilds its sampler (mhla_gen.train.runs)
 
     def __init__(self, cfg: DiTRunConfig):
         super().__init__(cfg)

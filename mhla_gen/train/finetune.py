@@ -14,6 +14,7 @@ from PIL import Image
 
 from ..bases.sana import BASE as SANA
 from ..bases.wan import BASE as WAN
+from ..pipelines.wan_stream import stream_video
 from .captioned import CaptionedTask
 from .config import ConfigError
 
@@ -142,7 +143,6 @@ class WanTask(CaptionedTask):
         (``mhla.chunk_frames``) streams them chunk by chunk (``log.sample_steps`` per chunk)."""
         d = self.cfg.data
         if getattr(transformer, "mhla_config", None) is not None and transformer.mhla_config.chunk_frames:
-            from ..pipelines.wan_stream import stream_video
 
             return stream_video(
                 self.pipeline(transformer, progress=True), list(d.sample_prompts), num_frames=d.num_frames,

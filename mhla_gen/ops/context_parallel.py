@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from ..ops.layout import layout_for, split_sizes
+from .layout import layout_for, split_sizes
 
 
 @dataclass(frozen=True)
