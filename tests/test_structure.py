@@ -97,7 +97,7 @@ def unit(module: str) -> str:
 
 def test_the_packages_import_downward_only():
     """The subpackages (and top-level modules) form layers: no two import each other, directly or round a
-    loop, so ``mhla_gen/`` reads bottom up (``docs/extending.md``, Layout)."""
+    loop, so ``mhla_gen/`` reads bottom up (``docs/extending.md``, "Where things live")."""
     units: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
         units.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
