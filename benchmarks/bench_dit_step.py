@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,7 +36,7 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside this file
 
-from step_timing import device_label, interleaved_seconds, median_ratio  # noqa: E402
+from step_timing import StepBench, parse_step_args, step_main, timed_report  # noqa: E402
 
 from mhla_gen import MHLAConfig, clamp_mixing_, install_mhla  # noqa: E402
 from mhla_gen.commands.cli import run as run_cli  # noqa: E402
@@ -47,33 +45,18 @@ from mhla_gen.train.objectives import DDPMLoss  # noqa: E402
 # DiT paper Table 1 (as benchmarks/conversion_budget.py)
 DIT_XL2_CONFIG = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
                       num_layers=28, sample_size=32, patch_size=2, num_embeds_ada_norm=1000)
-VARIANTS = ("softmax", "mhla")
+BENCH = StepBench(
+    script="bench_dit_step.py", step="training step (random weights)", reference="softmax",
+    batch=32, batch_help="images per step (default 32)", tiny_help="mhla_gen.testing.TINY_DIT_CONFIG (tests)",
+    precision="--mixed-precision", precision_choices=("no", "bf16"), precision_default=("bf16", "no"),
+    precision_help="autocast of the forward (train.mixed_precision); default bf16 on CUDA, else no",
+    precision_label="mixed precision {}", min_warmup=1,
+    warmup_why=" (AdamW creates its states in the first step)", ms_digits=1, images_column=True,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (both models in each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default=None,
-                        help="autocast of the forward (train.mixed_precision); default bf16 on CUDA, else no")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models (inductor)")
-    parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing.TINY_DIT_CONFIG (tests)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    for name in ("batch", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 1:
-        parser.error(f"--warmup must be at least 1 (AdamW creates its states in the first step), got "
-                     f"{args.warmup}")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
-    args.mixed_precision = args.mixed_precision or ("bf16" if args.device.type == "cuda" else "no")
-    return args
+    return parse_step_args(BENCH, __doc__, argv)
 
 
 def build_models(config: dict, device: torch.device) -> dict[str, DiTTransformer2DModel]:
@@ -130,49 +113,12 @@ def run(args) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         runner = torch.compile(model) if args.compile else model
         steps[name] = lambda m=model, r=runner, o=optimizer: training_step(m, r, o, objective, batch, args)
-    seconds, peak = interleaved_seconds(steps, args.reps, args.warmup, args.device)
-    rows = {}
-    for name in VARIANTS:
-        median_s = statistics.median(seconds[name])
-        rows[name] = dict(median_ms=1e3 * median_s, images_s=args.batch / median_s, peak_gib=peak[name],
-                          speedup=median_ratio(seconds["softmax"], seconds[name]))
-    side = config["sample_size"] // config["patch_size"]
-    return dict(model="tiny DiT (TINY_DIT_CONFIG)" if args.tiny else "DiT-XL/2", config=config, rows=rows,
-                tokens=side * side, device=device_label(args.device))
-
-
-def markdown(report: dict, args, command: str) -> str:
-    c = report["config"]
-    lines = [
-        f"{report['model']} training step (random weights): {c['num_layers']} layers, "
-        f"{c['num_attention_heads']} heads x {c['attention_head_dim']}, {report['tokens']} tokens, batch "
-        f"{args.batch}, mixed precision {args.mixed_precision}, compile {'on' if args.compile else 'off'}, "
-        f"device {report['device']}, torch {torch.__version__}; {args.reps} reps after {args.warmup} "
-        "warm-up.",
-        f"Command: `{command}`", "",
-        "| variant | median ms/step | images/s | speed-up vs softmax | peak GiB (warm-up) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, r in report["rows"].items():
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {name} | {r['median_ms']:.1f} | {r['images_s']:.1f} | {r['speedup']:.2f}x "
-                     f"| {peak} |")
-    return "\n".join(lines)
+    title = "tiny DiT (TINY_DIT_CONFIG)" if args.tiny else "DiT-XL/2"
+    return timed_report(BENCH, steps, args, title, config)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
-    command = shlex.join(["python", "benchmarks/bench_dit_step.py", *given])
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        report = run(args)
-    finally:
-        torch.set_num_threads(threads)
-    print(markdown(report, args, command))
-    return report
+    return step_main(BENCH, parse_args(argv), argv, run)
 
 
 if __name__ == "__main__":

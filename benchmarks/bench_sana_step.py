@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from diffusers import SanaTransformer2DModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside this file
 
-from step_timing import device_label, interleaved_seconds, median_ratio  # noqa: E402
+from step_timing import StepBench, parse_step_args, step_main, timed_report  # noqa: E402
 
 from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
 from mhla_gen.commands.cli import run as run_cli  # noqa: E402
@@ -50,33 +48,18 @@ SANA_1600M_1024_CONFIG = dict(
     norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None,
 )
 TEXT_TOKENS = 300
-VARIANTS = ("stock", "mhla")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BENCH = StepBench(
+    script="bench_sana_step.py", step="denoising step (random weights, inference)", reference="stock",
+    batch=2, batch_help="latents per step (2: CFG's two branches)",
+    tiny_help="mhla_gen.testing.TINY_SANA_CONFIG (tests)", precision="--dtype",
+    precision_choices=tuple(sorted(DTYPES)), precision_default=("bf16", "fp32"),
+    precision_help="default: bf16 on CUDA, else fp32",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=2, help="latents per step (2: CFG's two branches)")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (both models in each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="default: bf16 on CUDA, else fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models (inductor)")
-    parser.add_argument("--tiny", action="store_true", help="mhla_gen.testing.TINY_SANA_CONFIG (tests)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    for name in ("batch", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must not be negative, got {args.warmup}")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
-    args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
-    return args
+    return parse_step_args(BENCH, __doc__, argv)
 
 
 def build_models(config: dict, device: torch.device, dtype) -> dict[str, SanaTransformer2DModel]:
@@ -122,44 +105,12 @@ def run(args) -> dict:
                 runner(**inputs)
 
         steps[name] = step
-    seconds, peak = interleaved_seconds(steps, args.reps, args.warmup, args.device)
-    rows = {name: dict(median_ms=1e3 * statistics.median(seconds[name]), peak_gib=peak[name],
-                       speedup=median_ratio(seconds["stock"], seconds[name])) for name in VARIANTS}
-    tokens = (config["sample_size"] // config["patch_size"]) ** 2
-    return dict(model="tiny SANA (TINY_SANA_CONFIG)" if args.tiny else "SANA-1.6B 1024 px", config=config,
-                rows=rows, tokens=tokens, device=device_label(args.device))
-
-
-def markdown(report: dict, args, command: str) -> str:
-    c = report["config"]
-    lines = [
-        f"{report['model']} denoising step (random weights, inference): {c['num_layers']} layers, "
-        f"{c['num_attention_heads']} heads x {c['attention_head_dim']}, {report['tokens']} tokens, batch "
-        f"{args.batch}, {args.dtype}, compile {'on' if args.compile else 'off'}, device {report['device']}, "
-        f"torch {torch.__version__}; {args.reps} reps after {args.warmup} warm-up.",
-        f"Command: `{command}`", "",
-        "| variant | median ms/step | speed-up vs stock | peak GiB (warm-up) |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, r in report["rows"].items():
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {name} | {r['median_ms']:.2f} | {r['speedup']:.2f}x | {peak} |")
-    return "\n".join(lines)
+    title = "tiny SANA (TINY_SANA_CONFIG)" if args.tiny else "SANA-1.6B 1024 px"
+    return timed_report(BENCH, steps, args, title, config)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
-    command = shlex.join(["python", "benchmarks/bench_sana_step.py", *given])
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        report = run(args)
-    finally:
-        torch.set_num_threads(threads)
-    print(markdown(report, args, command))
-    return report
+    return step_main(BENCH, parse_args(argv), argv, run)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,27 @@ def test_bench_sana_step_tiny(capsys):
     assert report["tokens"] == 256
 
 
+def test_step_tables_show_each_benchmarks_columns_and_the_cuda_peak(monkeypatch):
+    """The shared table (step_timing.markdown): DiT's images/s column and ms to 0.1, SANA's ms to 0.01, the
+    warm-up peak where CUDA measured one; and the precision each script defaults to on CUDA."""
+    timing, dit, sana = load("step_timing"), load("bench_dit_step"), load("bench_sana_step")
+    config = dict(num_layers=28, num_attention_heads=16, attention_head_dim=72)
+    rows = {"a": dict(median_ms=12.345, images_s=2592.2, peak_gib=3.456, speedup=1.0),
+            "b": dict(median_ms=6.0, images_s=5333.3, peak_gib=None, speedup=2.04)}
+    report = dict(model="M", config=config, rows=rows, tokens=256, device="D")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # parsing only: --device cuda accepted
+    out = timing.markdown(dit.BENCH, report, dit.parse_args(["--device", "cuda"]), "python x")
+    assert ("M training step (random weights): 28 layers, 16 heads x 72, 256 tokens, batch 32, mixed "
+            "precision bf16, compile off, device D") in out
+    assert _table_rows(out, "a") == [["a", "12.3", "2592.2", "1.00x", "3.46"]]
+    assert _table_rows(out, "b") == [["b", "6.0", "5333.3", "2.04x", "-"]]
+    args = sana.parse_args(["--device", "cuda", "--batch", "1"])
+    out = timing.markdown(sana.BENCH, report, args, "python x")
+    assert "| variant | median ms/step | speed-up vs stock | peak GiB (warm-up) |" in out
+    assert "(random weights, inference): 28 layers, 16 heads x 72, 256 tokens, batch 1, bf16, compile" in out
+    assert _table_rows(out, "a") == [["a", "12.35", "1.00x", "3.46"]]
+
+
 def test_full_size_dit_and_sana_configs_on_meta():
     """DiT-XL/2 (diffusers' layout: 750 M parameters, 28 layers of 16 x 72) and SANA-1.6B (1.60 B; 20
     layers of 70 x 32) as the step benchmarks build them, MHLA installed in every self-attention."""

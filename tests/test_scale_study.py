@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from studies import scale_preset as preset
+from studies import scale_report, scale_sizing
 
 from mhla_gen.errors import ConfigError
 
@@ -67,7 +69,7 @@ def test_the_budget_matches_compute_across_arms(monkeypatch):
     --seconds turns the sizing into the reference's images (every arm's runs added)."""
     study = load_study()
     costs = {"softmax": 3e9, "mhla": 1e9, "linear": 1e9}
-    monkeypatch.setattr(study, "train_flops_per_image",
+    monkeypatch.setattr(preset, "train_flops_per_image",
                         lambda cfg: {"train": costs[cfg.model.attention], "forward": 0.0})
     args = study.parse_args(["--images", "1024", "--grids", "1024", "--device", "cpu"])
     plan = study.grid_plan("1024", args, None)
@@ -94,11 +96,10 @@ def argparse_out(args):
 
 
 def test_equal_compute_records_are_labelled_with_the_reference_step():
-    study = load_study()
     recs = [{"arm": "mhla", "seed": 0, "step": s, "images_steps": [4, 8], "compute_steps": [12, 24]}
             for s in (4, 8, 12, 24)]
-    assert [(r["step"], r["result_step"]) for r in study.at_compute(recs)] == [(4, 12), (8, 24)]
-    assert [r["step"] for r in study.at_images(recs)] == [4, 8]
+    assert [(r["step"], r["result_step"]) for r in scale_report.at_compute(recs)] == [(4, 12), (8, 24)]
+    assert [r["step"] for r in scale_report.at_images(recs)] == [4, 8]
 
 
 def test_refusals_before_any_work(tmp_path):
@@ -145,37 +146,37 @@ def test_sizing_file_is_written_and_checked(tmp_path):
 
 
 def test_log_points_and_equal_compute_steps():
-    study = load_study()
-    assert study.log_points(64, 4) == [8, 16, 32, 64]
-    assert study.log_points(3, 4) == [1, 3]  # a short budget: the duplicates dropped
+    assert preset.log_points(64, 4) == [8, 16, 32, 64]
+    assert preset.log_points(3, 4) == [1, 3]  # a short budget: the duplicates dropped
     with pytest.raises(ValueError):
-        study.log_points(0, 2)
+        preset.log_points(0, 2)
     # an arm at 1/1.57 of the reference's cost per step spends the reference's compute at 1.57x the steps
-    assert study.equal_compute_steps([8, 16, 32, 64], 1.57, 1) == [13, 25, 50, 100]
-    assert study.equal_compute_steps([8, 16, 32, 64], 1.57, 4) == [12, 24, 52, 100]  # multiples of the unit
-    assert study.equal_compute_steps([8], 0.01, 4) == [4]  # at least one unit
+    assert preset.equal_compute_steps([8, 16, 32, 64], 1.57, 1) == [13, 25, 50, 100]
+    assert preset.equal_compute_steps([8, 16, 32, 64], 1.57, 4) == [12, 24, 52, 100]  # multiples of the unit
+    assert preset.equal_compute_steps([8], 0.01, 4) == [4]  # at least one unit
     with pytest.raises(ValueError):
-        study.equal_compute_steps([8], 0.0, 1)
+        preset.equal_compute_steps([8], 0.0, 1)
 
 
 def test_images_for_seconds_adds_every_run_of_every_arm():
     # reference 100 images/s; an arm training 2x the images at 400 images/s: per reference image and
     # seed 1/100 + 2/400 = 0.015 s, 3 seeds: 0.045 s -> 90 s hold 2000 images
-    study = load_study()
     cost = {"softmax": (1.0, 100.0), "mhla": (2.0, 400.0)}
-    assert study.images_for_seconds(90, 3, cost) == 2000
-    assert study.images_for_seconds(90, 3, cost, multiple=256) == 1792
+    assert preset.images_for_seconds(90, 3, cost) == 2000
+    assert preset.images_for_seconds(90, 3, cost, multiple=256) == 1792
     with pytest.raises(ValueError, match="fewer than one budget unit"):
-        study.images_for_seconds(1, 3, cost, multiple=256)
+        preset.images_for_seconds(1, 3, cost, multiple=256)
 
 
 def test_measure_training_trains_the_model_it_times():
     import torch
 
-    study = load_study()
-    model = study.DiTTask(study.arm_config(study.GRIDS["smoke"], study.ARMS[1])).build_transformer()
+    from mhla_gen.train.dit import DiTTask
+
+    config = preset.arm_config(preset.GRIDS["smoke"], preset.ARMS[1])
+    model = DiTTask(config).build_transformer()
     before = [p.detach().clone() for p in model.parameters()]
-    speed = study.measure_training(lambda: model, batch=2, resolution=32, channels=3, device="cpu",
-                                   dtype=torch.bfloat16, seconds=0.0, warmup=1)
+    speed = scale_sizing.measure_training(lambda: model, batch=2, resolution=32, channels=3, device="cpu",
+                                          dtype=torch.bfloat16, seconds=0.0, warmup=1)
     assert speed["steps"] >= 3 and speed["images_per_s"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # AdamW stepped

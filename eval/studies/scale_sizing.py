@@ -1,0 +1,116 @@
+"""The scale study's sizing (``eval/scale_study.py --sizing-only``): the training images/s of every arm at
+every grid, measured on the device, written to a file that sizes the study's budget (``--sizing``) and
+read back checked against the grids it is used for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from mhla_gen.errors import ConfigError
+from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.dit_flops import train_flops_per_image
+
+from .scale_preset import ARMS, GRIDS, arm_config, grid_model, tokens
+
+SIZING_FORMAT = "mhla_gen scale-study sizing"
+
+
+def measure_training(build, batch: int, resolution: int, channels: int, device: str,
+                     dtype: torch.dtype | None = None, seconds: float = 3.0, warmup: int = 3) -> dict:
+    """Training images/s of ``build()`` on ``device``: forward (under autocast to ``dtype`` when given),
+    the ε-loss backward, gradient clipping and an AdamW step on random pixels, after ``warmup`` steps
+    (kernel compilation, allocator), timed for about ``seconds`` (at least 3 steps; CUDA synchronised).
+    No data loading, EMA or logging: a bound on what the training loop reaches with the same model."""
+    model = build().to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, channels, resolution, resolution, generator=gen).to(device)  # (B, C, R, R)
+    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    kind = torch.device(device).type
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+
+    def step():
+        with torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = model(x, timestep=t, class_labels=y).sample
+        out.float()[:, :channels].square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    sync()
+    steps, start = 0, time.perf_counter()
+    while steps < 3 or time.perf_counter() - start < seconds:
+        step()
+        steps += 1
+        if steps % 4 == 0:  # the host may not queue far ahead of the device: the clock reads both
+            sync()
+    sync()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if kind == "cuda" else math.nan
+    return {"images_per_s": steps * batch / elapsed, "steps": steps, "seconds": elapsed, "peak_gib": peak}
+
+
+def sizing(grids: list[str], device: str, precision: str, seconds: float) -> dict:
+    """Training images/s and FLOPs per image of every arm at every grid (:func:`measure_training`: the
+    model's step alone, one process), with the achieved TFLOP/s."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    rows = []
+    for name in grids:
+        grid = GRIDS[name]
+        for arm in ARMS:
+            cfg = arm_config(grid, arm, precision)
+            flops = train_flops_per_image(cfg)["train"]
+            speed = measure_training(DiTTask(cfg).build_transformer, grid["batch"],
+                                     grid["resolution"], 3, device, dtype, seconds)
+            rows.append({"grid": name, "tokens": tokens(grid), "arm": arm.name, "batch": grid["batch"],
+                         "flops_per_image": flops, **speed, "tflops": speed["images_per_s"] * flops / 1e12})
+            logging.info("sizing %s tokens %s: %.1f images/s", tokens(grid), arm.name, speed["images_per_s"])
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"format": SIZING_FORMAT, "device": device_name(device), "precision": precision,
+            "model": {n: grid_model(GRIDS[n]) for n in grids}, "rows": rows}
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else "cpu"
+
+
+def read_sizing(path: Path, grids: list[str]) -> dict[tuple[str, str], float]:
+    """``{(grid, arm): images/s}`` from a ``--sizing-only`` file, checked against this preset's model and
+    batch (a file measured for another model is refused)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--sizing {str(path)!r} does not exist (write it with --sizing-only)")
+    record = json.loads(path.read_text())
+    if record.get("format") != SIZING_FORMAT:
+        raise ConfigError(f"--sizing {str(path)!r} is not a sizing file of eval/scale_study.py")
+    found = {(r["grid"], r["arm"]): r for r in record["rows"]}
+    for name in grids:
+        if record["model"].get(name) != grid_model(GRIDS[name]):
+            raise ConfigError(f"--sizing {str(path)!r} measured grid {name} with model "
+                              f"{record['model'].get(name)}, not {grid_model(GRIDS[name])}")
+        for arm in ARMS:
+            row = found.get((name, arm.name))
+            if row is None or row["batch"] != GRIDS[name]["batch"]:
+                raise ConfigError(f"--sizing {str(path)!r} has no {arm.name} row at grid {name} with batch "
+                                  f"{GRIDS[name]['batch']}")
+    return {key: row["images_per_s"] for key, row in found.items()}
+
+
+def sizing_table(measured: dict) -> str:
+    """The measurements of :func:`sizing` as a Markdown table, one row per grid and arm."""
+    lines = ["| tokens | arm | batch | training images/s | GFLOPs / image | TFLOP/s | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['arm']} | {r['batch']} | {r['images_per_s']:.1f} | "
+              f"{r['flops_per_image'] / 1e9:.4g} | {r['tflops']:.3g} | {r['peak_gib']:.1f} |"
+              for r in measured["rows"]]
+    return "\n".join(lines)
