@@ -1,15 +1,19 @@
 """How fast a converted model recovers: a pretrained softmax (or linear-attention) DiT converted to MHLA in
 different ways, each arm with the same stage-2 budget and data, on the embedded digits.
 
-    python eval/adaptation.py                               # both grids, 3 seeds (teachers trained first)
-    python eval/adaptation.py --teachers-from runs/study    # the study's seed-0 softmax / linear runs
+    python eval/adaptation.py                               # both grids, 3 seeds (3 teachers trained first)
+    python eval/adaptation.py --teachers-from runs/study    # the study's softmax / linear runs: seed k's
+    python eval/adaptation.py --teachers-from runs/a runs/b --seeds 6 --scratch   # teachers of 2 budgets
     python eval/adaptation.py --data shapes                 # the drawn shapes at 256 tokens
     python eval/adaptation.py --quick                       # CI-sized: about 10 min of 2 cores
     python eval/adaptation.py --smoke                       # seconds: a smoke test
 
 Teachers: DiTs of the study's size (eval/study.py) trained on the digits with softmax and with linear
-attention (cached under OUT/teachers by their settings, or taken from a finished study; only those the
-chosen arms start from). Arms (stage 2 =
+attention, one per seed (seed k's stage 1 and stage 2 start from teacher k: the teacher is part of the seed
+unit, and a verdict needs 3 distinct teachers; :mod:`studies.teachers`): trained under OUT/teachers with
+seed k, or taken from finished studies (``--teachers-from``: several folders, e.g. of different budgets;
+each teacher's model and data checked against the grid's); only those the chosen arms start from. Every
+record keeps its teacher and the teacher's training FLOPs (``teacher_flops``). Arms (stage 2 =
 train_dit.py with ``model.init_from``, the same budget, data and seed in every arm):
 
 * ``softmax-continued``: the softmax teacher trained on (the reference);
@@ -38,7 +42,10 @@ train_dit.py with ``model.init_from``, the same budget, data and seed in every a
   also name single sweep arms (``softmax1-e2e``, ``softmax2-fixed``, ...) without the whole sweep.
 
 FID (digits CNN) and label accuracy at 0, 1/8, 1/4, 1/2 and all of the stage-2 budget, through
-``studies.experiments`` (the study's runner: resumable, parallel). Writes OUT/record.npz (the record
+``studies.experiments`` (the study's runner: resumable, parallel). ``--scratch`` adds MHLA trained from
+scratch up to each seed's conversion FLOPs (:class:`mhla_gen.metrics.flops.Conversion`: teacher + stage 1 +
+stage 2), and the report reads conversion against it at equal total FLOPs and with the teacher a sunk cost
+(stage 1 + stage 2 only: a user who already has the teacher). Writes OUT/record.npz (the record
 every table and plot is rendered from: eval/results.py), OUT/adaptation.md, OUT/adaptation.json and
 OUT/curves_<grid>.png.
 """
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -66,23 +74,28 @@ from studies.evidence import (
     fmt_comparison,
     footnotes,
 )
+from studies.evidence_stats import MIN_SEEDS
 from studies.experiments import (
     SHAPES_RECIPE,
     VAL_TRIPLES,
     Arm,
     make_jobs,
     plot_arm_bands,
+    result_path,
     study_records,
     summarize,
 )
 from studies.softmax_layers import fixed_layers, latency, sweep_arms, sweep_ks, sweep_table
+from studies.teachers import Teacher, from_studies, paired, training_flops
 
 from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
+from mhla_gen.metrics.flops import Conversion
 from mhla_gen.outputs.folders import check_apart, claim, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit import DiTTask
+from mhla_gen.train.dit_flops import train_flops_per_image
 from mhla_gen.train.io import atomic_write_text
 from mhla_gen.train.loop import train
 
@@ -185,17 +198,27 @@ def grid_model(grid: dict) -> dict:
     return dict(TINY_MODEL, patch_size=grid.get("patch", 2)) if grid.get("tiny") else MODEL
 
 
-def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed: int = 0) -> Path:
-    """The ``attention`` teacher of ``grid`` (trained once under ``out``; reused when finished)."""
-    folder = out / "teachers" / f"{name}-{attention}"
-    if not (folder / "final").is_dir():
-        cfg = load_config(DiTRunConfig, CONFIG, [
-            *base_overrides(grid, model), f"model.attention={attention}", f"output_dir={folder}",
-            f"seed={seed}", f"train.max_steps={grid['teacher_steps']}", "eval.fid_num_samples=0",
-            f"train.lr_warmup_steps={min(50, grid['teacher_steps'] // 10)}", *grid.get("recipe", ()),
-        ])
+def teacher_config(out: Path, name: str, attention: str, grid: dict, model: dict, seed: int) -> DiTRunConfig:
+    """The run config of seed ``seed``'s ``attention`` teacher of ``grid`` (its folder under ``out``: seed 0
+    keeps the folder of the single teacher of before 2026-11-28)."""
+    folder = out / "teachers" / (f"{name}-{attention}" + (f"-seed{seed}" if seed else ""))
+    return load_config(DiTRunConfig, CONFIG, [
+        *base_overrides(grid, model), f"model.attention={attention}", f"output_dir={folder}",
+        f"seed={seed}", f"train.max_steps={grid['teacher_steps']}", "eval.fid_num_samples=0",
+        f"train.lr_warmup_steps={min(50, grid['teacher_steps'] // 10)}", *grid.get("recipe", ()),
+    ])
+
+
+def teacher(out: Path, name: str, attention: str, grid: dict, model: dict, seed: int = 0,
+            train_it: bool = True) -> Teacher:
+    """Seed ``seed``'s ``attention`` teacher of ``grid``, trained under ``out`` unless finished (or
+    ``train_it`` is false: ``--report-only``)."""
+    cfg = teacher_config(out, name, attention, grid, model, seed)
+    folder = Path(cfg.output_dir)
+    if train_it and not (folder / "final").is_dir():
         train(cfg, DiTTask(cfg))
-    return folder / "final"
+    return Teacher(attention, seed, str(folder.resolve()), folder / "final", cfg.train.max_steps,
+                   training_flops(cfg))
 
 
 SMOKE_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1-distill", "hybrid-auto",
@@ -204,7 +227,7 @@ QUICK_ARMS = ("softmax-continued", "mhla-plain", "mhla-stage1", "mhla-stage1-qk"
 
 
 def plan(args) -> list:
-    """Every job: each grid's arms x seeds, with the teachers' folders filled in."""
+    """Every job: each grid's arms x seeds, seed k's from teacher k (:mod:`studies.teachers`)."""
     jobs = []
     for name in args.grids:
         grid = dict(GRIDS[name], **({"steps": args.steps} if args.steps else {}))
@@ -219,32 +242,65 @@ def plan(args) -> list:
         candidates = [*arms(name, 1e-6, np.prod(grid["blocks"])), *sweep]
         chosen = [arm for arm in candidates if wanted is None or arm.name in wanted]
         named = " ".join(item for arm in chosen for item in (*arm.overrides, *(arm.stage1 or ())))
-        teachers = {a: teacher_path(args, name, a, grid, model) for a in ("softmax", "linear")
+        teachers = {a: teachers_for(args, name, a, grid, model) for a in ("softmax", "linear")
                     if f"@{a}" in named}  # only the teachers the chosen arms start from
-        chosen = [with_teachers(arm, teachers, grid["stage1_steps"]) for arm in chosen]
         extra = {"grid": name, "tokens": (grid["resolution"] // model["patch_size"]) ** 2,
                  "commit": results.code_commit()}
         base, seeds = base_overrides(grid, model), list(range(args.seeds))
         recipe = grid.get("recipe", ())  # the training runs' (stage 2, from scratch), not stage 1's
-        jobs += make_jobs(args.out / name, CONFIG, base, chosen, seeds, eval_steps(grid["steps"]),
-                          grid["fid_samples"], extra, grid.get("val_triples", VAL_TRIPLES), recipe)
-        if args.scratch:  # MHLA from scratch for the teacher's budget plus stage 2's: equal training steps
-            scratch = [Arm("mhla-scratch", ("model.attention=mhla",), "scratch")]
-            budget = grid["teacher_steps"] + grid["steps"]
-            jobs += make_jobs(args.out / name, CONFIG, base, scratch, seeds, eval_steps(budget),
-                              grid["fid_samples"], {**extra, "teacher_steps": grid["teacher_steps"]},
-                              grid.get("val_triples", VAL_TRIPLES), recipe)
+        for arm in chosen:
+            for seed in seeds:  # seed k from teacher k: the teacher is part of the seed unit
+                own = {a: t[seed].final for a, t in teachers.items()}
+                start = next((t[seed] for a, t in teachers.items() if f"@{a}" in " ".join(
+                    (*arm.overrides, *(arm.stage1 or ())))), None)
+                jobs += make_jobs(args.out / name, CONFIG, base,
+                                  [with_teachers(arm, own, grid["stage1_steps"])], [seed],
+                                  eval_steps(grid["steps"]), grid["fid_samples"],
+                                  {**extra, **(start.extra() if start else {})},
+                                  grid.get("val_triples", VAL_TRIPLES), recipe)
+        if args.scratch:  # MHLA from scratch up to each seed's conversion compute (FLOPs)
+            jobs += scratch_jobs(args, name, grid, base, extra, teachers.get("softmax"))
     return jobs
 
 
-def compute(record: dict, teacher_steps: int) -> float:
-    """Training compute up to ``record`` in forwards of the model on one batch (teacher-forward
-    equivalents; a training step is about 3: forward and backward): the teacher's training, stage 1
-    (its measured cost) and stage 2 for a conversion arm; the steps alone for the from-scratch arm."""
-    if record["arm"] == "mhla-scratch":
-        return 3.0 * record["step"]
-    stage1 = record.get("stage1", {}).get("teacher_forward_equivalents", 0.0)
-    return 3.0 * teacher_steps + stage1 + 3.0 * record["step"]
+def scratch_jobs(args, name: str, grid: dict, base: list[str], extra: dict, teachers: list | None) -> list:
+    """MHLA from scratch, seed k evaluated at :func:`eval_steps` of its budget and at the steps whose
+    FLOPs match seed k's conversion: stage 2 alone and stage 1 + stage 2 (the teacher a sunk cost), and
+    teacher k's training + those (equal total compute). Stage 1 is counted here as one training step a
+    step; the tables read the measured FLOPs and show how near each match is."""
+    recipe, steps, stage1 = grid.get("recipe", ()), grid["steps"], grid["stage1_steps"]
+    cfg = load_config(DiTRunConfig, CONFIG, [*base, *recipe, "model.attention=mhla"])
+    step_flops = train_flops_per_image(cfg)["train"] * cfg.train.global_batch_size
+    arm, jobs = Arm("mhla-scratch", ("model.attention=mhla",), "scratch"), []
+    for seed in range(args.seeds):
+        teacher_steps = teachers[seed].flops / step_flops if teachers else grid["teacher_steps"]
+        targets = [steps, steps + stage1, teacher_steps + steps, teacher_steps + steps + stage1]
+        budget = math.ceil(max(targets))
+        unit = max(1, budget // 64)  # every point a multiple: checkpoints every `unit` steps at most
+        points = {*eval_steps(budget), *(max(unit, unit * round(t / unit)) for t in targets)}
+        jobs += make_jobs(args.out / name, CONFIG, base, [arm], [seed], sorted(points), grid["fid_samples"],
+                          extra, grid.get("val_triples", VAL_TRIPLES), recipe)
+    return jobs
+
+
+def conversion(record: dict) -> Conversion | None:
+    """The training FLOPs behind ``record``'s model (:class:`mhla_gen.metrics.flops.Conversion`: its teacher's
+    training, stage 1 and stage 2; from scratch its own steps), or None where the record lacks them (a
+    conversion arm of before 2026-11-28: no ``teacher_flops``, a stage 1 without its FLOPs)."""
+    if "flops_per_image" not in record or (record["arm"] != "mhla-scratch" and "teacher_flops" not in record):
+        return None
+    if "stage1" in record and not math.isfinite(record["stage1"].get("flops", math.nan)):
+        return None
+    return Conversion.of_point(record)
+
+
+def compute(record: dict, sunk_teacher: bool = False) -> float:
+    """FLOPs behind ``record``'s model at its step: teacher + stage 1 + stage 2 (equal total compute), or
+    with ``sunk_teacher`` stage 1 + stage 2 (a user who has the teacher); NaN where not recorded."""
+    found = conversion(record)
+    if found is None:
+        return math.nan
+    return found.after_teacher(record["step"]) if sunk_teacher else found.total(record["step"])
 
 
 def with_teachers(arm: Arm, teachers: dict[str, Path], stage1_steps: int) -> Arm:
@@ -259,17 +315,37 @@ def with_teachers(arm: Arm, teachers: dict[str, Path], stage1_steps: int) -> Arm
     return Arm(arm.name, resolve(arm.overrides), arm.group, stage1)
 
 
-def teacher_path(args, name: str, attention: str, grid: dict, model: dict) -> Path:
-    if args.teachers_from is not None:
-        path = Path(args.teachers_from) / name / "runs" / attention / "seed0" / "final"
-        if not path.is_dir():
-            raise ConfigError(f"--teachers-from {args.teachers_from}: no {path} (run eval/study.py first)")
-        check_apart(args.out, "--out", {f"--teachers-from (its {attention} teacher)": path})
-        return path
-    if args.report_only:  # the folder the teacher was (or would be) trained in
-        return Path(args.out) / "teachers" / f"{name}-{attention}" / "final"
-    claim(args.out, "study", "--out")
-    return teacher(args.out, name, attention, grid, model)
+def teachers_for(args, name: str, attention: str, grid: dict, model: dict) -> list[Teacher]:
+    """The ``attention`` teachers of grid ``name``, one per seed (seed k's: teacher k): from the
+    ``--teachers-from`` studies (refused when they hold fewer, or a teacher of another grid or model), or
+    trained under ``--out`` (seed k's with seed k)."""
+    if args.teachers_from:
+        expected = {"data.source": grid.get("data", "digits"), "data.resolution": grid["resolution"],
+                    **{f"model.{k}": v for k, v in model.items()}, "model.attention": attention}
+        found = from_studies(args.teachers_from, name, attention, expected)
+        chosen = paired(found, args.seeds, "--teachers-from " + " ".join(map(str, args.teachers_from)))
+        check_apart(args.out, "--out", {f"--teachers-from (its {attention} teacher {t.index})": t.final
+                                        for t in chosen})
+        return chosen
+    train_them = getattr(args, "train_teachers", True) and not args.report_only
+    if train_them:
+        claim(args.out, "study", "--out")
+    return [teacher(args.out, name, attention, grid, model, seed, train_them) for seed in range(args.seeds)]
+
+
+def check_teachers(jobs: list) -> None:
+    """A run folder of ``--out`` must have been started from the teacher its seed is paired with now:
+    ``ConfigError`` when its first evaluated point names another (records of before 2026-11-28 name
+    none: every seed's teacher was then teacher 0)."""
+    for job in jobs:
+        path = result_path(job, job.steps[0])
+        if "teacher" not in job.extra or not path.is_file():
+            continue
+        done = json.loads(path.read_text())
+        was = done.get("teacher", "teacher 0 (a run of before 2026-11-28)")
+        if was != job.extra["teacher"] and not ("teacher" not in done and job.extra["teacher_index"] == 0):
+            raise ConfigError(f"--out {Path(job.result_dir).parents[2]}: {job.arm} seed {job.seed} started "
+                              f"from {was}, not from {job.extra['teacher']}; use another --out")
 
 
 def check_arms(args) -> None:
@@ -319,17 +395,18 @@ def grid_report(records: list[dict], grid: str, samples: SampleSets | None = Non
     target = stats[("softmax-continued", 0)]["mean"] if ("softmax-continued", 0) in stats else None
     teacher = ("the teacher's FID is not measured here (no softmax-continued arm)" if target is None
                else f"the softmax teacher's FID is {target:.1f} (softmax-continued at step 0)")
-    r0 = recs[0]
+    r0, teachers = recs[0], len({r.get("teacher") for r in recs})
     lines = [f"**{r0['tokens']} tokens, {r0.get('data', 'digits')}**: FID (mean ± 95 % t-interval over the "
              f"seeds, {r0['fid_samples']} samples from the same noise and labels in every arm and seed) "
-             f"along stage 2; {teacher}", "",
+             f"along stage 2; {teacher}; {teachers} teacher{'s' if teachers > 1 else ''} (seed k's runs "
+             "start from teacher k)", "",
              "| arm | seeds | " + " | ".join(f"step {s}" for s in steps) + " | label acc (end) | first step "
-             "within 10 % of the teacher | stage 1: teacher-forward equivalents, wall s | stage 1: "
+             "within 10 % of the teacher | stage 1: FLOPs (or teacher forwards), wall s | stage 1: "
              "end-to-end error plain → final (mean over seeds) |",
              "|---|---|" + "---|" * (len(steps) + 4)]
     for arm in arms_:
         s1 = next((r["stage1"] for r in recs if r["arm"] == arm and "stage1" in r), None)
-        cost = f"{s1['teacher_forward_equivalents']:.0f}, {s1['wall_seconds']:.0f}" if s1 else "—"
+        cost = f"{stage1_flops(s1)}, {s1['wall_seconds']:.0f}" if s1 else "—"
         cells = [fmt(stats[(arm, s)]) for s in steps]
         first = "—" if target is None else within(stats, arm, target, steps)
         lines.append(f"| {arm} | {stats[(arm, steps[-1])]['n']} | " + " | ".join(cells)
@@ -337,6 +414,13 @@ def grid_report(records: list[dict], grid: str, samples: SampleSets | None = Non
     props = properties_table(recs, steps, arms_) + "\n" if on_shapes(recs) else ""
     return ("\n".join(lines) + "\n\n" + val_table(recs, steps, arms_) + "\n" + props
             + decisions(recs, steps, samples))
+
+
+def stage1_flops(summary: dict) -> str:
+    """Stage 1's FLOPs (teacher forwards included) for a table cell; a report of before 2026-11-28 has
+    only its cost in forwards of the teacher on one batch (in parentheses)."""
+    flops = summary.get("flops", math.nan)
+    return f"{flops:.3g}" if math.isfinite(flops) else f"({summary['teacher_forward_equivalents']:.0f})"
 
 
 def val_table(recs: list[dict], steps: list[int], arms_: list[str]) -> str:
@@ -440,7 +524,7 @@ def decisions(recs: list[dict], steps: list[int], samples: SampleSets | None = N
     arms_ = {r["arm"] for r in recs}
     columns = decision_columns(recs, steps)
     lines = ["Paired comparisons (first minus second; lower is better for FID and validation loss, higher "
-             f"for the properties; {RULES}):", "",
+             f"for the properties; {RULES}; {TEACHER_RULE}):", "",
              "| question | comparison | seeds | " + " | ".join(c[3] for c in columns) + " |",
              "|---|---|---|" + "---|" * len(columns)]
     every = []
@@ -450,6 +534,8 @@ def decisions(recs: list[dict], steps: list[int], samples: SampleSets | None = N
             primary = next(i for i, c in enumerate(columns) if c[:2] == (q.primary, at))
             cells = apply_holm([compare(recs, q.arm, q.other, metric, step, samples)
                                 for metric, step, _, _ in columns], primary)
+            for c, (_, step, _, _) in zip(cells, columns):
+                teacher_rule([c], recs, q.arm, step)
             every += cells
             text = [fmt_comparison(c, column[2]) for c, column in zip(cells, columns)]
             lines.append(f"| {q.name} | {q.arm} − {q.other} | {cells[0]['n']} | " + " | ".join(text) + " |")
@@ -501,7 +587,7 @@ def select_grids(args) -> list[str]:
     """The GRIDS keys of this call (--quick / --smoke also set the seeds and jobs)."""
     key = (lambda n: n if args.data == "digits" else f"{args.data}-{n}")
     if args.quick or args.smoke:
-        args.seeds = min(args.seeds, 2 if args.quick else 1)
+        args.seeds = args.seeds or (2 if args.quick else 1)
         args.jobs = args.jobs if args.quick else 1
         return [key("quick" if args.quick else "smoke")]
     names = args.grids or (["64", "256"] if args.data == "digits" else ["256"])
@@ -517,9 +603,17 @@ def conversion_arms(records: list[dict]) -> list[str]:
     return [arm for arm in dict.fromkeys(r["arm"] for r in records) if arm != "mhla-scratch"]
 
 
-def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path) -> str:
-    """FID against total training compute (:func:`compute`) for the from-scratch arm and the conversion
-    arms, mean over seeds with a 95 % band; returns a markdown paragraph pointing at the plot."""
+READINGS = {False: "equal total compute (teacher + stage 1 + stage 2 FLOPs)",
+            True: "equal compute with the teacher a sunk cost (stage 1 + stage 2 FLOPs)"}
+TEACHER_RULE = (f"too few teachers = under {MIN_SEEDS} distinct teachers among the paired seeds (the "
+                "teacher is part of the seed unit: seed k starts from teacher k; records of before "
+                "2026-11-28 name none, one teacher)")
+
+
+def plot_compute(records: list[dict], grid: str, path: Path) -> str:
+    """FID against training FLOPs (:func:`compute`) for the from-scratch arm and the conversion arms, both
+    readings side by side (teacher + stage 1 + stage 2; the teacher sunk), mean over seeds (of the FLOPs
+    too: teachers of several budgets) with a 95 % band; returns a markdown line pointing at the plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -527,54 +621,83 @@ def plot_compute(records: list[dict], grid: str, teacher_steps: int, path: Path)
 
     recs = [r for r in records if r["grid"] == grid]
     stats = summarize(recs, "fid")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for arm in ["mhla-scratch", *conversion_arms(recs)]:
-        steps = sorted(s for a, s in stats if a == arm)
-        if not steps:
-            continue
-        first = {s: next(r for r in recs if r["arm"] == arm and r["step"] == s) for s in steps}
-        x = [compute(first[s], teacher_steps) for s in steps]
-        mean = np.array([stats[(arm, s)]["mean"] for s in steps])
-        half = np.nan_to_num(np.array([stats[(arm, s)]["ci"] for s in steps]))
-        ax.plot(x, mean, marker="o", label=arm)
-        ax.fill_between(x, mean - half, mean + half, alpha=0.12)
-    ax.set(xlabel="training compute (forwards of one batch; teacher + stage 1 + stage 2)", ylabel="FID",
-           yscale="log", title=f"{recs[0]['tokens']} tokens: convert vs from scratch at equal compute")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, sunk in zip(axes, (False, True)):
+        for arm in ["mhla-scratch", *conversion_arms(recs)]:
+            steps = sorted(s for a, s in stats if a == arm)
+            x = np.array([np.mean([compute(r, sunk) for r in recs if r["arm"] == arm and r["step"] == s])
+                          for s in steps])
+            if not steps or not np.isfinite(x).all():
+                continue  # FLOPs not recorded (before 2026-11-28)
+            mean = np.array([stats[(arm, s)]["mean"] for s in steps])
+            half = np.nan_to_num(np.array([stats[(arm, s)]["ci"] for s in steps]))
+            ax.plot(x, mean, marker="o", label=arm)
+            ax.fill_between(x, mean - half, mean + half, alpha=0.12)
+        ax.set(xlabel="training FLOPs", ylabel="FID", xscale="log", yscale="log",
+               title=f"{recs[0]['tokens']} tokens: {READINGS[sunk].split(' (')[0]}")
+        ax.title.set_fontsize(9)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     results.save_figure(fig, path)
-    return (f"Quality against compute (conversion arms start after the teacher's {teacher_steps} steps): "
-            f"[{path.name}]({path.name})\n")
+    return f"Quality against training FLOPs, both readings: [{path.name}]({path.name})\n"
 
 
-def equal_compute_table(records: list[dict], grid: str, teacher_steps: int,
-                        samples: SampleSets | None = None) -> str:
-    """Each conversion arm at the end of stage 2 against MHLA from scratch after the same number of
-    training steps (the teacher's plus stage 2's), paired by seed (the same sample noise and labels;
-    stage 1 adds its measured cost, reported beside it): the validation loss (primary) and the FID
-    (secondary), with verdicts."""
+def scratch_match(recs: list[dict], record: dict, sunk: bool) -> dict | None:
+    """The from-scratch point of ``record``'s seed whose FLOPs are nearest ``record``'s (:func:`compute`),
+    relabelled to ``record``'s step (``result_step``: the step its files keep) with ``flops_ratio`` (its
+    FLOPs / the conversion's); None where either side has no FLOPs."""
+    target = compute(record, sunk)
+    own = [r for r in recs if r["arm"] == "mhla-scratch" and r["seed"] == record["seed"]
+           and math.isfinite(compute(r))]
+    if not math.isfinite(target) or not own:
+        return None
+    best = min(own, key=lambda r: abs(compute(r) - target))
+    return dict(best, step=record["step"], result_step=best["step"], flops_ratio=compute(best) / target)
+
+
+def teacher_rule(cells: list[dict], recs: list[dict], arm: str, step: int) -> list[dict]:
+    """``cells`` (comparisons of ``arm`` at ``step``) with the verdict "too few teachers" where ``arm``'s
+    paired seeds start from fewer than :data:`MIN_SEEDS` distinct teachers (:data:`TEACHER_RULE`)."""
+    for c in cells:
+        teachers = {r.get("teacher") for r in recs
+                    if r["arm"] == arm and r["step"] == step and r["seed"] in c["per_seed"]}
+        if c["n"] >= MIN_SEEDS and len(teachers) < MIN_SEEDS:
+            c["verdict"] = "too few teachers"
+    return cells
+
+
+def equal_compute_table(records: list[dict], grid: str, samples: SampleSets | None = None,
+                        sunk: bool = False) -> str:
+    """Each conversion arm at the end of stage 2 against MHLA from scratch at the same training FLOPs
+    (:data:`READINGS`: with the teacher's, or the teacher a sunk cost), paired by seed (seed k's
+    conversion from teacher k against from-scratch seed k's point nearest its FLOPs, :func:`scratch_match`;
+    the same sample noise and labels): the validation loss (primary) and the FID (secondary), with
+    verdicts under the seed and teacher rules."""
     recs = [r for r in records if r["grid"] == grid]
     last = max(r["step"] for r in recs if r["arm"] != "mhla-scratch")
-    # the from-scratch records re-labelled by the stage-2 step at equal training steps (their files keep
-    # the step they were evaluated at: result_step)
-    shifted = [dict(r, step=r["step"] - teacher_steps, result_step=r["step"])
-               for r in recs if r["arm"] == "mhla-scratch"]
-    pool = [r for r in recs if r["arm"] != "mhla-scratch"] + shifted
-    lines = [f"Conversion vs MHLA from scratch at equal training steps ({teacher_steps} + {last}; paired by "
-             f"seed, first minus second, lower is better; {RULES}):", "",
-             "| comparison | seeds | stage-1 cost (forwards of one batch) | val loss | FID |",
-             "|---|---|---|---|---|"]
+    lines = [f"Conversion vs MHLA from scratch at {READINGS[sunk]}: each arm at the end of stage 2 (step "
+             f"{last}) against the from-scratch point of its seed nearest its FLOPs (paired by seed, first "
+             f"minus second, lower is better; {RULES}; {TEACHER_RULE}):", "",
+             "| comparison | seeds | teachers | conversion FLOPs (mean) | from-scratch steps (FLOPs / "
+             "conversion's) | val loss | FID |", "|---|---|---|---|---|---|---|"]
     every = []
     for arm in conversion_arms(recs):
-        val, fid = apply_holm([compare(pool, arm, "mhla-scratch", m, last, samples)
-                               for m in ("val_loss", "fid")], primary=0)
+        ends = [r for r in recs if r["arm"] == arm and r["step"] == last]
+        matched = [m for r in ends if (m := scratch_match(recs, r, sunk)) is not None]
+        if not matched:
+            lines.append(f"| {arm} − mhla-scratch | — | — | not recorded (before 2026-11-28) | — | — | — |")
+            continue
+        cells = apply_holm([compare(ends + matched, arm, "mhla-scratch", m, last, samples)
+                            for m in ("val_loss", "fid")], primary=0)
+        val, fid = teacher_rule(cells, ends, arm, last)
         every += [val, fid]
-        if fid["n"]:
-            stage1 = next(r for r in pool if r["arm"] == arm).get("stage1", {})
-            cost = f"{stage1['teacher_forward_equivalents']:.0f}" if stage1 else "0"
-            total = compute({"arm": "mhla-scratch", "step": teacher_steps + last}, teacher_steps)
-            lines.append(f"| {arm} − mhla-scratch | {fid['n']} | {cost} of {total:.0f} | "
-                         f"{fmt_comparison(val, 4)} | {fmt_comparison(fid, 1)} |")
+        flops = np.mean([compute(r, sunk) for r in ends if r["seed"] in {m["seed"] for m in matched}])
+        teachers = len({r.get("teacher") for r in ends})
+        steps = sorted(m["result_step"] for m in matched)
+        ratios = sorted(m["flops_ratio"] for m in matched)
+        lines.append(f"| {arm} − mhla-scratch | {val['n']} | {teachers} | {flops:.3g} | "
+                     f"{steps[0]}–{steps[-1]} ({ratios[0]:.2f}–{ratios[-1]:.2f}) | "
+                     f"{fmt_comparison(val, 4)} | {fmt_comparison(fid, 1)} |")
     return "\n".join(lines) + "\n" + footnotes(every) + "\n"
 
 
@@ -585,26 +708,31 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--data", choices=["digits", "shapes"], default="digits")
     parser.add_argument("--grids", nargs="+", choices=["64", "256", "1024"], default=None,
                         help="token counts (default: 64 256 for digits, 256 for shapes)")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds, seed k's runs from teacher k (default 3; --quick 2, --smoke 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     parser.add_argument("--steps", type=int, default=None, help="stage-2 budget (default: per grid)")
     parser.add_argument("--arms", nargs="+", default=None, help="only these arms")
-    parser.add_argument("--teachers-from", type=expand_path, default=None,
-                        help="a finished eval/study.py folder: its seed-0 softmax and linear runs")
+    parser.add_argument("--teachers-from", type=expand_path, nargs="+", default=None,
+                        help="finished eval/study.py folders: their softmax (and linear) runs are the "
+                             "teachers, the folders in order and each one's seeds by number; seed k's "
+                             "stage 1 and stage 2 start from the k-th")
     parser.add_argument("--report-only", action="store_true",
                         help="tables and plots from the runs finished so far; train nothing")
     parser.add_argument("--scratch", action="store_true",
-                        help="also MHLA trained from scratch for the teacher's plus stage 2's steps (equal "
-                             "compute: the curve of quality against teacher-forward equivalents)")
+                        help="also MHLA trained from scratch, each seed up to its conversion's FLOPs "
+                             "(teacher + stage 1 + stage 2), read at equal total compute and with the "
+                             "teacher a sunk cost")
     parser.add_argument("--softmax-layers", action="store_true",
                         help="also K = 1 .. depth/2 softmax layers chosen by the end-to-end ranking, the "
                              "per-layer error and the release's fixed pattern, against measured latency")
     parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
+    args.grids = select_grids(args)
+    args.seeds = args.seeds or 3
     if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
         raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
-    args.grids = select_grids(args)
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
     check_questions(DECISIONS, PRIMARIES, "eval/adaptation.py")  # each names its primary metric
@@ -612,6 +740,9 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     start = time.perf_counter()
+    args.train_teachers = False  # first the plan alone: refuse a --out of other teachers before training any
+    check_teachers(plan(args))
+    args.train_teachers = True
     jobs = plan(args)
     records = study_records(args.out, jobs, args.jobs, args.report_only)
     for r in records:  # records of earlier versions name the digits' FID only
@@ -648,9 +779,9 @@ def render(record, folder: Path) -> list[Path]:
             depth = grid_model(settings)["depth"]
             text.append(sweep_table([r for r in points if r["grid"] == grid], ms, depth, SWEEP_K0, samples))
         if any(r["arm"] == "mhla-scratch" for r in points if r["grid"] == grid):
-            text.append(plot_compute(points, grid, settings["teacher_steps"], folder / f"compute_{grid}.png"))
+            text.append(plot_compute(points, grid, folder / f"compute_{grid}.png"))
             files.append(folder / f"compute_{grid}.png")
-            text.append(equal_compute_table(points, grid, settings["teacher_steps"], samples))
+            text += [equal_compute_table(points, grid, samples, sunk) for sunk in (False, True)]
     atomic_write_text(folder / "adaptation.md", "\n".join(text))
     return files
 

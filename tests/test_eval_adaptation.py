@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import studies.experiments as experiments
 
+from mhla_gen.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,6 +46,60 @@ def test_adaptation_quick(tmp_path, monkeypatch):
     assert module.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == records and calls == []
 
 
+def fake_study(module, root: Path, seeds=(0,), attention="softmax", grid="smoke", budgets=None,
+               weights=False, **model) -> Path:
+    """A finished eval/study.py folder's ``attention`` teachers of ``grid``: each run's ``config.yaml`` (its
+    record; ``budgets``: each one's train.max_steps, ``model``: changed model settings) and ``final/``
+    (``weights``: an untrained model saved as a run saves it, else empty). Trains nothing."""
+    from mhla_gen.outputs.folders import write_marker
+    from mhla_gen.train.config import config_to_yaml
+    from mhla_gen.train.dit import DiTTask
+
+    settings = module.GRIDS[grid]
+    for i, seed in enumerate(seeds):
+        budget = dict(settings, teacher_steps=budgets[i] if budgets else settings["teacher_steps"])
+        cfg = module.teacher_config(root, grid, attention, budget, dict(module.grid_model(settings), **model),
+                                    seed)
+        run = root / grid / "runs" / attention / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(config_to_yaml(cfg))
+        (run / "final").mkdir()
+        if weights:
+            task = DiTTask(cfg)
+            task.save_final(task.build_transformer(), run / "final")
+            write_marker(run / "final", "model", **task.model_record())
+    return root
+
+
+def test_three_teachers_end_to_end(tmp_path, monkeypatch):
+    """--teachers-from a study of three teachers (two budgets) and --seeds 3: seed k's conversion starts
+    from teacher k, and its records carry that teacher and its training FLOPs (step 0 alone: the converted
+    teachers evaluated, nothing trained, a few seconds)."""
+    from studies.teachers import training_flops
+
+    from mhla_gen.train.config import DiTRunConfig, load_config
+
+    module = load_adaptation()
+    study = fake_study(module, tmp_path / "study", seeds=(0, 1, 2), budgets=(4, 4, 8), weights=True)
+    monkeypatch.setattr(module, "eval_steps", lambda steps: [0])
+    import functools
+
+    import studies.evidence as evidence  # FIDs of 2 resamples, not 50: the FID is not what this tests
+
+    monkeypatch.setattr(evidence, "fid_bootstrap", functools.partial(evidence.fid_bootstrap, draws=2))
+    monkeypatch.setattr(evidence, "FID_DRAWS", 2)
+    records = module.main(["--smoke", "--arms", "mhla-plain", "--seeds", "3", "--teachers-from", str(study),
+                           "--out", str(tmp_path / "out")])
+    assert sorted((r["seed"], r["step"]) for r in records) == [(0, 0), (1, 0), (2, 0)]
+    for r in records:
+        run = study / "smoke" / "runs" / "softmax" / f"seed{r['seed']}"
+        assert r["teacher"] == str(run.resolve()) and r["teacher_steps"] == (4, 4, 8)[r["seed"]]
+        assert r["teacher_flops"] == training_flops(load_config(DiTRunConfig, run / "config.yaml"))
+        assert module.compute(r) == r["teacher_flops"] and module.compute(r, sunk_teacher=True) == 0
+    report = (tmp_path / "out" / "adaptation.md").read_text()
+    assert "; 3 teachers (seed k's runs start from teacher k)" in report
+
+
 def test_adaptation_refuses_a_missing_study(tmp_path):
     from mhla_gen.errors import ConfigError
 
@@ -57,13 +113,13 @@ def test_stage1_runs_are_found_however_the_paths_are_spelled(tmp_path, monkeypat
     import argparse
 
     module = load_adaptation()
-    (tmp_path / "study" / "smoke" / "runs" / "softmax" / "seed0" / "final").mkdir(parents=True)
+    fake_study(module, tmp_path / "study")
     monkeypatch.chdir(tmp_path)
 
     def planned(root):
         args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=1,
                                   arms=["mhla-stage1"], out=root / "out", scratch=False,
-                                  report_only=False, teachers_from=root / "study")
+                                  report_only=False, teachers_from=[root / "study"])
         (job,) = module.plan(args)
         return Path(job.stage1_dir).resolve(), [o for o in job.stage1 if "init_from" in o]
 
@@ -78,11 +134,10 @@ def test_only_the_teachers_the_arms_start_from_are_needed(tmp_path):
     from mhla_gen.errors import ConfigError
 
     module = load_adaptation()
-    study = tmp_path / "study"
-    (study / "smoke" / "runs" / "softmax" / "seed0" / "final").mkdir(parents=True)
+    study = fake_study(module, tmp_path / "study")
     args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=1,
                               arms=["mhla-plain", "mhla-stage1"], out=tmp_path / "out", scratch=False,
-                              report_only=False, teachers_from=study)
+                              report_only=False, teachers_from=[study])
     jobs = module.plan(args)
     assert [j.arm for j in jobs] == ["mhla-plain", "mhla-stage1"]
     starts = " ".join(o for j in jobs for o in (*j.overrides, *(j.stage1 or ())) if "init_from" in o)
@@ -97,7 +152,7 @@ def test_only_the_teachers_the_arms_start_from_are_needed(tmp_path):
     assert job.stage1[-3:-1] == ["transfer.trainable=all", "hybrid.softmax_layers=[0]"]
     args.arms, args.grids = None, ["64"]  # every arm of the grid, but the sweep only with --softmax-layers
     for name in ("softmax", "linear"):
-        (study / "64" / "runs" / name / "seed0" / "final").mkdir(parents=True)
+        fake_study(module, study, attention=name, grid="64")
     planned = {j.arm for j in module.plan(args)}
     assert "hybrid-auto" in planned and not [a for a in planned if a.startswith("softmax1-")]
 
@@ -173,29 +228,138 @@ def test_shapes_recipe_reaches_training_runs_not_stage1(tmp_path):
     assert any(j.arm == "mhla-scratch" and j.extra["grid"] == "shapes-smoke" for j in jobs)
 
 
-def test_equal_compute_table_pairs_conversion_with_scratch_at_equal_steps():
-    """A conversion arm at the end of stage 2 is compared with MHLA from scratch after the teacher's plus
-    stage 2's steps (not with scratch's own step 400), paired by seed; stage 1's cost is shown."""
-    module = load_adaptation()
+def conversion_records(teachers=("t0", "t1", "t2"), flops=True) -> list[dict]:
+    """Records of two conversion arms (seed k from a teacher of 1500 + 100 k steps' FLOPs; mhla-stage1 with
+    a stage 1 of 30 steps' FLOPs) and of MHLA from scratch (10 FLOPs a step, as the arms' stage 2), whose
+    FID falls 1 a step from step 1900 on."""
     recs = []
     for seed in range(3):
+        flop = dict(flops_per_image=1.0, batch=10, teacher_flops=10.0 * (1500 + 100 * seed)) if flops else {}
+        teacher = dict(teacher=teachers[seed]) if teachers else {}
         for step, fid in ((0, 300.0), (400, 50.0 + seed)):
-            recs.append(dict(grid="g", arm="mhla-plain", seed=seed, step=step, fid=fid, val_loss=0.02))
+            recs.append(dict(grid="g", arm="mhla-plain", seed=seed, step=step, fid=fid, val_loss=0.02,
+                             **flop, **teacher))
             recs.append(dict(grid="g", arm="mhla-stage1", seed=seed, step=step, fid=fid - 5.0, val_loss=0.02,
-                             stage1={"teacher_forward_equivalents": 321.0}))
-            recs.append(dict(grid="g", arm="mhla-stage1-all", seed=seed, step=step, fid=fid - 7.0,
-                             val_loss=0.02, stage1={"teacher_forward_equivalents": 654.0}))
-        for step, fid in ((400, 500.0), (1900, 60.0 + 2 * seed)):  # scratch's own 400: far worse
-            recs.append(dict(grid="g", arm="mhla-scratch", seed=seed, step=step, fid=fid, val_loss=0.03))
-    table = module.equal_compute_table(recs, "g", teacher_steps=1500)
-    assert "(1500 + 400;" in table
-    row = next(line for line in table.splitlines() if line.startswith("| mhla-plain − mhla-scratch"))
-    assert "| 3 | 0 of 5700 |" in row and "-11.0 ± " in row and "**resolved**" in row  # 50+s − (60+2s)
-    stage1 = next(line for line in table.splitlines() if line.startswith("| mhla-stage1 − mhla-scratch"))
-    assert "| 321 of 5700 |" in stage1 and "-16.0 ± " in stage1
-    every = next(line for line in table.splitlines() if line.startswith("| mhla-stage1-all − mhla-scratch"))
-    assert "| 654 of 5700 |" in every and "-18.0 ± " in every  # any arm --arms ran gets its row
-    assert "softmax-continued" not in table  # no records: no row
+                             stage1={"flops": 300.0}, **flop, **teacher))
+        for step in (400, 1900, 2000, 2100, 2200):
+            fid = 500.0 if step < 1900 else 60.0 + 2 * seed + (step - 1900) / 10
+            recs.append(dict(grid="g", arm="mhla-scratch", seed=seed, step=step, fid=fid, val_loss=0.03,
+                             **(dict(flops_per_image=1.0, batch=10) if flops else {})))
+    return recs
+
+
+def test_conversion_against_scratch_at_equal_flops_and_with_the_teacher_sunk(tmp_path):
+    """Seed k's conversion (teacher k's FLOPs + stage 1 + stage 2) is paired with from-scratch seed k at the
+    point of nearest FLOPs: at equal total compute step 1900 + 100 k (the teachers differ), with the
+    teacher a sunk cost step 400; the match's FLOPs ratio and the number of teachers are shown."""
+    module = load_adaptation()
+    total = module.equal_compute_table(conversion_records(), "g")
+    row = next(line for line in total.splitlines() if line.startswith("| mhla-plain − mhla-scratch"))
+    # 50 + k − (60 + 2k + 10k): -21 on average; scratch at its own 1900 for every seed would give -11
+    assert "| 3 | 3 | 2e+04 | 1900–2100 (1.00–1.00) |" in row and "-21.0 ± " in row, row
+    assert "**resolved**" in row and "too few teachers" not in row
+    stage1 = next(line for line in total.splitlines() if line.startswith("| mhla-stage1 − mhla-scratch"))
+    assert "| 2.03e+04 | 1900–2100 (0.98–0.99) |" in stage1  # stage 1's FLOPs count: nearest is 30 short
+    sunk = module.equal_compute_table(conversion_records(), "g", sunk=True)
+    assert "teacher a sunk cost" in sunk
+    row = next(line for line in sunk.splitlines() if line.startswith("| mhla-plain − mhla-scratch"))
+    assert "| 3 | 3 | 4e+03 | 400–400 (1.00–1.00) |" in row and "-449.0 ± " in row, row  # 50 + k − 500
+    recs = [dict(r, tokens=64) for r in conversion_records()]
+    assert "both readings" in module.plot_compute(recs, "g", tmp_path / "compute_g.png")
+    assert (tmp_path / "compute_g.png").stat().st_size > 0
+
+
+def test_one_teacher_for_every_seed_decides_nothing():
+    """The teacher is part of the seed unit: three seeds from one teacher (or records of before
+    2026-11-28, which name none) give "too few teachers"; records without FLOPs are not read at equal
+    compute (the row says so)."""
+    module = load_adaptation()
+    for teachers in (("t0", "t0", "t0"), None):
+        table = module.equal_compute_table(conversion_records(teachers), "g")
+        row = next(line for line in table.splitlines() if line.startswith("| mhla-plain − mhla-scratch"))
+        assert row.count("**too few teachers**") == 2 and "| 3 | 1 |" in row, row
+    decisions = module.decisions(conversion_records(("t0", "t0", "t0")), [0, 400])
+    row = next(line for line in decisions.splitlines() if line.startswith("| stage 1's head start"))
+    assert "**too few teachers**" in row and "**resolved**" not in row
+    old = module.equal_compute_table(conversion_records(flops=False), "g")
+    assert "| mhla-plain − mhla-scratch | — | — | not recorded" in old
+
+
+def test_each_seed_starts_from_its_own_teacher(tmp_path):
+    """--teachers-from several studies (teachers of several budgets): seed k's stage 1 and stage 2 start
+    from the k-th teacher, every record carries its teacher and ``teacher_flops`` (from its config.yaml:
+    steps x batch x train_flops_per_image), and from-scratch seed k is evaluated where its FLOPs meet
+    seed k's conversion (with and without the teacher)."""
+    import argparse
+
+    from studies.teachers import training_flops
+
+    from mhla_gen.train.config import DiTRunConfig, load_config
+
+    module = load_adaptation()
+    first = fake_study(module, tmp_path / "a", seeds=(0, 1), budgets=(4, 8))
+    second = fake_study(module, tmp_path / "b", seeds=(3,), budgets=(16,))
+    args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=3,
+                              arms=["mhla-plain", "mhla-stage1"], out=tmp_path / "out", scratch=True,
+                              report_only=False, teachers_from=[first, second])
+    jobs = module.plan(args)
+    runs = [first / "smoke/runs/softmax/seed0", first / "smoke/runs/softmax/seed1",
+            second / "smoke/runs/softmax/seed3"]
+    for job in (j for j in jobs if j.arm != "mhla-scratch"):
+        run = runs[job.seed]
+        cfg = load_config(DiTRunConfig, run / "config.yaml")
+        assert job.extra["teacher"] == str(run.resolve()) and job.extra["teacher_index"] == job.seed
+        assert job.extra["teacher_flops"] == training_flops(cfg) > 0
+        assert job.extra["teacher_steps"] == (4, 8, 16)[job.seed]
+        starts = [o for o in (*job.overrides, *(job.stage1 or ())) if "init_from" in o]
+        assert starts == [f"model.init_from={(run / 'final').resolve()}"], starts
+    scratch = {j.seed: j.steps for j in jobs if j.arm == "mhla-scratch"}
+    for seed, teacher_steps in enumerate((4, 8, 16)):  # the scratch model's steps cost the teacher's
+        assert {4, 6, teacher_steps + 4, teacher_steps + 6} <= set(scratch[seed]), scratch
+    args.seeds = 4
+    with pytest.raises(ConfigError, match="--seeds 4 needs 4 softmax teachers"):
+        module.plan(args)
+
+
+def test_bad_teachers_are_refused_before_any_work(tmp_path):
+    """A teacher run without its record (config.yaml) or unfinished, of another model (eval/study.py
+    --smoke's depth-1 model) or another resolution: one line each, nothing written under --out."""
+    module = load_adaptation()
+    out = tmp_path / "out"
+    no_record = fake_study(module, tmp_path / "a")
+    (no_record / "smoke/runs/softmax/seed0/config.yaml").unlink()
+    unfinished = fake_study(module, tmp_path / "b")
+    (unfinished / "smoke/runs/softmax/seed0/final").rmdir()
+    cases = [(no_record, "seed0 has no config.yaml"), (unfinished, "seed0 has no final/"),
+             (fake_study(module, tmp_path / "c", depth=1), r"another grid or model: model.depth=1 \(the "
+              r"grid's: 2\)"),
+             (fake_study(module, tmp_path / "d", patch_size=4), "model.patch_size=4")]
+    for study, message in cases:
+        with pytest.raises(ConfigError, match=message) as err:
+            module.main(["--smoke", "--arms", "mhla-plain", "--out", str(out), "--teachers-from", str(study)])
+        assert "\n" not in str(err.value)
+        assert not out.exists()
+
+
+def test_an_out_of_other_teachers_is_refused(tmp_path):
+    """Resuming into an --out whose runs started from another teacher is refused: a seed's runs would
+    continue from one teacher and be read as another's."""
+    import argparse
+
+    module = load_adaptation()
+    study = fake_study(module, tmp_path / "a", seeds=(0, 1))
+    args = argparse.Namespace(grids=["smoke"], steps=None, softmax_layers=False, seeds=2, arms=["mhla-plain"],
+                              out=tmp_path / "out", scratch=False, report_only=False, teachers_from=[study])
+    jobs = module.plan(args)
+    for job, teacher in zip(jobs, ("another run", None)):  # seed 1: a run of before 2026-11-28 (teacher 0)
+        path = experiments.result_path(job, 0)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({} if teacher is None else {"teacher": teacher}))
+    with pytest.raises(ConfigError, match="mhla-plain seed 0 started from another run"):
+        module.check_teachers(jobs)
+    jobs[0].extra["teacher"] = "another run"
+    with pytest.raises(ConfigError, match="seed 1 started from teacher 0"):
+        module.check_teachers(jobs)
 
 
 def test_decisions_pair_the_mid_noise_validation_bucket():
@@ -203,7 +367,8 @@ def test_decisions_pair_the_mid_noise_validation_bucket():
     mid-noise bucket (b2) at the end, where a difference the total hides can resolve."""
     module = load_adaptation()
     recs = [dict(arm=arm, seed=seed, step=step, fid=50.0, val_loss=0.05 + 0.001 * seed,
-                 val_loss_b2=0.004 + (0.0006 if arm == "mhla-stage1" else 0.0) + 0.00001 * seed)
+                 val_loss_b2=0.004 + (0.0006 if arm == "mhla-stage1" else 0.0) + 0.00001 * seed,
+                 teacher=f"teacher {seed}")
             for arm in ("mhla-plain", "mhla-stage1") for seed in range(3) for step in (0, 100, 400)]
     table = module.decisions(recs, [0, 100, 400])
     assert "| mid-noise val loss (b2) at step 400 |" in table
@@ -223,7 +388,7 @@ def test_shapes_report_carries_the_exact_properties():
     recs = [dict(grid="g", data="shapes", tokens=256, fid_samples=300, val_triples=64, arm=arm, seed=seed,
                  step=step, fid=50.0, val_loss=0.02, val_loss_b2=0.004, label_accuracy=0.9,
                  all_correct=0.1, count_accuracy=0.3, colour_accuracy=0.9, symmetry_error=0.05,
-                 symmetric_rate=(0.6 if arm == "mhla-stage1" else 0.1) + 0.01 * seed)
+                 symmetric_rate=(0.6 if arm == "mhla-stage1" else 0.1) + 0.01 * seed, teacher=f"t{seed}")
             for arm in ("mhla-plain", "mhla-stage1") for seed in range(3) for step in (0, 150, 600)]
     report = module.grid_report(recs, "g")
     assert "| arm | all 4 properties ↑ at 150 |" in report and "symmetry error ↓ at 600 |" in report

@@ -1,8 +1,9 @@
 """The study harness behind ``eval/study.py``, ``eval/adaptation.py``, ``eval/scale_study.py`` and
 ``eval/stream_study.py``: the runner that trains and evaluates arms x seeds (:mod:`.experiments`), paired
 evidence and verdicts (:mod:`.evidence`, :mod:`.evidence_stats`), the validation loss on fixed triples
-(:mod:`.validation_loss`), the choice of the layers that stay softmax (:mod:`.softmax_layers`), and the
-scale study's runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`,
+(:mod:`.validation_loss`), the choice of the layers that stay softmax (:mod:`.softmax_layers`), a
+conversion study's teachers, one per seed, with their training FLOPs (:mod:`.teachers`), and the scale
+study's runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`,
 :mod:`.scale_report`).
 
 It lives beside the scripts, not in the ``mhla_gen`` package: it is research code that uses the library's

@@ -168,7 +168,7 @@ def run_job(job: Job) -> list[dict]:
 
 def job_config(job: Job, step: int) -> DiTRunConfig:
     """The run's config for the segment that ends at ``step`` (checkpoints at every evaluation step)."""
-    every = job.checkpoint_every or math.gcd(*[s for s in job.steps if s > 0])
+    every = job.checkpoint_every or math.gcd(*[s for s in job.steps if s > 0]) or 1  # 1: step 0 alone
     start = [f"model.init_from={Path(job.stage1_dir) / 'final'}"] if job.stage1 else []
     return load_config(DiTRunConfig, job.config, [
         *job.overrides, *start, f"output_dir={job.run_dir}", f"seed={job.seed}", f"train.max_steps={step}",
