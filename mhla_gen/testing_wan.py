@@ -137,4 +137,5 @@ TINY_WAN = TinyBase(  # the record's test reference (Base.tiny)
     mhla=MHLAConfig(blocks=(2, 2, 3), layers=[1, 2], cpe_kernel=3, gate=True, wan_head_norm=True),
     sample=sample_wan,
     tiny_config="tiny/wan",
+    pixels=(5, 48, 64),
 )
