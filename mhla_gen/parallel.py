@@ -44,21 +44,19 @@ from .layout import layout_for, split_sizes
 
 def enable_context_parallelism(transformer: torch.nn.Module, config) -> torch.nn.Module:
     """``transformer.enable_parallelism(config=config)`` (diffusers' ``ContextParallelConfig`` or
-    ``ParallelConfig``) for a base whose transformer class has a diffusers context-parallel plan (its record's
-    ``capabilities``); returns ``transformer``.
+    ``ParallelConfig``) for a transformer whose diffusers class has a context-parallel plan; returns
+    ``transformer``.
 
     Raises:
-        ValueError: in one line, before diffusers is called, when the base has no plan (diffusers 0.42: DiT,
-            SANA, SANA-Video). diffusers itself would first ask for a process group, then fail on the plan.
+        ValueError: in one line, before diffusers is called, when the class has no plan (``_cp_plan``: what
+            a base record's ``context_parallel`` capability reads; diffusers 0.42: DiT, SANA, SANA-Video).
+            diffusers itself would first ask for a process group, then fail on the missing plan.
     """
-    from .bases import BASES, base_for_model
-
-    base = base_for_model(transformer)
-    if "context_parallel" not in base.capabilities:
-        having = sorted(name for name, other in BASES.items() if "context_parallel" in other.capabilities)
-        raise ValueError(f"context parallelism: {base.class_name} (base {base.name}) has no diffusers "
-                         f"context-parallel plan (_cp_plan), so its tokens cannot be split over ranks; run "
-                         f"it on one rank per sample, or use a base that has one: {', '.join(having)}")
+    if getattr(type(transformer), "_cp_plan", None) is None:
+        name = next((c.__name__ for c in type(transformer).__mro__ if c.__module__.startswith("diffusers.")),
+                    type(transformer).__name__)
+        raise ValueError(f"context parallelism: {name} has no diffusers context-parallel plan (_cp_plan), so "
+                         f"its tokens cannot be split over ranks; run it on one rank per sample")
     transformer.enable_parallelism(config=config)
     return transformer
 

@@ -276,8 +276,8 @@ def test_communication_formulas_for_the_readme_table():
 
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_context_parallelism_is_refused_in_one_line_where_diffusers_has_no_plan(name):
-    """A base without the capability: mhla_gen's one-line refusal naming the class and the bases that have
-    a plan, before diffusers is reached (no process group is needed for it, and the model is untouched).
+    """A base without the capability: mhla_gen's one-line refusal naming the diffusers class, before
+    diffusers is reached (no process group is needed for it, and the model is untouched).
     A base with it goes on to diffusers (whose own check asks for the process group the 2-rank runs
     above set up)."""
     import torch.distributed as dist
@@ -289,13 +289,11 @@ def test_context_parallelism_is_refused_in_one_line_where_diffusers_has_no_plan(
     with pytest.raises((ValueError, RuntimeError)) as refused:
         _enable_parallelism(model, ContextParallelConfig(ulysses_degree=WORLD))
     message = str(refused.value)
-    ours = f"context parallelism: {base.class_name} (base {name}) has no diffusers context-parallel plan"
+    ours = f"context parallelism: {base.class_name} has no diffusers context-parallel plan (_cp_plan)"
     if "context_parallel" in base.capabilities:
         assert "context parallelism:" not in message, message  # diffusers' own error, past ours
     else:
         assert message.startswith(ours) and "\n" not in message, message
-        assert "use a base that has one: " + ", ".join(
-            sorted(n for n, b in BASES.items() if "context_parallel" in b.capabilities)) in message
         assert model._parallel_config is None
 
 
