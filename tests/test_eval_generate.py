@@ -83,8 +83,8 @@ def test_generate_config_errors():
 @pytest.mark.parametrize("base", CAPTIONED)
 def test_generate_and_score_every_captioned_base(base, tmp_path):
     """A saved tiny pipeline of the base (random weights, MHLA installed) -> its sample files of the asked
-    size, a manifest (prompt per sample), and the scores of its kind: samples.npz without labels for images
-    (seeds differ), eval/vbench.py for videos."""
+    size, a manifest (prompt and seed per sample), and the scores of its kind: samples.npz without labels for
+    images (the two seeds differ), eval/vbench.py for videos."""
     import inspect
 
     from mhla_gen import install_mhla
@@ -97,7 +97,7 @@ def test_generate_and_score_every_captioned_base(base, tmp_path):
     *frames, height, width = tiny.pixels
     tokens = load_config(record.run_config.load(), tiny_config(record)).data.max_sequence_length
     args = [f"height={height}", f"width={width}", *[f"num_frames={f}" for f in frames], "steps=2",
-            "prompts=[a cat,a dog]", "guidance_scale=1.0", "fps=8", "batch_size=2",
+            "prompts=[a red cat]", "num_per_item=2", "guidance_scale=1.0", "fps=8", "batch_size=2",
             f"max_sequence_length={tokens}"]
     if "complex_human_instruction" in inspect.signature(type(pipe).__call__).parameters:
         args.append("extra={complex_human_instruction: null}")  # SANA's long system prompt: off
@@ -112,7 +112,7 @@ def test_generate_and_score_every_captioned_base(base, tmp_path):
     assert sorted(f.name for f in out.glob(f"*{suffix}")) == [f"00000{i}{suffix}" for i in range(2)]
     assert (out / "samples.npz").exists() != record.video
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
-    assert [m["prompt"] for m in manifest] == ["a cat", "a dog"]
+    assert [(m["prompt"], m["seed"]) for m in manifest] == [("a red cat", 0), ("a red cat", 1)]
     if record.video:
         video, fps = read_video(out / "000001.mp4")
         assert video.shape == (*frames, height, width, 3) and fps == 8.0
