@@ -12,7 +12,8 @@ result compared with the 1-process computation of the same model / inputs.
   included). Both RoPE placements; MHLA installed before and after ``enable_parallelism``. The same for
   Wan2.1 I2V (36 channels, CLIP tokens in the cross-attention, not split) and Wan2.2 TI2V-5B (48 channels,
   one timestep per token, split with the tokens); a Wan2.2 A14B expert is the T2V architecture.
-* Which bases have a plan at all: diffusers 0.42 has none for DiT, SANA and SANA-Video (no sharded path).
+* Which bases have a plan at all: diffusers 0.42 has none for DiT, SANA and SANA-Video (no sharded path);
+  ``mhla_gen.ops.context_parallel.enable_context_parallelism`` refuses those in one line, before diffusers.
 
 diffusers 0.42.1 needs an even split here: its ``*_anything`` modes (uneven sequences) gather pieces of
 different sizes, which gloo does not support, and ring attention on the native backend needs an LSE it
@@ -29,6 +30,8 @@ from unittest import mock
 
 import pytest
 import torch
+
+from mhla_gen.bases import BASES
 
 WORLD = 2
 TOL = 1e-5
@@ -139,10 +142,13 @@ def _wan(overrides: dict, install_after: bool, parallel: bool, variant: str = "t
 
 
 def _enable_parallelism(model, config) -> None:
+    """mhla_gen's entry (the record's capability checked, then diffusers' ``enable_parallelism``)."""
+    from mhla_gen.ops.context_parallel import enable_context_parallelism
+
     # diffusers 0.42.1 picks the rank's device as `rank % torch.accelerator.device_count()`, which is
     # 0 on a CPU-only machine (ZeroDivisionError); on GPUs nothing needs patching.
     with mock.patch("torch.accelerator.device_count", return_value=1):
-        model.enable_parallelism(config=config)
+        enable_context_parallelism(model, config)
 
 
 def _run_wan(model, latent, conditioning: dict, weight) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -268,9 +274,30 @@ def test_communication_formulas_for_the_readme_table():
     assert table == {2: [238, 101, 201, 201], 4: [357, 151, 151, 302], 8: [416, 176, 88, 352]}
 
 
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_context_parallelism_is_refused_in_one_line_where_diffusers_has_no_plan(name):
+    """A base without the capability: mhla_gen's one-line refusal naming the diffusers class, before
+    diffusers is reached (no process group is needed for it, and the model is untouched).
+    A base with it goes on to diffusers (whose own check asks for the process group the 2-rank runs
+    above set up)."""
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    base, tiny = BASES[name], BASES[name].tiny.load()
+    model = tiny.model()
+    assert not dist.is_initialized()
+    with pytest.raises((ValueError, RuntimeError)) as refused:
+        _enable_parallelism(model, ContextParallelConfig(ulysses_degree=WORLD))
+    message = str(refused.value)
+    ours = f"context parallelism: {base.class_name} has no diffusers context-parallel plan (_cp_plan)"
+    if "context_parallel" in base.capabilities:
+        assert "context parallelism:" not in message, message  # diffusers' own error, past ours
+    else:
+        assert message.startswith(ours) and "\n" not in message, message
+        assert model._parallel_config is None
+
+
 def test_which_bases_have_a_context_parallel_plan():
     """The record answers from diffusers' ``_cp_plan``: Wan (T2V, Wan2.2 experts, TI2V) and Wan I2V have
     one; DiT, SANA and SANA-Video (diffusers 0.42) have none, so they run unsharded."""
-    from mhla_gen.bases import BASES
-
     assert {name for name, base in BASES.items() if base.context_parallel} == {"wan", "wan-i2v"}

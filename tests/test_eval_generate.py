@@ -7,8 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import tiny_config
+
+from mhla_gen.bases import BASES
 
 ROOT = Path(__file__).resolve().parents[1]
+CAPTIONED = [name for name, base in BASES.items() if not base.class_conditional]  # DiT's labels: above
 
 
 def load(name):
@@ -76,37 +80,47 @@ def test_generate_config_errors():
         gen.load_generate_config(None, ["base=wan", "model=x"])
 
 
-def test_generate_wan_videos_mp4_and_manifest(tmp_path):
-    """Video path: a saved tiny WanPipeline (random weights) -> MP4s + manifest, scored by eval/vbench.py."""
+@pytest.mark.parametrize("base", CAPTIONED)
+def test_generate_and_score_every_captioned_base(base, tmp_path):
+    """A saved tiny pipeline of the base (random weights, MHLA installed) -> its sample files of the asked
+    size, a manifest (prompt and seed per sample), and the scores of its kind: samples.npz without labels for
+    images (the two seeds differ), eval/vbench.py for videos."""
+    import inspect
+
+    from mhla_gen import install_mhla
     from mhla_gen.metrics.video import read_video
-    from mhla_gen.testing.wan import tiny_wan_pipeline
+    from mhla_gen.train.config import load_config
 
-    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
-    out = tmp_path / "videos"
-    load("generate").main(["base=wan", f"model={tmp_path / 'wan'}", f"output_dir={out}",
-                           "prompts=[a cat,a dog]", "height=32", "width=32", "num_frames=5", "steps=2",
-                           "guidance_scale=1.0", "fps=8", "max_sequence_length=16", "batch_size=2"])
-    assert sorted(f.name for f in out.glob("*.mp4")) == ["000000.mp4", "000001.mp4"]
-    frames, fps = read_video(out / "000000.mp4")
-    assert frames.shape == (5, 32, 32, 3) and fps == 8.0
+    record, tiny = BASES[base], BASES[base].tiny.load()
+    pipe = tiny.pipeline(install_mhla(tiny.model(), tiny.mhla))
+    pipe.save_pretrained(tmp_path / "pipe")
+    *frames, height, width = tiny.pixels
+    tokens = load_config(record.run_config.load(), tiny_config(record)).data.max_sequence_length
+    args = [f"height={height}", f"width={width}", *[f"num_frames={f}" for f in frames], "steps=2",
+            "prompts=[a red cat]", "num_per_item=2", "guidance_scale=1.0", "fps=8", "batch_size=2",
+            f"max_sequence_length={tokens}"]
+    if "complex_human_instruction" in inspect.signature(type(pipe).__call__).parameters:
+        args.append("extra={complex_human_instruction: null}")  # SANA's long system prompt: off
+    if record.image_conditioned:
+        from PIL import Image
+
+        Image.new("RGB", (width, height), (200, 30, 30)).save(tmp_path / "first.png")
+        args.append(f"images=[{tmp_path / 'first.png'}]")
+    out = tmp_path / "samples"
+    load("generate").main([f"base={base}", f"model={tmp_path / 'pipe'}", f"output_dir={out}", *args])
+    suffix = record.sample_suffix
+    assert sorted(f.name for f in out.glob(f"*{suffix}")) == [f"00000{i}{suffix}" for i in range(2)]
+    assert (out / "samples.npz").exists() != record.video
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
-    assert [m["prompt"] for m in manifest] == ["a cat", "a dog"] and not (out / "samples.npz").exists()
-    result = load("vbench").main(["--videos", str(out)])
-    assert result["num_videos"] == 2
-
-
-def test_generate_sana_images(tmp_path):
-    """Text-to-image path: a saved tiny SanaPipeline (random weights) -> PNGs + samples.npz (no arr_1)."""
-    from mhla_gen.testing import tiny_sana_pipeline
-
-    tiny_sana_pipeline().save_pretrained(tmp_path / "sana")
-    out = tmp_path / "images"
-    load("generate").main(["base=sana", f"model={tmp_path / 'sana'}", f"output_dir={out}",
-                           "prompts=[a red cat]", "num_per_item=2", "height=32", "width=32", "steps=2",
-                           "max_sequence_length=8"])
-    npz = np.load(out / "samples.npz")
-    assert npz["arr_0"].shape == (2, 32, 32, 3) and "arr_1" not in npz.files
-    assert not np.array_equal(npz["arr_0"][0], npz["arr_0"][1])  # seeds 0 and 1 differ
+    assert [(m["prompt"], m["seed"]) for m in manifest] == [("a red cat", 0), ("a red cat", 1)]
+    if record.video:
+        video, fps = read_video(out / "000001.mp4")
+        assert video.shape == (*frames, height, width, 3) and fps == 8.0
+        assert load("vbench").main(["--videos", str(out)])["num_videos"] == 2
+    else:
+        npz = np.load(out / "samples.npz")
+        assert npz["arr_0"].shape == (2, height, width, 3) and "arr_1" not in npz.files
+        assert not np.array_equal(npz["arr_0"][0], npz["arr_0"][1])  # seeds 0 and 1 differ
 
 
 @pytest.mark.parametrize("override, message", [
@@ -163,41 +177,24 @@ def test_generate_latent_space_run_decodes_with_its_vae(tmp_path):
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 16, 16, 3)
 
 
-@pytest.mark.parametrize("base", ["sana-video", "wan2.2-a14b"])
-def test_generate_and_score_the_new_video_bases(base, tmp_path):
-    """eval/generate.py -> eval/vbench.py for SANA-Video and a Wan2.2 A14B pipeline (both experts with
-    MHLA, loaded from the saved pipeline): MP4s of the asked size, a manifest, VBench-style scores."""
+def test_generate_a_wan22_a14b_pipeline_with_both_experts(tmp_path):
+    """Wan2.2 A14B (two experts, both with MHLA, loaded from the saved pipeline): MP4s through the wan
+    record, fps as asked."""
     import torch
 
     from mhla_gen import MHLAConfig, install_mhla
     from mhla_gen.integration.install import is_mhla_installed
     from mhla_gen.metrics.video import read_video
-    from mhla_gen.testing.video import (
-        tiny_sana_video,
-        tiny_sana_video_pipeline,
-        tiny_wan22_pipeline,
-        tiny_wan_expert,
-    )
+    from mhla_gen.pipelines.wan import load_wan_pipeline
+    from mhla_gen.testing.video import tiny_wan22_pipeline, tiny_wan_expert
 
-    if base == "sana-video":
-        pipe = tiny_sana_video_pipeline(install_mhla(tiny_sana_video(), MHLAConfig(blocks=(1, 2, 2))))
-        size, extra = ["height=32", "width=64"], ["extra={complex_human_instruction: null}"]
-    else:
-        experts = [install_mhla(tiny_wan_expert(seed), MHLAConfig(blocks=(1, 2, 2))) for seed in (0, 1)]
-        pipe, size, extra = tiny_wan22_pipeline(*experts), ["height=32", "width=32"], []
-    pipe.save_pretrained(tmp_path / "pipe")
+    experts = [install_mhla(tiny_wan_expert(seed), MHLAConfig(blocks=(1, 2, 2))) for seed in (0, 1)]
+    tiny_wan22_pipeline(*experts).save_pretrained(tmp_path / "pipe")
     out = tmp_path / "videos"
-    record = "sana-video" if base == "sana-video" else "wan"
-    load("generate").main([f"base={record}", f"model={tmp_path / 'pipe'}", f"output_dir={out}",
-                           "prompts=[a cat,a dog]", *size, "num_frames=5", "steps=2", "guidance_scale=1.0",
-                           "fps=8", "max_sequence_length=8", *extra])
+    load("generate").main([f"base={BASES['wan'].name}", f"model={tmp_path / 'pipe'}", f"output_dir={out}",
+                           "prompts=[a cat,a dog]", "height=32", "width=32", "num_frames=5", "steps=2",
+                           "guidance_scale=1.0", "fps=8", "max_sequence_length=8"])
     frames, fps = read_video(out / "000001.mp4")
-    assert frames.shape[:3] == (5, 32, int(size[1].split("=")[1])) and fps == 8.0
-    assert [json.loads(line)["prompt"] for line in (out / "manifest.jsonl").read_text().splitlines()] == \
-        ["a cat", "a dog"]
-    assert load("vbench").main(["--videos", str(out)])["num_videos"] == 2
-    if base != "sana-video":  # both experts were loaded with their MHLA
-        from mhla_gen.pipelines.wan import load_wan_pipeline
-
-        loaded = load_wan_pipeline(tmp_path / "pipe", torch_dtype=torch.float32)
-        assert is_mhla_installed(loaded.transformer) and is_mhla_installed(loaded.transformer_2)
+    assert frames.shape == (5, 32, 32, 3) and fps == 8.0
+    loaded = load_wan_pipeline(tmp_path / "pipe", torch_dtype=torch.float32)
+    assert is_mhla_installed(loaded.transformer) and is_mhla_installed(loaded.transformer_2)

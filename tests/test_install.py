@@ -14,7 +14,6 @@ from mhla_gen.bases import base_for_class_name, base_for_model
 from mhla_gen.processors.base import MHLAProcessor
 from mhla_gen.testing import dit_forward as dit_call
 from mhla_gen.testing import tiny_dit, tiny_sana
-from mhla_gen.testing.wan import tiny_wan_transformer
 
 RECORDS = sorted(BASE_RECORDS)  # every base record, through its test reference (record.tiny)
 
@@ -192,51 +191,32 @@ def test_gradient_checkpointing_gives_same_gradients(name):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
 
 
-def _sana_grid_inputs(height, width):
-    g = torch.Generator().manual_seed(height)
-    return dict(
-        hidden_states=torch.randn(2, 4, height, width, generator=g),  # patch 1: the token grid
-        encoder_hidden_states=torch.randn(2, 3, 16, generator=g),
-        timestep=torch.tensor([100.0, 700.0]),
-    )
-
-
-def _wan_grid_inputs(frames, height, width):
-    from mhla_gen.testing.wan import TEXT_DIM
-
-    g = torch.Generator().manual_seed(frames * height)
-    return dict(
-        hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),  # patch (1, 2, 2)
-        encoder_hidden_states=torch.randn(1, 5, TEXT_DIM, generator=g),
-        timestep=torch.tensor([500]),
-    )
-
-
 def _grid_case(base):
-    """A model with CPE and gate on (MHLA parameters moved off their init) and two inputs with the same
-    token count on different grids: SANA 16x16 and 8x32, Wan 4x8x8 and 2x8x16 (mixed aspect buckets)."""
-
-    if base == "sana":
-        model, cfg = tiny_sana(), MHLAConfig(blocks=(2, 2), cpe_kernel=3, gate=True)
-        inputs = [_sana_grid_inputs(16, 16), _sana_grid_inputs(8, 32)]
-    else:
-        model, cfg = (
-            tiny_wan_transformer(),
-            MHLAConfig(blocks=(2, 2, 2), layers=[1, 2], cpe_kernel=3, gate=True),
-        )
-        inputs = [_wan_grid_inputs(4, 8, 8), _wan_grid_inputs(2, 8, 16)]
-    install_mhla(model.eval(), cfg)
+    """The record's tiny model with its test MHLA (CPE and gate on; parameters moved off their init) and
+    its inputs on two token grids of the same size: its second test latent, and that latent with the first
+    axis halved and the last doubled (SANA 8x12 and 4x24 tokens, Wan 4x4x6 and 2x4x12: mixed aspect
+    buckets)."""
+    tiny = BASE_RECORDS[base].tiny.load()
+    model = install_mhla(tiny.model().eval(), tiny.mhla)
     with torch.no_grad():
         for p in mhla_parameters(model).values():
             p.add_(0.1 * torch.rand_like(p))
-    return model, inputs
+    first = tiny.sizes[1]
+    second = (first[0] // 2, *first[1:-1], first[-1] * 2)
+    return model, [tiny.inputs(model, latent=latent, seed=i) for i, latent in enumerate((first, second))]
+
+
+# one base per processor class (where the grid is read; BASES lists the more specific records first, so
+# the plainer one of a class stays); not DiT, whose processor reads a square grid (DiTPipeline samples
+# square images only)
+GRID_BASES = list({base.processor: name for name, base in BASE_RECORDS.items() if name != "dit"}.values())
 
 
 def _loss(model, inputs):
     return model(**inputs).sample.square().mean()
 
 
-@pytest.mark.parametrize("base", ["sana", "wan"])
+@pytest.mark.parametrize("base", GRID_BASES)
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_two_grids_then_one_backward(base, checkpointing, used_grids):
     """Two forwards at different grids, then one backward: the gradients of two separate backward

@@ -11,22 +11,30 @@ import pytest
 import torch
 from PIL import Image
 from train_helpers import (
-    REPO,
     final_weights,
     max_abs_diff,
+    one_per_kind,
     read_metrics,
     run_inprocess,
     run_killed,
     run_torchrun,
+    tiny_config,
+    training_script,
     write_captioned_videos,
 )
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer
+from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import read_marker
 from mhla_gen.processors import MHLAProcessor
 
-TINY = {base: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{base}.yaml") for base in ("dit", "sana", "wan")}
+DIT, SANA, WAN = BASES["dit"], BASES["sana"], BASES["wan"]  # the tests of one base's own conversion
+DIT_CONFIG = tiny_config(DIT)
+# teacher data from a prompt file, end to end (tens of seconds a base): one base of each kind that samples
+# its teacher from prompts (text to image, text to video)
+PROMPT_TEACHERS = one_per_kind(base for base in BASES.values()
+                               if "teacher" in base.data_sources and not base.class_conditional)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def dit_teacher(tmp_path_factory):
     """A softmax DiT trained a few steps on the digits, its layer 1 made hard for linear attention (sharp
     softmax: q and k scaled up), so auto:1 must keep that layer."""
     root = tmp_path_factory.mktemp("dit_teacher")
-    run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={root / 'run'}",
+    run_inprocess("train_dit.py", "--config", DIT_CONFIG, f"output_dir={root / 'run'}",
                   "model.attention=softmax", "train.max_steps=20", "model.depth=3")
     teacher = load_transformer(root / "run" / "final")
     with torch.no_grad():
@@ -49,7 +57,7 @@ def linearize(*args):
 
 
 def dit_stage1(teacher, out, *overrides):
-    linearize("--config", TINY["dit"], f"model.init_from={teacher}", f"output_dir={out}", "model.depth=3",
+    linearize("--config", DIT_CONFIG, f"model.init_from={teacher}", f"output_dir={out}", "model.depth=3",
               "train.max_steps=6", "train.learning_rate=3e-3", *overrides)
 
 
@@ -69,7 +77,7 @@ def test_dit_stage1_lowers_the_errors_keeps_the_hardest_layer_and_feeds_stage2(d
     assert not isinstance(model.transformer_blocks[1].attn1.processor, MHLAProcessor)
 
     # stage 2 continues from the folder: its MHLA layers and weights, recorded in config.yaml
-    run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={tmp_path / 's2'}", "model.depth=3",
+    run_inprocess("train_dit.py", "--config", DIT_CONFIG, f"output_dir={tmp_path / 's2'}", "model.depth=3",
                   f"model.init_from={final}", "train.max_steps=1", "train.learning_rate=1e-12",
                   "train.ema_decay=0")
     assert "layers:\n  - 0\n  - 2" in (tmp_path / "s2" / "config.yaml").read_text()
@@ -101,7 +109,7 @@ def test_two_processes_match_one_with_the_end_to_end_term(dit_teacher, tmp_path)
     (DDP) is the one-process run with the same global batch: same losses and weights. Each relative
     error is normalised by the teacher's power over the whole batch, not each process's shard. The world
     size is asserted from inside the run."""
-    args = ("--config", TINY["dit"], f"model.init_from={dit_teacher}", "model.depth=3", "train.max_steps=3",
+    args = ("--config", DIT_CONFIG, f"model.init_from={dit_teacher}", "model.depth=3", "train.max_steps=3",
             "train.learning_rate=3e-3", "transfer.output_weight=10", "log.sample_every=0", "log.every=1")
     linearize(*args, f"output_dir={tmp_path / 'one'}")
     two = run_torchrun("linearize.py", *args, f"output_dir={tmp_path / 'two'}")
@@ -121,7 +129,7 @@ def test_stage2_distillation_on_two_processes_matches_one(dit_teacher, tmp_path)
     """Stage 2 with both distillation terms: two gloo processes train as one with the same global batch
     (each relative error normalised over the whole batch). World size asserted from inside the run."""
     dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
-    args = ("--config", TINY["dit"], f"model.init_from={tmp_path / 's1' / 'final'}", "train.max_steps=2",
+    args = ("--config", DIT_CONFIG, f"model.init_from={tmp_path / 's1' / 'final'}", "train.max_steps=2",
             "train.ema_decay=0", "log.sample_every=0", "train.distill.output_weight=1",
             "train.distill.attention_weight=1")
     run_inprocess("train_dit.py", *args, f"output_dir={tmp_path / 'one'}")
@@ -152,12 +160,12 @@ def test_fixed_hybrid_layers_and_refusals(dit_teacher, tmp_path):
     with pytest.raises(ConfigError, match="already runs MHLA"):  # a teacher without its own attention
         dit_stage1(tmp_path / "fixed" / "final", tmp_path / "bad")
     with pytest.raises(ConfigError, match="model.init_from is required"):
-        linearize("--config", TINY["dit"], f"output_dir={tmp_path / 'bad'}")
+        linearize("--config", DIT_CONFIG, f"output_dir={tmp_path / 'bad'}")
     assert not (tmp_path / "bad").exists()
 
 
 def test_stage1_killed_and_resumed_ends_like_an_uninterrupted_run(dit_teacher, tmp_path):
-    args = ["linearize", "--config", TINY["dit"], f"model.init_from={dit_teacher}", "model.depth=3",
+    args = ["linearize", "--config", DIT_CONFIG, f"model.init_from={dit_teacher}", "model.depth=3",
             "train.max_steps=4", "train.checkpoint_every=2", "transfer.trainable=mhla+qk"]
     killed = run_killed("kill_after_step=3", *args, f"output_dir={tmp_path / 'killed'}")
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -169,10 +177,8 @@ def test_stage1_killed_and_resumed_ends_like_an_uninterrupted_run(dit_teacher, t
 
 @pytest.fixture(scope="module")
 def sana_setup(tmp_path_factory):
-    from mhla_gen.testing import tiny_sana_pipeline
-
     root = tmp_path_factory.mktemp("sana")
-    tiny_sana_pipeline().save_pretrained(root / "ckpt")
+    SANA.tiny.load().pipeline().save_pretrained(root / "ckpt")
     rng = np.random.default_rng(0)
     (root / "data").mkdir()
     for i, caption in enumerate(["a red cat", "a blue dog", "a small cat", "a green dog"]):
@@ -186,13 +192,13 @@ def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sa
     starts at zero error; the folder then feeds finetune_sana.py's model.init_from and the pipeline."""
     from mhla_gen.pipelines.sana import load_sana_pipeline
 
-    common = ["--config", TINY["sana"], f"model.pretrained={sana_setup / 'ckpt'}",
+    common = ["--config", tiny_config(SANA), f"model.pretrained={sana_setup / 'ckpt'}",
               f"data.path={sana_setup / 'data'}", "train.max_steps=2"]
-    linearize("--base", "sana", *common, f"output_dir={tmp_path / 's1'}", "mhla.mixing_init=uniform",
+    linearize("--base", SANA.name, *common, f"output_dir={tmp_path / 's1'}", "mhla.mixing_init=uniform",
               f"mhla.eps={1e-15 / 4}")
     report = json.loads((tmp_path / "s1" / "transfer.json").read_text())
     assert max(report["errors_before"].values()) < 1e-10
-    run_inprocess("finetune_sana.py", *common, f"output_dir={tmp_path / 's2'}",
+    run_inprocess(training_script(SANA), *common, f"output_dir={tmp_path / 's2'}",
                   f"model.init_from={tmp_path / 's1' / 'final'}", "train.distill.attention_weight=1")
     pipe = load_sana_pipeline(sana_setup / "ckpt", transformer_path=tmp_path / "s2" / "final")
     assert pipe.transformer.mhla_config.mixing_init == "uniform"
@@ -200,11 +206,9 @@ def test_sana_stage1_from_its_own_linear_attention_and_stage2_from_the_folder(sa
 
 
 def test_wan_stage1_hybrid_with_cpe(tmp_path):
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
-    tiny_wan_pipeline().save_pretrained(tmp_path / "ckpt")
+    WAN.tiny.load().pipeline().save_pretrained(tmp_path / "ckpt")
     write_captioned_videos(tmp_path / "data")
-    linearize("--base", "wan", "--config", TINY["wan"], f"model.pretrained={tmp_path / 'ckpt'}",
+    linearize("--base", WAN.name, "--config", tiny_config(WAN), f"model.pretrained={tmp_path / 'ckpt'}",
               f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 's1'}", "train.max_steps=2",
               "mhla.layers=null", "mhla.cpe_kernel=3", "hybrid.softmax_layers=auto:1",
               "transfer.trainable=all")
@@ -216,10 +220,9 @@ def test_wan_stage1_hybrid_with_cpe(tmp_path):
 def test_distillation_terms_vanish_against_an_identical_teacher():
     """The output and attention terms compare the model with the frozen teacher on the same input: zero
     when the teacher is the model itself, positive when the MHLA layers differ."""
-    from mhla_gen.testing import tiny_dit
     from mhla_gen.train.distill import Distiller
 
-    model = install_mhla(tiny_dit(), MHLAConfig(blocks=(2, 2))).eval()
+    model = install_mhla(DIT.tiny.load().model(), MHLAConfig(blocks=(2, 2))).eval()
     x = torch.randn(2, model.config.in_channels, model.config.sample_size, model.config.sample_size)
     inputs = {"hidden_states": x, "timestep": torch.tensor([5, 9]), "class_labels": torch.tensor([1, 2])}
     distiller = Distiller(copy.deepcopy(model), model, output_weight=1.0, attention_weight=1.0)
@@ -232,11 +235,11 @@ def test_distillation_terms_vanish_against_an_identical_teacher():
 def test_starting_from_an_mhla_folder_fresh_or_refused(dit_teacher, tmp_path):
     dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
     final = tmp_path / "s1" / "final"
-    common = ["--config", TINY["dit"], "model.depth=3", f"model.init_from={final}", "train.max_steps=1"]
+    common = ["--config", DIT_CONFIG, "model.depth=3", f"model.init_from={final}", "train.max_steps=1"]
     with pytest.raises(ConfigError, match="was saved with MHLA, which model.attention=softmax would drop"):
         run_inprocess("train_dit.py", *common, f"output_dir={tmp_path / 'bad'}", "model.attention=softmax")
     with pytest.raises(ConfigError, match="train.distill needs a teacher"):
-        run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={tmp_path / 'bad'}",
+        run_inprocess("train_dit.py", "--config", DIT_CONFIG, f"output_dir={tmp_path / 'bad'}",
                       "train.distill.output_weight=1")
     assert not (tmp_path / "bad").exists()
     run_inprocess("train_dit.py", *common, f"output_dir={tmp_path / 'fresh'}", "model.init_attention=fresh",
@@ -271,7 +274,7 @@ def test_teacher_data_is_sampled_resumably_and_trains(dit_teacher, tmp_path):
     assert np.array_equal(latents[:, 1], latents[:, 0, ..., ::-1])  # each sample and its flip
 
     out = tmp_path / "run"
-    common = ["--config", TINY["dit"], "model.depth=3", "data.source=teacher", f"data.teacher={dit_teacher}"]
+    common = ["--config", DIT_CONFIG, "model.depth=3", "data.source=teacher", f"data.teacher={dit_teacher}"]
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "x.png").write_bytes(b"mine")
     with pytest.raises(ConfigError, match="data.path=.* not written by mhla_gen"):
@@ -286,23 +289,21 @@ def test_teacher_data_is_sampled_resumably_and_trains(dit_teacher, tmp_path):
     assert read_marker(tmp_path / "tdata")["kind"] == "teacher_data" and len(read_metrics(out)) == 2
 
 
-@pytest.mark.parametrize("base", ["sana", "wan"])
-def test_sana_and_wan_teacher_data_from_a_prompt_file(base, tmp_path):
+@pytest.mark.parametrize("base", PROMPT_TEACHERS)
+def test_teacher_data_from_a_prompt_file(base, tmp_path):
     """data.source=teacher with a prompt file: images / videos sampled from the checkpoint's own pipeline
     into a captioned folder of the project, then cached and trained on; resumable sample by sample."""
-    from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
-    (tiny_sana_pipeline() if base == "sana" else tiny_wan_pipeline()).save_pretrained(tmp_path / "ckpt")
+    record = BASES[base]
+    record.tiny.load().pipeline().save_pretrained(tmp_path / "ckpt")
     (tmp_path / "prompts.txt").write_text("a red cat\n\na blue dog\n")
-    common = ["--config", TINY[base], f"model.pretrained={tmp_path / 'ckpt'}", "data.source=teacher",
+    common = ["--config", tiny_config(record), f"model.pretrained={tmp_path / 'ckpt'}", "data.source=teacher",
               f"data.path={tmp_path / 'tdata'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=1",
               "log.sample_steps=2"]
     with pytest.raises(ConfigError, match="needs data.prompts_file"):
-        run_inprocess(f"finetune_{base}.py", *common)
-    run_inprocess(f"finetune_{base}.py", *common, f"data.prompts_file={tmp_path / 'prompts.txt'}",
+        run_inprocess(training_script(record), *common)
+    run_inprocess(training_script(record), *common, f"data.prompts_file={tmp_path / 'prompts.txt'}",
                   "data.teacher_samples=3", "train.global_batch_size=2")
-    suffix = ".png" if base == "sana" else ".mp4"
+    suffix = record.sample_suffix
     names = sorted(p.name for p in (tmp_path / "tdata").glob(f"*{suffix}"))
     assert names == [f"00000{i}{suffix}" for i in range(3)]
     assert (tmp_path / "tdata" / "000002.txt").read_text() == "a red cat"
@@ -318,6 +319,6 @@ def test_stage2_teacher_data_and_distillation_follow_the_recorded_teacher(dit_te
     dit_stage1(dit_teacher, tmp_path / "s1", "train.max_steps=1")
     overrides = [f"model.init_from={tmp_path / 's1' / 'final'}", "model.depth=3", "data.source=teacher",
                  "data.teacher_samples=4", f"data.path={tmp_path / 'd'}"]
-    cfg = load_config(DiTRunConfig, TINY["dit"], overrides)
+    cfg = load_config(DiTRunConfig, DIT_CONFIG, overrides)
     task = DiTTask(cfg)
     assert task.source.teacher() == task.distill_source() == str(dit_teacher)

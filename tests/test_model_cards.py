@@ -15,14 +15,20 @@ import torch
 from huggingface_hub import ModelCard
 from test_convert_wan import CONFIG, _original_state, _release_like_model
 from test_ownership import load_script
-from train_helpers import REPO, run_inprocess, write_captioned_videos
+from train_helpers import one_per_kind, run_inprocess, tiny_config, training_script, write_captioned_videos
 
 from mhla_gen import MHLAConfig, load_transformer
+from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.cards import CARD, LOCAL_ONLY, local_paths, push_to_hub, shared_files, write_card
 from mhla_gen.outputs.folders import MARKER, read_marker
 
-TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml") for name in ("dit", "sana", "wan")}
+DIT, SANA = BASES["dit"], BASES["sana"]  # a DiT run's card; SANA's LoRA folder and saved pipeline
+DIT_CONFIG = tiny_config(DIT)
+# every trained base of captions only; the card of a run samples as written, end to end (tens of seconds a
+# base): one base of each kind of sample (image, video); the others' snippets are compiled below
+FINE_TUNED = [base for base in BASES.values() if base.trains and not base.class_conditional]
+CARD_RUNS = one_per_kind(base for base in FINE_TUNED if base.conditioning == "captions")
 SANA_ID = "Efficient-Large-Model/Sana_600M_512px_diffusers"
 WAN_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
@@ -72,15 +78,14 @@ def run_snippet(folder: Path, cwd: Path, monkeypatch, **lines: str) -> dict:
 # ------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Tiny SANA and Wan checkpoints with captioned data, side by side (a card names them by folder name:
-    run from here, its snippet finds them)."""
-    from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing.wan import tiny_wan_pipeline
+    """Tiny checkpoints of SANA and of the bases of :data:`CARD_RUNS` (each in a folder of its name) with
+    captioned images and videos, side by side (a card names them by folder name: run from here, its
+    snippet finds them)."""
+    from PIL import Image
 
     root = tmp_path_factory.mktemp("cards")
-    tiny_sana_pipeline().save_pretrained(root / "sana")
-    tiny_wan_pipeline().save_pretrained(root / "wan")
-    from PIL import Image
+    for name in dict.fromkeys([SANA.name, *CARD_RUNS]):
+        BASES[name].tiny.load().pipeline().save_pretrained(root / name)
 
     (root / "images").mkdir()
     for i, caption in enumerate(["a red cat", "a blue dog"]):
@@ -90,9 +95,10 @@ def root(tmp_path_factory):
     return root
 
 
-def finetune(kind: str, root: Path, run: str, *overrides: str) -> Path:
-    data = root / ("images" if kind == "sana" else "videos")
-    run_inprocess(f"finetune_{kind}.py", "--config", TINY[kind], f"model.pretrained={root / kind}",
+def finetune(base: str, root: Path, run: str, *overrides: str) -> Path:
+    record = BASES[base]
+    data = root / ("videos" if record.video else "images")
+    run_inprocess(training_script(record), "--config", tiny_config(record), f"model.pretrained={root / base}",
                   f"data.path={data}", f"output_dir={root / run}", "train.max_steps=2", *overrides)
     return root / run / "final"
 
@@ -105,7 +111,7 @@ def digits(root):
         mp.setenv("HF_TOKEN", "hf_test")
         mp.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: uploads.append(("create", repo_id)))
         mp.setattr(huggingface_hub, "upload_folder", lambda **kw: uploads.append(("upload", kw)) or "commit")
-        run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={root / 'digits'}",
+        run_inprocess("train_dit.py", "--config", DIT_CONFIG, f"output_dir={root / 'digits'}",
                       "share.push_to_hub=me/digits-mhla", "share.license=apache-2.0",
                       "eval.fid_num_samples=20", "eval.fid_batch_size=10")
     return root / "digits" / "final", uploads
@@ -114,7 +120,7 @@ def digits(root):
 # ----------------------------------------------------------------------------------------- a run's final/
 def test_dit_run_card_metadata_metrics_and_push(digits, root, monkeypatch):
     final, uploads = digits
-    card = assert_metadata(final, "dit", "unconditional-image-generation")
+    card = assert_metadata(final, DIT.name, "unconditional-image-generation")
     assert card.data.license == "apache-2.0"
     metrics = [json.loads(line) for line in (root / "digits" / "metrics.jsonl").read_text().splitlines()]
     fid = metrics[-1]["fid_digits"]
@@ -131,35 +137,36 @@ def test_dit_run_card_metadata_metrics_and_push(digits, root, monkeypatch):
     assert found["transformer"].mhla_config.blocks == (2, 2) and len(found["images"]) == 3
 
 
-@pytest.mark.parametrize("kind", ["sana", "wan"])
-def test_finetune_card_loads_and_samples_as_written(root, kind, monkeypatch):
-    final = finetune(kind, root, f"{kind}_full")
-    tag = "text-to-image" if kind == "sana" else "text-to-video"
-    card = assert_metadata(final, kind, tag)  # a local base: not in the metadata, named in the body
-    assert f"| starts from | `{kind}` |" in card.text
+@pytest.mark.parametrize("base", CARD_RUNS)
+def test_finetune_card_loads_and_samples_as_written(root, base, monkeypatch):
+    video = BASES[base].video
+    final = finetune(base, root, f"{base}_full")
+    tag = "text-to-video" if video else "text-to-image"
+    card = assert_metadata(final, base, tag)  # a local base: not in the metadata, named in the body
+    assert f"| starts from | `{base}` |" in card.text
     assert_shareable(final, root)
-    found = run_snippet(final, root, monkeypatch)  # folder "<run>/final", base "<kind>": relative to root
+    found = run_snippet(final, root, monkeypatch)  # folder "<run>/final", base "<base>": relative to root
     assert type(found["pipe"].transformer).__name__.startswith("MHLA")
-    assert found["image" if kind == "sana" else "video"] is not None
+    assert found["video" if video else "image"] is not None
 
 
 def test_lora_folder_card_manifest_and_local_record(root, tmp_path, monkeypatch):
     """mhla_lora.json recorded its base as an absolute path; now a hub id (share.base_model) and a path
     relative to the folder, the absolute one with its fingerprint in the (never pushed) marker."""
-    final = finetune("sana", root, "sana_lora", "train.trainable=lora", "train.lora_rank=2",
+    final = finetune(SANA.name, root, "sana_lora", "train.trainable=lora", "train.lora_rank=2",
                      f"share.base_model={SANA_ID}")
-    assert_metadata(final, "sana", "text-to-image", base_model=SANA_ID)
+    assert_metadata(final, SANA.name, "text-to-image", base_model=SANA_ID)
     assert_shareable(final, root)
     manifest = json.loads((final / "mhla_lora.json").read_text())
     assert manifest["base"] == SANA_ID and manifest["base_path"] == "../../sana"
     record = read_marker(final)["base_record"]
-    assert record["path"] == str((root / "sana").resolve()) and record["sha256"]
+    assert record["path"] == str((root / SANA.name).resolve()) and record["sha256"]
     assert MARKER not in shared_files(final)
-    found = run_snippet(final, root, monkeypatch, base="sana")  # the hub id, here its local copy
+    found = run_snippet(final, root, monkeypatch, base=SANA.name)  # the hub id, here its local copy
     assert found["image"] is not None and found["pipe"].transformer.mhla_config.blocks == (2, 2)
 
     moved = tmp_path / "moved"  # base and LoRA moved together: the relative path finds the base
-    shutil.copytree(root / "sana", moved / "sana")
+    shutil.copytree(root / SANA.name, moved / SANA.name)
     shutil.copytree(root / "sana_lora", moved / "runs" / "sana_lora")
     (moved / "runs" / "sana_lora" / "final" / MARKER).unlink()  # another machine: no local record
     manifest_copy = json.loads((moved / "runs" / "sana_lora" / "final" / "mhla_lora.json").read_text())
@@ -167,18 +174,18 @@ def test_lora_folder_card_manifest_and_local_record(root, tmp_path, monkeypatch)
     (moved / "runs" / "sana_lora" / "final" / "mhla_lora.json").write_text(json.dumps(manifest_copy))
     loaded = load_transformer(moved / "runs" / "sana_lora" / "final")
     assert loaded.peft_config["default"].r == 2
-    shutil.rmtree(moved / "sana")
+    shutil.rmtree(moved / SANA.name)
     with pytest.raises(FileNotFoundError, match="is gone; pass base=PATH"):
         load_transformer(moved / "runs" / "sana_lora" / "final")
 
 
 def test_stage1_card_names_the_teacher_by_name(root, monkeypatch):
-    run_inprocess("train_dit.py", "--config", TINY["dit"], f"output_dir={root / 'teacher'}",
+    run_inprocess("train_dit.py", "--config", DIT_CONFIG, f"output_dir={root / 'teacher'}",
                   "model.attention=softmax", "train.max_steps=1")
-    run_inprocess("linearize.py", "--config", TINY["dit"], f"model.init_from={root / 'teacher' / 'final'}",
+    run_inprocess("linearize.py", "--config", DIT_CONFIG, f"model.init_from={root / 'teacher' / 'final'}",
                   f"output_dir={root / 'stage1'}", "train.max_steps=1")
     final = root / "stage1" / "final"
-    card = assert_metadata(final, "dit", "unconditional-image-generation")
+    card = assert_metadata(final, DIT.name, "unconditional-image-generation")
     assert "converted by attention transfer" in card.text
     assert "| converted from (teacher) | `teacher/final` |" in card.text
     assert "transfer_error_after" in card.text
@@ -200,7 +207,7 @@ def test_converted_wan_card(root, tmp_path, monkeypatch):
         "--checkpoint", str(tmp_path / "release.safetensors"), "--config-from", str(tmp_path / "wan21"),
         "--out", str(tmp_path / "converted"), "--license", "apache-2.0"])
     out = tmp_path / "converted"
-    card = assert_metadata(out, "wan", "text-to-video")
+    card = assert_metadata(out, BASES["wan"].name, "text-to-video")
     assert card.data.license == "apache-2.0" and "`release.safetensors`" in card.text
     assert "| layers | [1, 2] (the others keep the base's attention) |" in card.text
     assert_shareable(out, tmp_path)
@@ -212,9 +219,9 @@ def test_saved_pipeline_card_loads_with_diffusers(root, tmp_path, monkeypatch):
     from mhla_gen.pipelines.sana import load_sana_pipeline
     from mhla_gen.pipelines.saving import save_pipeline
 
-    pipe = load_sana_pipeline(root / "sana", mhla=MHLAConfig(blocks=(2, 2)))
+    pipe = load_sana_pipeline(root / SANA.name, mhla=MHLAConfig(blocks=(2, 2)))
     out = save_pipeline(pipe, tmp_path / "exported", base_model=SANA_ID)
-    assert_metadata(out, "sana", "text-to-image", base_model=SANA_ID)
+    assert_metadata(out, SANA.name, "text-to-image", base_model=SANA_ID)
     assert_shareable(out, root)
     found = run_snippet(out, tmp_path, monkeypatch)
     assert found["pipe"].transformer.mhla_config == MHLAConfig(blocks=(2, 2))
@@ -254,10 +261,10 @@ def test_push_refuses_local_paths_and_needs_a_token(digits, tmp_path, monkeypatc
         push_to_hub(leaky, "me/x")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    line = fails_in_one_line("scripts/train_dit.py", ["--config", TINY["dit"], "share.push_to_hub=me/x",
+    line = fails_in_one_line("scripts/train_dit.py", ["--config", DIT_CONFIG, "share.push_to_hub=me/x",
                              f"output_dir={tmp_path / 'run'}"], capsys, monkeypatch)
     assert "share.push_to_hub='me/x' needs a Hugging Face token" in line and not (tmp_path / "run").exists()
-    line = fails_in_one_line("scripts/train_dit.py", ["--config", TINY["dit"], "share.push_to_hub=not a repo",
+    line = fails_in_one_line("scripts/train_dit.py", ["--config", DIT_CONFIG, "share.push_to_hub=not a repo",
                              f"output_dir={tmp_path / 'run'}"], capsys, monkeypatch)
     assert "share.push_to_hub='not a repo' is not a Hub repo id" in line
 
@@ -282,33 +289,41 @@ def test_converter_push_uploads_the_written_folder(tmp_path, monkeypatch):
     assert card.data.base_model == WAN_ID and 'snapshot_download("me/wan-mhla")' in card.text
 
 
-@pytest.mark.parametrize("base, overrides, expected", [
-    ("sana-video", [], ["SanaVideoPipeline.from_pretrained(base, transformer=transformer)", "frames=5",
-                        "complex_human_instruction=None"]),
-    ("wan-i2v", [], ["WanImageToVideoPipeline", "image=first_frame", "num_frames=5"]),
-    ("wan", ["model.expert=transformer_2"], ["WanPipeline.from_pretrained(base, transformer_2=transformer)"]),
-    ("wan", ["model.expert=transformer_2", "train.trainable=lora"],
-     ["load_lora_weights(pipe, folder, load_into_transformer_2=True)"]),
+@pytest.mark.parametrize("base", [base.name for base in FINE_TUNED])
+def test_every_base_gets_loading_lines_that_compile(base, tmp_path):
+    """Every fine-tuned base (the ones not run end to end above too): its snippet is valid Python calling
+    the record's pipeline with the transformer in its slot, sampling frames for video, from a first frame
+    where the base needs an image."""
+    record = BASES[base]
+    code = _usage(record, tmp_path)
+    assert f"{record.pipeline_class}.from_pretrained(base, transformer=transformer)" in code, code
+    assert ("frames=5" in code) == record.video and ("image=first_frame" in code) == record.image_conditioned
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.expert=transformer_2"], "WanPipeline.from_pretrained(base, transformer_2=transformer)"),
+    (["model.expert=transformer_2", "train.trainable=lora"],
+     "load_lora_weights(pipe, folder, load_into_transformer_2=True)"),
 ])
-def test_every_base_gets_loading_lines_that_compile(base, overrides, expected, tmp_path):
-    """The other video bases (run end to end elsewhere): their snippet is valid Python calling the right
-    pipeline, slot and sampling arguments."""
-    from mhla_gen.bases import base_for
+def test_a_wan22_expert_loads_into_its_slot(overrides, expected, tmp_path):
+    assert expected in _usage(BASES["wan"], tmp_path, *overrides)
+
+
+def _usage(record, tmp_path, *overrides) -> str:
+    """The card's Python for a run of ``record`` on the tiny config from a hub base (compiled here)."""
     from mhla_gen.train.card import usage
     from mhla_gen.train.config import load_config
 
-    name = "sana-video.yaml" if base == "sana-video" else "wan.yaml"
-    config = str(REPO / "mhla_gen" / "configs" / "tiny" / name)
-    cfg = load_config(base_for(base).run_config.load(), config, ["model.pretrained=Org/base", *overrides])
+    overrides = ["model.pretrained=Org/base", *overrides]
+    cfg = load_config(record.run_config.load(), tiny_config(record), overrides)
     folder = tmp_path / "final"
     folder.mkdir()
     if "train.trainable=lora" in overrides:
         (folder / "mhla_lora.json").write_text("{}")
-    code = "\n".join(usage(cfg, base_for(base), folder, "me/model", "run/final").lines())
+    code = "\n".join(usage(cfg, record, folder, "me/model", "run/final").lines())
     compile(code, "card", "exec")
     assert 'base = "Org/base"' in code and 'snapshot_download("me/model")' in code
-    for text in expected:
-        assert text in code, (text, code)
+    return code
 
 
 def test_a_failed_upload_says_how_to_retry(digits, monkeypatch):

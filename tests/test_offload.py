@@ -16,6 +16,7 @@ for completeness (it is what a GPU user calls), the disk variants are the ones t
 from __future__ import annotations
 
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -221,6 +222,13 @@ def restore_active_backend():
     _AttentionBackendRegistry.set_active_backend(active)
 
 
+def _dispatching(model):
+    """``(name, module)`` of the attention modules whose processor dispatches through diffusers' attention
+    backends (has ``_attention_backend``)."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(getattr(m, "processor", None), "_attention_backend")]
+
+
 @pytest.mark.usefixtures("restore_active_backend")
 def test_set_attention_backend_reaches_stock_layers_only(base):
     """``transformer.set_attention_backend(name)`` sets ``_attention_backend`` on every processor that
@@ -229,13 +237,12 @@ def test_set_attention_backend_reaches_stock_layers_only(base):
     layers are unaffected; DiT's and SANA's stock processors call SDPA directly and are unaffected too."""
     model, inputs = build(base)  # hybrid where the test config names some layers only
     reference = run(model, inputs)
-    stock = [
-        m.processor
-        for m in model.modules()
-        if hasattr(m, "processor") and hasattr(m.processor, "_attention_backend")
-    ]
-    if base == "wan":  # Wan's cross-attention and its softmax layer keep WanAttnProcessor
-        assert stock
+    stock = {name: m.processor for name, m in _dispatching(model)}
+    replaced = {name.removesuffix(".processor") for name in mhla_processors(model)}
+    # exactly the dispatching layers of the stock model that MHLA did not replace (Wan: its cross-attention
+    # and its softmax layer keep WanAttnProcessor)
+    assert set(stock) == {name for name, _ in _dispatching(BASES[base].tiny.load().model())} - replaced
+    stock = list(stock.values())
     for backend in ("_native_math", "native"):  # native last: it stays diffusers' active backend
         model.set_attention_backend(backend)
         assert all(p._attention_backend == AttentionBackendName(backend) for p in stock)
@@ -256,5 +263,6 @@ def test_attention_kwargs_are_passed_like_stock(base):
     not name — for the stock ``AttnProcessor2_0`` and for MHLA alike. The output does not change."""
     model, inputs = build(base)
     reference = run(model, inputs)
-    key = "cross_attention_kwargs" if base == "dit" else "attention_kwargs"
+    key = next(k for k in ("attention_kwargs", "cross_attention_kwargs")  # DiT: the second
+               if k in inspect.signature(model.forward).parameters)
     assert torch.equal(run(model, {**inputs, key: {"scale": 0.5}}), reference)

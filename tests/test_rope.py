@@ -14,43 +14,23 @@ The interpreter handles fp32, fp16 and float64; bf16 runs in the ``gpu``-marked 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import LAYOUTS, ROOT, interpreter_only, laid_out, main_process_only, run_in_interpreter
 
-from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
+from mhla_gen import install_mhla, mhla_parameters
+from mhla_gen.bases import BASES
 from mhla_gen.ops import rope
 from mhla_gen.ops.rope import apply_wan_rotary, rope_backend, wan_rotary_pair
-from mhla_gen.testing.video import tiny_sana_video
-from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
-
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(
-    not INTERPRETED, reason="interpreter test: runs in the child pytest of test_kernel_in_interpreter"
-)
-main_process_only = pytest.mark.skipif(INTERPRETED, reason="runs in the main test process")
 
 # (B, H, N, d): odd N, one head, batch 1, d not a power of two, the smallest d
 SHAPES = [(2, 3, 7, 8), (1, 1, 5, 6), (2, 2, 9, 10), (1, 3, 1, 2)]
-# q's and k's memory: contiguous (B, H, N, d); heads-interleaved (B, N, H, d).transpose(1, 2) (what the
-# processors pass); a slice of a fused (B, N, 3, H, d) projection (not dense)
-LAYOUTS = ("contiguous", "interleaved", "fused")
-
-
-def _tensor(shape, layout, dtype, gen):
-    """``(B, H, N, d)`` with values exact in ``dtype``, in the memory ``layout`` names."""
-    b, h, n, d = shape
-    if layout == "contiguous":
-        return torch.randn(b, h, n, d, generator=gen).to(dtype)
-    if layout == "interleaved":
-        return torch.randn(b, n, h, d, generator=gen).to(dtype).transpose(1, 2)
-    return torch.randn(b, n, 3, h, d, generator=gen).to(dtype)[:, :, 1].transpose(1, 2)
+# q's and k's memory: kernel_helpers.LAYOUTS (contiguous, heads-interleaved as the processors pass them, a
+# slice of a fused projection)
 
 
 def _tables(n, d, dtype, gen, strided=False):
@@ -62,9 +42,9 @@ def _tables(n, d, dtype, gen, strided=False):
 
 def _case(shape, q_layout, k_layout, dtype, table_dtype=torch.float32, strided_tables=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    q, k = _tensor(shape, q_layout, dtype, gen), _tensor(shape, k_layout, dtype, gen)
+    q, k = laid_out(shape, q_layout, gen, dtype), laid_out(shape, k_layout, gen, dtype)
     cos, sin = _tables(shape[2], shape[3], table_dtype, gen, strided_tables)
-    grads = tuple(_tensor(shape, "interleaved", dtype, gen) for _ in range(2))
+    grads = tuple(laid_out(shape, "interleaved", gen, dtype) for _ in range(2))
     return q, k, cos, sin, grads
 
 
@@ -182,16 +162,7 @@ def test_bench_rope_plumbing(capsys):
 @main_process_only
 def test_kernel_in_interpreter():
     """All interpreter tests of this file in one child pytest with ``TRITON_INTERPRET=1`` (CPU tensors)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
-         str(Path(__file__).resolve())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-5000:]
+    run_in_interpreter(__file__, timeout=900)
 
 
 @interpreter_only
@@ -223,22 +194,20 @@ def test_kernel_gradcheck():
     assert torch.autograd.gradcheck(lambda q, k: wan_rotary_pair(q, k, cos, sin, backend="triton"), (q, k))
 
 
-def _video_case(base: str, preset: str | None = None):
-    """A tiny Wan or SANA-Video model with MHLA on every layer (token grid (3, 3, 5), blocks (2, 2, 3)) and
-    its inputs."""
-    gen = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(2, 16, 3, 6, 10, generator=gen))
-    if base == "wan":
-        model = tiny_wan_transformer()
-        cfg = MHLAConfig.preset(preset, blocks=(2, 2, 3), layers=None)
-        text = torch.randn(2, 7, TEXT_DIM, generator=gen)
-        inputs.update(timestep=torch.tensor([300, 700]), encoder_hidden_states=text)
-    else:
-        model, cfg = tiny_sana_video(), MHLAConfig(blocks=(2, 2, 3))
-        text = torch.randn(2, 5, 16, generator=gen)
-        inputs.update(timestep=torch.tensor([10.0, 700.0]), encoder_hidden_states=text)
-    install_mhla(model, cfg)
-    return model, inputs
+# one base per processor class whose self-attention takes rotary positions (the RoPE path is the
+# processor's; BASES lists the more specific records first, so the plainer one of a class stays), with its
+# tiny test MHLA on every layer; Wan's second RoPE placement (mhla.wan_rope) on top, as Wan's own case
+ROPE_BASES = {base.processor: name for name, base in BASES.items() if base.grid.rope != "none"}.values()
+ROPE_CASES = [(name, {}) for name in ROPE_BASES]
+ROPE_CASES.append((BASES["wan"].name, {"wan_rope": "after_phi_numerator"}))
+
+
+def _video_case(base: str, overrides: dict):
+    """The base's tiny model with its test MHLA (``overrides`` applied) on every layer, and its inputs
+    (its test latents: token grid (3, 3, 5))."""
+    tiny = BASES[base].tiny.load()
+    model = install_mhla(tiny.model(), dataclasses.replace(tiny.mhla, layers=None, **overrides))
+    return model, tiny.inputs(model)
 
 
 def _model_forward_backward(model, inputs):
@@ -249,14 +218,12 @@ def _model_forward_backward(model, inputs):
 
 
 @interpreter_only
-@pytest.mark.parametrize(("base", "preset", "launches"), [
-    ("wan", "wan2.1-1.3b-480p", 3),  # before_phi: one launch per layer
-    ("wan", "wan-release", 3),  # after_phi_numerator: one launch per layer, on φ(q), φ(k)
-    ("sana-video", None, 2),
-])
-def test_processors_launch_the_kernel_under_auto(monkeypatch, base, preset, launches):
-    """With the (interpreted) kernel taken for a CUDA one, the Wan and SANA-Video processors run RoPE
-    through it, once per MHLA layer forward and once backward, and match the reference backend: the
+@pytest.mark.parametrize(("base", "overrides"), ROPE_CASES, ids=[f"{b}-{'-'.join(o.values()) or 'default'}"
+                                                                for b, o in ROPE_CASES])
+def test_processors_launch_the_kernel_under_auto(monkeypatch, base, overrides):
+    """With the (interpreted) kernel taken for a CUDA one, the processors of every base with RoPE (Wan: on
+    q, k before φ, or on φ(q), φ(k) of the numerator; SANA-Video: after φ) run RoPE through it, once per
+    MHLA layer forward and once backward, and match the reference backend: the
     outputs and the MHLA parameters' gradients within fp32 round-off (the kernel keeps the inputs'
     heads-interleaved memory, the reference writes contiguous tensors, and the CPU's matmuls may sum
     in another order on either)."""
@@ -264,12 +231,12 @@ def test_processors_launch_the_kernel_under_auto(monkeypatch, base, preset, laun
     spy = _Spy(triton_rope.rope_pair)
     monkeypatch.setattr(triton_rope, "rope_pair", spy)
     monkeypatch.setattr(rope, "_on_cuda", lambda x: True)
-    model, inputs = _video_case(base, preset)
+    model, inputs = _video_case(base, overrides)
     with rope_backend("reference"):
         out_ref, grads_ref = _model_forward_backward(model, inputs)
     assert spy.calls == 0
     out, grads = _model_forward_backward(model, inputs)
-    assert spy.calls == 2 * launches
+    assert spy.calls == 2 * model.config.num_layers  # one launch per MHLA layer, forward and backward
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_ref[name], rtol=1e-4, atol=1e-6 * grads_ref[name].abs().max())

@@ -14,27 +14,17 @@ import pytest
 from PIL import Image
 from test_cli_errors import fails_in_one_line
 from test_ownership import checksums, load_script
-from train_helpers import REPO, run_inprocess, write_captioned_videos
+from train_helpers import run_inprocess, tiny_config, training_script, write_captioned_videos
 
 from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.bases import base_for
+from mhla_gen.bases import BASES, base_for
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import input_record, write_marker
 from mhla_gen.train.config import load_config
 
-TINY = {name: str(REPO / "mhla_gen" / "configs" / "tiny" / f"{name}.yaml")
-        for name in ("dit", "sana", "wan", "sana-video")}
-SCRIPTS = {"sana": "finetune_sana.py", "wan": "finetune_wan.py", "sana-video": "finetune_sana_video.py",
-           "wan-i2v": "finetune_wan_i2v.py"}
-
-
-def _pipeline(base: str):
-    from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing.video import tiny_sana_video_pipeline, tiny_wan_i2v_pipeline
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
-    return {"sana": tiny_sana_pipeline, "wan": tiny_wan_pipeline, "sana-video": tiny_sana_video_pipeline,
-            "wan-i2v": tiny_wan_i2v_pipeline}[base]()
+DIT, SANA = BASES["dit"], BASES["sana"]
+DIT_CONFIG, SANA_CONFIG = tiny_config(DIT), tiny_config(SANA)
+FINE_TUNED = [name for name, base in BASES.items() if base.trains and not base.class_conditional]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +32,8 @@ def checkpoints(tmp_path_factory):
     """A tiny checkpoint of each fine-tuned base, and a stage-1 ``final/`` converted from it (an MHLA
     transformer whose marker records the checkpoint as its teacher, as scripts/linearize.py writes it)."""
     root = tmp_path_factory.mktemp("checkpoints")
-    for base in SCRIPTS:
-        pipe = _pipeline(base)
+    for base in FINE_TUNED:
+        pipe = BASES[base].tiny.load().pipeline()
         pipe.save_pretrained(root / base / "ckpt")
         blocks = (1, 2, 2) if base_for(base).video else (2, 2)
         install_mhla(pipe.transformer, MHLAConfig(blocks=blocks))
@@ -57,15 +47,14 @@ def checkpoints(tmp_path_factory):
 
 def _task(base: str, root: Path, *overrides: str):
     schema = base_for(base).run_config.load()
-    config = TINY["wan" if base == "wan-i2v" else base]
-    cfg = load_config(schema, config, [f"model.pretrained={root / base / 'ckpt'}",
+    cfg = load_config(schema, tiny_config(base), [f"model.pretrained={root / base / 'ckpt'}",
                                        f"model.init_from={root / base / 'stage1' / 'final'}",
                                        "train.distill.output_weight=1", *overrides])
     return base_for(base).task.load()(cfg)
 
 
 # ----------------------------------------------------------------------- the teacher a stage-1 folder records
-@pytest.mark.parametrize("base", sorted(SCRIPTS))
+@pytest.mark.parametrize("base", FINE_TUNED)
 def test_stage2_distils_from_the_recorded_teacher_and_refuses_one_that_changed(checkpoints, tmp_path, base):
     """SANA / Wan / SANA-Video / Wan I2V followed model.pretrained: another checkpoint, a changed one or a
     record of an earlier version were all accepted. Now as DiT: the recorded teacher, checked."""
@@ -93,20 +82,20 @@ def test_stage2_distils_from_the_recorded_teacher_and_refuses_one_that_changed(c
 
 def test_a_changed_teacher_stops_stage2_before_anything_is_written(checkpoints, tmp_path):
     root = tmp_path / "root"
-    shutil.copytree(checkpoints / "sana", root / "sana")
-    recorded = str((root / "sana" / "ckpt").resolve())
-    write_marker(root / "sana" / "stage1" / "final", "model", teacher=recorded,
+    shutil.copytree(checkpoints / SANA.name, root / SANA.name)
+    recorded = str((root / SANA.name / "ckpt").resolve())
+    write_marker(root / SANA.name / "stage1" / "final", "model", teacher=recorded,
                  teacher_record=input_record(recorded))
-    weights = next((root / "sana" / "ckpt" / "transformer").glob("*.safetensors"))
+    weights = next((root / SANA.name / "ckpt" / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
     data = tmp_path / "data"
     data.mkdir()
     Image.new("RGB", (32, 32)).save(data / "0.png")
     (data / "0.txt").write_text("a cat")
     with pytest.raises(ConfigError, match="has changed since it was recorded"):
-        run_inprocess("finetune_sana.py", "--config", TINY["sana"],
-                      f"model.pretrained={root / 'sana' / 'ckpt'}",
-                      f"model.init_from={root / 'sana' / 'stage1' / 'final'}", f"data.path={data}",
+        run_inprocess(training_script(SANA), "--config", SANA_CONFIG,
+                      f"model.pretrained={root / SANA.name / 'ckpt'}",
+                      f"model.init_from={root / SANA.name / 'stage1' / 'final'}", f"data.path={data}",
                       "train.distill.output_weight=1", f"output_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()
 
@@ -122,7 +111,7 @@ def test_a_changed_teacher_stops_stage2_before_anything_is_written(checkpoints, 
 ])
 def test_non_finite_settings_are_refused_before_any_work(override, message, tmp_path, capsys, monkeypatch):
     """train.learning_rate=inf trained to all-NaN weights with exit 0."""
-    line = fails_in_one_line("scripts/train_dit.py", ["--config", TINY["dit"], override,
+    line = fails_in_one_line("scripts/train_dit.py", ["--config", DIT_CONFIG, override,
                              f"output_dir={tmp_path / 'run'}"], capsys, monkeypatch)
     assert message in line and not (tmp_path / "run").exists()
 
@@ -157,7 +146,7 @@ def test_data_split_refusal_comes_before_any_write(checkpoints, tmp_path):
     image = Image.new("RGB", (32, 32))
     datasets.Dataset.from_dict({"image": [image], "text": ["a cat"]}).save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match="data.split='validation'"):
-        run_inprocess("finetune_sana.py", "--config", TINY["sana"],
+        run_inprocess(training_script(SANA), "--config", SANA_CONFIG,
                       f"model.pretrained={checkpoints / 'sana' / 'ckpt'}", "data.source=hf",
                       f"data.path={tmp_path / 'hf'}", "data.split=validation",
                       f"output_dir={tmp_path / 'run'}")
@@ -182,7 +171,7 @@ def test_a_run_on_a_latent_cache_records_the_caches_resolution(tmp_path):
                                                     "--resolution", "16", "--device", "cpu"])
     overrides = ["data.source=latents", f"data.path={tmp_path / 'cache'}", f"data.vae={tmp_path / 'vae'}",
                  "model.num_classes=2", "data.resolution=256"]
-    cfg = load_config(DiTRunConfig, TINY["dit"], overrides)
+    cfg = load_config(DiTRunConfig, DIT_CONFIG, overrides)
     assert DiTTask(cfg).run_config().data.resolution == 16
 
 
@@ -238,12 +227,25 @@ def test_generate_refuses_blocks_that_do_not_fit_before_writing(dit_models, tmp_
     assert checksums(out) == before
 
 
-@pytest.mark.parametrize("base, args, grid", [
-    ("wan", ["height=32", "width=32", "num_frames=5", "mhla={blocks: [1, 4, 4]}"], "(2, 2, 2)"),
-    ("sana-video", ["height=32", "width=64", "num_frames=5", "mhla={blocks: [1, 2, 8]}"], "(2, 2, 4)"),
-    ("sana", ["height=32", "width=32", "mhla={blocks: [32, 2]}"], "(16, 16)"),
-])
-def test_generate_checks_the_grid_of_every_base(checkpoints, tmp_path, capsys, monkeypatch, base, args, grid):
+@pytest.mark.parametrize("base", FINE_TUNED)
+def test_generate_checks_the_grid_of_every_base(checkpoints, tmp_path, capsys, monkeypatch, base):
+    """Blocks twice the token grid of the tiny sampling size on every axis: refused, naming the grid the
+    pipeline's own latents of that size have (the tiny sampling call's, over the patch)."""
+    import torch
+
+    record, tiny = BASES[base], BASES[base].tiny.load()
+    pipe = tiny.pipeline()
+    latents = tiny.sample(pipe, torch.Generator().manual_seed(0))
+    patch = pipe.transformer.config[record.grid.patch]
+    patch = (patch,) * record.grid.ndim if isinstance(patch, int) else tuple(patch)
+    grid = tuple(n // p for n, p in zip(latents.shape[2:], patch))
+    *frames, height, width = tiny.pixels
+    args = [f"height={height}", f"width={width}", *[f"num_frames={f}" for f in frames],
+            f"mhla={{blocks: {[2 * n for n in grid]}}}",
+            "max_sequence_length=512"]  # what every text encoder takes (Wan2.1 I2V: exactly 512)
+    if record.image_conditioned:
+        Image.new("RGB", (width, height)).save(tmp_path / "first.png")
+        args.append(f"images=[{tmp_path / 'first.png'}]")
     line = fails_in_one_line("eval/generate.py", [f"base={base}", f"model={checkpoints / base / 'ckpt'}",
                              "prompts=[a cat]", "steps=1", *args, f"output_dir={tmp_path / 'g'}"],
                              capsys, monkeypatch)
@@ -267,12 +269,12 @@ def _broken_videos(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("base", ["sana", "wan", "sana-video"])
+@pytest.mark.parametrize("base", [name for name in FINE_TUNED if "folder" in BASES[name].data_sources])
 def test_no_readable_item_is_refused_before_config_marker_and_cache(checkpoints, tmp_path, base, capsys,
                                                                     monkeypatch):
     """The refusal came after config.yaml, the run marker and a temporary cache were written."""
     data = (_broken_videos if base_for(base).video else _broken_images)(tmp_path / "data")
-    line = fails_in_one_line(f"scripts/{SCRIPTS[base]}", ["--config", TINY[base],
+    line = fails_in_one_line(f"scripts/{training_script(base)}", ["--config", tiny_config(base),
                              f"model.pretrained={checkpoints / base / 'ckpt'}", f"data.path={data}",
                              f"output_dir={tmp_path / 'run'}"], capsys, monkeypatch)
     assert f"data.path={str(data)!r}: none of its 2 captioned" in line and "can be read" in line
@@ -285,11 +287,11 @@ def test_no_readable_item_of_a_datasets_dataset_is_refused_before_writing(checkp
     table = {"image": [b"not a png", b"nor this"], "text": ["a cat", "a dog"], "label": [0, 1]}
     datasets.Dataset.from_dict(table).save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match="none of its 2 captioned images can be read"):
-        run_inprocess("finetune_sana.py", "--config", TINY["sana"],
+        run_inprocess(training_script(SANA), "--config", SANA_CONFIG,
                       f"model.pretrained={checkpoints / 'sana' / 'ckpt'}", "data.source=hf",
                       f"data.path={tmp_path / 'hf'}", f"output_dir={tmp_path / 'run'}")
     with pytest.raises(ConfigError, match="none of its 2 'image' images can be read"):
-        run_inprocess("train_dit.py", "--config", TINY["dit"], "data.source=hf",
+        run_inprocess("train_dit.py", "--config", DIT_CONFIG, "data.source=hf",
                       f"data.path={tmp_path / 'hf'}", "model.num_classes=2", "data.vae=null",
                       f"output_dir={tmp_path / 'dit'}")
     assert not (tmp_path / "run").exists() and not (tmp_path / "dit").exists()

@@ -12,10 +12,23 @@ import tarfile
 
 import numpy as np
 import pytest
-from train_helpers import REPO, final_weights, max_abs_diff, run_inprocess
+from train_helpers import (
+    final_weights,
+    max_abs_diff,
+    one_per_kind,
+    run_inprocess,
+    tiny_config,
+    training_script,
+)
 
+from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
 
+# the hf and shards runs against the folder's (three 2-step runs a base): one base of each kind of sample
+# (image, video) among those fine-tuned from captions that read both sources
+SOURCE_BASES = one_per_kind(b for b in BASES.values() if b.trains and b.conditioning == "captions"
+                            and {"folder", "hf", "shards"} <= set(b.data_sources))
+SANA = BASES["sana"].name  # the load_dataset imagefolder and the caption-source checks
 CAPTIONS = ["a red cat", "a blue dog", "a small cat", "a green dog"]
 
 
@@ -29,20 +42,17 @@ def _tar(path, members: dict[str, bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """Tiny SANA / Wan checkpoints; 4 captioned PNGs and 2 captioned MP4s as a folder, a save_to_disk
-    dataset (captions in a ``prompt`` column), an imagefolder for load_dataset, and tar shards (2 + 1 items
-    per shard, plus a key without caption that is left out); 20 class-labelled 8x8 PNGs as class folders
-    and as a datasets dataset with a ClassLabel column."""
+    """Tiny checkpoints of :data:`SOURCE_BASES` (and SANA); 4 captioned PNGs and 2 captioned MP4s as a
+    folder, a save_to_disk dataset (captions in a ``prompt`` column), an imagefolder for load_dataset, and
+    tar shards (2 + 1 items per shard, plus a key without caption that is left out); 20 class-labelled 8x8
+    PNGs as class folders and as a datasets dataset with a ClassLabel column."""
     import datasets
     import imageio.v3 as iio
     from PIL import Image
 
-    from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
     root = tmp_path_factory.mktemp("sources")
-    tiny_sana_pipeline().save_pretrained(root / "sana")
-    tiny_wan_pipeline().save_pretrained(root / "wan")
+    for name in dict.fromkeys([SANA, *SOURCE_BASES]):
+        BASES[name].tiny.load().pipeline().save_pretrained(root / name)
     rng = np.random.default_rng(0)
     for kind, suffix, count in (("images", ".png", 4), ("videos", ".mp4", 2)):
         folder = root / kind
@@ -97,49 +107,53 @@ def _class_data(root, rng) -> None:
     datasets.Dataset.from_dict(table, features=features).save_to_disk(str(root / "hf_classes"))
 
 
-def finetune(kind: str, root, out, *overrides):
+def finetune(base: str, root, out, *overrides):
     run_inprocess(
-        f"finetune_{kind}.py", "--config", str(REPO / "mhla_gen" / "configs" / "tiny" / f"{kind}.yaml"),
-        f"model.pretrained={root / kind}", f"output_dir={out}", "train.max_steps=2", "log.sample_every=0",
+        training_script(base), "--config", tiny_config(base),
+        f"model.pretrained={root / base}", f"output_dir={out}", "train.max_steps=2", "log.sample_every=0",
         *overrides,
     )
 
 
+def _media(base: str) -> str:
+    return "videos" if BASES[base].video else "images"
+
+
 @pytest.fixture(scope="module")
 def folder_weights(sources, tmp_path_factory):
-    """``folder_weights(kind)``: final weights of the 2-step run on the plain folder (run once per kind)."""
+    """``folder_weights(base)``: final weights of the 2-step run on the plain folder (run once per base)."""
     done = {}
 
-    def weights(kind: str) -> dict:
-        if kind not in done:
-            out = tmp_path_factory.mktemp(f"folder_{kind}")
-            finetune(kind, sources, out, f"data.path={sources / ('images' if kind == 'sana' else 'videos')}")
-            done[kind] = final_weights(out)
-        return done[kind]
+    def weights(base: str) -> dict:
+        if base not in done:
+            out = tmp_path_factory.mktemp(f"folder_{base}")
+            finetune(base, sources, out, f"data.path={sources / _media(base)}")
+            done[base] = final_weights(out)
+        return done[base]
 
     return weights
 
 
-@pytest.mark.parametrize("kind", ["sana", "wan"])
-def test_hf_and_shards_train_exactly_like_the_folder(sources, folder_weights, tmp_path, kind):
-    media = "images" if kind == "sana" else "videos"
-    column = "data.image_column=image" if kind == "sana" else "data.video_column=video"
-    finetune(kind, sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / f'hf_{media}'}",
+@pytest.mark.parametrize("base", SOURCE_BASES)
+def test_hf_and_shards_train_exactly_like_the_folder(sources, folder_weights, tmp_path, base):
+    media = _media(base)
+    column = "data.video_column=video" if BASES[base].video else "data.image_column=image"
+    finetune(base, sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / f'hf_{media}'}",
              column, "data.caption_column=prompt")
-    finetune(kind, sources, tmp_path / "shards", "data.source=shards",
+    finetune(base, sources, tmp_path / "shards", "data.source=shards",
              f"data.path={sources / f'shards_{media}' / 'a-*.tar'}")
-    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights(kind)) == 0.0
-    assert max_abs_diff(final_weights(tmp_path / "shards"), folder_weights(kind)) == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights(base)) == 0.0
+    assert max_abs_diff(final_weights(tmp_path / "shards"), folder_weights(base)) == 0.0
 
 
 def test_load_dataset_folder_trains_like_the_folder(sources, folder_weights, tmp_path):
     """An imagefolder (images + metadata.jsonl) read through load_dataset, split train."""
-    finetune("sana", sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / 'imagefolder'}")
-    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights("sana")) == 0.0
+    finetune(SANA, sources, tmp_path / "hf", "data.source=hf", f"data.path={sources / 'imagefolder'}")
+    assert max_abs_diff(final_weights(tmp_path / "hf"), folder_weights(SANA)) == 0.0
 
 
 def test_dit_class_labelled_hf_dataset_trains_like_class_folders(sources, tmp_path):
-    args = ("--config", str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml"), "train.max_steps=2",
+    args = ("--config", tiny_config("dit"), "train.max_steps=2",
             "log.sample_every=0", "data.vae=null", "train.global_batch_size=4")
     run_inprocess("train_dit.py", *args, "data.source=folder", f"data.path={sources / 'classes'}",
                   f"output_dir={tmp_path / 'folder'}")
@@ -171,14 +185,14 @@ def test_sources_are_checked_before_any_work(sources, tmp_path, overrides, error
         (sources / "bz2" / "x.tar").write_bytes(bz2.compress(shard))
     out = tmp_path / "run"
     with pytest.raises(error, match=message):
-        finetune("sana", sources, out, *(o.format(root=sources) for o in overrides))
+        finetune(SANA, sources, out, *(o.format(root=sources) for o in overrides))
     assert not out.exists()
 
 
 def test_dit_hf_class_count_is_checked(sources, tmp_path):
     message = r"model.num_classes=7 but .* has 10 classes \(its 'label' column\)"
     with pytest.raises(ConfigError, match=message):
-        run_inprocess("train_dit.py", "--config", str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml"),
+        run_inprocess("train_dit.py", "--config", tiny_config("dit"),
                       "data.source=hf", f"data.path={sources / 'hf_classes'}", "data.image_column=img",
                       "data.vae=null", "model.num_classes=7", f"output_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()

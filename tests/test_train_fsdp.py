@@ -18,15 +18,22 @@ from train_helpers import (
     REPO,
     final_weights,
     max_abs_diff,
+    one_per_kind,
     read_metrics,
     run_fsdp,
     run_inprocess,
     subprocess_env,
+    tiny_config,
+    training_script,
 )
 
+from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
 
-DIT = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
+DIT = tiny_config("dit")  # DiT's own per-block units and the launch refusals
+# fine-tuning under FSDP, two ranks against one (about a minute a base): one base of each kind of sample
+# (image, video) among those fine-tuned from captions
+FSDP_FINETUNES = one_per_kind(b for b in BASES.values() if b.trains and b.conditioning == "captions")
 # Adam's step lr * m / (sqrt(v) + eps) turns a rounding difference in a near-zero gradient into a step of up
 # to lr; with eps = 1 it is ~ lr * g, so 2-shard vs 1-tensor sums differ by rounding (~1e-7 x |g|) only, and
 # an EMA or gather mistake (a change of the size of the steps, ~1e-3 here) stands out
@@ -67,16 +74,13 @@ def test_dit_fsdp2_per_block_with_ema_resumes_like_one_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def finetune_setup(tmp_path_factory):
-    """Tiny SANA and Wan checkpoints with 4 captioned images and 2 captioned videos."""
+    """Tiny checkpoints of the bases of :data:`FSDP_FINETUNES`, 4 captioned images and 2 captioned videos."""
     import imageio.v3 as iio
     from PIL import Image
 
-    from mhla_gen.testing import tiny_sana_pipeline
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
     root = tmp_path_factory.mktemp("fsdp_finetune")
-    tiny_sana_pipeline().save_pretrained(root / "sana")
-    tiny_wan_pipeline().save_pretrained(root / "wan")
+    for name in FSDP_FINETUNES:
+        BASES[name].tiny.load().pipeline().save_pretrained(root / name)
     rng = np.random.default_rng(0)
     (root / "images").mkdir()
     (root / "videos").mkdir()
@@ -91,14 +95,15 @@ def finetune_setup(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sana", "wan"])
-def test_finetune_fsdp2_with_ema_matches_one_process(finetune_setup, tmp_path, kind):
-    """SANA / Wan per-block FSDP2 (the model's own blocks), EMA on: 2 steps equal a 1-process run."""
-    root = finetune_setup
-    data = root / ("images" if kind == "sana" else "videos")
-    script = f"finetune_{kind}.py"
+@pytest.mark.parametrize("base", FSDP_FINETUNES)
+def test_finetune_fsdp2_with_ema_matches_one_process(finetune_setup, tmp_path, base):
+    """Per-block FSDP2 (the model's own blocks), EMA on: 2 steps equal a 1-process run."""
+    root, record = finetune_setup, BASES[base]
+    data = root / ("videos" if record.video else "images")
+    script = training_script(record)
     args = (
-        "--config", f"tiny/{kind}", f"model.pretrained={root / kind}",  # a shipped config by name
+        "--config", record.tiny.load().tiny_config,  # a shipped config by name
+        f"model.pretrained={root / base}",
         f"data.path={data}", "train.max_steps=2", "train.ema_decay=0.5", "log.sample_every=0",
         f"data.cache_dir={tmp_path / 'cache'}", *WELL_CONDITIONED,
     )

@@ -1,4 +1,4 @@
-"""train.trainable=lora in scripts/finetune_sana.py and scripts/finetune_wan.py (tiny checkpoints and data):
+"""train.trainable=lora in the fine-tuning scripts (tiny checkpoints and data):
 final/ = LoRA adapter + MHLA parameters, loadable with load_transformer and the pipelines; a run stopped by
 train.max_steps and resumed (resume=latest) ends with exactly the weights of an uninterrupted run."""
 
@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import REPO, read_metrics, run_inprocess, write_captioned_videos
+from train_helpers import (
+    one_per_kind,
+    read_metrics,
+    run_inprocess,
+    tiny_config,
+    training_script,
+    write_captioned_videos,
+)
 
+from mhla_gen.bases import BASES
 from mhla_gen.integration.cards import CARD
 from mhla_gen.integration.lora import ADAPTER_WEIGHTS, MANIFEST, MHLA_WEIGHTS
 from mhla_gen.outputs.folders import LISTING, MARKER, read_marker
@@ -25,39 +33,47 @@ LORA = (
     "train.ema_decay=0.5",
     "log.sample_every=0",
 )
+# three LoRA runs each (tens of seconds a base): one base of each kind of sample (image, video) among those
+# with diffusers' LoRA loader fine-tuned from captions
+LORA_BASES = one_per_kind(b for b in BASES.values() if "lora" in b.capabilities and b.trains
+                          and b.conditioning == "captions")
+SANA = BASES["sana"].name  # resuming across modes
 
 
 @pytest.fixture(scope="module")
-def sana_setup(tmp_path_factory):
+def setups(tmp_path_factory):
+    """``setups(base)``: a folder with the base's tiny checkpoint (``ckpt``) and 4 captioned images or 2
+    captioned videos (``data``), made once per base."""
+    made = {}
+
+    def setup(base: str):
+        if base not in made:
+            root = made[base] = tmp_path_factory.mktemp(f"{base}_lora")
+            BASES[base].tiny.load().pipeline().save_pretrained(root / "ckpt")
+            if BASES[base].video:
+                write_captioned_videos(root / "data", height=32, width=32)
+            else:
+                _write_captioned_images(root / "data")
+        return made[base]
+
+    return setup
+
+
+def _write_captioned_images(folder) -> None:
     from PIL import Image
 
-    from mhla_gen.testing import tiny_sana_pipeline
-
-    root = tmp_path_factory.mktemp("sana_lora")
-    tiny_sana_pipeline().save_pretrained(root / "ckpt")
     rng = np.random.default_rng(0)
-    (root / "data").mkdir()
+    folder.mkdir()
     for i, caption in enumerate(["a red cat", "a blue dog", "a small cat", "a green dog"]):
-        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / "data" / f"{i}.png")
-        (root / "data" / f"{i}.txt").write_text(caption)
-    return root
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(caption)
 
 
-@pytest.fixture(scope="module")
-def wan_setup(tmp_path_factory):
-    from mhla_gen.testing.wan import tiny_wan_pipeline
-
-    root = tmp_path_factory.mktemp("wan_lora")
-    tiny_wan_pipeline().save_pretrained(root / "ckpt")
-    write_captioned_videos(root / "data", height=32, width=32)
-    return root
-
-
-def finetune(script: str, setup, out, *overrides):
+def finetune(base: str, setup, out, *overrides):
     run_inprocess(
-        script,
+        training_script(base),
         "--config",
-        str(REPO / "mhla_gen" / "configs" / "tiny" / ("sana.yaml" if "sana" in script else "wan.yaml")),
+        tiny_config(base),
         f"model.pretrained={setup / 'ckpt'}",
         f"data.path={setup / 'data'}",
         f"data.cache_dir={setup / 'cache'}",  # encoded once, shared by the runs
@@ -76,14 +92,14 @@ def final_tensors(out) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["finetune_sana.py", "finetune_wan.py"])
-def test_lora_finetune_final_folder_and_exact_resume(script, sana_setup, wan_setup, tmp_path):
+@pytest.mark.parametrize("base", LORA_BASES)
+def test_lora_finetune_final_folder_and_exact_resume(base, setups, tmp_path):
     from mhla_gen import load_transformer, mhla_parameters
 
-    setup = sana_setup if "sana" in script else wan_setup
-    finetune(script, setup, tmp_path / "whole", "train.max_steps=3")
-    finetune(script, setup, tmp_path / "split", "train.max_steps=2")  # checkpoint_2, then stops
-    finetune(script, setup, tmp_path / "split", "train.max_steps=3")  # resume=latest: step 3 only
+    setup = setups(base)
+    finetune(base, setup, tmp_path / "whole", "train.max_steps=3")
+    finetune(base, setup, tmp_path / "split", "train.max_steps=2")  # checkpoint_2, then stops
+    finetune(base, setup, tmp_path / "split", "train.max_steps=3")  # resume=latest: step 3 only
     assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3]
 
     final = tmp_path / "split" / "final"
@@ -114,25 +130,22 @@ def test_lora_finetune_final_folder_and_exact_resume(script, sana_setup, wan_set
     # the base stayed frozen: in the last checkpoint, every pretrained weight is the checkpoint's own
     pretrained = load_file(setup / "ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
     state = load_file(tmp_path / "split" / "checkpoints" / "checkpoint_3" / "model.safetensors")
-    base = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
-    assert all(torch.equal(base[k], pretrained[k]) for k in pretrained)
+    frozen = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
+    assert all(torch.equal(frozen[k], pretrained[k]) for k in pretrained)
 
-    if "sana" in script:
-        from mhla_gen.pipelines.sana import load_sana_pipeline as load_pipeline
-    else:
-        from mhla_gen.pipelines.wan import load_wan_pipeline as load_pipeline
-    pipe = load_pipeline(setup / "ckpt", transformer_path=final, torch_dtype=torch.float32)
+    pipe = BASES[base].sampler.load().load(setup / "ckpt", None, torch.float32, "cpu", final)
     assert pipe.transformer.mhla_config == model.mhla_config and "default" in pipe.transformer.peft_config
 
 
-def test_lora_checkpoint_refused_by_a_full_run(sana_setup, tmp_path):
+def test_lora_checkpoint_refused_by_a_full_run(setups, tmp_path):
     """A LoRA checkpoint has other parameters than a full run's: resuming across modes is refused."""
-    finetune("finetune_sana.py", sana_setup, tmp_path, "train.max_steps=2", "train.checkpoint_every=1")
+    sana_setup = setups(SANA)
+    finetune(SANA, sana_setup, tmp_path, "train.max_steps=2", "train.checkpoint_every=1")
     with pytest.raises(ValueError, match="lora"):
         run_inprocess(
-            "finetune_sana.py",
+            training_script(SANA),
             "--config",
-            str(REPO / "mhla_gen" / "configs" / "tiny" / "sana.yaml"),
+            tiny_config(SANA),
             f"model.pretrained={sana_setup / 'ckpt'}",
             f"data.path={sana_setup / 'data'}",
             f"data.cache_dir={sana_setup / 'cache'}",

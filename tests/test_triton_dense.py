@@ -12,52 +12,39 @@ times. The blocked path's oracle cases also run on the dense path (``test_triton
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from test_triton_mhla import (
+from kernel_helpers import (
     EPS,
+    INTERPRETED,
     NEEDS_ALL,
-    _assert_close,
-    _assert_matches_oracle,
-    _cast,
-    _mixing,
-    _oracle,
-    _rel_errors,
-    _run,
-    _strided_inputs,
-    _term_scale,
+    ROOT,
+    assert_all_close,
+    assert_matches_oracle,
+    cast_strided,
+    dense_oracle,
+    interpreter_only,
+    main_process_only,
+    mixing_matrix,
+    rel_errors,
+    run_in_interpreter,
+    run_kernels,
+    strided_inputs,
+    term_scale,
     tolerance,
 )
 
 from mhla_gen import BlockLayout
 from mhla_gen.ops.naive import mhla_dense_weights
 
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(
-    not INTERPRETED, reason="interpreter test: runs in the child pytest of test_dense_kernels_in_interpreter"
-)
 DENSE_KERNELS = ["_dense_fwd_kernel", "_dense_dq_kernel", "_dense_dkv_kernel"]
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")
+@main_process_only
 def test_dense_kernels_in_interpreter():
     """All interpreter tests of this file in one child pytest with ``TRITON_INTERPRET=1`` (CPU tensors)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
-         str(Path(__file__).resolve())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-5000:]
+    run_in_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +116,15 @@ FP16_CASES = [0, 3, 4, 7]
 def _check_case(tm, case, dtype):
     grid, blocks, d, feature_map, normalize, block_t, (b, h) = CASES[case]
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype)
-    mixing = _mixing(layout)
+    q, k, v, g = strided_inputs(b, h, layout.num_tokens, d, dtype)
+    mixing = mixing_matrix(layout)
     config = tm.TileConfig(block_t=block_t)
-    got, (state, norm, den) = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config)
+    got, (state, norm, den) = run_kernels(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype,
+                                          config)
     assert state.numel() == norm.numel() == 0  # the dense path ran: it saves only den
     assert den.shape == ((b, h, layout.num_tokens) if normalize else (0,))
     assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    _assert_matches_oracle(got, dense_tolerance(dtype, b, h, layout.num_tokens, d),
+    assert_matches_oracle(got, dense_tolerance(dtype, b, h, layout.num_tokens, d),
                            q, k, v, g, layout, mixing, feature_map, normalize)
 
 
@@ -159,9 +147,9 @@ def test_dense_saved_tensors_and_fakes(tm, dense, normalize):
     and strides as ``forward_outputs_like`` promises (the op's fake implementation)."""
     layout = BlockLayout((5, 7), (2, 3))
     b, h, n, d = 2, 2, layout.num_tokens, 8
-    q, k, v, _ = _strided_inputs(b, h, n, d, torch.float32)
-    mixing = _mixing(layout)
-    got = tm.forward(*(_cast(x, torch.float32) for x in (q, k, v)), layout.grid, layout.blocks,
+    q, k, v, _ = strided_inputs(b, h, n, d, torch.float32)
+    mixing = mixing_matrix(layout)
+    got = tm.forward(*(cast_strided(x, torch.float32) for x in (q, k, v)), layout.grid, layout.blocks,
                      mixing.float(), "elu+1", normalize, EPS, config=tm.TileConfig(block_t=16))
     for x, y in zip(got, tm.forward_outputs_like(q.float(), v.float(), layout.blocks, normalize)):
         assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
@@ -194,8 +182,9 @@ def test_dense_gradient_subsets(tm, dense, launches, normalize):
     """Each subset of gradients: the same values as with all four, None elsewhere, the shapes, dtypes and
     strides ``backward_outputs_like`` promises, and only the kernels the subset needs."""
     layout = BlockLayout((5, 7), (2, 3))
-    q, k, v, g = (_cast(x, torch.float32) for x in _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32))
-    mixing = _mixing(layout).float()
+    inputs = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    q, k, v, g = (cast_strided(x, torch.float32) for x in inputs)
+    mixing = mixing_matrix(layout).float()
     args = (q, k, v, layout.grid, layout.blocks, mixing, "relu", normalize, EPS)
     cfg = tm.TileConfig(block_t=16)
     out, *saved = tm.forward(*args, config=cfg)
@@ -222,8 +211,8 @@ def test_launches_per_call(td, launches, path):
     from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 7), (2, 3))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
-    leaves = [x.float().requires_grad_() for x in (q, k, v)] + [_mixing(layout).float().requires_grad_()]
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    leaves = [x.float().requires_grad_() for x in (q, k, v, mixing_matrix(layout))]
     with mhla_backend("triton"), td.triton_path(path):
         out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", True, eps=EPS)
         forward = list(launches)
@@ -248,15 +237,15 @@ def test_op_takes_the_dense_path_by_its_crossover(launches):
     from mhla_gen.ops.triton_dense import triton_path
 
     layout = BlockLayout((3, 5, 6), (2, 2, 3))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
-    mixing = _mixing(layout)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
+    mixing = mixing_matrix(layout)
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
     with mhla_backend("triton"):
         out = mhla_attention(*leaves[:3], layout, leaves[3], "elu+1", True, eps=EPS)
         with triton_path("blocked"):
             got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
     assert launches == DENSE_KERNELS
-    _assert_matches_oracle(got, dense_tolerance(torch.float32, 1, 2, layout.num_tokens, 16),
+    assert_matches_oracle(got, dense_tolerance(torch.float32, 1, 2, layout.num_tokens, 16),
                            q, k, v, g, layout, mixing, "elu+1", True)
     args = (*leaves[:3], list(layout.grid), list(layout.blocks), leaves[3], "relu", True, EPS, "triton")
     torch.library.opcheck(torch.ops.mhla_gen.mhla.default, args,
@@ -269,9 +258,9 @@ def test_dense_zero_features(tm, dense, negative):
     """ReLU features all zero (every q, or every k, negative): output 0, den = eps exactly, all gradients 0
     (no NaN from 0 / eps, nor from dA = G·v / eps ~ 1e6 when k is negative)."""
     layout = BlockLayout((4, 5), (2, 2))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
     q, k = (-x.abs() if name == negative else x for name, x in (("q", q), ("k", k)))
-    got, (_, _, den) = _run(tm, q, k, v, g, _mixing(layout), layout, "relu", True, torch.float32,
+    got, (_, _, den) = run_kernels(tm, q, k, v, g, mixing_matrix(layout), layout, "relu", True, torch.float32,
                             tm.TileConfig(block_t=16))
     assert (den == EPS).all()
     assert all((x == 0).all() for x in got)
@@ -284,16 +273,16 @@ def test_dense_fp16_weights_beyond_range(tm, dense):
     operands keep the output and all gradients accurate (unscaled, A and dP would be inf)."""
     layout = BlockLayout((8, 6), (2, 3))
     n, d = layout.num_tokens, 16
-    q, k, v, g = _strided_inputs(1, 2, n, d, torch.float16)
-    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=16)
+    q, k, v, g = strided_inputs(1, 2, n, d, torch.float16)
+    mixing, cfg = mixing_matrix(layout), tm.TileConfig(block_t=16)
     half = lambda x: x.half().double()  # noqa: E731
     tol = dense_tolerance(torch.float16, 1, 2, n, d)
 
     big_q, big_k = half((q.abs() + 1) * 60), half((k.abs() + 1) * 60)
     assert mhla_dense_weights(big_q, big_k, layout, mixing).max() > 4 * 65504
-    got, _ = _run(tm, big_q, big_k, v, g, mixing, layout, "relu", True, torch.float16, cfg)
+    got, _ = run_kernels(tm, big_q, big_k, v, g, mixing, layout, "relu", True, torch.float16, cfg)
     # G·o with o rounded to fp16 on top of the usual fp16 roundings: twice the bound (as in the blocked test)
-    _assert_close(got, _oracle(big_q, big_k, v, g, layout, mixing, "relu", True), 2 * tol)
+    assert_all_close(got, dense_oracle(big_q, big_k, v, g, layout, mixing, "relu", True), 2 * tol)
 
     # a per-channel sign shared by all tokens, so that G_t·v_s adds d terms of one sign: ~1e5
     common = torch.randn(d, generator=torch.Generator().manual_seed(5), dtype=torch.float64).sign()
@@ -301,8 +290,9 @@ def test_dense_fp16_weights_beyond_range(tm, dense):
     big_v, big_g = half(v + common), half((g + common) * 4000)
     d_p = (big_g @ big_v.transpose(-1, -2)) * mixing[layout.block_index][:, layout.block_index]
     assert d_p.abs().max() > 65504
-    got, _ = _run(tm, small_q, small_k, big_v, big_g, mixing, layout, "relu", False, torch.float16, cfg)
-    _assert_matches_oracle(got, tol, small_q, small_k, big_v, big_g, layout, mixing, "relu", False)
+    got, _ = run_kernels(tm, small_q, small_k, big_v, big_g, mixing, layout, "relu", False, torch.float16,
+                         cfg)
+    assert_matches_oracle(got, tol, small_q, small_k, big_v, big_g, layout, mixing, "relu", False)
 
 
 @interpreter_only
@@ -310,20 +300,20 @@ def test_dense_onehot_dw_variants(td, dense):
     """The one-hot ∂W of before 2026-11-28 (kept for GPU checks, ``dw_method``) and its two halves give the
     default's ∂W within fp16's rounding of dA ∘ P, and the same dq, dk, dv bit for bit."""
     layout = BlockLayout((5, 7, 3), (2, 3, 2))
-    q, k, v, g = _strided_inputs(1, 1, layout.num_tokens, 16, torch.float16)
-    qx, kx, vx, gx = (_cast(x, torch.float16) for x in (q, k, v, g))
-    mixing = _mixing(layout)
+    q, k, v, g = strided_inputs(1, 1, layout.num_tokens, 16, torch.float16)
+    qx, kx, vx, gx = (cast_strided(x, torch.float16) for x in (q, k, v, g))
+    mixing = mixing_matrix(layout)
     args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
     cfg = td.TileConfig(block_t=32)
     out, *saved = td.forward(*args, config=cfg)
-    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
-    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    expected = dense_oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = term_scale(q, k, v, g, layout, mixing, "relu", True)
     tol = dense_tolerance(torch.float16, 1, 1, layout.num_tokens, 16)
     sums = td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg)
     for method in ("sums", "onehot", "onehot-keys", "onehot-queries"):
         got = td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg, dw_method=method)
         assert all(torch.equal(a, b) for a, b in zip(sums[:3], got[:3])), method
-        assert _rel_errors((out, *got), expected, scale)["dmixing"] <= tol, method
+        assert rel_errors((out, *got), expected, scale)["dmixing"] <= tol, method
     with pytest.raises(ValueError, match="unknown dw_method"):
         td.backward(gx, *args, out, *saved, NEEDS_ALL, config=cfg, dw_method="atomic")
 
@@ -343,12 +333,12 @@ def test_dense_uninitialised_buffers_never_leak(tm, dense, monkeypatch, normaliz
     results do not change (a ∂W program writes only the rows of its tile's query blocks into a buffer
     zeroed by the host)."""
     layout = BlockLayout((5, 7), (2, 3))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
-    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=16)
-    clean, _ = _run(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    mixing, cfg = mixing_matrix(layout), tm.TileConfig(block_t=16)
+    clean, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
     for owner, name in [(torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")]:
         monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))
-    poisoned, _ = _run(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
+    poisoned, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", normalize, torch.float32, cfg)
     monkeypatch.undo()
     assert all(torch.equal(a, b) for a, b in zip(clean, poisoned))
 
@@ -358,11 +348,11 @@ def test_dense_wide_offsets_give_the_same_bits(tm, td, dense, monkeypatch):
     """int64 token offsets (taken where an (N, d) slice's offsets pass int32, ``_wide``) compute the same
     numbers as the int32 ones."""
     layout = BlockLayout((7, 5), (3, 2))
-    q, k, v, g = _strided_inputs(2, 2, layout.num_tokens, 24, torch.float32)
-    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=16)
-    narrow, _ = _run(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
+    q, k, v, g = strided_inputs(2, 2, layout.num_tokens, 24, torch.float32)
+    mixing, cfg = mixing_matrix(layout), tm.TileConfig(block_t=16)
+    narrow, _ = run_kernels(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
     monkeypatch.setattr(td, "_wide", lambda *tensors: True)
-    wide, _ = _run(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
+    wide, _ = run_kernels(tm, q, k, v, g, mixing, layout, "elu+1", True, torch.float32, cfg)
     assert all(torch.equal(a, b) for a, b in zip(narrow, wide))
 
 
@@ -498,21 +488,21 @@ def test_cuda_dense_vs_blocked_vs_oracle(tm, td, dtype, grid, blocks, d, b, h):
     2026-11-28 run checked them in turn with one message and could not say which path's ∂W was wrong);
     dense results identical run to run (∂W from per-program partials, no atomics)."""
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
-    mixing = _mixing(layout).cuda()
-    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
-    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    q, k, v, g = strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
+    mixing = mixing_matrix(layout).cuda()
+    expected = dense_oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = term_scale(q, k, v, g, layout, mixing, "relu", True)
     results, errors = {}, {}
     for path in ("dense", "blocked"):
         with td.triton_path(path):
-            results[path], (state, *_) = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+            results[path], (state, *_) = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
         assert (state.numel() == 0) == (path == "dense")
         assert all(torch.isfinite(x).all() for x in results[path]), path
-        errors[path] = _rel_errors(results[path], expected, scale)
+        errors[path] = rel_errors(results[path], expected, scale)
     tol = dense_tolerance(dtype, b, h, layout.num_tokens, d)
     assert all(max(e.values()) <= tol for e in errors.values()), (tol, errors)
     with td.triton_path("dense"):
-        again, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+        again, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
     assert all(torch.equal(a, b) for a, b in zip(again, results["dense"]))
 
 
@@ -530,16 +520,16 @@ def test_cuda_dense_onehot_dw(td, dtype, dw_method):
     "onehot-queries" names the construct."""
     layout = BlockLayout((7, 9, 5), (2, 4, 3))
     b, h, d = 2, 3, 64
-    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
-    qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
-    mixing = _mixing(layout).cuda()
+    q, k, v, g = strided_inputs(b, h, layout.num_tokens, d, dtype, "cuda")
+    qx, kx, vx, gx = (cast_strided(x, dtype) for x in (q, k, v, g))
+    mixing = mixing_matrix(layout).cuda()
     args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), "relu", True, EPS)
     out, *saved = td.forward(*args)
-    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
-    scale = _term_scale(q, k, v, g, layout, mixing, "relu", True)
+    expected = dense_oracle(q, k, v, g, layout, mixing, "relu", True)
+    scale = term_scale(q, k, v, g, layout, mixing, "relu", True)
     errors = {}
     for method in ("sums", dw_method):
         grads = td.backward(gx, *args, out, *saved, NEEDS_ALL, dw_method=method)
-        errors[method] = _rel_errors((out, *grads), expected, scale)["dmixing"]
+        errors[method] = rel_errors((out, *grads), expected, scale)["dmixing"]
     tol = dense_tolerance(dtype, b, h, layout.num_tokens, d)
     assert errors[dw_method] <= tol, (tol, errors)

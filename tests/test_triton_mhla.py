@@ -20,40 +20,36 @@ runs more than once on these small grids.
 from __future__ import annotations
 
 import importlib
-import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import (
+    EPS,
+    INTERPRETED,
+    NEEDS_ALL,
+    ROOT,
+    UNIT_ROUNDOFF,
+    assert_all_close,
+    assert_matches_oracle,
+    cast_strided,
+    dense_oracle,
+    interpreter_only,
+    main_process_only,
+    mixing_matrix,
+    rel_errors,
+    run_in_interpreter,
+    run_kernels,
+    strided_inputs,
+    tolerance,
+)
 
 from mhla_gen import BlockLayout
-from mhla_gen.ops.naive import mhla_dense
-
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(
-    not INTERPRETED, reason="interpreter test: runs in the child pytest of test_kernels_in_interpreter"
-)
-EPS = 1e-6
-NEEDS_ALL = (True, True, True, True)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")
+@main_process_only
 def test_kernels_in_interpreter():
     """All interpreter tests of this file in one child pytest with ``TRITON_INTERPRET=1`` (CPU tensors)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
-         str(Path(__file__).resolve())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-5000:]
+    run_in_interpreter(__file__)
 
 
 @pytest.fixture(autouse=True)
@@ -80,84 +76,6 @@ def tm():
 
 
 # --------------------------------------------------------------------------------------------------
-# inputs and the oracle
-
-
-def _strided_inputs(b, h, n, d, dtype, device="cpu", seed=0):
-    """q contiguous (B, H, N, d); k heads-interleaved (B, N, H, d) memory; v a slice of a fused
-    (B, N, 3, H, d) projection (token stride 3·H·d); grad_out heads-interleaved. float64 values that
-    are exact in ``dtype``."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(b, h, n, d), (b, n, h, d), (b, n, 3, h, d), (b, n, h, d)]
-    q, k, qkv, g = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes)
-    q, k, qkv, g = (x.to(device, torch.float64) for x in (q, k, qkv, g))
-    return q, k.transpose(1, 2), qkv[:, :, 1].transpose(1, 2), g.transpose(1, 2)
-
-
-def _cast(x, dtype):
-    """``x`` in ``dtype`` with x's strides (``.to`` would make a non-dense view such as v contiguous)."""
-    return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device).copy_(x)
-
-
-def _oracle(q, k, v, g, layout, mixing, feature_map, normalize):
-    """float64 ``(out, dq, dk, dv, dmixing)`` of the dense form."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, mixing)]
-    out = mhla_dense(*leaves[:3], layout, leaves[3], feature_map, normalize, eps=EPS)
-    return (out.detach(), *torch.autograd.grad(out, leaves, g))
-
-
-def _mixing(layout, seed=1):
-    """Positive, non-symmetric (M, M), rows not summing to one."""
-    m = layout.num_blocks
-    mixing = 0.1 + torch.rand(m, m, generator=torch.Generator().manual_seed(seed))
-    return mixing.double()  # exact in fp32, the kernels' mixing dtype here
-
-
-def _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config=None, needs=NEEDS_ALL):
-    """``((out, dq, dk, dv, dmixing), (state, norm, den))`` from the kernels' forward and backward (which
-    gets ``out`` only where it reads it, an empty tensor otherwise, as the op passes it)."""
-    qx, kx, vx, gx = (_cast(x, dtype) for x in (q, k, v, g))
-    args = (qx, kx, vx, layout.grid, layout.blocks, mixing.float(), feature_map, normalize, EPS)
-    out, *saved = tm.forward(*args, config=config)
-    kept = out if tm.backward_reads_out(saved[0]) else out.new_empty(0)
-    grads = tm.backward(gx, *args, kept, *saved, needs, config=config)
-    return (out, *grads), tuple(saved)
-
-
-def _term_scale(q, k, v, g, layout, mixing, feature_map, normalize):
-    """float64 ``(out, dq, dk, dv, dmixing)`` of the oracle on ``|v|`` and ``|g|``: with a nonnegative feature
-    map and no normaliser every product summed is then nonnegative, so each entry is the sum of the
-    magnitudes of the terms its reduction adds (what rounding error scales with), not the sum itself,
-    which can cancel (one block, M = 1: dmixing is one scalar summed over B·H·N·d·e products)."""
-    return _oracle(q, k, v.abs(), g.abs(), layout, mixing, feature_map, normalize)
-
-
-def _rel_errors(got, expected, scale=None) -> dict[str, float]:
-    """``max |got - ref|`` over the larger of ``max |ref|`` and ``max`` of the term magnitudes ``scale``."""
-    names = ("out", "dq", "dk", "dv", "dmixing")
-    scale = scale or expected
-    return {
-        name: ((a.double() - b).abs().max() / max(b.abs().max(), s.abs().max())).item()
-        for name, a, b, s in zip(names, got, expected, scale)
-        if a is not None
-    }
-
-
-def _assert_close(got, expected, tol, scale=None):
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dmixing"), got, expected):
-        assert a is not None and a.shape == b.shape, name
-        assert torch.isfinite(a).all(), name
-    errors = _rel_errors(got, expected, scale)
-    assert max(errors.values()) <= tol, errors
-
-
-def _assert_matches_oracle(got, tol, *oracle):
-    """:func:`_assert_close` against the float64 oracle of ``oracle`` (``_oracle``'s arguments), errors
-    relative to its terms' magnitudes (:func:`_term_scale`): what :func:`tolerance` bounds."""
-    _assert_close(got, _oracle(*oracle), tol, _term_scale(*oracle))
-
-
-# --------------------------------------------------------------------------------------------------
 # interpreter: forward and all gradients vs the float64 oracle
 
 # (grid, blocks, d, feature_map, normalize, tile config, (batch, heads)): uneven 2D / 3D, 1D, one block,
@@ -180,34 +98,18 @@ CASE_IDS = [
 ]
 FP16_CASES = [2, 3, 5]  # and test_fp16_large_states_and_clipping (2D, relu, normaliser on and off)
 
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-
-
-def tolerance(dtype, b: int, h: int, n: int, d: int) -> float:
-    """The largest relative error (:func:`_rel_errors`) the kernels may have, from the arithmetic
-    rather than from one machine's measurement: every tensor is a fp32 sum of at most ``b·h·n·(d+1)``
-    products (dmixing's, the longest reduction), whose rounding error relative to the sum of the terms'
-    magnitudes (:func:`_term_scale`; the sum itself can cancel) stays below λ·√n·u with high
-    probability (Higham & Mary, SIAM J. Sci. Comput. 2019; λ = 4); 16-bit inputs, state operands and
-    results add a few roundings of their own unit roundoff (4 u). Measured (interpreter, 2026-11-28, torch
-    2.14, triton 3.8, relative to max |ref| alone): fp32 at most 5.8e-7 against bounds of 3.5e-6..1.5e-5;
-    fp16 at most 1.0e-3 against 2e-3."""
-    fp32 = 4 * math.sqrt(b * h * n * (d + 1)) * UNIT_ROUNDOFF[torch.float32]
-    return fp32 if dtype == torch.float32 else fp32 + 4 * UNIT_ROUNDOFF[dtype]
-
-
 def _check_case(tm, case, dtype, path):
     grid, blocks, d, feature_map, normalize, config, (b, h) = CASES[case]
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _strided_inputs(b, h, layout.num_tokens, d, dtype)
-    mixing = _mixing(layout)
-    got, (state, *_) = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype,
+    q, k, v, g = strided_inputs(b, h, layout.num_tokens, d, dtype)
+    mixing = mixing_matrix(layout)
+    got, (state, *_) = run_kernels(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype,
                             tm.TileConfig(**config))
     assert (state.numel() == 0) == (path == "dense")  # the dense path saves no state
     assert [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
     n = layout.num_tokens
     sums = n * n if path == "dense" else n  # the dense path's ∂W sums b·h·n² products dA[t, s]·P[t, s]
-    _assert_matches_oracle(got, tolerance(dtype, b, h, sums, d),
+    assert_matches_oracle(got, tolerance(dtype, b, h, sums, d),
                            q, k, v, g, layout, mixing, feature_map, normalize)
 
 
@@ -231,12 +133,12 @@ def test_one_block_normalized(tm):
     """One block with the normaliser: out does not depend on W's scale, so dW = <dS~, S> + <dz~, z> cancels
     to ~0 (the relative error is meaningless there); the rest matches the oracle."""
     layout = BlockLayout((4, 6), (1, 1))
-    q, k, v, g = _strided_inputs(2, 2, layout.num_tokens, 8, torch.float32)
-    mixing = _mixing(layout)
+    q, k, v, g = strided_inputs(2, 2, layout.num_tokens, 8, torch.float32)
+    mixing = mixing_matrix(layout)
     cfg = tm.TileConfig(block_t=8, split=2)
-    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, torch.float32, cfg)
-    expected = _oracle(q, k, v, g, layout, mixing, "relu", True)
-    errors = _rel_errors(got[:4], expected[:4])
+    got, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, torch.float32, cfg)
+    expected = dense_oracle(q, k, v, g, layout, mixing, "relu", True)
+    errors = rel_errors(got[:4], expected[:4])
     assert max(errors.values()) <= tolerance(torch.float32, 2, 2, layout.num_tokens, 8), errors
     # the oracle's dW is 1.1e-6 (from eps), a difference of two sums of ~20: its fp32 error is bounded by
     # n·u times the sum of the absolute terms (n: the longest chain of additions), whatever the machine
@@ -271,9 +173,9 @@ def test_forward_states_and_layouts(tm, normalize, dtype):
     ``forward_outputs_like`` promises (what a fake implementation returns)."""
     layout = BlockLayout((5, 7), (2, 3))
     b, h, n, d, m = 2, 2, layout.num_tokens, 8, layout.num_blocks
-    q, k, v, _ = _strided_inputs(b, h, n, d, dtype)
-    mixing = _mixing(layout)
-    got = tm.forward(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype), layout.grid, layout.blocks,
+    q, k, v, _ = strided_inputs(b, h, n, d, dtype)
+    mixing = mixing_matrix(layout)
+    got = tm.forward(*(cast_strided(x, dtype) for x in (q, k, v)), layout.grid, layout.blocks,
                      mixing.float(), "elu+1", normalize, EPS, config=tm.TileConfig(block_t=4))
     for x, y in zip(got, tm.forward_outputs_like(q.to(dtype), v.to(dtype), layout.blocks, normalize)):
         assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
@@ -302,9 +204,9 @@ def test_gradient_subsets(tm, normalize):
     """Every single input, two of them, and none: the same values as with all four (and None elsewhere);
     shapes, dtypes and strides as ``backward_outputs_like`` promises."""
     layout = BlockLayout((5, 7), (2, 3))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
-    mixing = _mixing(layout)
-    q, k, v, g = (_cast(x, torch.float32) for x in (q, k, v, g))
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    mixing = mixing_matrix(layout)
+    q, k, v, g = (cast_strided(x, torch.float32) for x in (q, k, v, g))
     args = (q, k, v, layout.grid, layout.blocks, mixing.float(), "relu", normalize, EPS)
     cfg = tm.TileConfig(block_t=8)
     out, *saved = tm.forward(*args, config=cfg)
@@ -325,23 +227,23 @@ def test_fp16_large_states_and_clipping(tm):
     the normalised output and all gradients accurate (forward: large v; backward: large G); without the
     normaliser the output saturates at ±65504 (clipped, not inf)."""
     layout = BlockLayout((8, 8), (2, 1))  # 32 tokens per block
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float16)
-    mixing, cfg = _mixing(layout), tm.TileConfig(block_t=8)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 16, torch.float16)
+    mixing, cfg = mixing_matrix(layout), tm.TileConfig(block_t=8)
     half = lambda x: x.half().double()  # noqa: E731
     # a per-channel sign shared by all tokens, so that sums over a block's tokens grow linearly
     common = torch.randn(16, generator=torch.Generator().manual_seed(5), dtype=torch.float64).sign()
 
     big_v = half((v + common) * 4000)  # |v| < 2e4, |S|, |S~| ~ 1e5
-    got, (state, _, _) = _run(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
+    got, (state, _, _) = run_kernels(tm, q, k, big_v, g, mixing, layout, "relu", True, torch.float16, cfg)
     assert state.abs().max() > 1e5  # the saved unmixed S (fp32 for fp16 inputs); S~ is larger still
     # G·o comes from the fp32 state product φ(q)·(S~ G), not from the fp16-rounded output: the usual fp16
     # bound holds (measured 1.1e-3 in dq against 2.0e-3; 1.7e-3 when G·o read the fp16 output)
     fp16_tol = tolerance(torch.float16, 1, 2, layout.num_tokens, 16)
-    _assert_close(got, _oracle(q, k, big_v, g, layout, mixing, "relu", True), fp16_tol)
+    assert_all_close(got, dense_oracle(q, k, big_v, g, layout, mixing, "relu", True), fp16_tol)
 
-    out, *_ = tm.forward(*(_cast(x, torch.float16) for x in (q, k, big_v)), layout.grid, layout.blocks,
+    out, *_ = tm.forward(*(cast_strided(x, torch.float16) for x in (q, k, big_v)), layout.grid, layout.blocks,
                          mixing.float(), "relu", False, EPS, config=cfg)
-    expected = _oracle(q, k, big_v, g, layout, mixing, "relu", False)[0]
+    expected = dense_oracle(q, k, big_v, g, layout, mixing, "relu", False)[0]
     big = expected.abs() > 65504
     assert big.any() and (~big).any() and torch.isfinite(out).all()
     assert torch.equal(out[big].double(), expected[big].sign() * 65504)
@@ -349,8 +251,8 @@ def test_fp16_large_states_and_clipping(tm):
 
     # backward: dS = W^T Σ φ(q) Gᵀ ~ 1.3e5 for a large G; small k, v keep dk, dv and the output in range
     small_k, small_v, big_g = half(k * 1e-3), half(v * 1e-3), half((g + common) * 4000)
-    got, _ = _run(tm, q, small_k, small_v, big_g, mixing, layout, "relu", False, torch.float16, cfg)
-    _assert_close(got, _oracle(q, small_k, small_v, big_g, layout, mixing, "relu", False), fp16_tol)
+    got, _ = run_kernels(tm, q, small_k, small_v, big_g, mixing, layout, "relu", False, torch.float16, cfg)
+    assert_all_close(got, dense_oracle(q, small_k, small_v, big_g, layout, mixing, "relu", False), fp16_tol)
 
 
 @interpreter_only
@@ -359,12 +261,12 @@ def test_zero_features(tm, negative):
     """ReLU features all zero (every q, or every k, negative): output 0 and den = eps exactly, and all
     gradients 0 (no NaN from 0 / eps or from the 1e6-sized dS~ = φ(q)ᵀG / eps when k is negative)."""
     layout = BlockLayout((4, 5), (2, 2))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
     q, k = (-x.abs() if name == negative else x for name, x in (("q", q), ("k", k)))
-    got, (_, _, den) = _run(tm, q, k, v, g, _mixing(layout), layout, "relu", True, torch.float32)
+    got, (_, _, den) = run_kernels(tm, q, k, v, g, mixing_matrix(layout), layout, "relu", True, torch.float32)
     assert (den == EPS).all()
     assert all((x == 0).all() for x in got)
-    assert all((x == 0).all() for x in _oracle(q, k, v, g, layout, _mixing(layout), "relu", True))
+    assert all((x == 0).all() for x in dense_oracle(q, k, v, g, layout, mixing_matrix(layout), "relu", True))
 
 
 def test_rejects_bad_inputs(tm):
@@ -507,8 +409,9 @@ def test_launches_per_call(tm, launches, normalize, needs):
     """Forward: 3 launches; backward: 6 with every gradient, fewer for subsets (a count that grows fails
     here). Every launch goes through ``triton_mixing.launch``."""
     layout = BlockLayout((5, 7), (2, 3))
-    q, k, v, g = (_cast(x, torch.float32) for x in _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32))
-    args = (q, k, v, layout.grid, layout.blocks, _mixing(layout).float(), "relu", normalize, EPS)
+    inputs = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)
+    q, k, v, g = (cast_strided(x, torch.float32) for x in inputs)
+    args = (q, k, v, layout.grid, layout.blocks, mixing_matrix(layout).float(), "relu", normalize, EPS)
     out, *saved = tm.forward(*args, config=tm.TileConfig(block_t=8))
     assert launches == FORWARD_LAUNCHES
     launches.clear()
@@ -524,9 +427,9 @@ def test_op_saves_out_only_where_backward_reads_it(backend):
     from mhla_gen.ops import mhla_attention
 
     layout = BlockLayout((4, 6), (2, 2))
-    inputs = _strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)[:3]
+    inputs = strided_inputs(1, 2, layout.num_tokens, 8, torch.float32)[:3]
     q, k, v = (x.float().requires_grad_() for x in inputs)
-    mixing = _mixing(layout).float().requires_grad_()
+    mixing = mixing_matrix(layout).float().requires_grad_()
     out = mhla_attention(q, k, v, layout, mixing, backend=backend)
     saved_out = out.grad_fn.saved_tensors[4]  # (q, k, v, mixing, out, *Saved)
     assert saved_out.shape == ((0,) if backend == "triton" else out.shape)
@@ -585,7 +488,7 @@ GPU_CASES = [
     ((4, 3), (4, 3), 64, "elu+1", True, {}),
     ((9, 11), (4, 4), 128, "relu+1e-6", True, dict(block_t=16, block_d=64, split=3)),
 ]
-# Measured on one H200 (2026-11-27, torch 2.11, triton 3.6; errors as _rel_errors): fp32 at most 8.2e-7,
+# Measured on one H200 (2026-11-27, torch 2.11, triton 3.6; errors as rel_errors): fp32 at most 8.2e-7,
 # fp16 6.4e-4, bf16 4.7e-3 (7x fp16; unit roundoff 2^-8 vs 2^-11), each 3x or more under `tolerance`.
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -596,12 +499,13 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.parametrize("grid, blocks, d, feature_map, normalize, config", GPU_CASES)
 def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize, config, kernel_path):
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _strided_inputs(2, 3, layout.num_tokens, d, dtype, "cuda")
+    q, k, v, g = strided_inputs(2, 3, layout.num_tokens, d, dtype, "cuda")
     tol = tolerance(dtype, 2, 3, layout.num_tokens, d)
-    mixing = _mixing(layout).cuda()
-    got, _ = _run(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, tm.TileConfig(**config))
+    mixing = mixing_matrix(layout).cuda()
+    config = tm.TileConfig(**config)
+    got, _ = run_kernels(tm, q, k, v, g, mixing, layout, feature_map, normalize, dtype, config)
     assert got[0].is_cuda and [x.dtype for x in got] == [dtype] * 4 + [torch.float32]
-    _assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, feature_map, normalize)
+    assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, feature_map, normalize)
 
 
 @pytest.mark.gpu
@@ -610,11 +514,11 @@ def test_cuda_wan_like_shape(tm, dtype):
     """Wan2.1-1.3B's attention shape at a small grid: batch 2 (CFG), 12 heads x 128, 3D blocks (3, 5, 10)
     on an uneven (5, 6, 13) grid; default launch configuration."""
     layout = BlockLayout((5, 6, 13), (3, 5, 10))
-    q, k, v, g = _strided_inputs(2, 12, layout.num_tokens, 128, dtype, "cuda")
+    q, k, v, g = strided_inputs(2, 12, layout.num_tokens, 128, dtype, "cuda")
     tol = tolerance(dtype, 2, 12, layout.num_tokens, 128)
-    mixing = _mixing(layout).cuda()
-    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), tol)
+    mixing = mixing_matrix(layout).cuda()
+    got, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+    assert_all_close(got, dense_oracle(q, k, v, g, layout, mixing, "relu", True), tol)
 
 
 @pytest.mark.gpu
@@ -623,12 +527,12 @@ def test_cuda_sana_like_shape(tm, dtype):
     """SANA-1.6B's attention shape at 1024 tokens: head dim 32, (32, 32) grid in (4, 4) blocks of 64
     tokens, batch 2 and 6 of its 70 heads; default launch configuration (tile table or heuristic)."""
     layout = BlockLayout((32, 32), (4, 4))
-    q, k, v, g = _strided_inputs(2, 6, layout.num_tokens, 32, dtype, "cuda")
+    q, k, v, g = strided_inputs(2, 6, layout.num_tokens, 32, dtype, "cuda")
     tol = tolerance(dtype, 2, 6, layout.num_tokens, 32)
-    mixing = _mixing(layout).cuda()
-    got, saved = _run(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
-    _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", True), tol)
-    fake = tm.forward_outputs_like(_cast(q, dtype), _cast(v, dtype), layout.blocks, True)[1:]
+    mixing = mixing_matrix(layout).cuda()
+    got, saved = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+    assert_all_close(got, dense_oracle(q, k, v, g, layout, mixing, "relu", True), tol)
+    fake = tm.forward_outputs_like(cast_strided(q, dtype), cast_strided(v, dtype), layout.blocks, True)[1:]
     for x, y in zip(saved, fake):  # bf16 states for bf16 inputs, as the fake says
         assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
 
@@ -662,14 +566,14 @@ def test_cuda_real_wan_grid(tm):
     from mhla_gen.ops.mhla import mhla_attention_autograd
 
     layout = BlockLayout((21, 30, 52), (3, 5, 10))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 64, torch.bfloat16, "cuda")
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 64, torch.bfloat16, "cuda")
     tol = tolerance(torch.bfloat16, 1, 2, layout.num_tokens, 64)
-    mixing = _mixing(layout).cuda()
-    got, _ = _run(tm, q, k, v, g, mixing, layout, "relu", True, torch.bfloat16)
+    mixing = mixing_matrix(layout).cuda()
+    got, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, torch.bfloat16)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, mixing)]
     out = mhla_attention_autograd(*leaves[:3], layout, leaves[3], "relu", True, eps=EPS)
     expected = (out.detach(), *torch.autograd.grad(out, leaves, g))
-    _assert_close(got, expected, tol)
+    assert_all_close(got, expected, tol)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -706,8 +610,8 @@ def test_op_runs_the_kernels(implementation_calls, normalize):
     from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((3, 5, 6), (2, 2, 3))
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
-    mixing = _mixing(layout)
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
+    mixing = mixing_matrix(layout)
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [mixing.float().requires_grad_()]
     with mhla_backend("triton"):
         out = mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
@@ -715,7 +619,7 @@ def test_op_runs_the_kernels(implementation_calls, normalize):
     with mhla_backend("pytorch"):
         got = (out.detach(), *torch.autograd.grad(out, leaves, g.float()))
         assert implementation_calls == ["triton.forward", "triton.backward"]
-        _assert_close(got, _oracle(q, k, v, g, layout, mixing, "relu", normalize),
+        assert_all_close(got, dense_oracle(q, k, v, g, layout, mixing, "relu", normalize),
                       tolerance(torch.float32, 1, 2, layout.num_tokens, 16))
         mhla_attention(*leaves[:3], layout, leaves[3], "relu", normalize, eps=EPS)
         assert implementation_calls[-1] == "blocked.forward"
@@ -737,10 +641,10 @@ def test_eager_path_equals_the_op_on_the_kernels(grid, blocks, normalize, traina
     from mhla_gen.ops import mhla_attention
 
     layout = BlockLayout(grid, blocks)
-    q, k, v, g = _strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
-    inputs = [_cast(x, torch.float32) for x in (q, k, v)] + [_mixing(layout).float()]
+    q, k, v, g = strided_inputs(1, 2, layout.num_tokens, 16, torch.float32)
+    inputs = [cast_strided(x, torch.float32) for x in (q, k, v)] + [mixing_matrix(layout).float()]
     wanted = [inputs[i].requires_grad_() for i in trainable]
-    g = _cast(g, torch.float32)
+    g = cast_strided(g, torch.float32)
     eager = mhla_attention(*inputs[:3], layout, inputs[3], "relu", normalize, eps=EPS, backend="triton")
     assert type(eager.grad_fn).__name__ == "_EagerMHLABackward"
     op, *_ = torch.ops.mhla_gen.mhla(*inputs[:3], list(grid), list(blocks), inputs[3], "relu", normalize, EPS,
@@ -758,10 +662,10 @@ def test_cuda_op_dispatch_and_compile(dtype):
     from mhla_gen.ops import mhla_attention, mhla_backend
 
     layout = BlockLayout((5, 6, 13), (3, 5, 10))
-    q, k, v, _ = _strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
+    q, k, v, _ = strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
     tol = tolerance(dtype, 2, 4, layout.num_tokens, 64)
-    leaves = [_cast(x, dtype).requires_grad_() for x in (q, k, v)]
-    mixing = _mixing(layout).float().cuda().requires_grad_()
+    leaves = [cast_strided(x, dtype).requires_grad_() for x in (q, k, v)]
+    mixing = mixing_matrix(layout).float().cuda().requires_grad_()
     out = mhla_attention(*leaves, layout, mixing)
     assert out.transpose(1, 2).is_contiguous()
     args = (*leaves, list(layout.grid), list(layout.blocks), mixing, "relu", True, EPS, "triton")
@@ -782,6 +686,7 @@ def test_cuda_op_dispatch_and_compile(dtype):
 def test_bench_model_shapes_on_cpu(capsys, tmp_path):
     import importlib.util
     import json
+    import sys
 
     path = ROOT / "benchmarks" / "bench_attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention_for_triton", path)

@@ -11,15 +11,14 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from mhla_gen import MHLAConfig, install_mhla, load_transformer, uninstall_mhla
-from mhla_gen.integration.install import mhla_processors
+from mhla_gen import MHLAConfig, load_transformer, uninstall_mhla
 from mhla_gen.integration.streaming import WanStreamCache, stream_step
 from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.ops.kv_cache import KVStreamCache, block_causal_softmax
 from mhla_gen.ops.rope import apply_wan_rotary
 from mhla_gen.ops.streaming_naive import block_causal_softmax_dense
 from mhla_gen.processors.wan_softmax import WanBlockCausalSoftmaxProcessor
-from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.testing.wan import tiny_wan_inputs, tiny_wan_mhla, tiny_wan_transformer
 from mhla_gen.train.attention import attention_mhla_config
 
 LATENT = (2, 16, 4, 6, 10)  # (B, C, F, H, W), patch (1, 2, 2) -> token grid (4, 3, 5): 15 tokens a frame
@@ -69,21 +68,11 @@ def test_the_kv_cache_rolls_out_the_whole_sequence_and_grows_by_a_chunk():
 
 
 def _model(cfg, dtype=torch.float64):
-    model = tiny_wan_transformer().to(dtype)
-    install_mhla(model, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # MHLA layers away from their inits (every block pair and decay matters)
-        for proc in mhla_processors(model).values():
-            for name, p in proc.mixing.named_parameters():
-                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.1 if name == "weight"
-                        else torch.randn(p.shape, generator=g))
-    return model
+    return tiny_wan_mhla(cfg, dtype)  # MHLA layers away from their inits (every block pair and decay matters)
 
 
 def _inputs(dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.randn(LATENT, generator=g).to(dtype)
-    return latent, torch.randn(LATENT[0], 7, TEXT_DIM, generator=g).to(dtype)
+    return tiny_wan_inputs(LATENT, dtype, seed)
 
 
 def test_one_chunk_of_the_whole_video_is_diffusers_wan_attention():

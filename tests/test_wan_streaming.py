@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from mhla_gen import MHLAConfig, install_mhla, load_transformer
-from mhla_gen.integration.install import mhla_processors
 from mhla_gen.integration.streaming import WanStreamCache, stream_step
 from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.ops.layout import BlockLayout
 from mhla_gen.ops.streaming_naive import block_causal_dense, factorised_dense
 from mhla_gen.processors.grid import rotary_at_frames
-from mhla_gen.testing.wan import TEXT_DIM, tiny_wan_transformer
+from mhla_gen.testing.wan import tiny_wan_inputs, tiny_wan_mhla, tiny_wan_transformer
 
 LATENT = (2, 16, 4, 6, 10)  # (B, C, F, H, W), patch (1, 2, 2) -> token grid (4, 3, 5): uneven in H and W
 GRID = (4, 3, 5)
@@ -31,22 +30,12 @@ CASES = [
 
 
 def _model(mixing, blocks, chunk, dtype=torch.float64, **overrides):
-    model = tiny_wan_transformer().to(dtype)
-    install_mhla(model, MHLAConfig(blocks=blocks, chunk_frames=chunk, stream_mixing=mixing, **overrides))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # away from the inits: every block pair and every head's decay matters
-        for proc in mhla_processors(model).values():
-            for name, p in proc.mixing.named_parameters():
-                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.1 if name == "weight"
-                        else torch.randn(p.shape, generator=g))
-    return model
+    cfg = MHLAConfig(blocks=blocks, chunk_frames=chunk, stream_mixing=mixing, **overrides)
+    return tiny_wan_mhla(cfg, dtype)  # away from the inits: every block pair and every head's decay matters
 
 
 def _inputs(dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.randn(LATENT, generator=g).to(dtype)
-    text = torch.randn(LATENT[0], 7, TEXT_DIM, generator=g).to(dtype)
-    return latent, text
+    return tiny_wan_inputs(LATENT, dtype, seed)
 
 
 def _rotate(x, cos, sin):

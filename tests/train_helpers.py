@@ -107,3 +107,39 @@ def write_captioned_videos(folder: Path, height: int = 40, width: int = 48, fram
         iio.imwrite(folder / f"{i}.mp4", video, fps=8, codec="libx264", plugin="pyav")
         (folder / f"{i}.txt").write_text(caption)
     return folder
+
+
+# ------------------------------------------------------------------------------ what the records say
+def tiny_config(base) -> str:
+    """The file of the shipped tiny training config of ``base`` (a record or its name), its test
+    reference's ``tiny_config``."""
+    from mhla_gen.bases import base_for
+    from mhla_gen.configs import shipped_config
+
+    record = base_for(base) if isinstance(base, str) else base
+    return str(shipped_config(record.tiny.load().tiny_config))
+
+
+def training_script(base) -> str:
+    """The checkout script (``scripts/<name>``, for :func:`run_inprocess` / :func:`run_fsdp`) of the command
+    that trains ``base`` (a record or its name): the training command whose module's ``BASE`` it is."""
+    from mhla_gen.bases import base_for
+    from mhla_gen.commands import COMMANDS
+
+    name = base if isinstance(base, str) else base.name
+    for command in COMMANDS.values():
+        script = command.script or ""
+        if script.startswith("scripts/") and getattr(importlib.import_module(command.module), "BASE", None) \
+                is base_for(name):
+            return Path(script).name
+    raise LookupError(f"no training command trains base {name!r}")
+
+
+def one_per_kind(bases) -> list[str]:
+    """The first of ``bases`` (records, in :data:`mhla_gen.bases.BASES` order) of each kind of sample and
+    conditioning (``conditioning``, image or video): the end-to-end runs too slow to repeat on every base
+    run on these, so a base of a new kind gets its own run."""
+    chosen = {}
+    for base in bases:
+        chosen.setdefault((base.conditioning, base.video), base.name)
+    return list(chosen.values())

@@ -42,6 +42,25 @@ import torch.nn.functional as F
 from .layout import layout_for, split_sizes
 
 
+def enable_context_parallelism(transformer: torch.nn.Module, config) -> torch.nn.Module:
+    """``transformer.enable_parallelism(config=config)`` (diffusers' ``ContextParallelConfig`` or
+    ``ParallelConfig``) for a transformer whose diffusers class has a context-parallel plan; returns
+    ``transformer``.
+
+    Raises:
+        ValueError: in one line, before diffusers is called, when the class has no plan (``_cp_plan``: what
+            a base record's ``context_parallel`` capability reads; diffusers 0.42: DiT, SANA, SANA-Video).
+            diffusers itself would first ask for a process group, then fail on the missing plan.
+    """
+    if getattr(type(transformer), "_cp_plan", None) is None:
+        name = next((c.__name__ for c in type(transformer).__mro__ if c.__module__.startswith("diffusers.")),
+                    type(transformer).__name__)
+        raise ValueError(f"context parallelism: {name} has no diffusers context-parallel plan (_cp_plan), so "
+                         f"its tokens cannot be split over ranks; run it on one rank per sample")
+    transformer.enable_parallelism(config=config)
+    return transformer
+
+
 @dataclass(frozen=True)
 class TokenShard:
     """The tokens one rank of a context-parallel group holds.

@@ -43,6 +43,8 @@ class TinyBase:
         sample: ``sample(pipe, generator)`` -> the output of a 2-step call of :attr:`pipeline`'s pipeline
             (latents where the pipeline can return them).
         tiny_config: the shipped tiny training config of the record (``mhla_gen.configs``: ``tiny/dit``).
+        pixels: the size :attr:`sample` generates, ``(height, width)`` or ``(frames, height, width)``: a size
+            its pipeline takes (what the tests ask ``mhla-gen generate`` / ``sample`` for).
     """
 
     model: Callable[..., Any]
@@ -53,6 +55,7 @@ class TinyBase:
     mhla: MHLAConfig
     sample: Callable[..., Any]
     tiny_config: str
+    pixels: tuple[int, ...]
 
     def inputs(self, model, batch: int = 2, latent: tuple[int, ...] | None = None, seed: int = 0) -> dict:
         """Forward kwargs of ``model`` on seeded random latents ``(batch, in_channels, *latent)`` (default
@@ -311,6 +314,7 @@ TINY_DIT = TinyBase(
     mhla=MHLAConfig(blocks=(3, 2), layers=[1], cpe_kernel=3, gate=True),
     sample=sample_dit,
     tiny_config="tiny/dit",
+    pixels=(16, 16),
 )
 TINY_SANA = TinyBase(
     model=tiny_sana,
@@ -321,4 +325,5 @@ TINY_SANA = TinyBase(
     mhla=MHLAConfig(blocks=(2, 3), cpe_kernel=3, gate=True),
     sample=sample_sana,
     tiny_config="tiny/sana",
+    pixels=(32, 32),
 )

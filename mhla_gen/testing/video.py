@@ -303,6 +303,7 @@ TINY_SANA_VIDEO = TinyBase(
     mhla=MHLAConfig(blocks=(2, 2, 3), cpe_kernel=3, gate=True),
     sample=sample_sana_video,
     tiny_config="tiny/sana-video",
+    pixels=(5, 32, 64),
 )
 TINY_WAN_I2V = TinyBase(
     model=tiny_wan_i2v,
@@ -312,5 +313,6 @@ TINY_WAN_I2V = TinyBase(
     sizes=TINY_WAN.sizes,
     mhla=MHLAConfig(blocks=(2, 2, 3), layers=[0, 2], cpe_kernel=3, gate=True),
     sample=sample_wan_i2v,
-    tiny_config="tiny/wan",  # Wan's run config and tiny sizes; the I2V task conditions on first frames
+    tiny_config="tiny/wan-i2v",  # tiny/wan with the 512 text tokens of Wan2.1 I2V
+    pixels=TINY_WAN.pixels,
 )

@@ -12,6 +12,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
+from ..integration.install import install_mhla, mhla_processors
 from ..processors.config import MHLAConfig
 from .tiny import TinyBase, caption_forward_kwargs, on_model
 
@@ -65,6 +66,31 @@ def tiny_wan_transformer(seed: int = 0, **overrides) -> WanTransformer3DModel:
     """A 3-layer Wan transformer (2 heads of dim 12) with random weights."""
     torch.manual_seed(seed)
     return WanTransformer3DModel(**{**TINY_WAN_CONFIG, **overrides}).eval()
+
+
+def tiny_wan_mhla(cfg: MHLAConfig, dtype: torch.dtype = torch.float64, seed: int = 1,
+                  **overrides) -> WanTransformer3DModel:
+    """:func:`tiny_wan_transformer` (``overrides``) in ``dtype`` with ``cfg`` installed (block-causal with
+    ``cfg.chunk_frames``), each MHLA layer's mixing moved away from its init by a generator seeded ``seed``:
+    weights uniform in [0.1, 0.6), its other parameters (a stream's decays) standard normal, so that every
+    block pair and every head's decay shows in a comparison."""
+    model = install_mhla(tiny_wan_transformer(**overrides).to(dtype), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for proc in mhla_processors(model).values():
+            for name, p in proc.mixing.named_parameters():
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.1 if name == "weight"
+                        else torch.randn(p.shape, generator=g))
+    return model
+
+
+def tiny_wan_inputs(latent_shape: tuple[int, ...], dtype: torch.dtype = torch.float64, seed: int = 0,
+                    text_tokens: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random latents ``latent_shape`` ``(B, C, F, H, W)`` and caption embeddings ``(B, text_tokens,
+    TEXT_DIM)`` for the tiny Wan, in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randn(latent_shape, generator=g).to(dtype)
+    return latent, torch.randn(latent_shape[0], text_tokens, TEXT_DIM, generator=g).to(dtype)
 
 
 def tiny_tokenizer(max_length: int = 16) -> PreTrainedTokenizerFast:
@@ -137,4 +163,5 @@ TINY_WAN = TinyBase(  # the record's test reference (Base.tiny)
     mhla=MHLAConfig(blocks=(2, 2, 3), layers=[1, 2], cpe_kernel=3, gate=True, wan_head_norm=True),
     sample=sample_wan,
     tiny_config="tiny/wan",
+    pixels=(5, 48, 64),
 )
