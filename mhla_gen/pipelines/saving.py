@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mhla_gen import cards
 from mhla_gen.bases import base_for_model
+from mhla_gen.integration import cards
 from mhla_gen.integration.cards import (
     CardFacts,
     Snippet,
