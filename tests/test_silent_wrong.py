@@ -305,3 +305,16 @@ def test_a_readable_video_among_broken_ones_is_enough(checkpoints, tmp_path):
     data = write_captioned_videos(tmp_path / "data")
     (data / "0.mp4").write_bytes(b"broken")
     check_readable(CaptionedVideoFolder(data, 5, 32, 32), "data.path", data)
+
+
+def test_dit_refuses_a_non_square_latent_before_attending():
+    """A 6 x 24 latent at patch 2 is a 3 x 12 token grid of 36 tokens, which DiT's self-attention (it sees
+    ``(B, N, C)``) would take as the square 6 x 6: refused by the install's pre-hook, naming both grids."""
+    import torch
+
+    tiny = DIT.tiny.load()
+    model = install_mhla(tiny.model(), MHLAConfig(blocks=(3, 3)))
+    latent = torch.randn(1, model.config.in_channels, 6, 24)
+    with pytest.raises(ValueError, match=r"square latents only.*3 x 12"):
+        labels = torch.zeros(1, dtype=torch.long)
+        model(latent, timestep=labels, class_labels=labels)

@@ -31,7 +31,14 @@ class DiTMHLAProcessor(MHLAProcessor):
 
     @classmethod
     def latent_grid(cls, transformer: DiTTransformer2DModel, latent: torch.Tensor) -> tuple[int, int]:
-        return image_token_grid(transformer, latent)
+        """The token grid of ``latent``; a non-square one is refused: the self-attention sees ``(B, N, C)``
+        and takes the square grid of N (DiT's own unpatchify does the same), so a 3 x 12 grid would run
+        as 6 x 6."""
+        grid = image_token_grid(transformer, latent)
+        if grid[0] != grid[1]:
+            raise ValueError(f"DiT runs square latents only (its unpatchify); got a {grid[0]} x {grid[1]} "
+                             f"token grid from a latent of shape {tuple(latent.shape)}")
+        return grid
 
     @classmethod
     def stock_processor(cls) -> AttnProcessor2_0:
