@@ -97,7 +97,7 @@ def test_the_wheel_holds_the_package_its_configs_and_its_licence(wheel):
     info = f"mhla_gen-{source_version()}.dist-info"
     assert wheel.read(f"{info}/licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
     entry_points = wheel.read(f"{info}/entry_points.txt").decode()
-    assert re.search(r"\[console_scripts\]\s*\nmhla-gen = mhla_gen\.cli:main", entry_points)
+    assert re.search(r"\[console_scripts\]\s*\nmhla-gen = mhla_gen\.commands\.cli:main", entry_points)
     metadata = wheel.read(f"{info}/METADATA").decode()
     assert f"\nVersion: {source_version()}\n" in metadata and "\nLicense-Expression: Apache-2.0\n" in metadata
     assert f"Project-URL: Issues, {URL}/issues" in metadata
