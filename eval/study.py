@@ -38,128 +38,35 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from studies import sibling
-from studies.evidence import (
-    RULES,
-    Question,
-    SampleSets,
-    apply_holm,
-    check_questions,
-    compare,
-    fmt_comparison,
-    footnotes,
+from studies.evidence import check_questions
+from studies.experiments import VAL_TRIPLES, Arm, make_jobs, study_records
+from studies.study_plots import kept_samples
+from studies.study_preset import (
+    ABLATIONS,
+    CONFIG,
+    GRIDS,
+    MAIN_ARMS,
+    MODEL,  # noqa: F401
+    NAMED_ONLY,
+    base_overrides,
+    check_blocks,
+    grid_key,
+    grid_model,
+    throughput,
+    with_layers,
 )
-from studies.experiments import (
-    SHAPES_RECIPE,
-    VAL_TRIPLES,
-    Arm,
-    make_jobs,
-    plot_arm_bands,
-    study_records,
-    summarize,
-)
+from studies.study_report import PRIMARY, SECONDARY, bucket_table, questions, render  # noqa: F401
 
 from mhla_gen.commands.cli import expand_path, run
-from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import file_record
-from mhla_gen.train.config import DiTRunConfig, load_config
-from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.io import atomic_write_text
 
+# the names marked F401 above are unused here: tests/test_eval_study.py reads them as this script's
+
 results = sibling("results")  # the record this study renders from
-
-CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # the main job's config (mhla_gen.configs)
-
-MODEL = dict(hidden_size=64, depth=4, heads=4, patch_size=2)
-GRIDS = {  # grid -> data and budget (the digits: about an hour of 2 CPU cores per grid, see README)
-    "64": dict(resolution=16, blocks=(2, 2), steps=1500, batch=32, fid_samples=1000, sample_steps=20),
-    "256": dict(resolution=32, blocks=(4, 4), steps=1200, batch=32, fid_samples=500, sample_steps=10),
-    # shapes at 256 tokens: 4800 steps, since MHLA with 4x4 blocks draws the mirror symmetry only after
-    # 2400 (symmetric 0 at 2400, 0.17-0.29 at 4800 in 3 seeds: docs/results/mhla_vs_softmax.md, 2026-11-27)
-    "shapes-256": dict(data="shapes", resolution=32, blocks=(4, 4), steps=4800, batch=32, fid_samples=500,
-                       sample_steps=10, recipe=SHAPES_RECIPE),
-    "shapes-1024": dict(data="shapes", resolution=64, blocks=(4, 4), steps=2400, batch=16, fid_samples=300,
-                        sample_steps=10, recipe=SHAPES_RECIPE),
-    # --quick: CI-sized (about 10 min of 2 cores): the main arms, 2 seeds, no ablations
-    "quick": dict(resolution=16, blocks=(2, 2), steps=300, batch=32, fid_samples=300, sample_steps=10),
-    "shapes-quick": dict(data="shapes", resolution=32, blocks=(4, 4), steps=200, batch=32, fid_samples=200,
-                         sample_steps=10, recipe=SHAPES_RECIPE),
-    # --smoke: seconds, a tiny model (the tests)
-    "smoke": dict(resolution=8, blocks=(2, 2), steps=4, batch=8, fid_samples=20, sample_steps=2, tiny=True,
-                  val_triples=32),
-    "shapes-smoke": dict(data="shapes", resolution=32, blocks=(2, 2), steps=4, batch=8, fid_samples=20,
-                         sample_steps=2, tiny=True, patch=8, val_triples=32, recipe=SHAPES_RECIPE),
-}
-TINY_MODEL = dict(hidden_size=16, depth=1, heads=2, patch_size=2)
-MAIN_ARMS = [Arm("softmax", ("model.attention=softmax",)), Arm("linear", ("model.attention=linear",)),
-             Arm("mhla", ("model.attention=mhla",))]
-ABLATIONS = [  # each against plain MHLA, same seeds
-    Arm("mhla-uniform-init", ("model.attention=mhla", "mhla.mixing_init=uniform"), "ablation"),
-    Arm("mhla-fixed-mixing", ("model.attention=mhla", "mhla.mixing_learnable=false"), "ablation"),
-    Arm("mhla+cpe", ("model.attention=mhla", "mhla.cpe_kernel=3"), "ablation"),
-    Arm("mhla+gate", ("model.attention=mhla", "mhla.gate=true"), "ablation"),
-]
-# MHLA keeping one softmax layer, layer L (layer 0 is the release's pattern; mhla.layers is filled in per
-# model depth): run only when named (--ablations mhla+softmax@1)
-HYBRIDS = [Arm(f"mhla+softmax@{i}", ("model.attention=mhla", f"mhla.layers=@keep{i}"), "ablation")
-           for i in range(MODEL["depth"])]
-# MHLA with more, smaller blocks (the paper's M) at 256 tokens, [rows, columns] of blocks: 8x8 blocks of 2x2
-# tokens (M^2 = 4096 > N); 16x16 blocks of one token (the learned mixing alone can place every token);
-# and blocks of two tokens one column wide (8x16) or one row tall (16x8), which tell whether the shapes'
-# left-right mirror needs blocks one column wide: run only when named
-BLOCK_ARMS = [Arm(f"mhla-blocks{a}x{b}", ("model.attention=mhla", f"mhla.blocks=[{a},{b}]"), "ablation")
-              for a, b in ((8, 8), (16, 16), (8, 16), (16, 8))]
-NAMED_ONLY = [*HYBRIDS, *BLOCK_ARMS]
-
-
-def with_layers(arm: Arm, depth: int) -> Arm:
-    """``arm`` with ``mhla.layers=@keepL`` made the MHLA layers of a depth-``depth`` model that keeps
-    layer ``L`` as softmax."""
-    keep = [o for o in arm.overrides if o.startswith("mhla.layers=@keep")]
-    if not keep:
-        return arm
-    layer = int(keep[0].removeprefix("mhla.layers=@keep"))
-    if depth < 2 or layer >= depth:
-        raise ConfigError(f"--ablations {arm.name}: the model has {depth} layer(s); keeping layer {layer} "
-                          "as softmax needs it to exist and at least one MHLA layer beside it")
-    layers = f"mhla.layers=[{','.join(str(i) for i in range(depth) if i != layer)}]"
-    return Arm(arm.name, tuple(layers if o == keep[0] else o for o in arm.overrides), arm.group)
-
-
-def check_blocks(arm: Arm, side: int) -> Arm:
-    """``arm``, refused when its own ``mhla.blocks=[a,b]`` asks for more blocks per axis than the
-    ``side`` x ``side`` token grid has tokens."""
-    for o in arm.overrides:
-        if o.startswith("mhla.blocks="):
-            blocks = [int(b) for b in o.removeprefix("mhla.blocks=").strip("[]").split(",")]
-            if max(blocks) > side:
-                raise ConfigError(f"--ablations {arm.name}: {blocks} blocks do not fit a {side}x{side} "
-                                  "token grid (at most one block per token)")
-    return arm
-
-
-def grid_key(data: str, name: str) -> str:
-    """The GRIDS key (and folder under --out) of grid ``name`` of ``data``: digits keep the bare name."""
-    return name if data == "digits" else f"{data}-{name}"
-
-
-def grid_model(grid: dict) -> dict:
-    return dict(TINY_MODEL, patch_size=grid.get("patch", 2)) if grid.get("tiny") else MODEL
-
-
-def base_overrides(grid: dict, model: dict) -> list[str]:
-    steps = grid["steps"]
-    return [
-        f"data.source={grid.get('data', 'digits')}", f"data.resolution={grid['resolution']}",
-        f"mhla.blocks=[{grid['blocks'][0]},{grid['blocks'][1]}]",
-        *(f"model.{k}={v}" for k, v in model.items()),
-        f"train.global_batch_size={grid['batch']}", f"train.lr_warmup_steps={min(50, steps // 10)}",
-        f"log.every={max(1, steps // 30)}", "log.trackers=[]", "log.num_samples=1",
-        f"log.sample_steps={grid['sample_steps']}", *grid.get("recipe", ()),
-    ]
 
 
 def eval_steps(steps: int) -> list[int]:
@@ -192,277 +99,6 @@ def plan(args) -> list:
                               grid["fid_samples"], extra, grid.get("val_triples", VAL_TRIPLES))
     return jobs
 
-
-# ------------------------------------------------------------------------------------------ throughput
-def throughput(tokens: int, repeats: int = 5) -> dict[str, dict]:
-    """Training (forward + backward + AdamW) and inference images/s of the study's model for each
-    attention at ``tokens`` tokens (batch 8192 / tokens, at least 2), timed interleaved in this process
-    (medians over ``repeats``)."""
-    batch = max(2, 8192 // tokens)
-    resolution = 2 * int(round(tokens**0.5))
-    grid = dict(GRIDS["64" if tokens <= 64 else "256"], resolution=resolution)  # 2x2 or 4x4 blocks
-    models, times = {}, {arm.name: {"train": [], "infer": []} for arm in MAIN_ARMS}
-    for arm in MAIN_ARMS:
-        cfg = load_config(DiTRunConfig, CONFIG, [*base_overrides(grid, MODEL), *arm.overrides])
-        model = DiTTask(cfg).build_transformer()
-        models[arm.name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    x = torch.randn(batch, 1, resolution, resolution)
-    t, y = torch.randint(0, 1000, (batch,)), torch.randint(0, 10, (batch,))
-    for _ in range(repeats + 1):  # the first round warms up
-        for name, (model, opt) in models.items():
-            start = time.perf_counter()
-            model(x, timestep=t, class_labels=y).sample.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            middle = time.perf_counter()
-            with torch.no_grad():
-                model(x, timestep=t, class_labels=y)
-            times[name]["train"].append(middle - start)
-            times[name]["infer"].append(time.perf_counter() - middle)
-    return {name: {k: batch / float(np.median(v[1:])) for k, v in d.items()} for name, d in times.items()}
-
-
-# ------------------------------------------------------------------------------------------ report
-def fmt(s: dict, digits: int = 2) -> str:
-    """``mean ± ci (min–max)``."""
-    ci = "" if np.isnan(s["ci"]) else f" ± {s['ci']:.{digits}f}"
-    return f"{s['mean']:.{digits}f}{ci} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
-
-
-METRICS = ("fid", "fid_bootstrap_sd", "val_loss", "label_accuracy", "loss", "attention_rank",
-           "attention_entropy")
-SHAPES_METRICS = ("all_correct", "count_accuracy", "colour_accuracy", "shape_accuracy", "symmetric_rate",
-                  "symmetry_error")
-# Each comparison's primary metric, declared before a run (chosen 2026-11-28, after the runs of
-# docs/results/mhla_vs_softmax.md and its sibling pages, which read FID and every property alike): the
-# validation loss on the digits (the denoiser's own objective on held-out triples, the least noisy
-# score), all four properties on the shapes (what that data set is for). Every other column is a
-# secondary under Holm's rule.
-PRIMARY = {"digits": "val_loss", "shapes": "all_correct"}
-SECONDARY = {"digits": ("fid", "label_accuracy"),
-             "shapes": ("val_loss", "fid", "count_accuracy", "colour_accuracy", "shape_accuracy",
-                        "symmetric_rate", "symmetry_error")}
-
-
-def questions(arms: list[str], data: str) -> list[Question]:
-    """The study's comparisons among ``arms``: MHLA against softmax and against linear attention, and
-    each MHLA ablation against plain MHLA, each with ``data``'s :data:`PRIMARY` metric."""
-    pairs = [("MHLA against softmax", "mhla", "softmax"), ("MHLA against linear", "mhla", "linear")]
-    pairs += [(f"{a} against plain MHLA", a, "mhla") for a in arms if a.startswith("mhla") and a != "mhla"]
-    return [Question(name, a, b, PRIMARY.get(data)) for name, a, b in pairs if a in arms and b in arms]
-
-
-def grid_tables(records: list[dict], grid: str, samples: SampleSets | None = None) -> str:
-    """The final-step table, the curves and the paired comparisons of one grid, as markdown (per-sample
-    scores from ``samples``: a :class:`studies.evidence.SampleSets` or a record's)."""
-    recs = [r for r in records if r["grid"] == grid]
-    last = max(r["step"] for r in recs)
-    arms = list(dict.fromkeys(r["arm"] for r in recs))
-    shapes = recs[0].get("data") == "shapes"
-    stats = {m: summarize(recs, m) for m in METRICS + (SHAPES_METRICS if shapes else ())}
-    r0 = recs[0]
-    seeds = stats["fid"][(arms[0], last)]["n"]
-    head = (f"**{r0['tokens']} tokens, {r0.get('data', 'digits')}**: mean ± 95 % t-interval over {seeds} "
-            f"seeds (min–max; fewer where the seeds column says so), at step {last}; FID on "
-            f"{r0['fid_samples']} samples (the same noise and labels for every arm and seed), validation "
-            f"loss on {r0.get('val_triples', '—')} fixed held-out triples; attention rank of "
-            f"{r0['attention_tokens']}, row entropy of at most {r0['max_entropy']:.2f} nats")
-    return "\n".join([head, "", final_table(stats, arms, last, shapes, recs),
-                      curve_table(recs, stats, "fid"), curve_table(recs, stats, "val_loss"),
-                      paired_table(recs, arms, last, samples), bucket_table(recs, arms, samples)])
-
-
-def old_scorer_note(recs: list[dict]) -> str:
-    """The footnote for shapes properties measured with the scorer's version 1 (records without
-    ``shapes_scorer``), or nothing."""
-    if recs[0].get("data") != "shapes" or all("shapes_scorer" in r for r in recs):
-        return ""
-    from studies.evidence import NOTES
-
-    return "\n" + NOTES["old scorer"] + " (every property column of such records)\n"
-
-
-def final_table(stats: dict, arms: list[str], last: int, shapes: bool, recs: list[dict] | None = None) -> str:
-    names = ["FID ↓", "FID sampling sd", "val loss ↓", "label acc ↑", "train loss", "attn rank",
-             "row entropy"]
-    metrics, digits = list(METRICS), [2, 2, 4, 3, 4, 1, 3]
-    if shapes:
-        names[4:4] = ["all 4 properties ↑", "count ↑", "colour ↑", "shape ↑", "symmetric ↑",
-                      "symmetry error ↓"]
-        metrics[4:4], digits[4:4] = SHAPES_METRICS, [3, 3, 3, 3, 3, 3]
-    lines = ["| arm | seeds | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for arm in arms:
-        cells = [fmt(stats[m][(arm, last)], d) if (arm, last) in stats[m] else "—"
-                 for m, d in zip(metrics, digits)]
-        lines.append(f"| {arm} | {stats['fid'][(arm, last)]['n']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + (old_scorer_note(recs) if shapes and recs else "")
-
-
-def curve_table(recs: list[dict], stats: dict, metric: str) -> str:
-    """``metric`` at every evaluation step, for the arms evaluated along training (the main arms)."""
-    steps = sorted({r["step"] for r in recs})
-    arms = [a for a in dict.fromkeys(r["arm"] for r in recs) if all((a, s) in stats[metric] for s in steps)]
-    lines = [f"{metric} along training:", "", "| arm | " + " | ".join(f"step {s}" for s in steps) + " |",
-             "|---|" + "---|" * len(steps)]
-    digits = 4 if metric == "val_loss" else 2
-    for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join(fmt(stats[metric][(arm, s)], digits) for s in steps) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def comparisons(arms: list[str]) -> list[tuple[str, str]]:
-    return [(q.arm, q.other) for q in questions(arms, "digits")]
-
-
-DIGITS = {"fid": 2, "val_loss": 4, "label_accuracy": 3, "symmetry_error": 3}  # decimals (rates: 3)
-HEADS = {"fid": "FID", "val_loss": "val loss", "label_accuracy": "label acc",
-         "all_correct": "all 4 properties", "count_accuracy": "count", "colour_accuracy": "colour",
-         "shape_accuracy": "shape", "symmetric_rate": "symmetric", "symmetry_error": "symmetry error"}
-
-
-def paired_table(recs: list[dict], arms: list[str], last: int, samples: SampleSets | None = None) -> str:
-    """Each question (:func:`questions`) paired by seed at the last step: its primary metric first, then
-    the secondaries (Holm-adjusted), each an interval over seeds and the shared samples resampled jointly
-    (per-sample scores from ``samples``), its verdict and minimum detectable difference (MDD)."""
-    data = recs[0].get("data", "digits")
-    metrics = (PRIMARY[data], *SECONDARY[data])
-    lines = [f"Paired by seed, at step {last} (first minus second; {RULES}):", "",
-             "| comparison | seeds | " + " | ".join(f"{HEADS[m]} difference" for m in metrics) + " |",
-             "|---|---|" + "---|" * len(metrics)]
-    every = []
-    for q in questions(arms, data):
-        cells = apply_holm([compare(recs, q.arm, q.other, m, last, samples) for m in metrics], primary=0)
-        every += cells
-        text = [fmt_comparison(c, DIGITS.get(m, 3)) for c, m in zip(cells, metrics)]
-        lines.append(f"| {q.arm} − {q.other} | {cells[0]['n']} | " + " | ".join(text) + " |")
-    return "\n".join(lines) + "\n" + footnotes(every) + "\n"
-
-
-def bucket_table(recs: list[dict], arms: list[str], samples: SampleSets | None = None) -> str:
-    """The paired validation-loss difference per timestep bucket (``val_loss_b{k}``), at every evaluated
-    step: exploratory (no primary), Holm over each row's buckets. The total is dominated by the least
-    noisy bucket (the ε error is largest there), while a sample's layout is decided at the noisier
-    ones."""
-    buckets = [f"val_loss_b{k}" for k in range(sum(key.startswith("val_loss_b") for key in recs[0]))]
-    if not buckets:  # records of an earlier version
-        return ""
-    steps = sorted({r["step"] for r in recs})
-    per_bucket = recs[0].get("val_triples", 0) // len(buckets)
-    few = f" Only {per_bucket} triples per bucket (fewer than 256)." if per_bucket < 256 else ""
-    lines = ["Validation loss per timestep bucket, paired by seed (b0 the least noisy of "
-             f"{len(buckets)} equal ranges of the training timesteps; first minus second; exploratory: no "
-             f"primary, each row's buckets Holm-adjusted; minimum effect 2 % of the second arm's bucket "
-             f"loss; verdicts as above).{few}", "",
-             "| comparison | step | " + " | ".join(buckets) + " |", "|---|---|" + "---|" * len(buckets)]
-    every = []
-    for a, b in comparisons(arms):
-        for step in steps:
-            cells = apply_holm([compare(recs, a, b, k, step, samples) for k in buckets])
-            every += cells
-            if cells[0]["n"]:
-                row = " | ".join(fmt_comparison(c, 5) for c in cells)
-                lines.append(f"| {a} − {b} | {step} | {row} |")
-    return "\n".join(lines) + "\n" + footnotes(every) + "\n"
-
-
-def throughput_table(rows: dict[int, dict]) -> str:
-    names = [a.name for a in MAIN_ARMS]
-    lines = ["| tokens | " + " | ".join(f"{n} train img/s | {n} infer img/s" for n in names) + " |",
-             "|---|" + "---|---|" * len(names)]
-    for tokens, row in rows.items():
-        cells = [f"{row[n]['train']:.1f} | {row[n]['infer']:.1f}" for n in names]
-        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_curves(records: list[dict], grid: str, path: Path) -> None:
-    """FID and validation loss along training per main arm: mean over seeds, band = 95 % t-interval
-    (min–max with one seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [r for r in records if r["grid"] == grid and r["group"] == "main"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric, label in zip(axes, ("fid", "val_loss"), ("FID (lower is better)", "validation loss")):
-        stats = summarize(recs, metric)
-        plot_arm_bands(ax, stats, recs, alpha=0.15)
-        ax.set(xlabel="training step", ylabel=label, yscale="log")
-    axes[0].set_title(f"{recs[0]['tokens']} tokens, {recs[0].get('data', 'digits')}: mean, band = 95 % CI",
-                      fontsize=9)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    results.save_figure(fig, path)
-
-
-def shown_samples(records: list[dict], grid: str) -> list[dict]:
-    """The points whose kept samples :func:`plot_samples` shows: each main arm's first seed at the last
-    step."""
-    main = [r for r in records if r["grid"] == grid and r["group"] == "main"]
-    first = min((r["seed"] for r in main), default=0)
-    recs = [r for r in main if r["seed"] == first]
-    last = max((r["step"] for r in recs), default=0)
-    return [r for r in recs if r["step"] == last]
-
-
-def kept_samples(records: list[dict], out: Path, grids: list[str]) -> dict[tuple[str, str], np.ndarray]:
-    """``{(grid, arm): the kept samples}`` of :func:`shown_samples` in the study folder ``out``."""
-    kept = {}
-    for grid in grids:
-        for r in shown_samples(records, grid):
-            path = out / grid / "results" / r["arm"] / f"seed{r['seed']}" / f"step{r['step']:07d}_samples.npy"
-            if path.is_file():
-                kept[(grid, r["arm"])] = np.load(path)
-    return kept
-
-
-def plot_samples(records: list[dict], grid: str, images: dict, path: Path) -> bool:
-    """Ten samples of each class per main arm (the first seed, the last step), side by side, from
-    ``images`` (:func:`kept_samples`); False (nothing written) where none was kept."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [r for r in shown_samples(records, grid) if (grid, r["arm"]) in images]
-    if not recs:
-        return False
-    fig, axes = plt.subplots(1, len(recs), figsize=(3.2 * len(recs), 3.5))
-    for ax, r in zip(np.atleast_1d(axes), recs):
-        samples = images[(grid, r["arm"])]
-        rows = [np.concatenate(list(samples[i::10][:10]), axis=0) for i in range(min(10, len(samples)))]
-        ax.imshow(np.concatenate(rows, axis=1), cmap="gray", vmin=0, vmax=255)  # (rows, cols[, 3])
-        ax.set_title(f"{r['arm']}: FID {r['fid']:.1f}", fontsize=9)
-        ax.axis("off")
-    fig.tight_layout()
-    results.save_figure(fig, path)
-    return True
-
-
-def render(record, folder: Path) -> list[Path]:
-    """``study.md`` and the plots of a study's record (:mod:`eval/results.py`) in ``folder``, from the
-    record alone; returns the files written."""
-    meta, points, samples = record.meta, record.points, record.samples()
-    how = results.how_it_ran(meta)
-    text = [f"# Softmax / linear / MHLA study\n\n`{meta['command']}` — {meta['date']}, {how}, "
-            f"torch {meta['torch']}; training and evaluation summed over all runs: "
-            f"{sum(r.get('segment_seconds', 0) for r in points) / 3600:.1f} core-hours\n",
-            results.commits_line(points) + "\n"]
-    files = [folder / "study.md"]
-    for grid in meta["grids"]:
-        text.append(grid_tables(points, grid, samples))
-        if any(r["grid"] == grid and r["group"] == "main" for r in points):  # not with ablations only
-            plot_curves(points, grid, folder / f"curves_{grid}.png")
-            files.append(folder / f"curves_{grid}.png")
-            if plot_samples(points, grid, record.images, folder / f"samples_{grid}.png"):
-                files.append(folder / f"samples_{grid}.png")
-    if meta.get("throughput"):
-        text.append("Throughput of the study's model (images/s; batch 8192 / tokens; the three attentions "
-                    f"timed interleaved in one process, {meta['threads']} threads):\n\n"
-                    + throughput_table(meta["throughput"]))
-    atomic_write_text(folder / "study.md", "\n".join(text))
-    return files
 
 
 def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
@@ -501,7 +137,8 @@ def select_grids(args) -> list[str]:
     return keys
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed (checked by :func:`main`)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=expand_path, default="runs/study")
@@ -538,7 +175,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized (about 10 min of 2 cores): main arms, 2 seeds, a short budget")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, 4 steps, 2 seeds")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
     for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -2,9 +2,11 @@
 ``eval/stream_study.py``: the runner that trains and evaluates arms x seeds (:mod:`.experiments`), paired
 evidence and verdicts (:mod:`.evidence`, :mod:`.evidence_stats`), the validation loss on fixed triples
 (:mod:`.validation_loss`), the choice of the layers that stay softmax (:mod:`.softmax_layers`), a
-conversion study's teachers, one per seed, with their training FLOPs (:mod:`.teachers`), and the scale
-study's runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`,
-:mod:`.scale_report`).
+conversion study's teachers, one per seed, with their training FLOPs (:mod:`.teachers`), the softmax /
+linear / MHLA study's runs, tables and plots (:mod:`.study_preset`, :mod:`.study_report`,
+:mod:`.study_plots`), the adaptation study's arms and teachers, compute readings and report
+(:mod:`.adaptation_arms`, :mod:`.adaptation_compute`, :mod:`.adaptation_report`), and the scale study's
+runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`, :mod:`.scale_report`).
 
 It lives beside the scripts, not in the ``mhla_gen`` package: it is research code that uses the library's
 public modules and is run from a checkout (``python eval/study.py`` puts ``eval/`` on ``sys.path``; the
