@@ -13,8 +13,8 @@ from mhla_gen.metrics.flops import Conversion
 
 from . import sibling
 from .evidence import RULES, SampleSets, apply_holm, compare, fmt_comparison, footnotes
-from .evidence_stats import MIN_SEEDS
 from .experiments import summarize
+from .teachers import TEACHER_RULE, teacher_rule
 
 results = sibling("results")  # the record's figures are saved through it (data in a text chunk)
 
@@ -46,11 +46,6 @@ def conversion_arms(records: list[dict]) -> list[str]:
 
 READINGS = {False: "equal total compute (teacher + stage 1 + stage 2 FLOPs)",
             True: "equal compute with the teacher a sunk cost (stage 1 + stage 2 FLOPs)"}
-TEACHER_RULE = (f"too few teachers = under {MIN_SEEDS} distinct teachers among the paired seeds (the "
-                "teacher is part of the seed unit: seed k starts from teacher k; records of before "
-                "2026-11-28 name none, one teacher)")
-
-
 def plot_compute(records: list[dict], grid: str, path: Path) -> str:
     """FID against training FLOPs (:func:`compute`) for the from-scratch arm and the conversion arms, both
     readings side by side (teacher + stage 1 + stage 2; the teacher sunk), mean over seeds (of the FLOPs
@@ -94,17 +89,6 @@ def scratch_match(recs: list[dict], record: dict, sunk: bool) -> dict | None:
         return None
     best = min(own, key=lambda r: abs(compute(r) - target))
     return dict(best, step=record["step"], result_step=best["step"], flops_ratio=compute(best) / target)
-
-
-def teacher_rule(cells: list[dict], recs: list[dict], arm: str, step: int) -> list[dict]:
-    """``cells`` (comparisons of ``arm`` at ``step``) with the verdict "too few teachers" where ``arm``'s
-    paired seeds start from fewer than :data:`MIN_SEEDS` distinct teachers (:data:`TEACHER_RULE`)."""
-    for c in cells:
-        teachers = {r.get("teacher") for r in recs
-                    if r["arm"] == arm and r["step"] == step and r["seed"] in c["per_seed"]}
-        if c["n"] >= MIN_SEEDS and len(teachers) < MIN_SEEDS:
-            c["verdict"] = "too few teachers"
-    return cells
 
 
 def equal_compute_table(records: list[dict], grid: str, samples: SampleSets | None = None,

@@ -14,10 +14,11 @@ from mhla_gen.train.io import atomic_write_text
 
 from . import sibling
 from .adaptation_arms import SWEEP_K0, grid_model
-from .adaptation_compute import TEACHER_RULE, equal_compute_table, plot_compute, teacher_rule
+from .adaptation_compute import equal_compute_table, plot_compute
 from .evidence import NOTES, RULES, Question, SampleSets, apply_holm, compare, fmt_comparison, footnotes
 from .experiments import plot_arm_bands, summarize
 from .softmax_layers import sweep_table
+from .teachers import TEACHER_RULE, teacher_rule
 
 results = sibling("results")  # the record this report renders from
 

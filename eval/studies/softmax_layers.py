@@ -24,6 +24,7 @@ import torch
 
 from .evidence import apply_holm, compare, fmt_comparison, footnotes
 from .experiments import Arm, summarize
+from .teachers import TEACHER_RULE, teacher_rule
 
 RANKINGS = {  # name -> the stage-1 overrides that choose K softmax layers of a depth-D model
     "e2e": lambda k, depth: ("hybrid.rank_by=end_to_end", f"hybrid.softmax_layers=auto:{k}"),
@@ -112,11 +113,14 @@ def metric_table(recs: list[dict], metric: str, step: int, ms: dict[int, float],
 
     def row(pairs):
         cells = apply_holm([compare(recs, a, b, metric, step, samples) for a, b in pairs])
+        for c, (a, _) in zip(cells, pairs):
+            teacher_rule([c], recs, a, step)  # every arm of a pair starts from the same seed's teacher
         every.extend(cells)
         return [fmt_comparison(c, d) for c in cells]
 
     lines = [f"Softmax layers kept (of {depth}) against latency: `{metric}` at stage-2 step {step} per "
-             "ranking, paired differences (verdicts as above; exploratory: Holm over each row's four):", "",
+             "ranking, paired differences (verdicts as above; exploratory: Holm over each row's four; "
+             f"{TEACHER_RULE}):", "",
              "| K | inference ms / image | e2e | layer | fixed | e2e − fixed | e2e − layer | e2e − K0 | "
              "fixed − K0 |", "|---|---|---|---|---|---|---|---|---|",
              f"| 0 | {ms.get(0, float('nan')):.2f} | " + " | ".join([cell(k0)] * 3 + ["—"] * 4) + " |"]

@@ -24,6 +24,8 @@ from mhla_gen.errors import ConfigError
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit_flops import train_flops_per_image
 
+from .evidence_stats import MIN_SEEDS
+
 
 @dataclass(frozen=True)
 class Teacher:
@@ -102,3 +104,19 @@ def paired(teachers: list[Teacher], seeds: int, source: str) -> list[Teacher]:
         raise ConfigError(f"--seeds {seeds} needs {seeds} {teachers[0].attention if teachers else ''} "
                           f"teachers (one per seed); {source} has {len(teachers)}")
     return teachers[:seeds]
+
+
+TEACHER_RULE = (f"too few teachers = under {MIN_SEEDS} distinct teachers among the paired seeds (the "
+                "teacher is part of the seed unit: seed k starts from teacher k; records of before "
+                "2026-11-28 name none, one teacher)")
+
+
+def teacher_rule(cells: list[dict], recs: list[dict], arm: str, step: int) -> list[dict]:
+    """``cells`` (comparisons of ``arm`` at ``step``) with the verdict "too few teachers" where ``arm``'s
+    paired seeds start from fewer than :data:`MIN_SEEDS` distinct teachers (:data:`TEACHER_RULE`)."""
+    for c in cells:
+        teachers = {r.get("teacher") for r in recs
+                    if r["arm"] == arm and r["step"] == step and r["seed"] in c["per_seed"]}
+        if c["n"] >= MIN_SEEDS and len(teachers) < MIN_SEEDS:
+            c["verdict"] = "too few teachers"
+    return cells
