@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+from stream_helpers import assert_later_frames_leave_earlier_outputs, rollout
 
 from mhla_gen import MHLAConfig, load_transformer, uninstall_mhla
 from mhla_gen.integration.streaming import WanStreamCache, stream_step
@@ -101,16 +102,6 @@ def test_a_softmax_layer_matches_the_block_causal_formula():
     torch.testing.assert_close(attn(x, None, None, rotary), want, rtol=1e-12, atol=1e-12)
 
 
-def _rollout(model, latent, text, timesteps, chunk):
-    cache = WanStreamCache.empty(model, latent.shape[0], latent.shape[-2:])
-    outs, sizes = [], []
-    for c, part in enumerate(latent.split(chunk, dim=2)):
-        out, cache = stream_step(model, cache, part, timesteps[:, c], text)
-        outs.append(out)
-        sizes.append({i: layer.nbytes for i, layer in cache.layers.items()})
-    return torch.cat(outs, dim=2), sizes
-
-
 @pytest.mark.parametrize("layers, chunk", [([], 1), ([], 2), ([1], 1)])  # softmax throughout; a hybrid
 def test_chunk_by_chunk_rollout_equals_the_whole_video_forward(layers, chunk):
     """Each chunk at its own timestep (per token for the whole video). As the MHLA rollout test: diffusers'
@@ -125,7 +116,8 @@ def test_chunk_by_chunk_rollout_equals_the_whole_video_forward(layers, chunk):
     per_token = timesteps.repeat_interleave(chunk * GRID[1] * GRID[2], dim=1)
     with torch.no_grad():
         whole = model(latent, per_token, text).sample
-        streamed, sizes = _rollout(model, latent, text, timesteps, chunk)
+        streamed, sizes = rollout(model, latent, text, timesteps, chunk,
+                                  lambda cache: {i: layer.nbytes for i, layer in cache.layers.items()})
     torch.testing.assert_close(streamed, whole, rtol=1e-6, atol=1e-6)
     kv = 2 * 2 * chunk * 15 * (12 + 12) * 8  # batch 2, 2 heads of 12, keys and values, float64
     for layer in range(3):
@@ -135,14 +127,7 @@ def test_chunk_by_chunk_rollout_equals_the_whole_video_forward(layers, chunk):
 
 def test_later_chunks_do_not_change_earlier_outputs():
     model = _model(SOFTMAX)
-    latent, text = _inputs()
-    t = torch.tensor([500.0, 500.0], dtype=torch.float64)
-    changed = latent.clone()
-    changed[:, :, 2:] += 1.0
-    with torch.no_grad():
-        before, after = model(latent, t, text).sample, model(changed, t, text).sample
-    assert torch.equal(before[:, :, :2], after[:, :, :2])
-    assert not torch.allclose(before[:, :, 2:], after[:, :, 2:])
+    assert_later_frames_leave_earlier_outputs(model, *_inputs())
 
 
 def test_save_and_load_keep_block_causal_softmax_and_uninstall_restores_stock(tmp_path):
