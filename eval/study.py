@@ -97,8 +97,9 @@ def plan(args) -> list:
             ablation_seeds = seeds[:args.ablation_seeds or args.seeds]
             jobs += make_jobs(args.out / name, CONFIG, base, ablations, ablation_seeds, [grid["steps"]],
                               grid["fid_samples"], extra, grid.get("val_triples", VAL_TRIPLES))
+    for job in jobs:
+        job.checkpoint_every = args.checkpoint_every or 0
     return jobs
-
 
 
 def write_report(args, records: list[dict], speed: dict, seconds: float) -> str:
@@ -155,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, nargs="+", default=None, metavar="STEP",
                         help="the main arms' evaluation steps (default: a quarter, a half and all of the "
                              "budget; the budget is always one)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                        help="a training checkpoint every STEPS steps (default: the evaluation steps' gcd); "
+                             "a long run stopped between them resumes from the last one")
     parser.add_argument("--fid-samples", type=int, default=None)
     parser.add_argument("--val-triples", type=int, default=None,
                         help="fixed held-out (image, timestep, noise) triples of the validation loss "
@@ -180,7 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    for name in ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples"):
+    positive = ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples", "checkpoint_every")
+    for name in positive:
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.first_seed < 0:

@@ -318,3 +318,37 @@ def test_bucket_table_orders_buckets_by_number():
     table = load_study().bucket_table(recs, ["softmax", "mhla"])
     assert "| comparison | step | " + " | ".join(buckets) + " |" in table
     assert table.count("| mhla − softmax | 8 | ") == 1
+
+
+def test_checkpoint_every_sets_every_runs_checkpoints(tmp_path, monkeypatch):
+    """--checkpoint-every reaches every run's config (a long run stopped between evaluation steps resumes
+    from its newest checkpoint); without it, the evaluation steps' gcd; a non-positive value is refused."""
+    study, planned = planning_study(monkeypatch)
+    study.main(["--smoke", "--no-ablations", "--eval-steps", "2", "--checkpoint-every", "1",
+                "--out", str(tmp_path / "a")])
+    assert planned and {experiments.job_config(j, 4).train.checkpoint_every for j in planned} == {1}
+    planned.clear()
+    study.main(["--smoke", "--no-ablations", "--eval-steps", "2", "--out", str(tmp_path / "a")])
+    assert {experiments.job_config(j, 4).train.checkpoint_every for j in planned} == {2}
+    with pytest.raises(ConfigError, match="--checkpoint-every must be positive, got 0"):
+        study.main(["--smoke", "--checkpoint-every", "0", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()
+
+
+def test_runs_of_one_seed_run_side_by_side(tmp_path, monkeypatch):
+    """The runner takes the runs seed by seed (every arm of seed 0 before seed 1), so a study stopped
+    early holds paired runs; the plan itself stays arm by arm."""
+    study, jobs = planning_study(monkeypatch)
+    study.main(["--smoke", "--no-ablations", "--out", str(tmp_path / "a")])
+    ran = []
+
+    def record_order(fn, todo, workers):
+        if fn is experiments.run_job:  # (the first call runs the stage-1 runs: none here)
+            ran.extend(todo)
+            raise KeyboardInterrupt  # stop before the runner reads the results
+
+    monkeypatch.setattr(experiments, "_map", record_order)
+    with pytest.raises(KeyboardInterrupt):
+        experiments.run_jobs(tmp_path / "a", "study", "--out", jobs, 2)
+    assert [(j.arm, j.seed) for j in jobs][:2] == [("softmax", 0), ("softmax", 1)]
+    assert [(j.arm, j.seed) for j in ran] == sorted(((j.arm, j.seed) for j in jobs), key=lambda p: p[1])

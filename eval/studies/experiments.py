@@ -314,6 +314,7 @@ def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int =
     in fresh processes (one torch thread each); returns every result record."""
     claim(out, kind, setting)
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
+    todo.sort(key=lambda job: job.seed)  # seed-major: a study stopped early holds paired runs of its arms
     logger.info("%d of %d runs to do (the others finished earlier)", len(todo), len(jobs))
     pending = {job.stage1_dir: job for job in todo if job.stage1 and not stage1_report(job).is_file()}
     stage1 = list(pending.values())
