@@ -76,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        raise ConfigError(f"--device {args.device!r}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device here (--device cpu runs on the CPU)")
     return args
 
 

@@ -40,6 +40,14 @@ reported with its output and the next one runs):
 
         python scripts/gpu_check.py --out REPORT.md --only "scale-study sizing" "scale study"
 
+14. ``stream study on cuda`` (``eval/stream_study.py --device cuda``, issue 58): the streaming study's four
+    arms, one seed, 100 training steps at batch 32 and 10 streamed videos, then memory and time per chunk
+    on the GPU: its CUDA path end to end, and the seconds a training step takes there (each arm prints
+    them), which size the 6000-step run. Optional; its folder comes back beside the report
+    (``stream_sizing/``):
+
+        python scripts/gpu_check.py --out REPORT.md --only "stream study on cuda"
+
 Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
 would get less than 20 s is not run, and the optional sections run only when their whole limit fits.
 
@@ -178,6 +186,7 @@ def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> 
         Section("other gpu tests", [*pytest, *other_tests], 150, [*pytest, "--collect-only", *other_tests],
                 trusts_kernels=False, optional=True),
         *scale_study_sections(python),
+        stream_study_section(python),
     ]
     return [s for s in sections if not (skip_tiles and s.name == "tile sweep")]
 
@@ -204,6 +213,19 @@ def scale_study_sections(python: str) -> list[Section]:
                 STUDY_LIMIT_S, [*script, "--smoke", *export], optional=True, needs_output=SIZING_FILE,
                 writes=(f"{STUDY_FOLDER}/record.npz", f"{STUDY_FOLDER}/scale_study.md")),
     ]
+
+
+STREAM_STUDY = REPO / "eval" / "stream_study.py"
+STREAM_FOLDER = "stream_sizing"  # the stream study's records, costs and page (beside the report)
+
+
+def stream_study_section(python: str) -> Section:
+    """``eval/stream_study.py`` on CUDA at its main size for 100 steps, one seed: the path a GPU run of the
+    streaming study takes, and its seconds per training step; optional."""
+    script = [python, str(STREAM_STUDY), "--out", f"{OUTPUTS}/{STREAM_FOLDER}", "--seeds", "1"]
+    sized = ["--steps", "100", "--batch", "32", "--eval-clips", "10", "--device", "cuda"]
+    return Section("stream study on cuda", [*script, *sized], 120, [*script, "--size", "smoke"],
+                   optional=True, writes=(f"{STREAM_FOLDER}/costs.json", f"{STREAM_FOLDER}/streaming.md"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mhla_gen.errors import ConfigError
 
@@ -48,7 +49,9 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("argv, name", [(["--arms", "softmax"], "--arms"), (["--seeds", "0"], "--seeds"),
-                                        (["--steps", "0"], "--steps")])
+                                        (["--steps", "0"], "--steps"), (["--device", "gpu0"], "--device"),
+                                        *([(["--device", "cuda"], "no CUDA device")]
+                                          if not torch.cuda.is_available() else [])])
 def test_bad_settings_are_refused_before_the_folder_is_made(tmp_path, argv, name):
     with pytest.raises(ConfigError, match=name):
         study.main(["--out", str(tmp_path / "out"), *argv])

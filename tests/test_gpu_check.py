@@ -61,11 +61,12 @@ def test_sections_in_order_within_the_budget(gpu_check):
     names = [s.name for s in gpu_check.default_sections()]
     assert names == ["kernel tests", "profile", "CUDA graphs", "small-N crossover", "tile sweep",
                      "Wan2.1-1.3B step", "DiT-XL/2 training step", "SANA-1.6B 1024 px step", "host overhead",
-                     "Wan2.1-1.3B step, compiled", "other gpu tests", "scale-study sizing", "scale study"]
+                     "Wan2.1-1.3B step, compiled", "other gpu tests", "scale-study sizing", "scale study",
+                     "stream study on cuda"]
     assert "tile sweep" not in [s.name for s in gpu_check.default_sections(skip_tiles=True)]
     sections = gpu_check.default_sections()
     assert sections[0].gate and not sections[0].trusts_kernels
-    assert [s.name for s in sections if s.optional] == names[-4:]
+    assert [s.name for s in sections if s.optional] == names[-5:]
     assert gpu_check.DEFAULT_BUDGET_S <= 7 * 60
     study = [s for s in sections if s.name.startswith("scale")]  # run alone, they fit the default budget
     assert sum(s.timeout_s for s in study) <= gpu_check.DEFAULT_BUDGET_S
@@ -146,8 +147,8 @@ def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp
     (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
-    assert [name for name, _ in calls][-3:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
-                                                 "scale-study sizing"]
+    assert [name for name, _ in calls][-4:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
+                                                 "scale-study sizing", "stream study on cuda"]
     assert "| scale study | not run (time budget: 300 s left, 330 s needed) | |" in out.read_text()
 
 
