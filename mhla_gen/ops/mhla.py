@@ -58,6 +58,7 @@ from .autograd_path import mhla_attention_autograd
 from .checks import check_inputs
 from .feature_maps import FEATURE_MAPS, get_feature_map
 from .layout import BlockLayout
+from .triton_probe import triton_importable as _triton_importable
 
 
 def mhla_attention(
@@ -144,7 +145,6 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The process-wide backend; MHLA_TRITON=0 at import makes the default "pytorch" (read here, once).
 _backend = "pytorch" if os.environ.get("MHLA_TRITON", "1") == "0" else "auto"
-_triton_available: bool | None = None  # whether ``import triton`` works, found out on first need
 
 
 def _check_backend(name) -> None:
@@ -178,19 +178,6 @@ def mhla_backend(name: str):
         yield
     finally:
         _backend = previous
-
-
-def _triton_importable() -> bool:
-    # a module global rather than functools.cache: torch.compile traces this without a warning
-    global _triton_available
-    if _triton_available is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _triton_available = False
-        else:
-            _triton_available = True
-    return _triton_available
 
 
 def _kernels_fit(q: Tensor, k: Tensor, v: Tensor) -> bool:

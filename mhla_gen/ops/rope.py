@@ -35,13 +35,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .triton_probe import triton_importable as _triton_importable
+
 ROPE_BACKENDS = ("auto", "reference", "pytorch", "triton")
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # the process-wide backend; MHLA_TRITON=0 at import keeps "auto" off the kernel (read here, once)
 _backend = "auto"
 _triton_allowed = os.environ.get("MHLA_TRITON", "1") != "0"
-_triton_available: bool | None = None  # whether ``import triton`` works, found out on first need
 
 
 def apply_wan_rotary(x: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Tensor:
@@ -153,19 +154,6 @@ def rope_backend(name: str):
 def _check_backend(name) -> None:
     if name not in ROPE_BACKENDS:
         raise ValueError(f"unknown RoPE backend {name!r}; choose one of {ROPE_BACKENDS}")
-
-
-def _triton_importable() -> bool:
-    # a module global rather than functools.cache: torch.compile traces this without a warning
-    global _triton_available
-    if _triton_available is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _triton_available = False
-        else:
-            _triton_available = True
-    return _triton_available
 
 
 def _on_cuda(x: Tensor) -> bool:
