@@ -67,27 +67,12 @@ from mhla_gen.integration.install import is_mhla_installed, mhla_processors
 from mhla_gen.integration.serialization import cast_like_diffusers
 from mhla_gen.outputs.folders import check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files
+from mhla_gen.testing.video import REAL_CONFIGS
 from mhla_gen.train.io import atomic_write_text
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.outputs.folders.file_record)
 
-# diffusers scripts/convert_wan_to_diffusers.py, get_transformer_config("Wan-T2V-1.3B"), plus diffusers'
-# default rope_max_seq_len (image_dim / added_kv_proj_dim None: text-to-video)
-WAN_1_3B_CONFIG = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
-)
+WAN_1_3B_CONFIG = REAL_CONFIGS["Wan2.1-T2V-1.3B"][1]  # diffusers' conversion script's "Wan-T2V-1.3B"
 
 VARIANTS = ("stock", "mhla-hybrid", "mhla")
 PRESETS = {"mhla-hybrid": "wan2.1-1.3b-480p-hybrid", "mhla": "wan2.1-1.3b-480p"}

@@ -1,5 +1,5 @@
-"""The full-size SANA-Video / Wan2.2 / Wan I2V architectures on the meta device (no weights, no compute):
-MHLA installs and a forward at their real 480p / 720p token grids runs through every MHLA layer."""
+"""The full-size Wan2.1 / SANA-Video / Wan2.2 / Wan I2V architectures on the meta device (no weights, no
+compute): MHLA installs and a forward at their real 480p / 720p token grids runs through every MHLA layer."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ HYBRID = [i for i in range(40) if i % 3 != 0]  # the release's pattern: every th
 
 # name -> (latent (C, F, H, W) of the real resolution, its token grid, billions of parameters (range))
 CASES = {
+    # 480x832, 81 frames; Wan VAE; the architecture of benchmarks/bench_wan_step.py
+    "Wan2.1-T2V-1.3B": ((16, 21, 60, 104), (21, 30, 52), (1.40, 1.44)),
     # 720x1280, 81 frames; Wan VAE 8x spatial, 4x temporal; patch (1, 2, 2)
     "Wan2.2-T2V-A14B": ((16, 21, 90, 160), (21, 45, 80), (14.2, 14.4)),
     # 704x1280, 121 frames; Wan2.2 VAE 16x spatial, 48 channels
@@ -63,7 +65,8 @@ def _forward_on_meta(name: str, mhla: MHLAConfig, used_grids) -> torch.nn.Module
 
 
 @pytest.mark.parametrize(
-    "name", ["Wan2.2-TI2V-5B", "Wan2.1-I2V-14B-480P", "Wan2.2-I2V-A14B", "SANA-Video-2B-480p"]
+    "name",
+    ["Wan2.1-T2V-1.3B", "Wan2.2-TI2V-5B", "Wan2.1-I2V-14B-480P", "Wan2.2-I2V-A14B", "SANA-Video-2B-480p"],
 )
 def test_real_config_forward_on_meta(name, used_grids):
     model = _forward_on_meta(name, MHLAConfig(blocks=BLOCKS), used_grids)
@@ -73,6 +76,7 @@ def test_real_config_forward_on_meta(name, used_grids):
 
 
 RECORDS = {  # the base record each full-size config reads as (mhla_gen.bases: first match wins)
+    "Wan2.1-T2V-1.3B": "wan",
     "Wan2.2-T2V-A14B": "wan",
     "Wan2.2-TI2V-5B": "wan",  # one transformer for its text and image pipelines
     "Wan2.1-I2V-14B-480P": "wan-i2v",

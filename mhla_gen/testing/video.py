@@ -75,22 +75,26 @@ WAN22_T2V_BOUNDARY = 0.875  # Wan2.2-T2V-A14B's boundary_ratio (model_index.json
 WAN22_I2V_BOUNDARY = 0.9  # Wan2.2-I2V-A14B's
 
 # ---- the published full-size transformer configs (diffusers' scripts/convert_*; hub config.json) -------
-_WAN_14B = dict(
+# Wan2.1-T2V-1.3B: get_transformer_config("Wan-T2V-1.3B") of diffusers' scripts/convert_wan_to_diffusers.py,
+# plus diffusers' default rope_max_seq_len (image_dim / added_kv_proj_dim None: text-to-video)
+_WAN_1_3B = dict(
     patch_size=(1, 2, 2),
-    num_attention_heads=40,
+    num_attention_heads=12,
     attention_head_dim=128,
     in_channels=16,
     out_channels=16,
     text_dim=4096,
     freq_dim=256,
-    ffn_dim=13824,
-    num_layers=40,
+    ffn_dim=8960,
+    num_layers=30,
     cross_attn_norm=True,
     qk_norm="rms_norm_across_heads",
     eps=1e-6,
     rope_max_seq_len=1024,
 )
+_WAN_14B = {**_WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 REAL_CONFIGS: dict[str, tuple[type, dict]] = {
+    "Wan2.1-T2V-1.3B": (WanTransformer3DModel, _WAN_1_3B),
     # each of the two experts (transformer, transformer_2) of Wan2.2-T2V-A14B
     "Wan2.2-T2V-A14B": (WanTransformer3DModel, _WAN_14B),
     "Wan2.2-TI2V-5B": (
