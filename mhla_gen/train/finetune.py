@@ -19,7 +19,30 @@ from .captioned import CaptionedTask
 from .config import ConfigError
 
 
-class SanaTask(CaptionedTask):
+class GemmaCaptions:
+    """The caption side of SANA and SANA-Video tasks (a mixin before the task class): the pipeline's Gemma2
+    features with their attention mask, and the transformer's conditioning from them."""
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        """Gemma2 features and attention mask, ``complex_human_instruction`` off (as SANA fine-tunes)."""
+        pipe = self.frozen
+        embeds, mask, _, _ = pipe.encode_prompt(
+            caption,
+            do_classifier_free_guidance=False,
+            device=pipe.vae.device,
+            complex_human_instruction=None,
+            max_sequence_length=self.cfg.data.max_sequence_length,
+        )
+        return {"prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
+
+    def conditioning(self, batch: dict) -> dict:
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"],
+            "encoder_attention_mask": batch["prompt_attention_mask"],
+        }
+
+
+class SanaTask(GemmaCaptions, CaptionedTask):
     base = SANA
     name = SANA.name
 
@@ -39,24 +62,6 @@ class SanaTask(CaptionedTask):
         vae = self.frozen.vae
         latents = vae.encode(pixels[None].to(vae.device, vae.dtype)).latent  # DC-AE: deterministic
         return {"latents": (latents * vae.config.scaling_factor)[0].float()}
-
-    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
-        """Gemma2 features and attention mask, ``complex_human_instruction`` off (as SANA fine-tunes)."""
-        pipe = self.frozen
-        embeds, mask, _, _ = pipe.encode_prompt(
-            caption,
-            do_classifier_free_guidance=False,
-            device=pipe.vae.device,
-            complex_human_instruction=None,
-            max_sequence_length=self.cfg.data.max_sequence_length,
-        )
-        return {"prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
-
-    def conditioning(self, batch: dict) -> dict:
-        return {
-            "encoder_hidden_states": batch["prompt_embeds"],
-            "encoder_attention_mask": batch["prompt_attention_mask"],
-        }
 
     def teacher_sample(self, pipe, prompt: str, seed: int):
         d = self.cfg.data

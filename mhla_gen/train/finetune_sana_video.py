@@ -18,7 +18,7 @@ import torch
 
 from ..bases.sana_video import BASE as SANA_VIDEO
 from .config import CaptionDataConfig, ConfigError, FinetuneModelConfig, FlowMatchingConfig, RunConfig
-from .finetune import WanTask
+from .finetune import GemmaCaptions, WanTask
 
 
 @dataclass
@@ -36,8 +36,9 @@ class SanaVideoRunConfig(RunConfig):
             raise ValueError(f"data.num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.data.num_frames}")
 
 
-class SanaVideoTask(WanTask):
-    """:class:`WanTask` with SANA-Video's transformer, pipeline, text encoder and sampling call."""
+class SanaVideoTask(GemmaCaptions, WanTask):
+    """:class:`WanTask` with SANA-Video's transformer, pipeline, text encoder (:class:`GemmaCaptions`) and
+    sampling call; the latents are Wan's, normalised as ``SanaVideoPipeline`` decodes them."""
 
     base = SANA_VIDEO
     name = SANA_VIDEO.name
@@ -53,25 +54,6 @@ class SanaVideoTask(WanTask):
         spatial = vae.get("scale_factor_spatial", 8)
         _, ph, pw = transformer["patch_size"]
         return math.lcm(32, spatial * ph, spatial * pw), "SanaVideoPipeline needs multiples of 32"
-
-    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
-        """Gemma2 caption features with their attention mask (the latents are Wan's, normalised as
-        ``SanaVideoPipeline`` decodes them)."""
-        pipe = self.frozen
-        embeds, mask, _, _ = pipe.encode_prompt(
-            caption,
-            do_classifier_free_guidance=False,
-            device=pipe.vae.device,
-            complex_human_instruction=None,
-            max_sequence_length=self.cfg.data.max_sequence_length,
-        )
-        return {"prompt_embeds": embeds[0].float(), "prompt_attention_mask": mask[0]}
-
-    def conditioning(self, batch: dict) -> dict:
-        return {
-            "encoder_hidden_states": batch["prompt_embeds"],
-            "encoder_attention_mask": batch["prompt_attention_mask"],
-        }
 
     def _generate(self, pipe, prompts: list[str], seed: int) -> np.ndarray:
         """Videos ``(B, F, H, W, 3)`` in [0, 1] from ``pipe`` at the data's size."""
