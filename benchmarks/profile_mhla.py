@@ -42,8 +42,8 @@ def _device_us(event) -> float:
     return 0.0
 
 
-def kernel_table(fn, calls: int = 5, rows: int = 14) -> str:
-    """Markdown: the CUDA kernels ``fn`` launches, launches and GPU µs per call, longest first."""
+def profiled(fn, calls: int) -> list:
+    """``torch.profiler``'s averaged events (CPU and CUDA) of ``calls`` calls of ``fn``, after one untimed."""
     fn()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -51,7 +51,12 @@ def kernel_table(fn, calls: int = 5, rows: int = 14) -> str:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return prof.key_averages()
+
+
+def kernel_table(fn, calls: int = 5, rows: int = 14) -> str:
+    """Markdown: the CUDA kernels ``fn`` launches, launches and GPU µs per call, longest first."""
+    kernels = [e for e in profiled(fn, calls) if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=_device_us, reverse=True)
     total = sum(_device_us(e) for e in kernels) / calls
     launches = sum(e.count for e in kernels) / calls
@@ -146,14 +151,7 @@ def wan_block(dtype) -> None:
 
 def op_table(fn, calls: int = 3, rows: int = 25) -> str:
     """Markdown: PyTorch ops by self CUDA time per call (what runs inside each op is charged to it)."""
-    fn()
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CUDA]
+    events = [e for e in profiled(fn, calls) if e.device_type != torch.autograd.DeviceType.CUDA]
     events = [e for e in events if _device_us(e) > 0]
     events.sort(key=_device_us, reverse=True)
     total = sum(_device_us(e) for e in events) / calls
