@@ -15,13 +15,13 @@ tests/test_train_fsdp.py.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import accelerate.state
 from accelerate.utils import DistributedType
+from script_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,9 +60,7 @@ def main(argv: list[str]) -> None:
     args, rest = parser.parse_known_args(argv)
     os.environ.update(fsdp_env(args.accelerate_config))
     force_fsdp_state()
-    spec = importlib.util.spec_from_file_location("_script", REPO / "scripts" / args.script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(REPO / "scripts" / args.script, "_script")
     from mhla_gen.commands.cli import run
 
     sys.argv = [args.script, *rest]

@@ -3,14 +3,13 @@ plus its full-size config and presets checked on the meta device (no weights, no
 checked: they belong to the script's own GPU run."""
 
 import copy
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_helpers import load_script
 
 from mhla_gen import MHLAConfig, install_mhla
 from mhla_gen.integration.install import is_mhla_installed, mhla_processors
@@ -21,18 +20,9 @@ TINY_ARGS = ["--tiny", "--frames", "5", "--height", "32", "--width", "48", "--ba
              "--warmup", "1", "--device", "cpu", "--dtype", "fp32", "--threads", "1"]
 
 
-def load_script():
-    path = ROOT / "benchmarks" / "bench_wan_step.py"
-    spec = importlib.util.spec_from_file_location("scripts_bench_wan_step", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return load_script()
+    return load_script(ROOT / "benchmarks" / "bench_wan_step.py", "scripts_bench_wan_step")
 
 
 def _table_rows(text: str) -> dict[str, list[str]]:

@@ -1,7 +1,6 @@
 """The benchmark scripts run end to end on tiny sizes and print complete tables (numbers are not checked:
 timings belong to the scripts' own runs, not to unit tests)."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,16 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / f"{name}.py", f"scripts_{name}")
 
 
 def _table_rows(text: str, first_cell: str) -> list[list[str]]:

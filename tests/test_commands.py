@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import load_script
 from train_helpers import REPO, subprocess_env
 
 from mhla_gen.commands import COMMANDS
@@ -23,11 +24,7 @@ PROMISED = ["train-dit", "finetune-sana", "finetune-sana-video", "finetune-wan",
 
 
 def load_file(path: Path):
-    spec = importlib.util.spec_from_file_location(f"_cmd_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, f"_cmd_{path.stem}")
 
 
 def test_every_promised_command_is_there():

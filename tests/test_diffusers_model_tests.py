@@ -4,8 +4,9 @@ have: the script is run by hand (docs/diffusers.md gives the command and the las
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from script_helpers import load_script
 
 from mhla_gen.bases import BASES
 
@@ -13,10 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "diffusers_model_test
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("diffusers_model_tests_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "diffusers_model_tests_script")
 
 
 def test_every_base_record_has_a_suite():

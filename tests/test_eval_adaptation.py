@@ -1,13 +1,12 @@
 """eval/adaptation.py --smoke: teachers trained, conversion arms (plain, stage 1 + distillation, hybrid,
 from a linear teacher) run on the shared runner and evaluated from step 0 on; resumable."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import studies.experiments as experiments
+from script_helpers import load_script
 
 from mhla_gen.errors import ConfigError
 
@@ -15,11 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_adaptation():
-    spec = importlib.util.spec_from_file_location("eval_adaptation", ROOT / "eval" / "adaptation.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "eval" / "adaptation.py", "eval_adaptation")
 
 
 def test_adaptation_quick(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from script_helpers import load_script
 
 from mhla_gen.bases import BASES
 from mhla_gen.integration.install import install_mhla, mhla_processors
@@ -104,16 +105,11 @@ def test_too_many_tokens_and_outputs(tmp_path):
 
 
 def test_attention_stats_cli_on_a_saved_mhla_dit(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
     model = install_mhla(tiny_dit(in_channels=1, out_channels=2), MHLAConfig(blocks=(2, 2)))
     model.save_pretrained(tmp_path / "final")
-    spec = importlib.util.spec_from_file_location(
-        "eval_attention_stats", Path(__file__).resolve().parents[1] / "eval" / "attention_stats.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("eval/attention_stats.py", "eval_attention_stats")
     stats = module.main(["--model", str(tmp_path / "final"), "--digits", "--size", "8", "--batch", "2"])
     assert [s["kind"] for s in stats] == ["mhla", "mhla"]
     written = json.loads((tmp_path / "attention_stats" / "attention_stats.json").read_text())

@@ -1,12 +1,12 @@
 """eval/fid.py end to end on tiny PNG folders and .npz files with the offline digits extractor."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from script_helpers import load_script
 
 from mhla_gen.data.digits import digits_tensors
 
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_eval_fid():
-    spec = importlib.util.spec_from_file_location("eval_fid", ROOT / "eval" / "fid.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "eval" / "fid.py", "eval_fid")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """eval/generate.py: a tiny digits DiT run -> PNGs, manifest, ADM npz; resume redoes only what is missing."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_helpers import load_script
 from train_helpers import tiny_config
 
 from mhla_gen.bases import BASES
@@ -16,11 +15,7 @@ CAPTIONED = [name for name, base in BASES.items() if not base.class_conditional]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"eval_{name}", ROOT / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "eval" / f"{name}.py", f"eval_{name}")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """eval/study.py --smoke and the runner behind it (studies.experiments): arms x seeds trained, evaluated
 along training, summarised with intervals and paired differences; resumable."""
 
-import importlib.util
 import json
 import math
 import shutil
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import studies.experiments as experiments
 import yaml
+from script_helpers import load_script
 from studies.experiments import interval, paired
 
 from mhla_gen.errors import ConfigError
@@ -20,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location("eval_study", ROOT / "eval" / "study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "eval" / "study.py", "eval_study")
 
 
 @pytest.fixture(scope="module")

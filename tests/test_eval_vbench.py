@@ -1,11 +1,11 @@
 """VBench-style video dimensions on synthetic videos, and eval/vbench.py on a folder of MP4s."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from script_helpers import load_script
 
 from mhla_gen.metrics.extractors import pixel_extractor
 from mhla_gen.metrics.video import (
@@ -95,9 +95,7 @@ def test_mp4_roundtrip_lossless(tmp_path):
 
 
 def test_vbench_cli_on_a_folder(tmp_path):
-    spec = importlib.util.spec_from_file_location("eval_vbench", ROOT / "eval" / "vbench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "eval" / "vbench.py", "eval_vbench")
     videos = tmp_path / "videos"
     videos.mkdir()
     write_video(videos / "static.mp4", static_video(), fps=8, lossless=True)
@@ -156,9 +154,7 @@ def test_raft_and_aesthetic_paths_with_local_random_weights(tmp_path):
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
         tmp_path / "clip")
     head = torch.nn.Linear(8, 1)
-    module = importlib.util.module_from_spec(
-        importlib.util.spec_from_file_location("eval_vbench", ROOT / "eval" / "vbench.py"))
-    module.__spec__.loader.exec_module(module)
+    module = load_script(ROOT / "eval" / "vbench.py", "eval_vbench")
     torch.save(head.state_dict(), tmp_path / "head.pth")
     aesthetic = module.load_aesthetic(str(tmp_path / "clip"), str(tmp_path / "head.pth"))
     scores = evaluate_video(static_video()[:3], 8.0, pixel_extractor(), flow_fn=flow_fn, aesthetic=aesthetic)
@@ -174,9 +170,7 @@ def test_use_vbench_imports_the_package_not_this_script(tmp_path, monkeypatch):
     package = tmp_path / "site" / "vbench"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("class VBench:\n    installed = True\n")
-    spec = importlib.util.spec_from_file_location("eval_vbench_import", ROOT / "eval" / "vbench.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(ROOT / "eval" / "vbench.py", "eval_vbench_import")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.syspath_prepend(str(ROOT / "eval"))  # as when run as a script: the script's folder first
     monkeypatch.delitem(__import__("sys").modules, "vbench", raising=False)

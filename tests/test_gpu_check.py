@@ -4,26 +4,18 @@ the flags every section passes to its script, and the ``--dry-run`` plumbing of 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import load_script
 
 from mhla_gen.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_ENVIRONMENT = {"GPU": "Fake H100, 80 GiB", "driver": "999.1", "CUDA (torch)": "12.9", "torch": "2.x",
                     "triton": "3.x", "diffusers": "0.42.1", "copy bandwidth": "4000 GB/s"}
-
-
-def load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

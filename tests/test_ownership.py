@@ -9,10 +9,8 @@ bytes are compared by checksum before and after; our own outputs must be reusabl
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +18,13 @@ import numpy as np
 import pytest
 from PIL import Image
 from safetensors.torch import save_file
+from script_helpers import load_script
 from train_helpers import REPO, run_inprocess
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import MARKER, read_marker, write_marker
 
 TINY_DIT = str(REPO / "mhla_gen" / "configs" / "tiny" / "dit.yaml")
-
-
-def load_script(path: str):
-    spec = importlib.util.spec_from_file_location(f"_own_{Path(path).stem}", REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def checksums(*roots: Path) -> dict[str, str]:

@@ -1,6 +1,5 @@
 """DiT / SANA pipelines with MHLA end to end on CPU (tiny models, 2 steps), and scripts/sample.py."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from script_helpers import load_script
 
 from mhla_gen import MHLAConfig, install_mhla, mhla_parameters
 from mhla_gen.pipelines.dit import check_class_labels, load_dit_pipeline
@@ -103,10 +103,7 @@ def test_sana_pipeline_round_trip(tmp_path):
 
 
 def _sample_module():
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "sample.py", "sample_script")
 
 
 @pytest.mark.parametrize(

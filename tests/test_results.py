@@ -2,7 +2,6 @@
 table in docs/results/ is regenerable or marked as measured before records were kept; the links of the
 results pages (and every other docs page) land on files and headings that exist."""
 
-import importlib.util
 import json
 import re
 import shutil
@@ -11,17 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from script_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 
 
 def load_results():
-    if "eval_results" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("eval_results", ROOT / "eval" / "results.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    if "eval_results" not in sys.modules:  # once: the tests share one module
+        load_script(ROOT / "eval" / "results.py", "eval_results")
     return sys.modules["eval_results"]
 
 

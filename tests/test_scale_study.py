@@ -2,14 +2,13 @@
 evaluation points, its exported records and the tables they render again, its sizing file, and the
 refusals before any work."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_helpers import load_script
 from studies import scale_preset as preset
 from studies import scale_report, scale_sizing
 
@@ -19,11 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location("eval_scale_study", ROOT / "eval" / "scale_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "eval" / "scale_study.py", "eval_scale_study")
 
 
 @pytest.fixture(scope="module")

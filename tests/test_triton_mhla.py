@@ -42,6 +42,7 @@ from kernel_helpers import (
     strided_inputs,
     tolerance,
 )
+from script_helpers import load_script
 
 from mhla_gen import BlockLayout
 
@@ -684,15 +685,10 @@ def test_cuda_op_dispatch_and_compile(dtype):
 
 @pytest.mark.skipif(INTERPRETED, reason="not a kernel test")
 def test_bench_model_shapes_on_cpu(capsys, tmp_path):
-    import importlib.util
     import json
-    import sys
 
     path = ROOT / "benchmarks" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention_for_triton", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script(path, "bench_attention_for_triton")
     bench.MODEL_SHAPES["tiny"] = bench.ModelShape(1, 2, 8, (3, 5, 4), (2, 2, 3))
     bench.main(["--device", "cpu", "--sizes", "--shapes", "tiny", "--repeats", "1", "--warmup", "0",
                 "--out", str(tmp_path / "b.json")])

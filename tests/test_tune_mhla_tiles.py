@@ -4,14 +4,13 @@ interpreter in ``tests/test_triton_mhla.py::test_tuner_writes_a_table_tile_confi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_helpers import load_script
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.ops import tile_table
@@ -21,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_tuner():
     path = ROOT / "benchmarks" / "tune_mhla_tiles.py"
-    spec = importlib.util.spec_from_file_location("tune_mhla_tiles_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "tune_mhla_tiles_under_test")
 
 
 def table_with(config: dict, device: str = "cpu", key: str = "d16-e16-fp32-L16") -> dict:

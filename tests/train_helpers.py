@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from script_helpers import load_script
 
 from mhla_gen.outputs.locks import dying_with_us
 
@@ -26,9 +27,7 @@ def _reset_accelerate() -> None:
 
 def run_inprocess(script: str, *args: str) -> None:
     """``python scripts/<script> args`` in this process (Accelerate's singleton state reset around it)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{Path(script).stem}", REPO / "scripts" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(REPO / "scripts" / script, f"_script_{Path(script).stem}")
     _reset_accelerate()
     try:
         module.main(list(args))
