@@ -91,7 +91,7 @@ def run_official_vbench(args, out: Path) -> dict:
     return json.loads(results.read_text()) if results.exists() else {"results_dir": str(out_dir)}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--videos", required=True, type=expand_path,
@@ -113,8 +113,43 @@ def main(argv=None) -> dict:
     parser.add_argument("--dimensions", nargs="+", default=[
         "subject_consistency", "background_consistency", "temporal_flickering", "motion_smoothness",
         "dynamic_degree", "aesthetic_quality", "imaging_quality"], help="for --use-vbench")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def score_folder(args: argparse.Namespace, folder: Path) -> dict:
+    """The offline scores of every video under ``folder`` (hidden files left out) with the extractors the
+    settings name: per video and their means."""
+    videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
+                    if p.suffix.lower() in VIDEO_SUFFIXES and not p.name.startswith("."))
+    if not videos:
+        raise FileNotFoundError(f"no videos ({sorted(VIDEO_SUFFIXES)}) under {str(folder)!r}")
+    subject = build_feature_extractor(args.subject_model, args.extractor)
+    background = None
+    if args.background_model:
+        background = build_feature_extractor(args.background_model, args.extractor)
+    flow_fn = raft_flow(args.raft_weights, args.raft_small) if args.raft_weights else None
+    aesthetic = load_aesthetic(args.aesthetic_clip, args.aesthetic_head)
+
+    per_video = []
+    for path in videos:
+        frames, fps = read_video(path)
+        scores = evaluate_video(frames, fps, subject, background, flow_fn, aesthetic)
+        name = str(path.relative_to(folder))
+        per_video.append({"video": name, "frames": len(frames), "fps": fps, **scores})
+    dims = [k for k in per_video[0] if k not in ("video", "frames", "fps")]
+    return {
+        "aggregate": {k: float(np.mean([v[k] for v in per_video])) for k in dims},
+        "num_videos": len(per_video),
+        "subject_extractor": subject.name,
+        "background_extractor": (background or subject).name,
+        "flow": "torchvision-raft" if flow_fn else "phase-correlation-tiles (proxy)",
+        "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
+        "per_video": per_video,
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     folder = Path(args.videos)
     if not folder.is_dir():
         raise FileNotFoundError(f"--videos {str(folder)!r} is not a folder")
@@ -128,33 +163,7 @@ def main(argv=None) -> dict:
             atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
             return result
 
-        videos = sorted(p for p in folder.rglob("*")  # hidden files: generate.py's unfinished temporaries
-                        if p.suffix.lower() in VIDEO_SUFFIXES and not p.name.startswith("."))
-        if not videos:
-            raise FileNotFoundError(f"no videos ({sorted(VIDEO_SUFFIXES)}) under {str(folder)!r}")
-        subject = build_feature_extractor(args.subject_model, args.extractor)
-        background = None
-        if args.background_model:
-            background = build_feature_extractor(args.background_model, args.extractor)
-        flow_fn = raft_flow(args.raft_weights, args.raft_small) if args.raft_weights else None
-        aesthetic = load_aesthetic(args.aesthetic_clip, args.aesthetic_head)
-
-        per_video = []
-        for path in videos:
-            frames, fps = read_video(path)
-            scores = evaluate_video(frames, fps, subject, background, flow_fn, aesthetic)
-            name = str(path.relative_to(folder))
-            per_video.append({"video": name, "frames": len(frames), "fps": fps, **scores})
-        dims = [k for k in per_video[0] if k not in ("video", "frames", "fps")]
-        result = {
-            "aggregate": {k: float(np.mean([v[k] for v in per_video])) for k in dims},
-            "num_videos": len(per_video),
-            "subject_extractor": subject.name,
-            "background_extractor": (background or subject).name,
-            "flow": "torchvision-raft" if flow_fn else "phase-correlation-tiles (proxy)",
-            "motion_smoothness": "linear interpolation (proxy for VBench's AMT)",
-            "per_video": per_video,
-        }
+        result = score_folder(args, folder)
         print(json.dumps(result["aggregate"], indent=2))  # printed first: a failing write cannot lose them
         atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
         print(f"wrote {out}")
