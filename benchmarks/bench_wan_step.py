@@ -37,12 +37,12 @@ Both presets use blocks (3, 5, 10) on the (21, 30, 52) grid. On a smaller grid (
 ``--frames/--height/--width``) each axis's block count is capped at that axis's token count, and hybrid
 layers beyond the model's depth are dropped; the table prints the blocks and layer counts actually used.
 
-Timing: ``--warmup`` untimed calls per variant (with ``--compile`` these compile; compile time is not
-counted), then ``--reps`` repetitions; in each, every variant runs one timed step, interleaved, starting at
-a rotating variant, so drift of the machine (clocks, temperature) hits all alike. On CUDA the device is
-synchronised before and after each timed call. Reported: median ms per step per variant and the median of
-the per-repetition ratios stock / variant (speed-up). Prints a Markdown table; ``--out FILE.json`` also
-writes every sample.
+Timing (``step_timing.interleaved_seconds``): ``--warmup`` untimed calls per variant (with ``--compile``
+these compile; compile time is not counted), then ``--reps`` repetitions; in each, every variant runs one
+timed step, interleaved, starting at a rotating variant, so drift of the machine (clocks, temperature) hits
+all alike. On CUDA the device is synchronised before and after each timed call. Reported: median ms per
+step per variant and the median of the per-repetition ratios stock / variant (speed-up). Prints a Markdown
+table; ``--out FILE.json`` also writes every sample.
 """
 
 from __future__ import annotations
@@ -54,21 +54,25 @@ import platform
 import shlex
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import diffusers
 import torch
 from diffusers import WanTransformer3DModel
 
-from mhla_gen import MHLAConfig, install_mhla
-from mhla_gen.commands.cli import expand_path
-from mhla_gen.commands.cli import run as run_cli
-from mhla_gen.integration.install import is_mhla_installed, mhla_processors
-from mhla_gen.integration.serialization import cast_like_diffusers
-from mhla_gen.outputs.folders import check_file_target, file_record
-from mhla_gen.outputs.locks import writing_files
-from mhla_gen.testing.video import REAL_CONFIGS
-from mhla_gen.train.io import atomic_write_text
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside this file
+
+from step_timing import interleaved_seconds, median_ratio  # noqa: E402
+
+from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
+from mhla_gen.commands.cli import expand_path  # noqa: E402
+from mhla_gen.commands.cli import run as run_cli  # noqa: E402
+from mhla_gen.integration.install import is_mhla_installed, mhla_processors  # noqa: E402
+from mhla_gen.integration.serialization import cast_like_diffusers  # noqa: E402
+from mhla_gen.outputs.folders import check_file_target, file_record  # noqa: E402
+from mhla_gen.outputs.locks import writing_files  # noqa: E402
+from mhla_gen.testing.video import REAL_CONFIGS  # noqa: E402
+from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
 BENCH_KIND = "benchmark"  # the record in the --out JSON (mhla_gen.outputs.folders.file_record)
 
@@ -185,20 +189,6 @@ def make_inputs(config: dict, shape: tuple[int, ...], text_len: int, device, dty
     )
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_step(model, inputs: dict, device) -> float:
-    """Seconds of one forward (the caller holds inference_mode)."""
-    sync(device)
-    start = time.perf_counter()
-    model(**inputs)
-    sync(device)
-    return time.perf_counter() - start
-
-
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
@@ -220,24 +210,10 @@ def run(args) -> dict:
     runners = {name: torch.compile(model) if args.compile else model for name, model in models.items()}
     inputs = make_inputs(config, shape, args.text_len, device, dtype, seed=args.seed)
 
-    samples = {name: [] for name in VARIANTS}
-    ratios = {name: [] for name in VARIANTS}
-    peak_gib = {}
-    with torch.inference_mode():
-        for name in VARIANTS:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(args.warmup):
-                runners[name](**inputs)
-            sync(device)
-            if device.type == "cuda":
-                peak_gib[name] = torch.cuda.max_memory_allocated(device) / 2**30
-        for rep in range(args.reps):
-            order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
-            step_s = {name: timed_step(runners[name], inputs, device) for name in order}
-            for name in VARIANTS:
-                samples[name].append(step_s[name] * 1e3)
-                ratios[name].append(step_s["stock"] / step_s[name])
+    steps = {name: (lambda r=runners[name]: r(**inputs)) for name in VARIANTS}
+    with torch.inference_mode():  # every repetition times each variant once, in rotating order
+        seconds, peak_gib = interleaved_seconds(steps, args.reps, args.warmup, device)
+    samples = {name: [s * 1e3 for s in seconds[name]] for name in VARIANTS}
 
     results = {}
     for name in VARIANTS:
@@ -252,8 +228,8 @@ def run(args) -> dict:
             ms_per_step=samples[name],
             median_ms=statistics.median(samples[name]),
             min_ms=min(samples[name]),
-            speedup=statistics.median(ratios[name]),
-            peak_gib=peak_gib.get(name),
+            speedup=median_ratio(seconds["stock"], seconds[name]),
+            peak_gib=peak_gib[name],
         )
     return dict(
         model="tiny Wan (mhla_gen.testing.wan.TINY_WAN_CONFIG)" if args.tiny else "Wan2.1-T2V-1.3B",

@@ -1,6 +1,7 @@
 """What ``bench_dit_step.py`` and ``bench_sana_step.py`` share: their command line, the interleaved timing
-of whole model steps, the report and its Markdown table. Each script keeps its model, its inputs, its step
-and a :class:`StepBench` naming what differs (defaults, help, the precision option, the table's words).
+of whole model steps (``bench_wan_step.py`` times its variants with it too), the report and its Markdown
+table. Each script keeps its model, its inputs, its step and a :class:`StepBench` naming what differs
+(defaults, help, the precision option, the table's words).
 
 Every repetition runs each variant's step once, starting at a rotating variant, so drift of the machine
 (clocks, temperature, other processes) hits all variants alike; on CUDA the device is synchronised before
