@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mhla_gen.commands.cli import linearize_main, run, train_main
-from mhla_gen.train.loop import Run, TrainCallback
+from mhla_gen.train.task import Run, TrainCallback
 
 REPO = Path(__file__).resolve().parents[1]
 

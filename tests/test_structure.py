@@ -231,7 +231,7 @@ def test_every_record_resolves(name):
     assert base.name == name and base.grid.ndim == base.processor.grid_ndim
     from mhla_gen.pipelines import PipelineSampler
     from mhla_gen.train.config import RunConfig
-    from mhla_gen.train.loop import TrainTask
+    from mhla_gen.train.task import TrainTask
 
     assert issubclass(base.sampler.load(), PipelineSampler)
     if base.trains:

@@ -77,7 +77,7 @@ class Base:
             ``mhla_gen.metrics.attention.example_inputs`` builds a model's forward inputs with it.
         run_config: the run-config dataclass of its training script (:class:`Ref`; None: no training
             task yet, the base samples, installs, saves and loads only).
-        task: the :class:`~mhla_gen.train.loop.TrainTask` that trains it (:class:`Ref`, or None).
+        task: the :class:`~mhla_gen.train.task.TrainTask` that trains it (:class:`Ref`, or None).
         converter_config: the shipped stage-1 config (``mhla-gen linearize --base NAME --config X``) for
             its real size, by name (``mhla_gen.configs``: ``linearize/wan_1_3b_480p``; None without a
             training task).

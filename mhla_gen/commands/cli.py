@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from . import COMMANDS
 
 if TYPE_CHECKING:  # the training stack is imported by the commands that train, not by every entry point
-    from ..train.loop import TrainCallback
+    from ..train.task import TrainCallback
 
 # a user's mistake in settings, data or paths (ConfigError is a ValueError; FileNotFoundError,
 # PermissionError, IsADirectoryError and a read-only file system are OSErrors)

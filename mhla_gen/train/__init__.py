@@ -5,6 +5,7 @@ train(cfg, DiTTask(cfg))          # scripts/train_dit.py; SanaTask / WanTask for
 """
 
 from .config import DiTRunConfig, RunConfig, SanaRunConfig, WanRunConfig, load_config
-from .loop import TrainTask, train
+from .loop import train
+from .task import TrainTask
 
 __all__ = ["DiTRunConfig", "RunConfig", "SanaRunConfig", "TrainTask", "WanRunConfig", "load_config", "train"]

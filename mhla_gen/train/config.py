@@ -37,7 +37,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 FLOW_LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 FRAME_SAMPLINGS = ("first", "uniform", "random")  # data.frame_sampling (mhla_gen.data.videos.frame_indices)
 # settings whose default changed, with the old default and the date: a resumed run whose config.yaml
-# records the old value keeps it unless the setting is given again (mhla_gen.train.loop.follow_recorded)
+# records the old value keeps it unless the setting is given again (mhla_gen.train.run_start.follow_recorded)
 CHANGED_DEFAULTS = {"train.max_grad_norm": (0.0, "2026-11-28")}
 
 

@@ -44,9 +44,9 @@ from .dit_model import (  # noqa: F401 - DiT's model pieces, importable from her
     make_sampler,
 )
 from .dit_sources import DiTSampling, dit_source
-from .loop import TrainTask, empty_model
 from .objectives import ModelFacts, objective_settings
 from .start import StartPoint
+from .task import TrainTask, empty_model
 
 logger = logging.getLogger(__name__)
 

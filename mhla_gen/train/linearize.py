@@ -42,8 +42,9 @@ from ..outputs.folders import file_record, input_record
 from .attention import attention_mhla_config, saved_mhla
 from .config import ConfigError, TrainConfig
 from .io import atomic_write_text, read_jsonl
-from .loop import TrainTask, processes_mean
+from .loop import processes_mean
 from .randomness import StepRandom
+from .task import TrainTask
 from .transfer import (
     TRAINABLE,
     TransferHooks,

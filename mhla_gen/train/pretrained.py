@@ -28,8 +28,8 @@ from ..outputs.folders import input_record
 from ..processors.config import MHLAConfig
 from .attention import attention_mhla_config, install_attention, load_teacher
 from .experts import check_expert, pipeline_with
-from .loop import TrainTask, empty_model
 from .start import StartPoint
+from .task import TrainTask, empty_model
 
 logger = logging.getLogger(__name__)
 
