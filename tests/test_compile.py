@@ -284,3 +284,21 @@ def test_cuda_graph_captures_a_denoising_step():
         for _ in range(3):  # record, then replay
             out = compiled(**inputs, return_dict=False)[0]
         torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_training_under_accelerates_dynamo_backend_uses_the_plain_model_outside_the_step(tmp_path, monkeypatch):
+    """``accelerate launch --dynamo_backend ...`` (``ACCELERATE_DYNAMO_BACKEND``) makes ``prepare`` wrap the
+    transformer in torch.compile's ``OptimizedModule``; sample grids, ``final/`` and its model card use the
+    model itself (``train.loop.plain_model``): before, the card failed on the wrapper's class. ``EAGER``:
+    dynamo's wrapper and tracing without inductor's compile time."""
+    from train_helpers import run_inprocess, tiny_config
+
+    from mhla_gen import load_transformer
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
+    out = tmp_path / "run"
+    run_inprocess("train_dit.py", "--config", tiny_config("dit"), f"output_dir={out}", "train.max_steps=2",
+                  "log.sample_every=1")
+    assert (out / "final" / "README.md").is_file()
+    assert sorted(p.name for p in (out / "samples").iterdir())[:2] == ["step_0000001.png", "step_0000002.png"]
+    assert load_transformer(out / "final").mhla_config is not None

@@ -301,7 +301,7 @@ def sample(run: Run, final: nn.Module | None = None, at_end: bool = False) -> No
         return
     if accelerator.is_main_process:
         logger.info("sampling the grid of step %d (%d denoising steps)", run.step, run.cfg.log.sample_steps)
-        model = final if at_end else accelerator.unwrap_model(run.transformer)
+        model = final if at_end else plain_model(accelerator, run.transformer)
         with _ema_weights(None if at_end else run.ema, run.params):  # (finish swapped them in itself)
             model.eval()
             images, columns = run.task.sample_images(model)
@@ -363,12 +363,20 @@ def _record_final_metrics(run: Run, metrics: dict) -> None:
     run.accelerator.log(metrics, step=run.step)
 
 
+def plain_model(accelerator, transformer: nn.Module) -> nn.Module:
+    """The model ``accelerator.prepare`` wrapped, unwrapped: without DDP and without the ``torch.compile``
+    wrapper that ``accelerate launch --dynamo_backend ...`` adds (the same module and weights). Sample
+    grids run it eagerly (their shapes would recompile the training graph) and saving, cards and
+    pushing see the model's own class."""
+    return accelerator.unwrap_model(transformer, keep_torch_compile=False)
+
+
 def _full_model(run: Run) -> nn.Module | None:
     """The trained transformer with all its weights, on the main process (None on the others): the
     unwrapped model itself, or under FSDP a fresh ``task.build_transformer()`` loaded with the gathered
     state dict (gathering is a collective: every process calls this)."""
     if not run.fsdp:
-        return run.accelerator.unwrap_model(run.transformer) if run.accelerator.is_main_process else None
+        return plain_model(run.accelerator, run.transformer) if run.accelerator.is_main_process else None
     state_dict = run.accelerator.get_state_dict(run.transformer)  # full weights on the main process
     if not run.accelerator.is_main_process:
         return None
