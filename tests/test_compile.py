@@ -286,7 +286,7 @@ def test_cuda_graph_captures_a_denoising_step():
         torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
-def test_training_under_accelerates_dynamo_backend_uses_the_plain_model_outside_the_step(tmp_path, monkeypatch):
+def test_training_under_accelerates_dynamo_backend_samples_and_saves_the_plain_model(tmp_path, monkeypatch):
     """``accelerate launch --dynamo_backend ...`` (``ACCELERATE_DYNAMO_BACKEND``) makes ``prepare`` wrap the
     transformer in torch.compile's ``OptimizedModule``; sample grids, ``final/`` and its model card use the
     model itself (``train.loop.plain_model``): before, the card failed on the wrapper's class. ``EAGER``:
