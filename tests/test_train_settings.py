@@ -132,3 +132,19 @@ def test_an_fsdp_launch_that_would_run_unsharded_is_refused(tmp_path, monkeypatc
         check_fsdp(_FakeAccelerator("MULTI_CPU"), fsdp_env)
     check_fsdp(_FakeAccelerator("FSDP"), fsdp_env)  # really sharded
     check_fsdp(_FakeAccelerator("MULTI_CPU"), {"ACCELERATE_USE_CPU": "true"})  # DDP asked, DDP run
+
+
+def test_a_launcher_precision_the_run_does_not_follow_is_said(tmp_path, monkeypatch, caplog):
+    """``accelerate launch --mixed_precision bf16`` (ACCELERATE_MIXED_PRECISION) with a run config that says
+    ``no``: the run trains as its config says (the Accelerator gets it) and a warning says so; agreeing
+    settings and a launch without the variable say nothing."""
+    from mhla_gen.train.distributed import launcher_precision_note
+
+    assert launcher_precision_note("no", {}) is None
+    assert launcher_precision_note("bf16", {"ACCELERATE_MIXED_PRECISION": "BF16"}) is None
+    launched = {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    assert "give train.mixed_precision=bf16" in launcher_precision_note("no", launched)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    run_inprocess("train_dit.py", "--config", TINY_DIT, f"output_dir={tmp_path}", "train.max_steps=1")
+    said = "accelerate launch asked for mixed precision 'bf16'; this run trains with train.mixed_precision=no"
+    assert said in caplog.text

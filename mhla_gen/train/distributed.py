@@ -50,6 +50,19 @@ def check_launcher(env=os.environ) -> None:
         )
 
 
+def launcher_precision_note(mixed_precision: str, env=os.environ) -> str | None:
+    """What to warn when the launcher asked for another precision than ``train.mixed_precision``
+    (``accelerate launch --mixed_precision X`` or its config file export ``ACCELERATE_MIXED_PRECISION``):
+    the loop passes the run's setting to the ``Accelerator``, which then overrides the launcher's without
+    a word. None when they agree or the launcher said nothing."""
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "").lower()
+    if not launched or launched == mixed_precision:
+        return None
+    return (f"accelerate launch asked for mixed precision {launched!r}; this run trains with "
+            f"train.mixed_precision={mixed_precision} (the run's config decides; give "
+            f"train.mixed_precision={launched} to follow the launcher)")
+
+
 def check_world_size(accelerator, env=os.environ) -> None:
     """Fail fast when the launch asked for several processes but Accelerate runs this one alone (each
     would train as rank 0 into the same output_dir, or one process would do the work of N)."""

@@ -33,7 +33,7 @@ from .config import (
     config_to_yaml,
     given_settings,
 )
-from .distributed import check_fsdp, check_launcher, check_world_size, is_sharded
+from .distributed import check_fsdp, check_launcher, check_world_size, is_sharded, launcher_precision_note
 from .io import atomic_write_text, read_jsonl
 from .optimizers import check_optimizer
 from .task import Run, TrainCallback, TrainTask
@@ -56,6 +56,8 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     check_trackers(cfg.log.trackers)  # Accelerate would only warn about a missing package
     check_optimizer(cfg.train)  # its package imports
     check_push_target(cfg.share.push_to_hub, "share.push_to_hub")  # a repo id and a token to push with
+    if (note := launcher_precision_note(cfg.train.mixed_precision)) is not None:
+        logger.warning(note)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         mixed_precision=cfg.train.mixed_precision,
