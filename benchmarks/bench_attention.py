@@ -1,4 +1,4 @@
-"""Speed and memory of MHLA against plain linear attention and softmax attention (SDPA).
+r"""Speed and memory of MHLA against plain linear attention and softmax attention (SDPA).
 
 Prints one Markdown table row per (N, M) with the forward time, forward+backward time and peak memory
 of SDPA (``F.scaled_dot_product_attention``), plain linear attention (``φ(q)(φ(k)ᵀv) / (φ(q)Σφ(k)+eps)``,

@@ -69,6 +69,23 @@ def test_each_command_has_its_own_help(name, capsys, monkeypatch):
     assert usage.startswith("usage: ") and f"mhla-gen {name}" in usage, usage[:200]
 
 
+def test_help_texts_keep_their_continued_example_lines():
+    """An example command continued with a backslash in a docstring prints as two lines in ``--help``
+    only in a raw string: in a plain one Python swallows the backslash and the newline, and the help shows
+    one line with a gap. Every non-raw string literal of the commands and checkout tools is checked."""
+    import io
+    import tokenize
+
+    swallowed = []
+    for folder in ("mhla_gen", "scripts", "eval", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+                prefix = token.string[:len(token.string) - len(token.string.lstrip("rRbBuUfF"))]
+                if token.type == tokenize.STRING and "r" not in prefix.lower() and "\\\n" in token.string:
+                    swallowed.append(f"{path.relative_to(REPO)}:{token.start[0]}")
+    assert not swallowed, swallowed
+
+
 def test_unknown_command_and_no_command_exit_2(capsys):
     for argv in (["train"], []):
         with pytest.raises(SystemExit) as exit_info:

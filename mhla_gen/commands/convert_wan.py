@@ -1,4 +1,4 @@
-"""Convert the released Wan-MHLA checkpoint (original Wan key names) into a diffusers transformer folder.
+r"""Convert the released Wan-MHLA checkpoint (original Wan key names) into a diffusers transformer folder.
 
     mhla-gen convert-wan --checkpoint ckpts/wan_mhla.safetensors \
         --config-from Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out converted/wan-mhla --dtype bf16

@@ -1,4 +1,4 @@
-"""Encode an ImageNet-style class folder into a DiT latent cache (image + flip, ADM center crop).
+r"""Encode an ImageNet-style class folder into a DiT latent cache (image + flip, ADM center crop).
 
     mhla-gen extract-latents --data /data/imagenet/train --out /data/imagenet256_latents \
         --vae stabilityai/sd-vae-ft-ema --resolution 256

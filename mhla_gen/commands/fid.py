@@ -1,4 +1,4 @@
-"""Score a folder / .npz of generated images against a reference: FID, sFID, KID, IS, precision, recall.
+r"""Score a folder / .npz of generated images against a reference: FID, sFID, KID, IS, precision, recall.
 
     mhla-gen fid --samples samples/x --ref digits                    # writes samples/x.fid.json
     mhla-gen fid --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained Sana diffusers checkpoint into MHLA (flow matching) with Accelerate.
+r"""Fine-tune a pretrained Sana diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
 mhla-gen finetune-sana --config sana_mhla model.pretrained=PATH_OR_HUB_ID data.path=DIR
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana \

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained SANA-Video diffusers checkpoint into MHLA (flow matching) with Accelerate.
+r"""Fine-tune a pretrained SANA-Video diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
 mhla-gen finetune-sana-video --config sana-video_mhla data.path=DIR
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana-video \

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained Wan diffusers checkpoint into MHLA (flow matching) with Accelerate.
+r"""Fine-tune a pretrained Wan diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
 mhla-gen finetune-wan --config wan_mhla_hybrid model.pretrained=PATH data.path=DIR
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-wan \

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained Wan image-to-video diffusers checkpoint into MHLA (flow matching) with Accelerate.
+r"""Fine-tune a pretrained Wan image-to-video diffusers checkpoint into MHLA (flow matching) with Accelerate.
 
 mhla-gen finetune-wan-i2v --config wan_mhla_hybrid \
     model.pretrained=Wan-AI/Wan2.1-I2V-14B-480P-Diffusers data.path=DIR

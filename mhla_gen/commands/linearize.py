@@ -1,4 +1,4 @@
-"""Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers.
+r"""Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers.
 
 mhla-gen linearize --config dit_digits model.init_from=runs/softmax/final \
     output_dir=runs/linearize_digits train.ema_decay=0

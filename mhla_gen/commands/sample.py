@@ -1,4 +1,4 @@
-"""Sample images (DiT, SANA) or videos (Wan) from an MHLA model with the stock diffusers pipelines.
+r"""Sample images (DiT, SANA) or videos (Wan) from an MHLA model with the stock diffusers pipelines.
 
     mhla-gen sample --base dit --model runs/dit/pipeline --labels 1 2 3 --steps 50 --guidance 4
     mhla-gen sample --base dit --model PIPE_DIR --transformer runs/dit/final --labels 0 1

@@ -1,4 +1,4 @@
-"""Train a class-conditional DiT (softmax, linear or MHLA attention) with Accelerate.
+r"""Train a class-conditional DiT (softmax, linear or MHLA attention) with Accelerate.
 
 mhla-gen train-dit                                   # the digits main job (CPU, minutes)
 mhla-gen train-dit --config dit_xl2_imagenet256 data.path=/data/imagenet/train

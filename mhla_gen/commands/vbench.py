@@ -1,4 +1,4 @@
-"""VBench-style scores for a folder of MP4s: per-video and aggregated JSON.
+r"""VBench-style scores for a folder of MP4s: per-video and aggregated JSON.
 
     mhla-gen vbench --videos samples/wan                 # writes samples/wan.vbench.json
     mhla-gen vbench --videos DIR --subject-model ~/w/dino-vitb16 --background-model ~/w/clip-vit-b32 \
