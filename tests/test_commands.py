@@ -176,3 +176,16 @@ def test_every_config_the_docs_name_ships():
     named = {m for path in texts for m in re.findall(r"(?<![\w/])(?:mhla_gen/)?configs/([\w/.-]+\.yaml)",
                                                      path.read_text())}
     assert len(named) > 5 and sorted(n for n in named if shipped_config(n) is None) == []
+
+
+@pytest.mark.parametrize("name", ["train-dit", "finetune-wan", "linearize", "extract-latents"])
+def test_a_commands_help_shows_its_examples(name, capsys, monkeypatch):
+    """``--help`` of the training, conversion and cache commands prints their docstring's example
+    commands as written (continued lines included), not its first line alone."""
+    monkeypatch.setattr(sys, "argv", ["mhla-gen"])
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    usage = capsys.readouterr().out
+    examples = [line for line in importlib.import_module(COMMANDS[name].module).__doc__.splitlines()
+                if line.strip().startswith("mhla-gen ")]
+    assert examples and all(line in usage for line in examples), usage

@@ -66,12 +66,13 @@ def parse_run_args(
     """``schema`` instance from ``--config FILE`` (default ``default_config``) and ``key=value`` overrides
     (OmegaConf dotlist, :func:`~mhla_gen.train.config.load_config`); sets up console logging. ``parents``:
     parsers of extra flags the script reads itself (shown in ``--help``)."""
-    parser = argparse.ArgumentParser(description=description, parents=list(parents))
+    parser = argparse.ArgumentParser(description=description, parents=list(parents),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--config",
         default=default_config,
         help="YAML listing deviations from the defaults: a path or a shipped config's name, e.g. tiny/dit "
-        f"(`mhla-gen configs` lists them; default: {default_config})",
+        f"(`mhla-gen configs` lists them; default: {default_config or 'none, the built-in defaults'})",
     )
     parser.add_argument(
         "overrides", nargs="*", help="OmegaConf dotlist, e.g. train.max_steps=10 output_dir=runs/x"
@@ -88,7 +89,8 @@ def parse_run_args(
     return load_config(schema, config, args.overrides)
 
 
-def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = ()) -> Path:
+def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallback] = (),
+                   description: str = "Stage 1 of converting a pretrained model to MHLA.") -> Path:
     """``scripts/linearize.py``: ``--base NAME`` picks the base record (its config schema and task), then
     stage 1 (:class:`~mhla_gen.train.linearize.TransferTask`) runs through the training loop."""
     # here, not at the top: the dispatcher (`mhla-gen --help`) loads no training stack
@@ -100,7 +102,6 @@ def linearize_main(argv: list[str] | None = None, callbacks: Sequence[TrainCallb
                         help=f"the model family: its config sections, data and conditioning (default: "
                              f"{DEFAULT.name})")
     base = trainable(parser.parse_known_args(argv)[0].base, "--base")
-    description = "Stage 1 of converting a pretrained model to MHLA: attention transfer, then hybrid layers."
     cfg = parse_run_args(stage1_schema(base), description, None, argv, parents=[parser])
     return train(cfg, TransferTask(cfg, base.task.load()(cfg)), callbacks)
 
@@ -124,7 +125,8 @@ def train_main(
 ) -> Path:
     """The training scripts' ``main``: parse the command line into the run config of the base record named
     ``base`` (``dit``, ``sana``, ``wan``, ...), then :func:`~mhla_gen.train.loop.train` its task with
-    ``callbacks``; returns ``final/``."""
+    ``callbacks``; returns ``final/``. ``description``: the ``--help`` text (the command's docstring, as
+    written)."""
     from ..train.loop import train  # here: the dispatcher loads no training stack
 
     record = trainable(base, "base")

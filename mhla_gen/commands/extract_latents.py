@@ -27,7 +27,8 @@ def positive_int(text: str) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--data", required=True, type=expand_path, help="class folder root: DATA/<class>/<image>"
     )

@@ -13,7 +13,7 @@ from mhla_gen.commands.cli import run, train_main
 
 
 def main(argv=None):
-    return train_main(BASE.name, __doc__.splitlines()[0], None, argv)
+    return train_main(BASE.name, __doc__, None, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from mhla_gen.commands.cli import linearize_main, run
 
 
 def main(argv=None):
-    return linearize_main(argv)
+    return linearize_main(argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ DEFAULT_CONFIG = "dit_digits"  # the shipped mhla_gen/configs/dit_digits.yaml (m
 
 
 def main(argv=None):
-    return train_main(BASE.name, __doc__.splitlines()[0], DEFAULT_CONFIG, argv)
+    return train_main(BASE.name, __doc__, DEFAULT_CONFIG, argv)
 
 
 if __name__ == "__main__":
