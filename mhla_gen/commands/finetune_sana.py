@@ -4,8 +4,7 @@ mhla-gen finetune-sana --config sana_mhla model.pretrained=PATH_OR_HUB_ID data.p
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana \
     --config ... key=value
 
-Same program as finetune_wan.py (mhla_gen.commands.cli.train_main; the task is
-mhla_gen.train.finetune.SanaTask).
+Settings, data formats and launch configs: docs/training.md (the task: mhla_gen.train.finetune.SanaTask).
 """
 
 from mhla_gen.bases.sana import BASE

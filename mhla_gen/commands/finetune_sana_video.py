@@ -4,7 +4,7 @@ mhla-gen finetune-sana-video --config sana-video_mhla data.path=DIR
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-sana-video \
     --config ... key=value
 
-Same program as finetune_wan.py (mhla_gen.commands.cli.train_main; the task is
+Settings, data formats and launch configs: docs/training.md (the task:
 mhla_gen.train.finetune_sana_video.SanaVideoTask).
 """
 

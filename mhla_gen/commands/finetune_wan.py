@@ -4,8 +4,7 @@ mhla-gen finetune-wan --config wan_mhla_hybrid model.pretrained=PATH data.path=D
 accelerate launch --config_file "$(mhla-gen configs accelerate/ddp)" -m mhla_gen finetune-wan \
     --config ... key=value
 
-Same program as finetune_sana.py (mhla_gen.commands.cli.train_main; the task is
-mhla_gen.train.finetune.WanTask).
+Settings, data formats and launch configs: docs/training.md (the task: mhla_gen.train.finetune.WanTask).
 """
 
 from mhla_gen.bases.wan import BASE

@@ -5,8 +5,8 @@ mhla-gen finetune-wan-i2v --config wan_mhla_hybrid \
 accelerate launch --config_file "$(mhla-gen configs accelerate/fsdp)" -m mhla_gen finetune-wan-i2v \
     --config ... key=value
 
-Same program as finetune_wan.py (mhla_gen.commands.cli.train_main; the task is
-mhla_gen.train.finetune_wan_i2v.WanI2VTask): each video's first frame is its condition.
+Each video's first frame is its condition. Settings, data formats and launch configs:
+docs/training.md (the task: mhla_gen.train.finetune_wan_i2v.WanI2VTask).
 """
 
 from mhla_gen.bases.wan_i2v import BASE
