@@ -77,8 +77,6 @@ from .tracking import log_grid, make_lr_scheduler, run_summary, tracker_init_kwa
 logger = logging.getLogger(__name__)
 
 
-
-
 def train(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Path:
     """Run ``task`` with ``cfg`` (stages in the module docstring); returns ``output_dir/final``."""
     run = start_run(cfg, task, callbacks)

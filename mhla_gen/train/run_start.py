@@ -44,9 +44,6 @@ logger = logging.getLogger(__name__)
 RUN_FOLDER = "run"  # the kind of folder an output_dir is (mhla_gen.outputs.folders.KINDS)
 
 
-
-
-# ---------------------------------------------------------- 1. start_run: settings, checks, output folder
 def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback] = ()) -> Run:
     """The Accelerator, every check (raising before anything is written), where the run starts, then
     ``output_dir`` claimed with its ``config.yaml`` (main process) and the global seed set."""
