@@ -4,15 +4,17 @@ Pure functions of the records: nothing here trains, streams or writes except :fu
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import stream_bed as bed
 from studies import evidence_stats as es
+from studies import sibling
 
 from mhla_gen.outputs.folders import file_is_ours
+
+results = sibling("results")  # the record's figures are saved through it (data in a text chunk)
 
 # The questions (eval/stream_study.py's docstring), declared before the run
 MIN_EFFECT, FLOOR, DRAWS = 0.05, 0.02, 2000  # evidence.py's for a rate; joint resamples
@@ -166,10 +168,11 @@ def training_table(records: dict) -> list[str]:
     return lines
 
 
-def page(records: dict, costs: dict, size: bed.Size, command: str, date: str) -> str:
-    """The study's markdown: setup, questions with verdicts, per-frame tables, costs."""
+def page(records: dict, costs: dict, size: bed.Size, command: str, date: str, code: str) -> str:
+    """The study's markdown: setup (``code``: which commit computed the records), questions with verdicts,
+    per-frame tables, costs."""
     cells = questions(records, size)
-    lines = [f"# Streaming on moving shapes ({date})", "", f"    {command}", "",
+    lines = [f"# Streaming on moving shapes ({date})", "", f"    {command}", "", code, "",
              f"Size: `{size}`.", "", "## Questions (declared before the run)", "",
              f"Score: per clip, the share of a window's frames passing every check (`all`); minimum effect "
              f"{MIN_EFFECT}, floor {FLOOR}, {DRAWS} joint resamples of seeds and clips.", "",
@@ -203,12 +206,5 @@ def plot_curves(records: dict, size: bed.Size, path: Path) -> None:
         ax.set_title(f"share of clips passing `{check}`")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    results.save_figure(fig, path, dpi=90)
 
-
-def bundle(records: dict, costs: dict) -> dict[str, np.ndarray]:
-    """Every record's arrays as ``<arm>/seed<k>/<name>`` and the costs as JSON text, for one ``.npz``."""
-    arrays = {f"{arm}/seed{seed}/{k}": v for arm, per_seed in records.items() for seed, r in per_seed.items()
-              for k, v in r.items() if not k.startswith("mhla_gen")}
-    return {**arrays, "costs_json": np.array(json.dumps(costs))}

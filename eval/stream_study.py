@@ -14,8 +14,9 @@ Stages (each resumable: a finished record is kept and skipped):
 * ``costs``: per arm, one video of 8x the training length streamed at batch 1 with untrained weights
   (memory and time are properties of the memory, not of what it learnt; the general mixing built for that
   length): seconds, cache bytes and peak allocated bytes per chunk (``costs.json``);
-* ``report``: ``streaming.md`` (tables, verdicts), ``streaming_curves.png`` and ``streaming_records.npz``
-  (every record and the costs in one compressed file: what the page's numbers come from).
+* ``report``: ``record.npz`` (every (arm, seed) record and the costs in one study record of
+  ``eval/results.py``: what the page's numbers come from), and rendered from it alone ``streaming.md``
+  (tables, verdicts) and ``streaming_curves.png``; ``python eval/results.py add OUT NAME`` commits it.
 
 The questions, declared before the run (``docs/results/evidence.md``'s rules: 3 seeds, one primary, Holm
 over the secondaries, a minimum effect of 0.05 in a rate, "neither" when both arms sit at the floor 0.02):
@@ -32,7 +33,6 @@ scorer (``all``: count, colour, motion); windows ``1x`` = frames ``[0, F)`` and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -48,10 +48,13 @@ if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a
     sys.path.insert(0, str(HERE))
 
 import stream_bed as bed  # noqa: E402
+from studies import sibling  # noqa: E402
 
 from mhla_gen.errors import ConfigError  # noqa: E402
 from mhla_gen.outputs.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
+from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
+results = sibling("results")  # the study record this script writes and renders from
 KIND = bed.KIND
 STAGES = ("all", "train", "costs", "report")
 
@@ -114,7 +117,7 @@ def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: st
              position_error=scores["position_error"].astype(np.float32),
              loss_steps=np.array([r["step"] for r in log]), loss=np.array([r["loss"] for r in log]),
              train_seconds=np.array(log[-1]["seconds"]), stream_seconds=np.array(stream_seconds),
-             size=np.array(json.dumps(asdict(size))))
+             size=np.array(json.dumps(asdict(size))), commit=np.array(results.code_commit()))
     print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s, stream "
           f"{stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count {scores['count'].mean():.3f}, "
           f"colour {scores['colour'].mean():.3f}", flush=True)
@@ -147,18 +150,46 @@ def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
         os.replace(tmp, path)
 
 
+def study_record(records: dict, costs: dict, size: bed.Size, command: str):
+    """The study's :class:`results.Record`: one point per finished (arm, seed) with its arrays (per-frame
+    checks, position errors, labels, training log, seconds), the size and the costs in ``meta``."""
+    points, arrays = [], []
+    for arm, per_seed in records.items():
+        for seed, found in per_seed.items():
+            commit = str(found["commit"]) if "commit" in found else "unknown"  # older records kept none
+            points.append({"arm": arm, "seed": int(seed), "step": int(found["loss_steps"][-1]),
+                           "commit": commit})
+            arrays.append({k: v for k, v in found.items() if k != "commit" and not k.startswith("mhla_gen")})
+    meta = {"size": asdict(size), "costs": costs}
+    return results.make_record("stream_study", command, points, arrays, meta)
+
+
+def render(record, folder: Path) -> list[Path]:
+    """``streaming.md`` and ``streaming_curves.png`` from ``record`` alone (``eval/results.py`` renders
+    every committed record through this); returns the files written."""
+    import stream_report as report
+
+    records: dict[str, dict[int, dict]] = {}
+    for point, arrays in zip(record.points, record.arrays):
+        records.setdefault(point["arm"], {})[int(point["seed"])] = arrays
+    size = bed.Size(**{**record.meta["size"], "lengths": tuple(record.meta["size"]["lengths"])})
+    text = report.page(records, record.meta["costs"], size, record.meta["command"], record.meta["date"],
+                       results.commits_line(record.points))
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / "streaming.md", text)
+    report.plot_curves(records, size, folder / "streaming_curves.png")
+    return [folder / "streaming.md", folder / "streaming_curves.png"]
+
+
 def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> None:
-    """``streaming.md``, ``streaming_curves.png`` and ``streaming_records.npz`` from the records."""
+    """``record.npz`` from the finished records and costs; ``streaming.md`` and ``streaming_curves.png``
+    rendered from it (as regenerating the committed record renders them)."""
     import stream_report as report
 
     records = report.load_records(out, arms, seeds)
     costs = json.loads((out / "costs.json").read_text())["arms"] if (out / "costs.json").is_file() else {}
-    text = report.page(records, costs, size, command, datetime.date.today().isoformat())
-    tmp = out / ".tmp-streaming.md"
-    tmp.write_text(text)
-    os.replace(tmp, out / "streaming.md")
-    report.plot_curves(records, size, out / "streaming_curves.png")
-    save_npz(out / "streaming_records.npz", **report.bundle(records, costs))
+    results.save(study_record(records, costs, size, command), out / "record.npz")
+    render(results.load(out / "record.npz"), out)
     print(f"wrote {out / 'streaming.md'}")
 
 

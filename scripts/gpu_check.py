@@ -225,7 +225,8 @@ def stream_study_section(python: str) -> Section:
     script = [python, str(STREAM_STUDY), "--out", f"{OUTPUTS}/{STREAM_FOLDER}", "--seeds", "1"]
     sized = ["--steps", "100", "--batch", "32", "--eval-clips", "10", "--device", "cuda"]
     return Section("stream study on cuda", [*script, *sized], 120, [*script, "--size", "smoke"],
-                   optional=True, writes=(f"{STREAM_FOLDER}/costs.json", f"{STREAM_FOLDER}/streaming.md"))
+                   optional=True, writes=(f"{STREAM_FOLDER}/costs.json", f"{STREAM_FOLDER}/record.npz",
+                                          f"{STREAM_FOLDER}/streaming.md"))
 
 
 # --------------------------------------------------------------------------------------------------

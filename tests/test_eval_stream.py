@@ -41,8 +41,16 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
     assert all(b > a for a, b in zip(peaks["softmax-kv"], peaks["softmax-kv"][1:]))
     page = (out / "streaming.md").read_text()
     assert "python eval/stream_study.py --out" in page and "| primary |" in page
-    with np.load(out / "streaming_records.npz") as bundle:
-        assert "softmax-kv/seed0/all" in bundle.files and "costs_json" in bundle.files
+    record = study.results.load(out / "record.npz")  # the page and the plot render from it alone
+    assert [(p["arm"], p["seed"], p["step"]) for p in record.points] == [
+        ("softmax-kv", 0, size.steps), ("mhla-factorised", 0, size.steps)]
+    assert record.points[0]["commit"] == study.results.code_commit() and record.meta["costs"] == costs
+    np.testing.assert_array_equal(record.arrays[0]["all"], records["softmax-kv"][0]["all"])
+    again = tmp_path / "again"
+    files = ["streaming.md", "streaming_curves.png"]
+    assert sorted(p.name for p in study.results.render(record, again)) == files
+    assert (again / "streaming.md").read_bytes() == (out / "streaming.md").read_bytes()
+    assert study.results.same_output(again / files[1], out / files[1]) != "differs"
     stamp = bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns
     study.main([*argv, "--stage", "train"])  # finished records are kept, not redone
     assert bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns == stamp

@@ -189,7 +189,8 @@ def test_every_table_in_docs_results_is_regenerable_or_marked():
     assert generated and all(p.is_file() for p in generated)
     pages = sorted(RESULTS.rglob("*.md"))
     assert len(pages) > 5
-    unmarked = {str(p.relative_to(ROOT)): results.unmarked_tables(p.read_text())
+    quotable = results.quotable_tables(p.read_text() for p in generated if p.suffix == ".md")
+    unmarked = {str(p.relative_to(ROOT)): results.unmarked_tables(p.read_text(), quotable)
                 for p in pages if p not in generated}
     assert {page: lines for page, lines in unmarked.items() if lines} == {}
     marks = [m for p in pages for m in results.MARK.finditer(p.read_text())]
@@ -205,6 +206,23 @@ def test_an_unmarked_table_is_found():
     assert results.unmarked_tables(f"# T\n\n{mark.replace('`abcdef1`', '?')}\n\n| a |\n") == [5]
     unrecorded = "measured 2026-11-26 at an unrecorded commit (written up in `abcdef1`); no record kept"
     assert results.unmarked_tables(f"# T\n\n{unrecorded}\n\n| a |\n") == []
+
+
+def test_a_quoted_table_needs_the_rendered_header_and_rows_unchanged():
+    """A page may quote a table a committed record renders (its header and any of its rows, unchanged):
+    a changed number, a row from elsewhere or another header is an unmarked table."""
+    results = load_results()
+    rendered = ("# R\n\n| arm | x |\n|---|---|\n| a | 0.10 |\n| b | 0.20 |\n\n"
+                "| arm | y |\n|---|---|\n| a | 5 |\n")
+    quotable = results.quotable_tables([rendered])
+    assert results.tables(rendered) == [(3, ["| arm | x |", "|---|---|", "| a | 0.10 |", "| b | 0.20 |"]),
+                                        (8, ["| arm | y |", "|---|---|", "| a | 5 |"])]
+    page = "# P\n\ntext\n\n| arm | x |\n|---|---|\n| b | 0.20 |\n"
+    assert results.unmarked_tables(page, quotable) == []
+    assert results.unmarked_tables(page.replace("0.20", "0.21"), quotable) == [5]
+    assert results.unmarked_tables(page.replace("| b | 0.20 |", "| a | 5 |"), quotable) == [5]
+    assert results.unmarked_tables(page.replace("| arm | x |", "| arm | z |"), quotable) == [5]
+    assert results.unmarked_tables(page) == [5]
 
 
 def slug(heading: str) -> str:
