@@ -41,6 +41,7 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
 
 from mhla_gen.data.moving_shapes import MOVING_CLASSES, moving_shapes_tensors
+from mhla_gen.errors import ConfigError
 from mhla_gen.integration.install import install_mhla
 from mhla_gen.metrics.moving_shapes import clip_scores
 from mhla_gen.pipelines.wan_stream import stream_chunks
@@ -137,6 +138,11 @@ def record_path(out: Path, arm: str, seed: int) -> Path:
     return out / "records" / f"{arm}_seed{seed}.npz"
 
 
+def state_path(out: Path, arm: str, seed: int) -> Path:
+    """Where the training state of an unfinished ``(arm, seed)`` is kept (:class:`Resume`)."""
+    return out / "training" / f"{arm}_seed{seed}.pt"
+
+
 def class_text() -> torch.Tensor:
     """``(10, TEXT_TOKENS, TEXT_DIM)``: the condition of each class, a fixed random draw."""
     generator = torch.Generator().manual_seed(TEXT_SEED)
@@ -149,20 +155,61 @@ def training_clips(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
     return clips * 2 - 1, labels
 
 
+@dataclass
+class Resume:
+    """Where :func:`train_arm` keeps its state every ``every`` steps (``path``; 0: never), so that a killed
+    run continues exactly: the model, AdamW's and the warm-up's state, the log and the loss since its last
+    entry (the batches, σ and noise come from ``(seed, step)`` alone). Written whole or not at all; a state
+    of another size is refused, not resumed."""
+
+    path: Path
+    every: int
+
+    def save(self, step: int, size: Size, model, optimizer, warmup, log: list, losses: list,
+             seconds: float) -> None:
+        if not self.every or step % self.every:
+            return
+        state = {"kind": KIND, "size": repr(size), "step": step, "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict(), "warmup": warmup.state_dict(), "log": log,
+                 "losses": losses, "seconds": seconds}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+
+    def load(self, size: Size, model, optimizer, warmup, device: str) -> tuple[int, list, list, float]:
+        """``(step, log, losses, seconds)`` of the kept state, loaded into the three; ``(0, [], [], 0)``
+        when there is none."""
+        if not self.path.is_file():
+            return 0, [], [], 0.0
+        state = torch.load(self.path, map_location=device, weights_only=True)
+        if state.get("kind") != KIND or state.get("size") != repr(size):
+            raise ConfigError(f"{self.path}: a training state of another size or not this study's; "
+                              "remove it, or run with the settings that made it")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        warmup.load_state_dict(state["warmup"])
+        return state["step"], state["log"], state["losses"], state["seconds"]
+
+
 def train_arm(size: Size, arm: str, seed: int, clips: torch.Tensor, labels: torch.Tensor,
-              log_every: int = 25, device: str = "cpu") -> tuple[WanTransformer3DModel, list[dict]]:
+              log_every: int = 25, device: str = "cpu",
+              resume: Resume | None = None) -> tuple[WanTransformer3DModel, list[dict]]:
     """Diffusion forcing from scratch: ``size.steps`` AdamW steps (linear warm-up, gradient clipping at 1),
     batches, σ per chunk and noise drawn from ``(seed, step)`` alone (every arm sees the same). Returns the
     model and the training log ``[{"step", "loss", "seconds"}]`` (the mean loss since the last entry).
-    The draws are made on the CPU whatever ``device`` trains: a GPU run sees the same clips, σ and noise."""
+    The draws are made on the CPU whatever ``device`` trains: a GPU run sees the same clips, σ and noise.
+    ``resume``: keep the state as it goes and continue from a kept one (:class:`Resume`)."""
     model = build_model(size, arm, seed, device=device).train()
     text = class_text().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / size.warmup))
     noising = FlowNoise(FlowMatchingConfig(per_chunk_noise=True), SHIFT, None, "transformer", 1000,
                         size.chunk, (1, size.patch, size.patch))
-    log, losses, start = [], [], time.perf_counter()
-    for step in range(size.steps):
+    first, log, losses, seconds = (0, [], [], 0.0) if resume is None else resume.load(
+        size, model, optimizer, warmup, device)
+    start = time.perf_counter() - seconds  # the log's seconds count training only, across resumes
+    for step in range(first, size.steps):
         rnd = StepRandom(seed, step, size.batch)
         index = torch.randint(len(clips), (size.batch,), generator=rnd.generator)
         x0 = clips[index]
@@ -179,9 +226,11 @@ def train_arm(size: Size, arm: str, seed: int, clips: torch.Tensor, labels: torc
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == size.steps:
-            seconds = time.perf_counter() - start
-            log.append({"step": step + 1, "loss": float(np.mean(losses)), "seconds": seconds})
+            log.append({"step": step + 1, "loss": float(np.mean(losses)),
+                        "seconds": time.perf_counter() - start})
             losses = []
+        if resume is not None:
+            resume.save(step + 1, size, model, optimizer, warmup, log, losses, time.perf_counter() - start)
     return model.eval(), log
 
 
@@ -276,6 +325,6 @@ def chunk_costs(model: WanTransformer3DModel, size: Size, frames: int, label: in
     return rows
 
 
-__all__ = ["ARMS", "CHECKS", "SIZES", "Size", "arm_config", "build_model", "chunk_costs", "class_text",
-           "eval_labels", "peak_allocated", "score_videos", "stream", "streamed_frames", "train_arm",
-           "training_clips"]
+__all__ = ["ARMS", "CHECKS", "SIZES", "Resume", "Size", "arm_config", "build_model", "chunk_costs",
+           "class_text", "eval_labels", "peak_allocated", "record_path", "score_videos", "state_path",
+           "stream", "streamed_frames", "train_arm", "training_clips"]

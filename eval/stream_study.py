@@ -8,9 +8,10 @@ the general and the factorised mixing (issue 58; the test bed is ``eval/stream_b
 Stages (each resumable: a finished record is kept and skipped):
 
 * ``train``: per (seed, arm), seeds outermost so an interrupted run holds whole seeds: diffusion forcing
-  from scratch, then ``eval_clips`` videos streamed from the same noise and classes in every arm and seed
-  (common random numbers) to 8x the training length (the general mixing: the training length, its ``W``
-  stops there), scored frame by frame (``records/<arm>_seed<k>.npz``);
+  from scratch (its state kept every ``--checkpoint-every`` steps in ``training/``: a killed run continues
+  exactly where it was kept), then ``eval_clips`` videos streamed from the same noise and classes in every
+  arm and seed (common random numbers) to 8x the training length (the general mixing: the training length,
+  its ``W`` stops there), scored frame by frame (``records/<arm>_seed<k>.npz``);
 * ``costs``: per arm, one video of 8x the training length streamed at batch 1 with untrained weights
   (memory and time are properties of the memory, not of what it learnt; the general mixing built for that
   length): seconds, cache bytes and peak allocated bytes per chunk (``costs.json``);
@@ -71,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="training batch (default: the size's)")
     p.add_argument("--device", default="cpu", help="where to train, stream and measure (cpu, cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--checkpoint-every", type=int, default=250,
+                   help="keep each run's training state every N steps (0: never); a killed run resumes there")
     args = p.parse_args(argv)
     unknown = sorted(set(args.arms) - set(bed.ARMS))
     if unknown:
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
     try:
         device = torch.device(args.device)
     except RuntimeError as error:
@@ -105,9 +110,11 @@ def save_npz(path: Path, **arrays) -> None:
     os.replace(tmp, path)
 
 
-def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str) -> None:
-    """Train ``arm`` with ``seed``, stream and score its videos: ``records/<arm>_seed<seed>.npz``."""
-    model, log = bed.train_arm(size, arm, seed, *data, device=device)
+def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str, every: int) -> None:
+    """Train ``arm`` with ``seed`` (its state kept every ``every`` steps until the record is written), stream
+    and score its videos: ``records/<arm>_seed<seed>.npz``."""
+    state = bed.state_path(out, arm, seed)
+    model, log = bed.train_arm(size, arm, seed, *data, device=device, resume=bed.Resume(state, every))
     labels = bed.eval_labels(size)
     start = time.perf_counter()
     videos = bed.stream(model, size, labels, bed.streamed_frames(size, arm))
@@ -121,16 +128,17 @@ def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: st
     print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s, stream "
           f"{stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count {scores['count'].mean():.3f}, "
           f"colour {scores['colour'].mean():.3f}", flush=True)
+    state.unlink(missing_ok=True)  # the record holds what the run made
 
 
-def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str) -> None:
+def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str, every: int) -> None:
     data = None
     for seed in range(seeds):
         for arm in arms:
             if file_is_ours(bed.record_path(out, arm, seed), KIND):
                 continue
             data = data if data is not None else bed.training_clips(size)
-            train_point(out, size, arm, seed, data, device)
+            train_point(out, size, arm, seed, data, device, every)
 
 
 def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
@@ -199,7 +207,7 @@ def main(argv=None) -> None:
     out = claim(Path(args.out), "study", "--out")
     torch.set_num_threads(args.threads)
     if args.stage in ("all", "train"):
-        train_stage(out, size, args.arms, args.seeds, args.device)
+        train_stage(out, size, args.arms, args.seeds, args.device, args.checkpoint_every)
     if args.stage in ("all", "costs"):
         costs_stage(out, size, args.arms, args.device)
     if args.stage in ("all", "report"):

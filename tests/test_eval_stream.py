@@ -51,6 +51,7 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
     assert sorted(p.name for p in study.results.render(record, again)) == files
     assert (again / "streaming.md").read_bytes() == (out / "streaming.md").read_bytes()
     assert study.results.same_output(again / files[1], out / files[1]) != "differs"
+    assert not (out / "training").exists() or not any((out / "training").iterdir())  # states dropped
     stamp = bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns
     study.main([*argv, "--stage", "train"])  # finished records are kept, not redone
     assert bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns == stamp
@@ -58,12 +59,44 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("argv, name", [(["--arms", "softmax"], "--arms"), (["--seeds", "0"], "--seeds"),
                                         (["--steps", "0"], "--steps"), (["--device", "gpu0"], "--device"),
+                                        (["--checkpoint-every", "-1"], "--checkpoint-every"),
                                         *([(["--device", "cuda"], "no CUDA device")]
                                           if not torch.cuda.is_available() else [])])
 def test_bad_settings_are_refused_before_the_folder_is_made(tmp_path, argv, name):
     with pytest.raises(ConfigError, match=name):
         study.main(["--out", str(tmp_path / "out"), *argv])
     assert not (tmp_path / "out").exists()
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_training_run_resumes_exactly(tmp_path, monkeypatch):
+    """Killed at step 10 with its state kept every 4 steps, the run continues from step 8 and ends with the
+    uninterrupted run's weights and losses, bit for bit; a state of another size is refused."""
+    size = replace(bed.SIZES["smoke"], steps=12, warmup=3)
+    data = bed.training_clips(size)
+    whole, whole_log = bed.train_arm(size, "mhla-factorised", 0, *data)
+    resume = bed.Resume(tmp_path / "training" / "state.pt", 4)
+    real = bed.StepRandom
+
+    def kill_at_10(seed, step, batch):
+        if step == 10:
+            raise Killed
+        return real(seed, step, batch)
+
+    monkeypatch.setattr(bed, "StepRandom", kill_at_10)
+    with pytest.raises(Killed):
+        bed.train_arm(size, "mhla-factorised", 0, *data, resume=resume)
+    monkeypatch.setattr(bed, "StepRandom", real)
+    assert torch.load(resume.path, weights_only=True)["step"] == 8
+    resumed, log = bed.train_arm(size, "mhla-factorised", 0, *data, resume=resume)
+    assert [(r["step"], r["loss"]) for r in log] == [(r["step"], r["loss"]) for r in whole_log]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="another size"):
+        bed.train_arm(replace(size, steps=16), "mhla-factorised", 0, *data, resume=resume)
 
 
 def synthetic(rates: dict[str, float], size: bed.Size, clips: int = 200, seeds: int = 3) -> dict:
