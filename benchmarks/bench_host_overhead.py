@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
+from mhla_gen.commands.cli import device_setting
 from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.ops import mhla as mhla_module
 from mhla_gen.ops import mhla_attention_autograd
@@ -68,14 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="back-to-back calls per sample (default 1 on CPU, 20 on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device = device_setting(args.device)
     cuda = args.device.type == "cuda"
     args.reps = (30 if cuda else 400) if args.reps is None else args.reps
     args.calls = (20 if cuda else 1) if args.calls is None else args.calls
     if min(args.reps, args.calls) < 1:
         parser.error(f"--reps and --calls must be at least 1, got {args.reps} and {args.calls}")
-    if cuda and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
     if args.backends is None:
         args.backends = ["triton", "pytorch"] if cuda else ["pytorch"]
     if "triton" in args.backends and not cuda:

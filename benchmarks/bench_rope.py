@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from mhla_gen.commands.cli import device_setting
+from mhla_gen.errors import ConfigError
 from mhla_gen.ops.rope import wan_rotary_pair
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -100,9 +102,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dim % 2:
         parser.error(f"--dim {args.dim} must be even (RoPE rotates coordinate pairs)")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_rope: no CUDA device; pass --device cpu for the plumbing run", file=sys.stderr)
+    try:
+        device = device_setting(args.device, hint="--device cpu runs the plumbing")
+    except ConfigError as error:
+        print(f"bench_rope: {error}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
     q, k, cos, sin = make_inputs(args.batch, args.heads, args.tokens, args.dim, dtype,

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_timing beside t
 from step_timing import interleaved_seconds, median_ratio  # noqa: E402
 
 from mhla_gen import MHLAConfig, install_mhla  # noqa: E402
-from mhla_gen.commands.cli import expand_path  # noqa: E402
+from mhla_gen.commands.cli import device_setting, expand_path  # noqa: E402
 from mhla_gen.commands.cli import run as run_cli  # noqa: E402
 from mhla_gen.integration.install import is_mhla_installed, mhla_processors  # noqa: E402
 from mhla_gen.integration.serialization import cast_like_diffusers  # noqa: E402
@@ -124,14 +124,8 @@ def parse_args(argv=None):
         parser.error(f"--warmup must not be negative, got {args.warmup}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        parser.error(f"--device {args.device!r}: {error}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
+    device = device_setting(args.device)
+    args.device = str(device)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     return args

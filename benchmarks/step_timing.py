@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mhla_gen.commands.cli import device_setting
+from mhla_gen.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class StepBench:
@@ -67,9 +70,10 @@ def parse_step_args(bench: StepBench, description: str, argv=None) -> argparse.N
     if args.warmup < bench.min_warmup:
         need = f"be at least {bench.min_warmup}{bench.warmup_why}" if bench.min_warmup else "not be negative"
         parser.error(f"--warmup must {need}, got {args.warmup}")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
+    try:
+        args.device = device_setting(args.device)
+    except ConfigError as error:
+        parser.error(str(error))
     on_cuda, elsewhere = bench.precision_default
     default = on_cuda if args.device.type == "cuda" else elsewhere
     setattr(args, bench.precision_dest, getattr(args, bench.precision_dest) or default)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from mhla_gen import BlockLayout, locality_init
-from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import device_setting, expand_path
 from mhla_gen.commands.cli import run as run_cli
 from mhla_gen.errors import ConfigError
 from mhla_gen.ops import blocked, tile_table
@@ -95,9 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ConfigError(f"--budget-s={args.budget_s}: must be positive")
     if args.list:
         return args
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device here (the CPU plumbing run is --device cpu under "
-                          "TRITON_INTERPRET=1)")
+    device_setting(args.device, hint="the CPU plumbing run is --device cpu under TRITON_INTERPRET=1")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     return args

@@ -60,7 +60,7 @@ from studies.scale_preset import ARMS, CONFIG, GRIDS, base_overrides, grid_plan
 from studies.scale_report import PRIMARY, QUESTIONS, report
 from studies.scale_sizing import SIZING_FORMAT, device_name, read_sizing, sizing, sizing_table
 
-from mhla_gen.commands.cli import expand_path, run
+from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.train.io import atomic_write_text
 
@@ -149,8 +149,8 @@ def parse_args(argv=None):
         args.device, args.jobs = args.device or "cpu", args.jobs or 1
     args.device = args.device or "cuda"
     args.out = Path(args.out) if args.out else None
-    args.precision = "bf16" if torch.device(args.device).type == "cuda" else "no"
     check_args(args)
+    args.precision = "bf16" if torch.device(args.device).type == "cuda" else "no"
     return args
 
 
@@ -167,8 +167,7 @@ def check_args(args) -> None:
         raise ConfigError("give a budget: --images N, or --seconds S with --sizing FILE")
     elif (args.seconds is not None or args.compute == "time") and args.sizing is None:
         raise ConfigError("--seconds and --compute time read measured images/s: give --sizing FILE")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: no CUDA device here (--smoke runs the plumbing on CPU)")
+    device_setting(args.device, hint="--smoke runs the plumbing on CPU")
     if args.export is not None:
         check_export(Path(args.export))
     check_questions(QUESTIONS, (PRIMARY,), "eval/scale_study.py")

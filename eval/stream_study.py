@@ -51,6 +51,7 @@ if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a
 import stream_bed as bed  # noqa: E402
 from studies import sibling  # noqa: E402
 
+from mhla_gen.commands.cli import device_setting  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
 from mhla_gen.outputs.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
@@ -84,12 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        raise ConfigError(f"--device {args.device!r}: {error}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: no CUDA device here (--device cpu runs on the CPU)")
+    device_setting(args.device, hint="--device cpu runs on the CPU")
     return args
 
 

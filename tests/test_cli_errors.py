@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from test_ownership import TINY_DIT, load_script
 from train_helpers import REPO, _reset_accelerate
@@ -170,3 +171,40 @@ def test_eval_scripts_data_errors(tmp_path, capsys, monkeypatch):
     line = fails_in_one_line("eval/fid.py", ["--samples", str(tmp_path / "bad.npz"), "--ref", "digits",
                              "--out", str(tmp_path / "file" / "m.json")], capsys, monkeypatch)
     assert "--out=" in line and "is a file, not a folder" in line
+
+
+DEVICE_SCRIPTS = [("eval/stream_study.py", ["--out", "{tmp}/out"]),
+                  ("eval/scale_study.py", ["--smoke", "--out", "{tmp}/out"]),
+                  ("scripts/sample.py", ["--model", "{tmp}/model", "--base", "dit", "--labels", "1",
+                                         "--out", "{tmp}/out"]),
+                  ("benchmarks/bench_dit_step.py", ["--tiny"]),
+                  ("benchmarks/bench_wan_step.py", ["--tiny"]),
+                  ("benchmarks/bench_host_overhead.py", [])]
+BAD_DEVICES = ["gpu0", *(["cuda"] if not torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", BAD_DEVICES)
+@pytest.mark.parametrize("script, argv", DEVICE_SCRIPTS, ids=[s for s, _ in DEVICE_SCRIPTS])
+def test_every_device_flag_refuses_a_bad_name_or_a_missing_gpu(script, argv, device, tmp_path, capsys,
+                                                                monkeypatch):
+    """One check (``cli.device_setting``) behind every ``--device``: a name torch does not parse, or
+    CUDA on a machine without it, is one line naming the flag and the value, before anything is written."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    message = fails_in_one_line(script, [*argv, "--device", device], capsys, monkeypatch)
+    assert "--device" in message and device in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_setting_parses_names_and_picks_a_default(monkeypatch):
+    from mhla_gen.commands.cli import device_setting
+    from mhla_gen.errors import ConfigError
+
+    assert device_setting("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_setting(None) == torch.device("cuda") and device_setting("cuda:1").index == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_setting(None) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"--gpu cuda: no CUDA device here \(use the CPU\)"):
+        device_setting("cuda", "--gpu", hint="use the CPU")
+    with pytest.raises(ConfigError, match="--device 'tpu'"):
+        device_setting("tpu")

@@ -59,6 +59,23 @@ def expand_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def device_setting(value, flag: str = "--device", hint: str = ""):
+    """``value`` as a ``torch.device``: a name torch parses (``cpu``, ``cuda``, ``cuda:1``), or None for
+    ``cuda`` where there is one and ``cpu`` elsewhere. ``ConfigError`` naming ``flag`` for a name torch does
+    not parse, or CUDA on a machine without it (``hint``: what to pass instead, in the message)."""
+    import torch
+
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"{flag} {value!r}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{flag} {value}: no CUDA device here" + (f" ({hint})" if hint else ""))
+    return device
+
+
 def parse_run_args(
     schema, description: str, default_config: str | None = None, argv: list[str] | None = None,
     parents: Sequence[argparse.ArgumentParser] = (),

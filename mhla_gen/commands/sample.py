@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from mhla_gen.bases import BASES, base_for
-from mhla_gen.commands.cli import expand_path, run
+from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 from mhla_gen.outputs.folders import check_apart, claim, owned
@@ -100,8 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be positive, got {value}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device} requested but CUDA is not available")
+    try:
+        device_setting(args.device)
+    except ConfigError as error:
+        parser.error(str(error))
     for name in ("model", "transformer"):
         path = getattr(args, name)
         if path is not None and not Path(path).exists() and (name == "transformer" or _looks_local(path)):
