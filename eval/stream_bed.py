@@ -157,17 +157,18 @@ def training_clips(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class Resume:
-    """Where :func:`train_arm` keeps its state every ``every`` steps (``path``; 0: never), so that a killed
-    run continues exactly: the model, AdamW's and the warm-up's state, the log and the loss since its last
-    entry (the batches, σ and noise come from ``(seed, step)`` alone). Written whole or not at all; a state
-    of another size is refused, not resumed."""
+    """Where :func:`train_arm` keeps its state every ``every`` steps and at the last (``path``; 0: never), so
+    that a killed run continues exactly (one killed after training, while streaming, trains no more): the
+    model, AdamW's and the warm-up's state, the log and the loss since its last entry (the batches, σ and
+    noise come from ``(seed, step)`` alone). Written whole or not at all; a state of another size is
+    refused, not resumed."""
 
     path: Path
     every: int
 
     def save(self, step: int, size: Size, model, optimizer, warmup, log: list, losses: list,
              seconds: float) -> None:
-        if not self.every or step % self.every:
+        if not self.every or (step % self.every and step != size.steps):
             return
         state = {"kind": KIND, "size": repr(size), "step": step, "model": model.state_dict(),
                  "optimizer": optimizer.state_dict(), "warmup": warmup.state_dict(), "log": log,

@@ -107,8 +107,8 @@ def save_npz(path: Path, **arrays) -> None:
 
 
 def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str, every: int) -> None:
-    """Train ``arm`` with ``seed`` (its state kept every ``every`` steps until the record is written), stream
-    and score its videos: ``records/<arm>_seed<seed>.npz``."""
+    """Train ``arm`` with ``seed`` (its state kept every ``every`` steps; the last one stays beside the
+    record), stream and score its videos: ``records/<arm>_seed<seed>.npz``."""
     state = bed.state_path(out, arm, seed)
     model, log = bed.train_arm(size, arm, seed, *data, device=device, resume=bed.Resume(state, every))
     labels = bed.eval_labels(size)
@@ -124,7 +124,6 @@ def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: st
     print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s, stream "
           f"{stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count {scores['count'].mean():.3f}, "
           f"colour {scores['colour'].mean():.3f}", flush=True)
-    state.unlink(missing_ok=True)  # the record holds what the run made
 
 
 def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str, every: int) -> None:
