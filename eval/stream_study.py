@@ -196,9 +196,19 @@ def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> N
     print(f"wrote {out / 'streaming.md'}")
 
 
+def check_report_input(args) -> None:
+    """``--stage report`` reads finished records: refuse a folder without one before anything is written."""
+    import stream_report as report
+
+    if args.stage == "report" and not report.load_records(Path(args.out), args.arms, args.seeds):
+        raise ConfigError(f"--stage report: {args.out!r} holds no finished record of --arms "
+                          f"{' '.join(args.arms)} (seeds 0-{args.seeds - 1}); --stage train makes them")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     size = study_size(args)
+    check_report_input(args)
     out = claim(Path(args.out), "study", "--out")
     torch.set_num_threads(args.threads)
     if args.stage in ("all", "train"):

@@ -61,6 +61,7 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
 @pytest.mark.parametrize("argv, name", [(["--arms", "softmax"], "--arms"), (["--seeds", "0"], "--seeds"),
                                         (["--steps", "0"], "--steps"), (["--device", "gpu0"], "--device"),
                                         (["--checkpoint-every", "-1"], "--checkpoint-every"),
+                                        (["--stage", "report"], "no finished record"),
                                         *([(["--device", "cuda"], "no CUDA device")]
                                           if not torch.cuda.is_available() else [])])
 def test_bad_settings_are_refused_before_the_folder_is_made(tmp_path, argv, name):
