@@ -16,12 +16,31 @@ from mhla_gen.outputs.folders import file_is_ours
 
 results = sibling("results")  # the record's figures are saved through it (data in a text chunk)
 
-# The questions (eval/stream_study.py's docstring), declared before the run
 MIN_EFFECT, FLOOR, DRAWS = 0.05, 0.02, 2000  # evidence.py's for a rate; joint resamples
-PRIMARY = ("mhla-factorised", "global-state", "long")  # long: the longest length streamed (8x)
-SECONDARIES = (("mhla-factorised", "softmax-kv", "long"), ("mhla-factorised", "softmax-kv", "1x"),
-               ("mhla-factorised", "global-state", "1x"), ("mhla-general", "mhla-factorised", "1x"))
 DECAY_ARMS = ("softmax-kv", "global-state", "mhla-factorised")
+
+
+def declared(check: str) -> list[list[str]]:
+    """A set of questions on ``check``, each ``[arm a, window a, arm b, window b, check]`` (``a − b``; the
+    first is the primary, the rest are secondaries, Holm-adjusted together): per-block memory against one
+    global state at 8x (``long``: the longest length streamed); against the KV cache at 8x and 1x; against
+    one global state at 1x; the general against the factorised mixing at 1x; per streaming arm the decay
+    with distance from the start (the training length's window minus the last one)."""
+    pairs = [("mhla-factorised", "global-state", "long"), ("mhla-factorised", "softmax-kv", "long"),
+             ("mhla-factorised", "softmax-kv", "1x"), ("mhla-factorised", "global-state", "1x"),
+             ("mhla-general", "mhla-factorised", "1x")]
+    return ([[a, w, b, w, check] for a, b, w in pairs]
+            + [[arm, "1x", arm, "last", check] for arm in DECAY_ARMS])
+
+
+# The questions as declared for the runs of 2026-11-28 (records without questions of their own): every
+# check at once (``all``).
+QUESTIONS_2026_11_28 = declared("all")
+# Declared 2026-11-29 (eval/stream_study.py's docstring), after the first 6000-step record (softmax-kv,
+# seed 0: no frame after frame 1 passed ``motion``, so ``all`` sits at the floor in every arm whatever the
+# memory) and before any MHLA arm of that run: the class colour kept with distance from the start, and
+# the primary of 2026-11-28 as the last secondary. A run's record carries the questions it was asked.
+QUESTIONS = [*declared("colour"), QUESTIONS_2026_11_28[0]]
 
 
 def load_records(out: Path, arms, seeds: int) -> dict[str, dict[int, dict]]:
@@ -59,13 +78,15 @@ def at_floor(scores: np.ndarray, frames: int) -> bool:
     return es.at_floor(round(float(scores.sum()) * frames), scores.size * frames, FLOOR)
 
 
-def paired(records: dict, a: tuple[str, str], b: tuple[str, str], size: bed.Size) -> dict | None:
-    """The paired comparison of ``a = (arm, window)`` minus ``b`` over the seeds both have: rates, the
-    interval (seeds and clips resampled jointly), and whether both sit at the floor. None: not streamed."""
+def paired(records: dict, a: tuple[str, str], b: tuple[str, str], size: bed.Size,
+           check: str = "all") -> dict | None:
+    """The paired comparison of ``a = (arm, window)`` minus ``b`` on ``check`` over the seeds both have:
+    rates, the interval (seeds and clips resampled jointly), and whether both sit at the floor. None: not
+    streamed."""
     spans = windows(size)
     seeds = sorted(set(records.get(a[0], {})) & set(records.get(b[0], {})))
-    pairs = [(window_scores(records[a[0]][s], *spans[a[1]]), window_scores(records[b[0]][s], *spans[b[1]]))
-             for s in seeds]
+    pairs = [(window_scores(records[a[0]][s], *spans[a[1]], check),
+              window_scores(records[b[0]][s], *spans[b[1]], check)) for s in seeds]
     if not seeds or any(x is None or y is None for x, y in pairs):
         return None
     xa, xb = np.stack([x for x, _ in pairs]), np.stack([y for _, y in pairs])  # (S, N)
@@ -75,13 +96,14 @@ def paired(records: dict, a: tuple[str, str], b: tuple[str, str], size: bed.Size
             "both_at_floor": floor}
 
 
-def questions(records: dict, size: bed.Size) -> list[dict]:
-    """The primary (first) and the secondaries (Holm-adjusted together), each with its verdict."""
-    primary = PRIMARY
-    asked = [((primary[0], primary[2]), (primary[1], primary[2]))]
-    asked += [((a, w), (b, w)) for a, b, w in SECONDARIES]
-    asked += [((arm, "1x"), (arm, "last")) for arm in DECAY_ARMS]
-    cells = [paired(records, a, b, size) or {"a": a, "b": b, "interval": None} for a, b in asked]
+def questions(records: dict, size: bed.Size, asked: list[list[str]] = QUESTIONS) -> list[dict]:
+    """The primary (``asked``'s first) and the secondaries (Holm-adjusted together), each with its
+    verdict."""
+    cells = []
+    for arm_a, win_a, arm_b, win_b, check in asked:
+        a, b = (arm_a, win_a), (arm_b, win_b)
+        cell = paired(records, a, b, size, check) or {"a": a, "b": b, "interval": None}
+        cells.append({**cell, "check": check})
     p_secondary = [c["interval"].p if c["interval"] is not None else math.nan for c in cells[1:]]
     adjusted = [None, *es.holm(p_secondary)]
     for index, (cell, p_adj) in enumerate(zip(cells, adjusted)):
@@ -99,7 +121,7 @@ def questions(records: dict, size: bed.Size) -> list[dict]:
 def fmt_cell(cell: dict, size: bed.Size) -> str:
     """One row of the questions table."""
     (arm_a, win_a), (arm_b, win_b) = cell["a"], cell["b"]
-    name = f"{arm_a} [{window_name(win_a, size)}] − {arm_b} [{window_name(win_b, size)}]"
+    name = f"`{cell['check']}`: {arm_a} [{window_name(win_a, size)}] − {arm_b} [{window_name(win_b, size)}]"
     role = "primary" if cell["primary"] else "secondary"
     iv = cell["interval"]
     if iv is None:
@@ -168,14 +190,16 @@ def training_table(records: dict) -> list[str]:
     return lines
 
 
-def page(records: dict, costs: dict, size: bed.Size, command: str, date: str, code: str) -> str:
-    """The study's markdown: setup (``code``: which commit computed the records), questions with verdicts,
-    per-frame tables, costs."""
-    cells = questions(records, size)
+def page(records: dict, costs: dict, size: bed.Size, command: str, date: str, code: str,
+         asked: list[list[str]] = QUESTIONS) -> str:
+    """The study's markdown: setup (``code``: which commit computed the records), the questions ``asked``
+    with verdicts, per-frame tables, costs."""
+    cells = questions(records, size, asked)
     lines = [f"# Streaming on moving shapes ({date})", "", f"    {command}", "", code, "",
              f"Size: `{size}`.", "", "## Questions (declared before the run)", "",
-             f"Score: per clip, the share of a window's frames passing every check (`all`); minimum effect "
-             f"{MIN_EFFECT}, floor {FLOOR}, {DRAWS} joint resamples of seeds and clips.", "",
+             f"Score: per clip, the share of a window's frames passing the question's check (`all`: count, "
+             f"colour and motion at once); minimum effect {MIN_EFFECT}, floor {FLOOR}, {DRAWS} joint "
+             "resamples of seeds and clips.", "",
              "| comparison | role | rates | difference [95 %] | per seed | p | verdict |",
              "|---|---|---|---|---|---|---|", *(fmt_cell(c, size) for c in cells), ""]
     for check in bed.CHECKS:

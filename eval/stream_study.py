@@ -19,16 +19,18 @@ Stages (each resumable: a finished record is kept and skipped):
   ``eval/results.py``: what the page's numbers come from), and rendered from it alone ``streaming.md``
   (tables, verdicts) and ``streaming_curves.png``; ``python eval/results.py add OUT NAME`` commits it.
 
-The questions, declared before the run (``docs/results/evidence.md``'s rules: 3 seeds, one primary, Holm
-over the secondaries, a minimum effect of 0.05 in a rate, "neither" when both arms sit at the floor 0.02):
-the score of a clip over a window of frames is the share of its frames that pass every check of the
-scorer (``all``: count, colour, motion); windows ``1x`` = frames ``[0, F)`` and ``8x`` = ``[0, 8F)``.
+The questions (``stream_report.QUESTIONS``; ``docs/results/evidence.md``'s rules: 3 seeds, one primary,
+Holm over the secondaries, a minimum effect of 0.05 in a rate, "neither" when both arms sit at the floor
+0.02): the score of a clip over a window of frames is the share of its frames that pass the question's
+check of the scorer; windows ``1x`` = frames ``[0, F)``, ``8x`` = ``[0, 8F)``, ``last`` = ``[7F, 8F)``.
+Declared 2026-11-29, before any MHLA arm of the 6000-step run (the runs of 2026-11-28 asked the same on
+``all``, which no arm passes after frame 1 at 6000 steps: their records render with those questions):
 
-* primary: ``mhla-factorised − global-state``, ``all`` over the 8x window (per-block memory against one
-  global state, past the training length);
-* secondaries: ``mhla-factorised − softmax-kv`` at 8x and at 1x, ``mhla-factorised − global-state`` at
-  1x, ``mhla-general − mhla-factorised`` at 1x, and per streaming arm the decay with distance from the
-  start: its ``all`` over frames ``[0, F)`` minus over the last training length ``[7F, 8F)``.
+* primary: ``mhla-factorised − global-state``, ``colour`` over the 8x window (per-block memory against one
+  global state: does the video stay on its class past the training length?);
+* secondaries, on ``colour``: ``mhla-factorised − softmax-kv`` at 8x and at 1x, ``mhla-factorised −
+  global-state`` at 1x, ``mhla-general − mhla-factorised`` at 1x, and per streaming arm the decay with
+  distance from the start (1x minus ``last``); and the primary of 2026-11-28, ``all`` at 8x.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a
     sys.path.insert(0, str(HERE))
 
 import stream_bed as bed  # noqa: E402
+import stream_report as report  # noqa: E402
 from studies import sibling  # noqa: E402
 
 from mhla_gen.commands.cli import device_setting  # noqa: E402
@@ -163,21 +166,20 @@ def study_record(records: dict, costs: dict, size: bed.Size, command: str):
             points.append({"arm": arm, "seed": int(seed), "step": int(found["loss_steps"][-1]),
                            "commit": commit})
             arrays.append({k: v for k, v in found.items() if k != "commit" and not k.startswith("mhla_gen")})
-    meta = {"size": asdict(size), "costs": costs}
+    meta = {"size": asdict(size), "costs": costs, "questions": report.QUESTIONS}
     return results.make_record("stream_study", command, points, arrays, meta)
 
 
 def render(record, folder: Path) -> list[Path]:
     """``streaming.md`` and ``streaming_curves.png`` from ``record`` alone (``eval/results.py`` renders
     every committed record through this); returns the files written."""
-    import stream_report as report
-
     records: dict[str, dict[int, dict]] = {}
     for point, arrays in zip(record.points, record.arrays):
         records.setdefault(point["arm"], {})[int(point["seed"])] = arrays
     size = bed.Size(**{**record.meta["size"], "lengths": tuple(record.meta["size"]["lengths"])})
+    asked = record.meta.get("questions", report.QUESTIONS_2026_11_28)  # the questions the run declared
     text = report.page(records, record.meta["costs"], size, record.meta["command"], record.meta["date"],
-                       results.commits_line(record.points))
+                       results.commits_line(record.points), asked)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(folder / "streaming.md", text)
     report.plot_curves(records, size, folder / "streaming_curves.png")
@@ -187,8 +189,6 @@ def render(record, folder: Path) -> list[Path]:
 def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> None:
     """``record.npz`` from the finished records and costs; ``streaming.md`` and ``streaming_curves.png``
     rendered from it (as regenerating the committed record renders them)."""
-    import stream_report as report
-
     records = report.load_records(out, arms, seeds)
     costs = json.loads((out / "costs.json").read_text())["arms"] if (out / "costs.json").is_file() else {}
     results.save(study_record(records, costs, size, command), out / "record.npz")
@@ -198,8 +198,6 @@ def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> N
 
 def check_report_input(args) -> None:
     """``--stage report`` reads finished records: refuse a folder without one before anything is written."""
-    import stream_report as report
-
     if args.stage == "report" and not report.load_records(Path(args.out), args.arms, args.seeds):
         raise ConfigError(f"--stage report: {args.out!r} holds no finished record of --arms "
                           f"{' '.join(args.arms)} (seeds 0-{args.seeds - 1}); --stage train makes them")

@@ -45,6 +45,7 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
     assert [(p["arm"], p["seed"], p["step"]) for p in record.points] == [
         ("softmax-kv", 0, size.steps), ("mhla-factorised", 0, size.steps)]
     assert record.points[0]["commit"] == study.results.code_commit() and record.meta["costs"] == costs
+    assert record.meta["questions"] == report.QUESTIONS  # the questions this run was asked
     np.testing.assert_array_equal(record.arrays[0]["all"], records["softmax-kv"][0]["all"])
     again = tmp_path / "again"
     files = ["streaming.md", "streaming_curves.png"]
@@ -102,28 +103,30 @@ def test_a_killed_training_run_resumes_exactly(tmp_path, monkeypatch):
 
 
 def synthetic(rates: dict[str, float], size: bed.Size, clips: int = 200, seeds: int = 3) -> dict:
-    """Records whose frames pass ``all`` with the given rate per arm (the same rate in every frame)."""
+    """Records whose frames pass every check with the given rate per arm (the same rate in every frame)."""
     records = {}
     for arm, rate in rates.items():
         for seed in range(seeds):
             rng = np.random.default_rng([seed, len(arm)])
             frames = size.frames if arm == "mhla-general" else size.longest
-            records.setdefault(arm, {})[seed] = {"all": rng.random((clips, frames)) < rate}
+            records.setdefault(arm, {})[seed] = {check: rng.random((clips, frames)) < rate
+                                                 for check in bed.CHECKS}
     return records
 
 
-def verdicts(records: dict, size: bed.Size) -> dict:
-    cells = report.questions(records, size)
-    return {(c["a"][0], c["a"][1], c["b"][0], c["b"][1]): c["verdict"] for c in cells}
+def verdicts(records: dict, size: bed.Size, asked=report.QUESTIONS) -> dict:
+    cells = report.questions(records, size, asked)
+    return {(c["a"][0], c["a"][1], c["b"][0], c["b"][1], c["check"]): c["verdict"] for c in cells}
 
 
 def test_verdicts_follow_the_evidence_rules():
     size = replace(bed.SIZES["smoke"], frames=2, lengths=(1, 2, 4, 8))
     found = verdicts(synthetic({"softmax-kv": 0.5, "global-state": 0.2, "mhla-general": 0.0,
                                 "mhla-factorised": 0.5}, size), size)
-    assert found[("mhla-factorised", "long", "global-state", "long")] == "resolved"  # primary: 0.3 apart
-    assert found[("mhla-factorised", "1x", "softmax-kv", "1x")] in ("bounded", "negligible", "undecided")
-    assert found[("mhla-general", "1x", "mhla-factorised", "1x")] == "resolved"
+    assert found[("mhla-factorised", "long", "global-state", "long", "colour")] == "resolved"  # 0.3 apart
+    assert found[("mhla-factorised", "1x", "softmax-kv", "1x", "colour")] in (
+        "bounded", "negligible", "undecided")
+    assert found[("mhla-general", "1x", "mhla-factorised", "1x", "colour")] == "resolved"
     nothing = verdicts(synthetic({arm: 0.0 for arm in bed.ARMS}, size), size)
     assert set(nothing.values()) == {"neither"}  # both at the floor: not equivalence
     two_seeds = verdicts(synthetic({arm: 0.5 for arm in bed.ARMS}, size, seeds=2), size)
@@ -132,3 +135,24 @@ def test_verdicts_follow_the_evidence_rules():
     long = report.paired({**general_only, "mhla-factorised": general_only["mhla-general"]},
                          ("mhla-general", "long"), ("mhla-factorised", "long"), size)
     assert long is None  # the general mixing streams the training length only
+
+
+def test_each_record_is_read_with_the_questions_its_run_declared():
+    """The 2026-11-28 runs asked on ``all`` (their records carry no questions); a record of today's code
+    carries ``QUESTIONS`` (primary on ``colour``), so a record renders the verdicts its run was asked for."""
+    size = replace(bed.SIZES["smoke"], frames=2, lengths=(1, 2, 4, 8))
+    assert report.QUESTIONS[0] == ["mhla-factorised", "long", "global-state", "long", "colour"]
+    assert report.QUESTIONS[-1] == report.QUESTIONS_2026_11_28[0]
+    assert {q[4] for q in report.QUESTIONS_2026_11_28} == {"all"}
+    records = synthetic({"softmax-kv": 0.5, "global-state": 0.2, "mhla-general": 0.5,
+                         "mhla-factorised": 0.5}, size)
+    for arm in records:  # colour passes everywhere, `all` at the arm's rate
+        for r in records[arm].values():
+            r["colour"] = np.ones_like(r["colour"])
+    now, then = verdicts(records, size), verdicts(records, size, report.QUESTIONS_2026_11_28)
+    assert now[("mhla-factorised", "long", "global-state", "long", "colour")] == "bounded"
+    assert then[("mhla-factorised", "long", "global-state", "long", "all")] == "resolved"
+    committed = study.results.load(EVAL.parent / "docs/results/records/streaming_300/record.npz")
+    assert "questions" not in committed.meta
+    page = (EVAL.parent / "docs/results/records/streaming_300/streaming.md").read_text()
+    assert "| `all`: mhla-factorised [8x] − global-state [8x] | primary |" in page
