@@ -32,6 +32,7 @@ video of the longest length gives every shorter one as its prefix (exactly: the 
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+from studies import sibling
 
 from mhla_gen.data.moving_shapes import MOVING_CLASSES, moving_shapes_tensors
 from mhla_gen.errors import ConfigError
@@ -51,6 +53,7 @@ from mhla_gen.train.config import FlowMatchingConfig
 from mhla_gen.train.objectives import flow_matching_mse
 from mhla_gen.train.randomness import StepRandom
 
+results = sibling("results")  # its atomic writes (write_bytes)
 ARMS = ("softmax-kv", "global-state", "mhla-general", "mhla-factorised")
 TEXT_DIM, TEXT_TOKENS, TEXT_SEED = 32, 4, 1234  # the class embeddings (one fixed draw for every run)
 KIND = "stream_study"  # the record our .npz / .json files carry (mhla_gen.outputs.folders.file_is_ours)
@@ -173,10 +176,9 @@ class Resume:
         state = {"kind": KIND, "size": repr(size), "step": step, "model": model.state_dict(),
                  "optimizer": optimizer.state_dict(), "warmup": warmup.state_dict(), "log": log,
                  "losses": losses, "seconds": seconds}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".tmp-{self.path.name}")
-        torch.save(state, tmp)
-        tmp.replace(self.path)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        results.write_bytes(self.path, buffer.getvalue())
 
     def load(self, size: Size, model, optimizer, warmup, device: str) -> tuple[int, list, list, float]:
         """``(step, log, losses, seconds)`` of the kept state, loaded into the three; ``(0, [], [], 0)``

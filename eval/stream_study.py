@@ -36,8 +36,8 @@ Declared 2026-11-29, before any MHLA arm of the 6000-step run (the runs of 2026-
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -102,11 +102,9 @@ def study_size(args) -> bed.Size:
 # ------------------------------------------------------------------------------------------ records
 def save_npz(path: Path, **arrays) -> None:
     """A compressed ``.npz`` of ours (the folder record inside), written whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        np.savez_compressed(f, **{FILE_RECORD + "_kind": np.array(KIND)}, **arrays)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **{FILE_RECORD + "_kind": np.array(KIND)}, **arrays)
+    results.write_bytes(path, buffer.getvalue())
 
 
 def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: str, every: int) -> None:
@@ -151,9 +149,7 @@ def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
         found[arm] = bed.chunk_costs(model, size, size.longest)
         last = found[arm][-1]
         print(f"{arm}: peak {last['peak_bytes'] / 1024:.0f} KiB at chunk {len(found[arm])}", flush=True)
-        tmp = path.with_name(".tmp-costs.json")
-        tmp.write_text(json.dumps({FILE_RECORD: {"kind": KIND}, "arms": found}, indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps({FILE_RECORD: {"kind": KIND}, "arms": found}, indent=1) + "\n")
 
 
 def study_record(records: dict, costs: dict, size: bed.Size, command: str):
