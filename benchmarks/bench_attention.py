@@ -81,8 +81,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mhla_gen import BlockLayout, locality_init, mhla_attention
-from mhla_gen.commands.cli import expand_path
+from mhla_gen.commands.cli import device_setting, expand_path
 from mhla_gen.commands.cli import run as run_cli
+from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import check_file_target, file_record
 from mhla_gen.outputs.locks import writing_files
 from mhla_gen.train.io import atomic_write_text
@@ -746,7 +747,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if this script did "
                         "not write it")
     args = parser.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
+    try:
+        cuda = device_setting(args.device).type == "cuda"
+    except ConfigError as error:
+        parser.error(str(error))
     for n in args.graph_sizes + args.crossover_sizes:
         if math.isqrt(n) ** 2 != n or n < 16:
             parser.error(f"--graph-sizes and --crossover-sizes take square numbers >= 16 (a grid in 4x4 "

@@ -179,7 +179,9 @@ DEVICE_SCRIPTS = [("eval/stream_study.py", ["--out", "{tmp}/out"]),
                                          "--out", "{tmp}/out"]),
                   ("benchmarks/bench_dit_step.py", ["--tiny"]),
                   ("benchmarks/bench_wan_step.py", ["--tiny"]),
-                  ("benchmarks/bench_host_overhead.py", [])]
+                  ("benchmarks/bench_host_overhead.py", []),
+                  ("benchmarks/bench_attention.py", []),
+                  ("scripts/extract_latents.py", ["--data", "{tmp}/data", "--out", "{tmp}/out"])]
 BAD_DEVICES = ["gpu0", *(["cuda"] if not torch.cuda.is_available() else [])]
 
 

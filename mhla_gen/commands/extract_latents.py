@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mhla_gen.commands.cli import expand_path, run
+from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.data import ClassFolderDataset, write_class_latents
 from mhla_gen.data.latents import LATENT_CACHE, check_cache_target
 from mhla_gen.errors import ConfigError
@@ -48,6 +48,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the latent-distribution samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    device_setting(args.device)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from diffusers import AutoencoderKL
