@@ -5,7 +5,8 @@ the general and the factorised mixing (issue 58; the test bed is ``eval/stream_b
     python eval/stream_study.py --out runs/stream --stage report  # the tables from the records alone
     python eval/stream_study.py --out runs/stream_smoke --size smoke   # seconds: the plumbing
 
-Stages (each resumable: a finished record is kept and skipped):
+Stages (each resumable: a finished record is kept and skipped; a folder holds one size, so a command whose
+size flags differ from those that made its files is refused before it writes):
 
 * ``train``: per (seed, arm), seeds outermost so an interrupted run holds whole seeds: diffusion forcing
   from scratch (its state kept every ``--checkpoint-every`` steps in ``training/``: a killed run continues
@@ -36,8 +37,10 @@ Declared 2026-11-29, before any MHLA arm of the 6000-step run (the runs of 2026-
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import json
+import pickle
 import sys
 import time
 from dataclasses import asdict, replace
@@ -149,7 +152,8 @@ def costs_stage(out: Path, size: bed.Size, arms, device: str) -> None:
         found[arm] = bed.chunk_costs(model, size, size.longest)
         last = found[arm][-1]
         print(f"{arm}: peak {last['peak_bytes'] / 1024:.0f} KiB at chunk {len(found[arm])}", flush=True)
-        atomic_write_text(path, json.dumps({FILE_RECORD: {"kind": KIND}, "arms": found}, indent=1) + "\n")
+        atomic_write_text(path, json.dumps({FILE_RECORD: {"kind": KIND}, "size": asdict(size), "arms": found},
+                                                 indent=1) + "\n")
 
 
 def study_record(records: dict, costs: dict, size: bed.Size, command: str):
@@ -192,6 +196,44 @@ def report_stage(out: Path, size: bed.Size, arms, seeds: int, command: str) -> N
     print(f"wrote {out / 'streaming.md'}")
 
 
+def made_at(path: Path) -> dict | None:
+    """The size (``asdict``) that made ``path`` if it is one of ours (a record, a kept training state or
+    ``costs.json``) and names it (the costs of 2026-11-28 do not); None otherwise."""
+    if path.suffix == ".pt":  # the state keeps repr(Size): "Size(frames=4, ..., lengths=(1, 2, 4, 8))"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError):
+            return None  # not a state of ours (the training refuses it where it would resume from it)
+        if not isinstance(state, dict) or state.get("kind") != KIND:
+            return None
+        call = ast.parse(state["size"], mode="eval").body
+        return json.loads(json.dumps({kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}))
+    if not file_is_ours(path, KIND):
+        return None
+    if path.suffix == ".npz":
+        with np.load(path) as data:
+            return json.loads(str(data["size"])) if "size" in data.files else None
+    return json.loads(path.read_text()).get("size")
+
+
+def check_folder_size(out: Path, size: bed.Size) -> None:
+    """Everything already in ``out`` (records, kept states, costs) was made at ``size``: a command with other
+    size flags is refused before it writes, for it would put two sizes in one table or label records with a
+    size they were not trained at."""
+    wanted = json.loads(json.dumps(asdict(size)))  # tuples as lists, as the files keep them
+    found = [*sorted((out / "records").glob("*.npz")), *sorted((out / "training").glob("*.pt")),
+             out / "costs.json"]
+    for path in (p for p in found if p.is_file()):
+        made = made_at(path) or wanted
+        differ = sorted(k for k in wanted if made.get(k) != wanted[k])
+        if differ:
+            was = ", ".join(f"{k}={made.get(k)}" for k in differ)
+            asked = ", ".join(f"{k}={wanted[k]}" for k in differ)
+            raise ConfigError(f"--out {str(out)!r}: {path.relative_to(out)} was made with {was}; this "
+                              f"command asks {asked}; pass the flags that made the folder (--size, --steps, "
+                              "--batch, --eval-clips), or a new --out")
+
+
 def check_report_input(args) -> None:
     """``--stage report`` reads finished records: refuse a folder without one before anything is written."""
     if args.stage == "report" and not report.load_records(Path(args.out), args.arms, args.seeds):
@@ -203,6 +245,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     size = study_size(args)
     check_report_input(args)
+    check_folder_size(Path(args.out), size)
     out = claim(Path(args.out), "study", "--out")
     torch.set_num_threads(args.threads)
     if args.stage in ("all", "train"):

@@ -57,6 +57,11 @@ def test_smoke_run_writes_records_costs_and_page_and_resumes(tmp_path):
     stamp = bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns
     study.main([*argv, "--stage", "train"])  # finished records are kept, not redone
     assert bed.record_path(out, "softmax-kv", 0).stat().st_mtime_ns == stamp
+    before = {f: f.stat().st_mtime_ns for f in out.rglob("*")}
+    for stage in ("train", "costs", "report"):  # another size would mix into, or mislabel, these files
+        with pytest.raises(ConfigError, match=r"made with steps=2; this command asks steps=3"):
+            study.main([*argv, "--stage", stage, "--steps", "3"])
+    assert {f: f.stat().st_mtime_ns for f in out.rglob("*")} == before
 
 
 @pytest.mark.parametrize("argv, name", [(["--arms", "softmax"], "--arms"), (["--seeds", "0"], "--seeds"),
