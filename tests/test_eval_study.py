@@ -3,8 +3,10 @@ along training, summarised with intervals and paired differences; resumable."""
 
 import json
 import math
+import re
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +107,30 @@ def test_study_report_only_reads_finished_runs(quick, monkeypatch, tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("user file")
     with pytest.raises(ConfigError, match="--out"):
         load_study().main(["--smoke", "--out", str(tmp_path / "mine"), "--report-only"])
+
+
+def test_a_study_folder_refuses_other_settings_before_it_writes(quick, monkeypatch):
+    """Points scored on other sample or triple counts, or runs trained with another setting, are not kept and
+    reported under the new flags: refused, with or without --report-only, and nothing is written; a longer
+    budget is not a change."""
+    out, _ = quick
+    before = {f: f.stat().st_mtime_ns for f in out.rglob("*")}
+    for flags, said in ((["--fid-samples", "7"], "fid_samples (step 1): 20 -> 7"),
+                        (["--val-triples", "16"], "val_triples (step 1): 32 -> 16")):
+        for extra in ([], ["--report-only"]):
+            with pytest.raises(ConfigError, match=re.escape(said)):
+                load_study().main(["--smoke", "--out", str(out), *flags, *extra])
+    assert {f: f.stat().st_mtime_ns for f in out.rglob("*")} == before
+    study, planned = planning_study(monkeypatch)
+    study.main(["--smoke", "--out", str(out)])
+    job = next(j for j in planned if (j.arm, j.seed) == ("mhla", 0))
+    assert experiments.changed_settings(job) == []
+    assert experiments.changed_settings(replace(job, steps=[*job.steps, 8])) == []  # a longer budget
+    other = replace(job, overrides=[*job.overrides, "train.learning_rate=0.5", "mhla.blocks=[1,1]"])
+    assert experiments.changed_settings(other) == ["mhla.blocks: [2, 2] -> [1, 1]",
+                                                   "train.learning_rate: 0.001 -> 0.5"]
+    with pytest.raises(ConfigError, match="smoke/runs/mhla/seed0 was made with other settings"):
+        experiments.check_settings(out, [other])
 
 
 def test_intervals_and_paired_differences():

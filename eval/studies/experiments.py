@@ -40,13 +40,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.loading import load_transformer
 from mhla_gen.metrics.attention import attention_statistics, example_inputs
 from mhla_gen.outputs.folders import claim, file_record, owned
 from mhla_gen.outputs.locks import die_with_parent
-from mhla_gen.train.config import DiTRunConfig, load_config
+from mhla_gen.train.config import DiTRunConfig, given_settings, load_config
 from mhla_gen.train.dit import DiTTask
 from mhla_gen.train.dit_flops import train_flops_per_image
 from mhla_gen.train.io import atomic_write_text, read_jsonl
@@ -309,9 +310,54 @@ def _key(overrides: tuple[str, ...]) -> str:
     return hashlib.sha256(json.dumps(list(overrides)).encode()).hexdigest()[:10]
 
 
+# Not compared by check_settings: what job_config sets per segment, and the folders the weights start from
+# (a study folder may be copied or moved, and with it the stage-1 runs its arms start from).
+PER_SEGMENT = frozenset({"output_dir", "seed", "resume", "train.max_steps", "train.checkpoint_every",
+                         "train.checkpoints_total_limit", "eval.fid_num_samples", "model.init_from",
+                         "train.distill.teacher"})
+
+
+def _plain(value):
+    """A setting as its ``config.yaml`` reads back: plain containers, tuples as lists."""
+    return json.loads(json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
+
+
+def changed_settings(job: Job) -> list[str]:
+    """``"key: was -> now"`` for each setting of ``job`` (its config file and overrides; evaluation samples
+    and triples) that differs from what its run's ``config.yaml`` and its written points record."""
+    changed = []
+    recorded = Path(job.run_dir) / "config.yaml"
+    if recorded.is_file():
+        cfg = job_config(job, job.steps[-1])
+        was, now = OmegaConf.load(recorded), OmegaConf.structured(cfg)
+        for key in sorted(given_settings(cfg) - PER_SEGMENT):
+            old, new = _plain(OmegaConf.select(was, key)), _plain(OmegaConf.select(now, key))
+            if old is not None and old != new:  # None: a setting the run's version did not have
+                changed.append(f"{key}: {old} -> {new}")
+    points = [result_path(job, step) for step in job.steps]
+    for point in (json.loads(p.read_text()) for p in points if p.is_file()):
+        for name, now in (("fid_samples", job.fid_samples), ("val_triples", job.val_triples)):
+            if name in point and point[name] != now:
+                changed.append(f"{name} (step {point['step']}): {point[name]} -> {now}")
+    return changed
+
+
+def check_settings(out: Path, jobs: list[Job]) -> None:
+    """Every run and point already under ``out`` was made with the settings ``jobs`` give: a command whose
+    flags differ is refused before it writes, for its finished points would be kept and reported as if made
+    with the new settings. More steps (a longer budget, more evaluation points) are not a change."""
+    for job in jobs:
+        changed = changed_settings(job)
+        if changed:
+            raise ConfigError(f"--out {str(out)!r}: {os.path.relpath(job.run_dir, out)} was made with other "
+                              f"settings ({'; '.join(changed)}); pass the flags that made it, or a new --out")
+
+
 def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1) -> list[dict]:
     """Claim ``out`` (a ``kind`` folder of ours: outputs.folders) and run ``jobs``, ``workers`` at a time
-    in fresh processes (one torch thread each); returns every result record."""
+    in fresh processes (one torch thread each); returns every result record. ``ConfigError`` before any
+    write when the runs or points under ``out`` were made with other settings (:func:`check_settings`)."""
+    check_settings(out, jobs)
     claim(out, kind, setting)
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
     todo.sort(key=lambda job: job.seed)  # seed-major: a study stopped early holds paired runs of its arms
@@ -336,6 +382,7 @@ def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool) -
     if not report_only:
         return run_jobs(out, "study", "--out", jobs, workers)
     records = finished_records(jobs) if owned(out, "study", "--out") else []
+    check_settings(out, jobs)
     if not records:
         raise ConfigError(f"--report-only: no finished run under --out {out}")
     return records
