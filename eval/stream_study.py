@@ -236,7 +236,8 @@ def check_folder_size(out: Path, size: bed.Size) -> None:
 
 def check_report_input(args) -> None:
     """``--stage report`` reads finished records: refuse a folder without one before anything is written."""
-    if args.stage == "report" and not report.load_records(Path(args.out), args.arms, args.seeds):
+    finished = (bed.record_path(Path(args.out), arm, seed) for arm in args.arms for seed in range(args.seeds))
+    if args.stage == "report" and not any(file_is_ours(path, KIND) for path in finished):
         raise ConfigError(f"--stage report: {args.out!r} holds no finished record of --arms "
                           f"{' '.join(args.arms)} (seeds 0-{args.seeds - 1}); --stage train makes them")
 
