@@ -131,6 +131,15 @@ def test_a_study_folder_refuses_other_settings_before_it_writes(quick, monkeypat
                                                    "train.learning_rate: 0.001 -> 0.5"]
     with pytest.raises(ConfigError, match="smoke/runs/mhla/seed0 was made with other settings"):
         experiments.check_settings(out, [other])
+    for damaged, text in ((Path(job.result_dir) / "step0000001.json", "{not json"),
+                          (Path(job.run_dir) / "config.yaml", "- a list\n- of lines\n")):
+        kept = damaged.read_text()
+        damaged.write_text(text)  # edited by hand: one line naming the file, not a traceback
+        try:
+            with pytest.raises(ConfigError, match=re.escape(damaged.name)):
+                experiments.check_settings(out, [job])
+        finally:
+            damaged.write_text(kept)
 
 
 def test_intervals_and_paired_differences():

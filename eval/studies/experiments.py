@@ -40,7 +40,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.loading import load_transformer
@@ -322,6 +324,19 @@ def _plain(value):
     return json.loads(json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
 
 
+def _recorded(path: Path, load) -> dict:
+    """``load(path)`` of a file a run wrote (its ``config.yaml``, a point's record), which must read as a
+    mapping; ``ConfigError`` naming the file otherwise (edited or damaged by hand)."""
+    try:
+        found = load(path)
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}: {err}); restore it or remove its "
+                          "run") from None
+    if not isinstance(found, dict) and not OmegaConf.is_dict(found):
+        raise ConfigError(f"{path}: holds no mapping of settings; restore it or remove its run")
+    return found
+
+
 def changed_settings(job: Job) -> list[str]:
     """``"key: was -> now"`` for each setting of ``job`` (its config file and overrides; evaluation samples
     and triples) that differs from what its run's ``config.yaml`` and its written points record."""
@@ -329,13 +344,13 @@ def changed_settings(job: Job) -> list[str]:
     recorded = Path(job.run_dir) / "config.yaml"
     if recorded.is_file():
         cfg = job_config(job, job.steps[-1])
-        was, now = OmegaConf.load(recorded), OmegaConf.structured(cfg)
+        was, now = _recorded(recorded, OmegaConf.load), OmegaConf.structured(cfg)
         for key in sorted(given_settings(cfg) - PER_SEGMENT):
             old, new = _plain(OmegaConf.select(was, key)), _plain(OmegaConf.select(now, key))
             if old is not None and old != new:  # None: a setting the run's version did not have
                 changed.append(f"{key}: {old} -> {new}")
     points = [result_path(job, step) for step in job.steps]
-    for point in (json.loads(p.read_text()) for p in points if p.is_file()):
+    for point in (_recorded(p, lambda p: json.loads(p.read_text())) for p in points if p.is_file()):
         for name, now in (("fid_samples", job.fid_samples), ("val_triples", job.val_triples)):
             if name in point and point[name] != now:
                 changed.append(f"{name} (step {point['step']}): {point[name]} -> {now}")
