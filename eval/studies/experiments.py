@@ -349,11 +349,12 @@ def changed_settings(job: Job) -> list[str]:
             old, new = _plain(OmegaConf.select(was, key)), _plain(OmegaConf.select(now, key))
             if old is not None and old != new:  # None: a setting the run's version did not have
                 changed.append(f"{key}: {old} -> {new}")
-    points = [result_path(job, step) for step in job.steps]
-    for point in (_recorded(p, lambda p: json.loads(p.read_text())) for p in points if p.is_file()):
+    for step in job.steps:
+        path = result_path(job, step)
+        point = _recorded(path, lambda p: json.loads(p.read_text())) if path.is_file() else {}
         for name, now in (("fid_samples", job.fid_samples), ("val_triples", job.val_triples)):
             if name in point and point[name] != now:
-                changed.append(f"{name} (step {point['step']}): {point[name]} -> {now}")
+                changed.append(f"{name} (step {step}): {point[name]} -> {now}")
     return changed
 
 
