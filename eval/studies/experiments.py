@@ -373,7 +373,8 @@ def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int =
     """Claim ``out`` (a ``kind`` folder of ours: outputs.folders) and run ``jobs``, ``workers`` at a time
     in fresh processes (one torch thread each); returns every result record. ``ConfigError`` before any
     write when the runs or points under ``out`` were made with other settings (:func:`check_settings`)."""
-    check_settings(out, jobs)
+    if owned(out, kind, setting):  # a folder not ours is refused here, before any of it is read
+        check_settings(out, jobs)
     claim(out, kind, setting)
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
     todo.sort(key=lambda job: job.seed)  # seed-major: a study stopped early holds paired runs of its arms
@@ -397,8 +398,10 @@ def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool) -
     the runs finished so far, training nothing (``out`` must then be a study folder of ours)."""
     if not report_only:
         return run_jobs(out, "study", "--out", jobs, workers)
-    records = finished_records(jobs) if owned(out, "study", "--out") else []
-    check_settings(out, jobs)
+    ours = owned(out, "study", "--out")
+    if ours:
+        check_settings(out, jobs)
+    records = finished_records(jobs) if ours else []
     if not records:
         raise ConfigError(f"--report-only: no finished run under --out {out}")
     return records
