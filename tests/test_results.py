@@ -281,3 +281,42 @@ def test_slug_is_githubs():
     assert slug("`fid.py`") == "fidpy"
     assert slug("Models (`benchmarks/bench_models.py`)") == "models-benchmarksbench_modelspy"
     assert slug("On one H200, bf16 (2026-11-27)") == "on-one-h200-bf16-2026-11-27"
+
+
+def doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def cell_count(row: str) -> int:
+    """The cells of a Markdown table row; a ``|`` inside inline code or escaped is no separator."""
+    row = re.sub(r"`[^`]*`", "x", row.strip()).replace("\\|", "x")
+    return len(row.strip("|").split("|"))
+
+
+def ragged_rows(text: str) -> list[int]:
+    """Line numbers of table rows whose cell count differs from their table's header (a stray line pasted
+    onto a table renders as a broken row)."""
+    results = load_results()
+    return [start + i for start, lines in results.tables(text) for i, row in enumerate(lines)
+            if cell_count(row) != cell_count(lines[0])]
+
+
+def test_docs_tables_have_as_many_cells_per_row_as_their_header():
+    broken = {str(p.relative_to(ROOT)): rows for p in doc_pages() if (rows := ragged_rows(p.read_text()))}
+    assert broken == {}
+
+
+def test_a_ragged_row_is_found():
+    table = "| a | `x | y` | b |\n|---|---|---|\n| 1 | 2 \\| 3 | 4 |\n"
+    assert ragged_rows(table) == []
+    assert ragged_rows(table + "| comparison | step |\n") == [4]
+
+
+# The project speaks of itself (dates, commits, commands), never of how its work was organised.
+OFF_PROJECT = re.compile(r"\b(sessions?|agents?|assistants?)\b", re.IGNORECASE)
+
+
+def test_docs_speak_of_the_project_only():
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for p in doc_pages()
+             for n, line in enumerate(p.read_text().splitlines(), 1) if OFF_PROJECT.search(line)]
+    assert found == []
