@@ -123,11 +123,30 @@ def test_sample_stream_writes_an_mp4_of_the_requested_length(pipelines, tmp_path
 @pytest.mark.parametrize("extra, message", [
     (["--frames", "9"], r"--frames 9: its 3 latent frames are not a whole number of chunks of chunk_frames"),
     (["--frames", "8"], r"--frames 8 must be 4k \+ 1"),
+    (["--frames", "5", "--height", "40"], r"--height 40 is not a multiple of 16 \(VAE 8x, patch 2\)"),
 ])
 def test_sample_stream_refuses_lengths_the_chunks_do_not_divide(pipelines, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         _sample(pipelines, tmp_path / "out", *extra)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--frames", "5", "--height", "40"], r"--height 40 is not a multiple of 16"),
+    (["--frames", "8", "--height", "32"], r"--frames 8 must be 4k \+ 1"),
+])
+def test_sample_refuses_sizes_the_model_cannot_take_before_claiming_out(pipelines, tmp_path, extra, message):
+    """Without --stream too: the size and length are checked from the configs, not after --out is marked."""
+    with pytest.raises(ConfigError, match=message):
+        sample.main(["--base", "wan", "--model", str(pipelines / "bidirectional"), "--prompt", "a cat",
+                     "--width", "32", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "out"),
+                     *extra])
+    assert not (tmp_path / "out").exists()
+
+
+def test_stream_video_refuses_a_size_the_vae_and_patch_do_not_tile(stream_pipe):
+    with pytest.raises(ConfigError, match=r"--height 40 is not a multiple of 16"):
+        _stream(stream_pipe, 5, height=40)
 
 
 def test_sample_stream_refuses_a_bidirectional_checkpoint_before_writing(pipelines, tmp_path):

@@ -126,6 +126,24 @@ def load_wan_i2v_pipeline(
     return _load(WanImageToVideoPipeline, path_or_id, mhla, mhla_2, torch_dtype, device, paths, dtypes)
 
 
+def check_wan_size(transformer_config: dict, height: int, width: int, spatial: int = 8) -> None:
+    """``height x width`` pixels are whole tokens for the VAE's ``spatial`` factor and the transformer's
+    patch (its ``config.json`` as a dict), within its rotary table (``rope_max_seq_len``); ConfigError
+    naming the setting otherwise."""
+    _, ph, pw = transformer_config["patch_size"]
+    rope_max = transformer_config.get("rope_max_seq_len", 1024)
+    for name, value, patch in (("height", height, ph), ("width", width, pw)):
+        if value % (spatial * patch):
+            raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} "
+                              f"(VAE {spatial}x, patch {patch})")
+        if value // (spatial * patch) > rope_max:
+            raise ConfigError(
+                f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
+                f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len={rope_max}; pass a "
+                f"smaller --height/--width"
+            )
+
+
 class WanSampler(PipelineSampler):
     """``WanPipeline``: prompts, videos of ``frames`` frames (4k + 1)."""
 
@@ -135,8 +153,15 @@ class WanSampler(PipelineSampler):
 
     @classmethod
     def token_grid(cls, configs: dict, settings: SampleSettings) -> tuple[int, int, int] | None:
-
+        """The token grid of ``settings``, after :func:`check_wan_size` and the ``4k + 1`` frames are checked
+        from the configs (so a size the model cannot take is refused before ``--out`` is claimed)."""
         height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
+        vae = configs.get("vae")
+        if vae is not None:
+            temporal = vae.get("scale_factor_temporal", 4)
+            check_wan_size(configs["transformer"], height, width, vae.get("scale_factor_spatial", 8))
+            if settings.frames is not None and (settings.frames - 1) % temporal:
+                raise ConfigError(f"--frames {settings.frames} must be {temporal}k + 1")
         return video_token_grid(configs, height, width, settings.frames)
 
     @classmethod
@@ -144,19 +169,7 @@ class WanSampler(PipelineSampler):
         """``(height, width)`` (default 480 x 832), refused when the VAE and patch cannot tile it or its token
         grid exceeds the model's rotary table (``rope_max_seq_len``); frames must be 4k + 1."""
         height, width = settings.height or WAN_DEFAULT_SIZE[0], settings.width or WAN_DEFAULT_SIZE[1]
-        config = pipe.transformer.config
-        _, ph, pw = config.patch_size
-        spatial = pipe.vae_scale_factor_spatial
-        for name, value, patch in (("height", height, ph), ("width", width, pw)):
-            if value % (spatial * patch):
-                raise ConfigError(f"--{name} {value} is not a multiple of {spatial * patch} "
-                                  f"(VAE {spatial}x, patch {patch})")
-            if value // (spatial * patch) > config.rope_max_seq_len:
-                raise ConfigError(
-                    f"--height/--width {height}x{width} gives a token grid of {height // (spatial * ph)}x"
-                    f"{width // (spatial * pw)}, beyond this model's rope_max_seq_len="
-                    f"{config.rope_max_seq_len}; pass a smaller --height/--width"
-                )
+        check_wan_size(dict(pipe.transformer.config), height, width, pipe.vae_scale_factor_spatial)
         check_frames(settings, pipe)
         return dataclasses.replace(settings, height=height, width=width)
 

@@ -33,7 +33,7 @@ from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.processors.wan_causal import check_chunk_grid, fixed_length
 
 from . import SampleSettings
-from .wan import WanSampler
+from .wan import WanSampler, check_wan_size
 
 
 @dataclass
@@ -51,7 +51,8 @@ def check_stream_settings(mhla: MHLAConfig | None, transformer_config: dict, fra
                           width: int, temporal: int = 4, spatial: int = 8) -> int:
     """The latent frames of a streamed video of ``frames`` frames at ``height x width`` pixels, from the
     transformer's ``config.json`` (and its ``mhla`` entry) and the VAE's factors; ConfigError naming the
-    setting for a bidirectional model or a length the chunks (or, general mixing, the blocks) do not fit."""
+    setting for a bidirectional model, a size the VAE and patch do not tile (:func:`check_wan_size`), or a
+    length the chunks (or, general mixing, the blocks) do not fit."""
     if mhla is None or mhla.chunk_frames is None:
         what = "stock attention" if mhla is None else f"bidirectional MHLA (blocks {list(mhla.blocks)})"
         raise ConfigError(f"--stream needs a block-causal model (installed with chunk_frames); this "
@@ -59,6 +60,7 @@ def check_stream_settings(mhla: MHLAConfig | None, transformer_config: dict, fra
                           f"mhla.chunk_frames=...)")
     if (frames - 1) % temporal:
         raise ConfigError(f"--frames {frames} must be {temporal}k + 1")
+    check_wan_size(transformer_config, height, width, spatial)
     latent_frames = (frames - 1) // temporal + 1
     _, ph, pw = transformer_config["patch_size"]
     grid = (latent_frames, height // (spatial * ph), width // (spatial * pw))
