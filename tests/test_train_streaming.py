@@ -168,3 +168,20 @@ def test_a_bidirectional_mhla_checkpoint_continues_block_causal(tmp_path):
     factorised = MHLAConfig(blocks=(1, 2, 2), chunk_frames=1, stream_mixing="factorised")
     with pytest.raises(ConfigError, match="stream_mixing=general, or set model.init_attention=fresh"):
         start_attention("mhla", factorised, tmp_path / "bidirectional", "saved", "model.init_from")
+
+
+def test_a_block_causal_checkpoint_refuses_other_chunks_or_mixing(tmp_path):
+    """A saved block-causal model keeps its chunks and mixing form (unset: followed); another
+    mhla.chunk_frames or stream_mixing is refused in one line, not dropped for the saved one."""
+    from mhla_gen import MHLAConfig, install_mhla
+    from mhla_gen.testing.wan import tiny_wan_transformer
+    from mhla_gen.train.attention import start_attention
+
+    saved = MHLAConfig(blocks=(1, 2, 2), chunk_frames=2, stream_mixing="factorised")
+    install_mhla(tiny_wan_transformer(), saved).save_pretrained(tmp_path / "stream")
+    folder, setting = tmp_path / "stream", "model.init_from"
+    for wanted in (MHLAConfig(blocks=(1, 2, 2)), saved):
+        assert start_attention("mhla", wanted, folder, "saved", setting) == ("mhla", saved)
+    for other in (dict(chunk_frames=1, stream_mixing="factorised"), dict(chunk_frames=2)):
+        with pytest.raises(ConfigError, match="block-causal with chunk_frames=2, stream_mixing=factorised"):
+            start_attention("mhla", MHLAConfig(blocks=(1, 2, 2), **other), folder, "saved", setting)

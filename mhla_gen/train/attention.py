@@ -84,7 +84,22 @@ def start_attention(attention: str, mhla: MHLAConfig, folder, init_attention: st
         )
     if mhla.chunk_frames is not None and saved.chunk_frames is None:
         return "mhla", block_causal_continuation(saved, mhla, folder, setting)
+    check_saved_chunks(saved, mhla, folder, setting)
     return "mhla", saved
+
+
+def check_saved_chunks(saved: MHLAConfig, mhla: MHLAConfig, folder, setting: str) -> None:
+    """A block-causal start point keeps its chunks and mixing form: ``mhla.chunk_frames`` set with another
+    chunking or ``stream_mixing`` is refused (ConfigError), instead of being dropped for the saved one."""
+    if mhla.chunk_frames is None or saved.chunk_frames is None:
+        return
+    if (mhla.chunk_frames, mhla.stream_mixing) != (saved.chunk_frames, saved.stream_mixing):
+        raise ConfigError(
+            f"{setting}={str(folder)!r} was saved block-causal with chunk_frames={saved.chunk_frames}, "
+            f"stream_mixing={saved.stream_mixing}, not mhla.chunk_frames={mhla.chunk_frames}, "
+            f"mhla.stream_mixing={mhla.stream_mixing}: set those to the saved values (or leave "
+            f"mhla.chunk_frames unset), or set model.init_attention=fresh"
+        )
 
 
 def block_causal_continuation(saved: MHLAConfig, mhla: MHLAConfig, folder, setting: str) -> MHLAConfig:
