@@ -144,9 +144,11 @@ def test_sample_refuses_sizes_the_model_cannot_take_before_claiming_out(pipeline
     assert not (tmp_path / "out").exists()
 
 
-def test_stream_video_refuses_a_size_the_vae_and_patch_do_not_tile(stream_pipe):
+def test_stream_video_refuses_a_size_the_vae_and_patch_do_not_tile_or_no_steps(stream_pipe):
     with pytest.raises(ConfigError, match=r"--height 40 is not a multiple of 16"):
         _stream(stream_pipe, 5, height=40)
+    with pytest.raises(ValueError, match=r"num_inference_steps must be an int >= 1 .*, got 0"):
+        _stream(stream_pipe, 5, num_inference_steps=0)
 
 
 def test_sample_stream_refuses_a_bidirectional_checkpoint_before_writing(pipelines, tmp_path):

@@ -164,11 +164,14 @@ def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str]
         guidance_scale: classifier-free guidance (> 1: a second cache for ``negative_prompt``).
         generator, max_sequence_length, output_type: as ``WanPipeline``.
     Raises:
-        ValueError / ConfigError: before any work, for a bidirectional model, two experts, or a length the
-            chunks do not divide.
+        ValueError / ConfigError: before any work, for a bidirectional model, two experts, fewer than one
+            step, or a size or length the VAE, patch and chunks do not tile.
     """
     transformer = pipe.transformer
     mhla = check_streaming_model(transformer)
+    steps = num_inference_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"num_inference_steps must be an int >= 1 (steps per chunk), got {steps!r}")
     if getattr(pipe, "transformer_2", None) is not None:
         raise ValueError("streaming runs one transformer; this pipeline has two experts (transformer_2)")
     frames = check_stream_settings(mhla, dict(transformer.config), num_frames, height, width,
