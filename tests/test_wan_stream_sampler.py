@@ -166,3 +166,17 @@ def test_sample_stream_flag_is_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         sample.parse_args(["--model", "x/y", "--stream", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [["--stream"], []])
+def test_sample_refuses_a_transformer_folder_without_config_before_claiming_out(pipelines, tmp_path, stream,
+                                                                                capsys):
+    """A pipeline folder given as --transformer: one line naming it, not a bare file error (--stream) or a
+    load error after --out was marked."""
+    with pytest.raises(SystemExit):
+        sample.main(["--base", "wan", "--model", str(pipelines / "stream"), "--transformer",
+                     str(pipelines / "stream"), "--prompt", "a cat", "--height", "32", "--width", "32",
+                     "--frames", "5", "--device", "cpu", "--out", str(tmp_path / "out"), *stream])
+    message = "is not a saved transformer folder (no config.json) (a pipeline folder: pass its transformer/)"
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -108,6 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         path = getattr(args, name)
         if path is not None and not Path(path).exists() and (name == "transformer" or _looks_local(path)):
             parser.error(f"--{name} {path} does not exist")
+    folder = args.transformer
+    if folder is not None and not (Path(folder) / "config.json").is_file() and not is_lora_folder(folder):
+        pipeline = (Path(folder) / "transformer").is_dir()
+        hint = " (a pipeline folder: pass its transformer/)" if pipeline else ""
+        parser.error(f"--transformer {folder} is not a saved transformer folder (no config.json){hint}")
     return args
 
 
