@@ -210,3 +210,22 @@ def test_device_setting_parses_names_and_picks_a_default(monkeypatch):
         device_setting("cuda", "--gpu", hint="use the CPU")
     with pytest.raises(ConfigError, match="--device 'tpu'"):
         device_setting("tpu")
+
+
+def test_fid_never_writes_into_its_samples_or_reference_folders(tmp_path, capsys, monkeypatch):
+    """``--out`` / ``--save-ref-stats`` inside the ``--samples`` or ``--ref`` folder (a user's images) is
+    refused before any feature is extracted; beside them is fine (the default ``<samples>.fid.json``)."""
+    for name in ("samples", "ref"):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / name / f"{i}.png")
+    common = ["--samples", str(tmp_path / "samples"), "--ref", str(tmp_path / "ref")]
+    targets = [("--out", "samples/m.json", "--samples"), ("--out", "ref/m.json", "--ref"),
+               ("--save-ref-stats", "ref/stats.npz", "--ref"),
+               ("--save-ref-stats", "samples/stats", "--samples")]
+    for setting, target, inside in targets:
+        argv = [*common, setting, str(tmp_path / target)]
+        line = fails_in_one_line("eval/fid.py", argv, capsys, monkeypatch)
+        assert f"{setting}=" in line and f"is inside {inside}=" in line, line
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["0.png", "1.png"]
+    assert sorted(p.name for p in (tmp_path / "ref").iterdir()) == ["0.png", "1.png"]

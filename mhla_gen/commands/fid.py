@@ -180,10 +180,10 @@ def default_out(samples: str) -> Path:
 def check_outputs(args) -> tuple[Path, Path | None]:
     """The metrics JSON and reference-statistics paths, checked before any work (mhla_gen.outputs.folders): an
     existing file is replaced only if this script wrote it or ``--overwrite`` is given."""
-    out = check_file_target(args.out or default_out(args.samples), "--out", METRICS_KIND, args.overwrite)
-    check_apart(out, "--out", {"--ref": args.ref})  # a reference set is never written into
-    if out.resolve() == Path(args.samples).resolve():
-        raise ConfigError(f"--out {str(out)!r} is the input --samples; choose another --out")
+    inputs = {"--samples": args.samples, "--ref": args.ref}  # never written into (or replaced)
+    out = args.out or default_out(args.samples)
+    check_apart(out, "--out", inputs)
+    out = check_file_target(out, "--out", METRICS_KIND, args.overwrite)
     stats = None
     if args.save_ref_stats:
         if is_stats_file(args.ref):
@@ -191,9 +191,8 @@ def check_outputs(args) -> tuple[Path, Path | None]:
                               "not statistics")
         stats = Path(args.save_ref_stats)
         stats = stats if stats.suffix == ".npz" else stats.with_name(stats.name + ".npz")  # as np.savez
+        check_apart(stats, "--save-ref-stats", inputs)
         stats = check_file_target(stats, "--save-ref-stats", REFERENCE_STATS, args.overwrite)
-        if stats.resolve() in {Path(args.ref).resolve(), Path(args.samples).resolve()}:
-            raise ConfigError(f"--save-ref-stats {str(stats)!r} is an input of this command")
     return out, stats
 
 
