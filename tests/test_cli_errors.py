@@ -149,6 +149,19 @@ def test_sample_and_generate_refuse_labels_the_model_was_not_trained_on(tmp_path
     assert not (tmp_path / "out").exists() and not (tmp_path / "gen").exists()
 
 
+@pytest.mark.parametrize("fps", ["0", "-8"])
+def test_sample_refuses_a_frame_rate_below_one(fps, tmp_path, capsys, monkeypatch):
+    """``--fps 0`` was passed to the video writer, which wrote the MP4 at its own default rate."""
+    from mhla_gen.testing.wan import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+    argv = ["--base", "wan", "--model", str(tmp_path / "wan"), "--prompt", "a cat", "--frames", "5",
+            "--height", "16", "--width", "16", "--steps", "1", "--fps", fps, "--out", str(tmp_path / "out")]
+    line = fails_in_one_line("scripts/sample.py", argv, capsys, monkeypatch)
+    assert f"--fps must be positive, got {fps}" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_sample_wan_default_size_is_checked_against_the_model(tmp_path, capsys, monkeypatch):
     from mhla_gen.testing.wan import tiny_wan_pipeline
 

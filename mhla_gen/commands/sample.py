@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.guidance < 0:
         parser.error(f"--guidance must be >= 0, got {args.guidance}")
-    for name in ("height", "width", "frames"):
+    for name in ("height", "width", "frames", "fps"):  # fps 0: imageio silently writes its default rate
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be positive, got {value}")
