@@ -107,16 +107,26 @@ def test_too_many_tokens_and_outputs(tmp_path):
 def test_attention_stats_cli_on_a_saved_mhla_dit(tmp_path):
     import json
 
+    from mhla_gen.outputs.folders import write_marker
+
+    run = tmp_path / "run"  # a training run of ours: the default --out-dir lies in it
+    run.mkdir()
+    write_marker(run, "run")
     model = install_mhla(tiny_dit(in_channels=1, out_channels=2), MHLAConfig(blocks=(2, 2)))
-    model.save_pretrained(tmp_path / "final")
+    model.save_pretrained(run / "final")
     module = load_script("eval/attention_stats.py", "eval_attention_stats")
-    stats = module.main(["--model", str(tmp_path / "final"), "--digits", "--size", "8", "--batch", "2"])
+    stats = module.main(["--model", str(run / "final"), "--digits", "--size", "8", "--batch", "2"])
     assert [s["kind"] for s in stats] == ["mhla", "mhla"]
-    written = json.loads((tmp_path / "attention_stats" / "attention_stats.json").read_text())
-    assert written == stats and (tmp_path / "attention_stats" / "attention_stats.png").exists()
+    written = json.loads((run / "attention_stats" / "attention_stats.json").read_text())
+    assert written == stats and (run / "attention_stats" / "attention_stats.png").exists()
     with pytest.raises(ValueError, match="--shapes needs a 3-channel"):
-        module.main(["--model", str(tmp_path / "final"), "--shapes", "--out-dir", str(tmp_path / "s")])
+        module.main(["--model", str(run / "final"), "--shapes", "--out-dir", str(tmp_path / "s")])
     rgb = install_mhla(tiny_dit(in_channels=3, out_channels=6, sample_size=32), MHLAConfig(blocks=(4, 4)))
-    rgb.save_pretrained(tmp_path / "rgb")
-    stats = module.main(["--model", str(tmp_path / "rgb"), "--shapes", "--batch", "2"])
+    rgb.save_pretrained(tmp_path / "pipeline" / "transformer")  # e.g. a pipeline folder of the user's
+    with pytest.raises(ValueError, match=r"--out-dir not given, .* which holds --model and is not a training "
+                                         r"run of mhla_gen; nothing was written: pass --out-dir"):
+        module.main(["--model", str(tmp_path / "pipeline" / "transformer"), "--shapes", "--batch", "2"])
+    assert sorted(p.name for p in (tmp_path / "pipeline").iterdir()) == ["transformer"]
+    stats = module.main(["--model", str(tmp_path / "pipeline" / "transformer"), "--shapes", "--batch", "2",
+                         "--out-dir", str(tmp_path / "rgb_stats")])
     assert all(0 <= s["mirror_mass"] <= s["mirror_mass_best_head"] <= 1 for s in stats)

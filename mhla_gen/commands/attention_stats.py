@@ -9,8 +9,9 @@ models), held-out drawn shapes with --shapes (pixel-space 3-channel models), pur
 image grid each layer also reports its mirror mass (attention on the horizontally mirrored token). Maps
 are N × N per head, so N (tokens per layer) must stay small.
 Output: ``attention_stats.json`` and ``.png`` in ``--out-dir`` (default: ``attention_stats/`` beside the
-model folder, e.g. inside its training run, whose folder rule knows it); the folder must be new, empty or
-one this script wrote (mhla_gen.outputs.folders).
+model folder when that lies in a training run of mhla_gen, e.g. ``runs/x/final``, whose folder rule knows
+it; a model anywhere else, such as a pipeline's ``transformer/``, needs ``--out-dir``); the folder must be
+new, empty or one this script wrote (mhla_gen.outputs.folders).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mhla_gen.metrics.attention import (
     example_inputs,
     save_attention_statistics,
 )
-from mhla_gen.outputs.folders import check_apart, claim, owned
+from mhla_gen.outputs.folders import check_apart, claim, owned, read_marker
 
 STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.outputs.folders.KINDS)
 
@@ -49,6 +50,22 @@ def shapes_batch(batch: int, size: int, seed: int) -> tuple[torch.Tensor, torch.
     return images * 2 - 1, labels
 
 
+def default_out_dir(model: str) -> Path:
+    """``attention_stats/`` beside the model folder, when the folder holding it is a training run of ours
+    (``runs/x/final``); elsewhere (a pipeline's ``transformer/``, a folder of the user's) that would write
+    into a folder that is not ours and holds an input, so ``--out-dir`` must be given."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--model {model!r} is not a folder (a saved transformer)")
+    parent = folder.resolve().parent
+    if (read_marker(parent) or {}).get("kind") != "run":
+        raise ConfigError(
+            f"--out-dir not given, and its default {str(parent / STATS_FOLDER)!r} lies in {str(parent)!r}, "
+            f"which holds --model and is not a training run of mhla_gen; nothing was written: pass --out-dir"
+        )
+    return parent / STATS_FOLDER
+
+
 # --digits / --shapes: the pixel channels the model must have, and the batch it is fed
 DATA_BATCHES = {"digits": (1, digits_batch), "shapes": (3, shapes_batch)}
 
@@ -58,7 +75,8 @@ def main(argv=None) -> list[dict]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=expand_path,
                         help="transformer folder (save_pretrained / final/)")
-    parser.add_argument("--out-dir", default=None, type=expand_path, help="default: MODEL/../attention_stats")
+    parser.add_argument("--out-dir", default=None, type=expand_path,
+                        help="default: MODEL/../attention_stats when MODEL lies in a training run")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--size", type=int, default=None, help="latent size (default: model sample_size)")
     parser.add_argument("--frames", type=int, default=3, help="latent frames (Wan)")
@@ -76,7 +94,7 @@ def main(argv=None) -> list[dict]:
         raise ConfigError(f"--size must be >= 1, got {args.size}")
     if not 0 <= args.timestep < 1000:
         raise ConfigError(f"--timestep must be in 0..999, got {args.timestep}")
-    out_dir = Path(args.out_dir) if args.out_dir else Path(args.model).resolve().parent / "attention_stats"
+    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(args.model)
     check_apart(out_dir, "--out-dir", {"--model": args.model})  # before any work
     owned(out_dir, STATS_FOLDER, "--out-dir")
 
