@@ -31,6 +31,7 @@ from pathlib import Path
 from mhla_gen.bases import BASES
 from mhla_gen.commands.cli import expand_path
 from mhla_gen.commands.cli import run as run_cli
+from mhla_gen.errors import ConfigError
 from mhla_gen.outputs.folders import check_apart, claim
 
 WAN_I2V_SUITE = "tests/models/transformers/test_mhla_wan_i2v.py"
@@ -160,8 +161,29 @@ def pytest_terminal_summary(terminalreporter):
 '''
 
 
+def git_command(diffusers: Path) -> list[str]:
+    """``git`` reading the checkout (its ``.git``) or the bare git dir ``diffusers``."""
+    return ["git", f"--git-dir={diffusers / '.git' if (diffusers / '.git').exists() else diffusers}"]
+
+
+def check_source(diffusers: Path, rev: str) -> None:
+    """``--diffusers`` is a git checkout or git dir holding the commit ``--rev``: one line naming the
+    setting otherwise, before ``--out`` is claimed (git's own error would be a traceback after it)."""
+    if not diffusers.is_dir():
+        raise FileNotFoundError(f"--diffusers {str(diffusers)!r} is not a folder (a diffusers git checkout)")
+    git = git_command(diffusers)
+    if subprocess.run([*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                      capture_output=True).returncode == 0:
+        return
+    if subprocess.run([*git, "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
+        raise ConfigError(f"--diffusers {str(diffusers)!r} is not a git checkout or git dir (git cannot read "
+                          f"it); clone https://github.com/huggingface/diffusers there")
+    raise ConfigError(f"--rev {rev!r} names no commit in --diffusers {str(diffusers)!r} (fetch its tags, or "
+                      f"give a commit it holds)")
+
+
 def export(diffusers: Path, rev: str, out: Path) -> None:
-    git = ["git", f"--git-dir={diffusers / '.git' if (diffusers / '.git').exists() else diffusers}"]
+    git = git_command(diffusers)
     listed = subprocess.run(
         [*git, "ls-tree", "-r", "--name-only", rev, "tests/models/testing_utils"],
         check=True,
@@ -204,7 +226,7 @@ def differences(stock: dict[str, str], mhla: dict[str, str]) -> tuple[list[str],
     return expected, unexpected
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--diffusers", type=expand_path, required=True, help="diffusers git checkout or bare git dir"
@@ -214,8 +236,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=expand_path, default="/tmp/difftests")
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.diffusers, args.out = Path(args.diffusers), Path(args.out)
+    check_source(args.diffusers, args.rev)
     check_apart(args.out, "--out", {"--diffusers": args.diffusers})
     claim(args.out, "diffusers_tests", "--out")  # new, empty or an export of ours (mhla_gen.outputs.folders)
     export(args.diffusers, args.rev, args.out)

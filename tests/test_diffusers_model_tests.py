@@ -43,3 +43,36 @@ def test_only_class_name_tests_may_differ():
     assert sorted(line.split(": stock")[0] for line in unexpected) == [
         f"{test}test_a", f"{test}test_logs_info_when_no_lora_keys_found"]
     assert script.differences(stock, stock) == ([], [])
+
+
+def test_a_missing_checkout_or_revision_is_one_line_before_out_is_claimed(tmp_path, capsys, monkeypatch):
+    """``--diffusers`` that is no folder or no git dir, or a ``--rev`` it does not hold, stops in one line
+    naming the setting before ``--out`` is claimed (git's CalledProcessError was a traceback after it)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from mhla_gen.commands.cli import run
+
+    script = _script()
+    checkout = tmp_path / "diffusers"
+    checkout.mkdir()
+    (tmp_path / "empty").mkdir()
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (checkout / "setup.py").write_text("")
+    subprocess.run([*git, "add", "setup.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    cases = [(["--diffusers", str(tmp_path / "missing")], "--diffusers '", "is not a folder"),
+             (["--diffusers", str(tmp_path / "empty")], "--diffusers '", "is not a git checkout"),
+             (["--diffusers", str(checkout), "--rev", "v9.9.9"], "--rev 'v9.9.9' names no commit", "")]
+    for argv, setting, problem in cases:
+        monkeypatch.setattr(sys, "argv", ["diffusers_model_tests.py"])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            run(lambda argv=argv: script.main([*argv, "--out", str(tmp_path / "out")]))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert setting in err and problem in err, err
+    assert not (tmp_path / "out").exists()
