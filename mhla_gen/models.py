@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import ClassVar
 
 from diffusers import (
@@ -98,7 +99,33 @@ class MHLAModelMixin:
     @functools.wraps(ModelMixin.save_pretrained)  # keeps the signature: DiffusionPipeline inspects it
     def save_pretrained(self, *args, **kwargs):
         check_mhla_consistent(self, "save_pretrained")
+        _follow_in_saving_pipeline(self)
         return super().save_pretrained(*args, **kwargs)
+
+
+def _follow_in_saving_pipeline(model) -> None:
+    """Re-register ``model`` in the pipeline whose ``save_pretrained`` is saving it, so that the
+    ``model_index.json`` it writes after its components names the MHLA class.
+
+    diffusers records a component's class when the component is registered, so a pipeline built before an
+    in-place ``install_mhla(pipe.transformer, cfg)`` still holds ``["diffusers", "DiTTransformer2DModel"]``,
+    and its saved folder would load stock attention (two warnings, MHLA weights dropped). A model does not
+    know its pipelines (``install_mhla`` does not search for them: a scan of every live object, too slow for
+    every install), but the pipeline's ``save_pretrained`` is the caller here: found on the call stack by
+    its code object (O(stack depth)), and only components it holds as this very object are re-registered
+    (a ``torch.compile`` wrapper is left as it is).
+    """
+    from diffusers import DiffusionPipeline
+
+    code, frame = DiffusionPipeline.save_pretrained.__code__, sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    pipe = frame.f_locals.get("self") if frame is not None else None
+    if not isinstance(pipe, DiffusionPipeline):
+        return
+    for name, entry in dict(pipe.config).items():
+        if isinstance(entry, (tuple, list)) and pipe.__dict__.get(name) is model:
+            pipe.register_modules(**{name: model})
 
 
 class MHLAAttentionMixin:

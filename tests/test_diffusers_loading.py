@@ -177,17 +177,21 @@ def test_install_turns_the_model_into_its_mhla_class_and_uninstall_back(tmp_path
     assert type(AutoModel.from_pretrained(str(tmp_path))) is stock_cls
 
 
-def test_pipeline_registered_before_an_in_place_install_needs_register_modules(tmp_path):
-    """model_index.json records the class a pipeline was given: after install_mhla(pipe.transformer)
-    re-register the transformer (docs/diffusers.md), then DiffusionPipeline loads it with MHLA."""
-    base = next(iter(BASES.values()))
+@pytest.mark.parametrize("name", list(BASES))
+def test_pipeline_registered_before_an_in_place_install_saves_the_mhla_class(name, tmp_path):
+    """diffusers records a component's class when it is registered, so after an in-place
+    install_mhla(pipe.transformer) the pipeline's record is stale; its save_pretrained (which calls the MHLA
+    model's) writes the MHLA class anyway, and DiffusionPipeline loads the folder with MHLA, not stock."""
+    base = BASES[name]
     pipe = base.pipeline()
     install_mhla(pipe.transformer.eval(), base.cfg)  # eval: DiT's label dropout draws in train mode
     assert pipe.config.transformer == ("diffusers", base.record.class_name)  # stale: diffusers' record
-    pipe.register_modules(transformer=pipe.transformer)
     pipe.save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["transformer"] == ["mhla_gen.models", base.mhla_cls.__name__]
     loaded = DiffusionPipeline.from_pretrained(tmp_path).transformer
     assert type(loaded) is base.mhla_cls and torch.equal(base.forward(loaded), base.forward(pipe.transformer))
+    pipe.transformer.save_pretrained(tmp_path / "alone")  # no pipeline saving: nothing to follow
 
 
 def test_converter_output_loads_through_diffusers(tmp_path):

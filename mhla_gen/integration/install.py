@@ -298,8 +298,8 @@ def _follow_in_pipelines(transformer: nn.Module) -> None:
     """Re-register ``transformer`` in the pipelines holding it, so that their ``model_index.json`` names
     its class as it is now (diffusers records a component's class when it is registered). Called when a
     model goes back to stock; ``install_mhla`` does not look (a scan of every live object: a third of a
-    second in a process with torch and diffusers loaded, too slow for every install), so a pipeline built
-    before an in-place install needs ``pipe.register_modules(transformer=pipe.transformer)``."""
+    second in a process with torch and diffusers loaded, too slow for every install): a pipeline built
+    before an in-place install is re-registered when it saves the model (``mhla_gen.models``)."""
     for pipe, name in _pipelines_holding(transformer):
         pipe.register_modules(**{name: transformer})
 
