@@ -176,3 +176,41 @@ def test_use_vbench_imports_the_package_not_this_script(tmp_path, monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "vbench", raising=False)
     assert script.import_vbench_package().VBench.installed
     assert str(ROOT / "eval") == __import__("sys").path[0]  # sys.path restored
+
+
+FAKE_VBENCH = '''import json, os
+
+class VBench:
+    """The real package's interface: results under fixed names in the folder it is given."""
+
+    def __init__(self, device, full_info_dir, output_path):
+        self.output_path = output_path
+        os.makedirs(output_path, exist_ok=True)
+
+    def evaluate(self, videos_path, name, dimension_list=None, mode="vbench_standard", **kwargs):
+        results = {dim: [0.5, []] for dim in dimension_list}
+        for suffix, record in (("eval_results", results), ("full_info", [])):
+            with open(os.path.join(self.output_path, f"{name}_{suffix}.json"), "w") as f:
+                json.dump(record, f)
+'''
+
+
+def test_use_vbench_writes_only_out_never_beside_it(tmp_path, monkeypatch):
+    """The real package writes ``mhla_vbench_eval_results.json`` / ``_full_info.json`` into the folder it is
+    given: a temporary one, so the user's files of those names beside ``--out`` stay as they were, and an
+    earlier run's results are not read back; the scores land in ``--out`` only."""
+    package = tmp_path / "site" / "vbench"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VBENCH)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(__import__("sys").modules, "vbench", raising=False)
+    module = load_script(ROOT / "eval" / "vbench.py", "eval_vbench_official")
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    write_video(videos / "static.mp4", static_video(), fps=8, lossless=True)
+    mine = tmp_path / "mhla_vbench_eval_results.json"
+    mine.write_text("the user's own file\n")
+    result = module.main(["--videos", str(videos), "--use-vbench", "--dimensions", "imaging_quality"])
+    assert result == {"imaging_quality": [0.5, []]}
+    assert mine.read_text() == "the user's own file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name, "site", "videos", "videos.vbench.json"]

@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -77,18 +78,23 @@ def import_vbench_package():
     return vbench
 
 
-def run_official_vbench(args, out: Path) -> dict:
-    """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply); it writes
-    its result files beside ``out``."""
+def run_official_vbench(args) -> dict:
+    """Hand the folder to the real ``vbench`` package (its own model downloads / caches apply) and return
+    its results. It writes fixed names (``<name>_eval_results.json``, ``<name>_full_info.json``) into the
+    folder it is given, so it gets a temporary folder of its own, not the folder ``--out`` lies in: a
+    user's files of those names are never replaced, and an earlier run's results are never read back."""
     VBench = import_vbench_package().VBench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out_dir = out.parent
-    bench = VBench(device, args.vbench_info, str(out_dir))
-    bench.evaluate(videos_path=args.videos, name="mhla_vbench", dimension_list=args.dimensions,
-                   mode="custom_input")
-    results = out_dir / "mhla_vbench_eval_results.json"
-    return json.loads(results.read_text()) if results.exists() else {"results_dir": str(out_dir)}
+    with tempfile.TemporaryDirectory(prefix="mhla_gen-vbench-") as out_dir:
+        bench = VBench(device, args.vbench_info, out_dir)
+        bench.evaluate(videos_path=args.videos, name="mhla_vbench", dimension_list=args.dimensions,
+                       mode="custom_input")
+        results = Path(out_dir) / "mhla_vbench_eval_results.json"
+        if not results.is_file():
+            raise FileNotFoundError(f"the vbench package wrote no {results.name} for --videos "
+                                    f"{str(args.videos)!r} (dimensions {args.dimensions})")
+        return json.loads(results.read_text())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,7 +164,7 @@ def main(argv=None) -> dict:
     check_apart(out, "--out", {"--videos": folder})
     with writing_files((out, "--out")):  # one writer per file
         if args.use_vbench:
-            result = run_official_vbench(args, out)
+            result = run_official_vbench(args)
             print(json.dumps(result, indent=2))
             atomic_write_text(out, json.dumps({**result, **file_record(METRICS_KIND)}, indent=2) + "\n")
             return result
