@@ -75,6 +75,24 @@ def test_generate_config_errors():
         gen.load_generate_config(None, ["base=wan", "model=x"])
 
 
+def test_generate_refuses_a_prompts_file_without_prompts(tmp_path):
+    """A blank prompts file gave an empty sample set (a marked folder, config.yaml, an empty manifest) and
+    exit status 0; a missing one an OSError without the setting's name."""
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.testing.wan import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+    (tmp_path / "blank.txt").write_text("\n   \n")
+    out = tmp_path / "samples"
+    common = ["base=wan", f"model={tmp_path / 'wan'}", f"output_dir={out}", "height=16", "width=16",
+              "num_frames=5", "steps=1"]
+    with pytest.raises(ConfigError, match=r"prompts_file=.*blank\.txt' holds no prompts"):
+        load("generate").main([*common, f"prompts_file={tmp_path / 'blank.txt'}"])
+    with pytest.raises(FileNotFoundError, match=r"prompts_file=.*missing\.txt' does not exist"):
+        load("generate").main([*common, f"prompts_file={tmp_path / 'missing.txt'}"])
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("base", CAPTIONED)
 def test_generate_and_score_every_captioned_base(base, tmp_path):
     """A saved tiny pipeline of the base (random weights, MHLA installed) -> its sample files of the asked

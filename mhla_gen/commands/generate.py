@@ -155,6 +155,18 @@ def image_prompts(cfg: GenerateConfig) -> list[tuple[str, str]]:
     return pairs + (read_image_prompts(cfg.prompts_file, "prompts_file") if cfg.prompts_file else [])
 
 
+def read_prompts(path: str) -> list[str]:
+    """The non-blank lines of a text ``prompts_file``; FileNotFoundError / ConfigError naming it (a file
+    without prompts would otherwise give an empty sample set)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"prompts_file={path!r} does not exist")
+    prompts = [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"prompts_file={path!r} holds no prompts (every line is blank)")
+    return prompts
+
+
 def sample_items(cfg: GenerateConfig) -> list[dict]:
     """Every sample to generate: ``{"index", "seed", "label" | "prompt" [, "image"]}``, in a fixed order."""
     if cfg.record.class_conditional:
@@ -163,10 +175,7 @@ def sample_items(cfg: GenerateConfig) -> list[dict]:
     elif cfg.record.image_conditioned:
         conditions = [{"prompt": prompt, "image": image} for prompt, image in image_prompts(cfg)]
     else:
-        prompts = list(cfg.prompts or [])
-        if cfg.prompts_file:
-            lines = Path(cfg.prompts_file).read_text().splitlines()
-            prompts += [line.strip() for line in lines if line.strip()]
+        prompts = [*(cfg.prompts or []), *(read_prompts(cfg.prompts_file) if cfg.prompts_file else [])]
         conditions = [{"prompt": p} for p in prompts]
     items = [dict(c) for c in conditions for _ in range(cfg.num_per_item)]
     return [{"index": i, "seed": cfg.seed + i, **item} for i, item in enumerate(items)]
