@@ -289,6 +289,29 @@ def test_converter_push_uploads_the_written_folder(tmp_path, monkeypatch):
     assert card.data.base_model == WAN_ID and 'snapshot_download("me/wan-mhla")' in card.text
 
 
+def test_base_model_must_be_a_hub_id_before_anything_is_written(tmp_path):
+    """``--base-model`` / ``base_model=`` name the base in the card's YAML and snippet as given (a hub id,
+    by their help): a local path there would put an absolute path into a folder that is shared."""
+    from safetensors.torch import save_file
+
+    from mhla_gen.pipelines.saving import save_pipeline
+    from mhla_gen.testing import tiny_sana_pipeline
+
+    model = _release_like_model()
+    save_file(_original_state(model), tmp_path / "release.safetensors")
+    (tmp_path / "base" / "transformer").mkdir(parents=True)
+    config = {k: v for k, v in model.config.items() if k != "mhla"} | {"_class_name": "WanTransformer3DModel"}
+    (tmp_path / "base" / "transformer" / "config.json").write_text(json.dumps(config))
+    local = str(tmp_path / "base")
+    with pytest.raises(ConfigError, match=r"--base-model=.*base' is not a Hub repo id"):
+        load_script("scripts/convert_wan_mhla.py").main([
+            "--checkpoint", str(tmp_path / "release.safetensors"), "--config-from", local,
+            "--out", str(tmp_path / "out"), "--base-model", local])
+    with pytest.raises(ConfigError, match=r"base_model=.*base' is not a Hub repo id"):
+        save_pipeline(tiny_sana_pipeline(), tmp_path / "exported", base_model=local)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "exported").exists()
+
+
 @pytest.mark.parametrize("base", [base.name for base in FINE_TUNED])
 def test_every_base_gets_loading_lines_that_compile(base, tmp_path):
     """Every fine-tuned base (the ones not run end to end above too): its snippet is valid Python calling

@@ -19,6 +19,7 @@ import torch
 from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.integration.cards import (
     check_push_target,
+    check_repo_id,
     model_card,
     push_to_hub,
     scrub_local_paths,
@@ -66,6 +67,7 @@ def main(argv=None) -> None:
     check_replaceable(args.out, "model", "--out")
     check_temp(args.out, "model", "--out")
     check_push_target(args.push_to_hub, "--push-to-hub")
+    check_repo_id(args.base_model, "--base-model")
     transformer = convert_wan_checkpoint(
         args.checkpoint, args.config_from, torch_dtype=DTYPES[args.dtype], state_dict_key=args.state_dict_key
     )

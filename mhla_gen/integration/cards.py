@@ -300,17 +300,25 @@ def local_paths(folder: str | os.PathLike) -> list[str]:
     return found
 
 
+def check_repo_id(repo_id: str | None, setting: str) -> None:
+    """At start-up: ``repo_id`` (when given) is a Hub repo id, not a local path (ConfigError): a card names
+    it as given (YAML ``base_model``, the loading snippet), so a path would leave the machine in it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        if repo_id is not None:
+            validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ConfigError(f"{setting}={repo_id!r} is not a Hub repo id (owner/name): {err}") from None
+
+
 def check_push_target(repo_id: str | None, setting: str) -> None:
     """At start-up: ``repo_id`` is a valid hub repo id and a token is there to push with (ConfigError)."""
     if not repo_id:
         return
     import huggingface_hub
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise ConfigError(f"{setting}={repo_id!r} is not a Hub repo id (owner/name): {err}") from None
+    check_repo_id(repo_id, setting)
     if huggingface_hub.get_token() is None:
         raise ConfigError(f"{setting}={repo_id!r} needs a Hugging Face token: `hf auth login`, or HF_TOKEN "
                           f"in the environment")

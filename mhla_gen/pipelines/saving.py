@@ -67,6 +67,7 @@ def save_pipeline(pipe, folder, base_model: str | None = None, license: str | No
     """
     folder = Path(folder).expanduser()
     cards.check_push_target(push_to_hub, "push_to_hub")
+    cards.check_repo_id(base_model, "base_model")
     check_apart(folder, "folder", _sources(pipe))
     check_replaceable(folder, KIND, "folder")
     check_temp(folder, KIND, "folder")
