@@ -135,6 +135,20 @@ def test_sample_script_end_to_end(tmp_path, dit_pipeline_dir):
     ]
 
 
+def test_sample_says_when_the_model_runs_no_mhla(tmp_path, dit_pipeline_dir, capsys):
+    """A stock pipeline without --transformer or --blocks samples the base's own attention: allowed (a
+    softmax teacher), but said on stderr, not silent; an MHLA model gets no note."""
+    tiny_dit_pipeline().save_pretrained(tmp_path / "stock")
+    common = ["--base", "dit", "--labels", "1", "--steps", "1", "--device", "cpu"]
+    capsys.readouterr()
+    _sample_module().main([*common, "--model", str(tmp_path / "stock"), "--out", str(tmp_path / "a")])
+    assert "has no MHLA: sampling the base's own attention" in capsys.readouterr().err
+    _sample_module().main([*common, "--model", str(dit_pipeline_dir[0]), "--out", str(tmp_path / "b")])
+    _sample_module().main([*common, "--model", str(tmp_path / "stock"), "--blocks", "2", "2",
+                           "--out", str(tmp_path / "c")])
+    assert "no MHLA" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_pipelines_import_from_any_directory(tmp_path):
     """mhla_gen.pipelines is a plain subpackage (no repo root on sys.path needed), and the top-level name

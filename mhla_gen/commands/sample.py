@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from PIL import Image
 from mhla_gen.bases import BASES, base_for
 from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
+from mhla_gen.integration.install import is_mhla_installed
 from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 from mhla_gen.outputs.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
@@ -169,6 +171,10 @@ def load(args, mhla, dtype):
     sampler = (base.stream_sampler if args.stream else base.sampler).load()
     pipe = sampler.load(args.model, mhla, dtype, args.device, args.transformer)
     sampler.check_conditions(pipe, conditions(args), args.guidance, trained_classes(args))
+    if not is_mhla_installed(pipe.transformer):  # legitimate (a softmax teacher), but never silent
+        print(f"{Path(sys.argv[0]).name}: note: the transformer of {args.transformer or args.model} has no "
+              "MHLA: sampling the base's own attention (--transformer RUN/final samples a trained MHLA "
+              "model, --blocks installs fresh MHLA)", file=sys.stderr)
     return sampler, pipe, sampler.fit_size(pipe, settings(args))
 
 
