@@ -162,6 +162,23 @@ def test_sample_refuses_a_frame_rate_below_one(fps, tmp_path, capsys, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", "-1", "--seed must be in 0..2**32-1, got -1"),
+    ("--blocks", "0 2", "--blocks 0 2: "),
+])
+def test_sample_refuses_a_negative_seed_and_bad_blocks_naming_the_flag(flag, value, message, tmp_path, capsys,
+                                                                       monkeypatch):
+    """``--seed -1`` sampled into files named ``seed-1``; ``--blocks 0 2`` failed naming ``blocks``."""
+    from mhla_gen.testing import tiny_dit_pipeline
+
+    tiny_dit_pipeline().save_pretrained(tmp_path / "pipe")
+    argv = ["--base", "dit", "--model", str(tmp_path / "pipe"), "--labels", "1", flag, *value.split(),
+            "--out", str(tmp_path / "out")]
+    line = fails_in_one_line("scripts/sample.py", argv, capsys, monkeypatch)
+    assert message in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_sample_wan_default_size_is_checked_against_the_model(tmp_path, capsys, monkeypatch):
     from mhla_gen.testing.wan import tiny_wan_pipeline
 

@@ -73,6 +73,8 @@ def test_generate_config_errors():
         gen.load_generate_config(None, ["base=dit", "run_config=x.yaml"])
     with pytest.raises(ValueError, match="prompts"):
         gen.load_generate_config(None, ["base=wan", "model=x"])
+    with pytest.raises(ValueError, match=r"seed must be in 0\.\.2\*\*32-1, got -1"):
+        gen.load_generate_config(None, ["base=dit", "model=x", "labels=[1]", "seed=-1"])
 
 
 def test_generate_refuses_a_prompts_file_without_prompts(tmp_path):

@@ -171,6 +171,8 @@ def test_the_stream_refuses_chunks_that_do_not_fit():
     latent, text = _inputs(torch.float32)
     with pytest.raises(ValueError, match=r"chunk_frames=3 does not divide the 4 latent frames"):
         model(latent, torch.tensor([500.0, 500.0]), text)
+    with pytest.raises(ValueError, match=r"frames=0: a streamed video has at least one latent frame"):
+        WanStreamCache.empty(model, 2, (6, 10), frames=0)
     cache = WanStreamCache.empty(model, 2, (6, 10))  # any length: no frames needed
     with pytest.raises(ValueError, match=r"a chunk of this stream is \(batch=2, channels, chunk_frames=3"):
         stream_step(model, cache, latent[:, :, :2], torch.zeros(2), text)

@@ -109,6 +109,8 @@ class GenerateConfig:
             raise ValueError(f"labels must be class ids >= 0, got {self.labels}")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale must be >= 0, got {self.guidance_scale}")
+        if not 0 <= self.seed < 2**32:  # as training's: sample i's file and record name seed + i
+            raise ValueError(f"seed must be in 0..2**32-1, got {self.seed}")
 
     @property
     def record(self) -> Base:

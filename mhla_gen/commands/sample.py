@@ -98,6 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.guidance < 0:
         parser.error(f"--guidance must be >= 0, got {args.guidance}")
+    if not 0 <= args.seed < 2**32:  # as training's; the files are named by seed (``seed-1`` otherwise)
+        parser.error(f"--seed must be in 0..2**32-1, got {args.seed}")
+    if args.blocks is not None:
+        try:
+            MHLAConfig(blocks=tuple(args.blocks))
+        except ValueError as error:
+            parser.error(f"--blocks {' '.join(map(str, args.blocks))}: {error}")
     for name in ("height", "width", "frames", "fps"):  # fps 0: imageio silently writes its default rate
         value = getattr(args, name)
         if value is not None and value < 1:

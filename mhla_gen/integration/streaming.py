@@ -100,6 +100,9 @@ class WanStreamCache:
         if batch < 1 or min(chunk_grid[1:]) < 1:
             raise ValueError(f"batch={batch} and latent_size={tuple(latent_size)} must be positive (a "
                              f"{chunk_grid} token grid per chunk)")
+        if frames is not None and frames < 1:  # else refused only at the first step (softmax, factorised)
+            raise ValueError(f"frames={frames}: a streamed video has at least one latent frame "
+                             "(None: any length)")
         if frames is None and fixed_length(cfg):
             raise ValueError(f"stream_mixing=general: its W covers the blocks {list(cfg.blocks)} of one "
                              f"video, so the cache needs that video's latent frames (frames=...)")
