@@ -38,7 +38,7 @@ Holm's rule: the validation loss at equal images, the FID and the shapes' proper
 Records: ``--out`` holds the runs (checkpoints: large), their record ``record.npz`` (eval/results.py: the
 points' metrics, commit, per-triple losses and per-sample scores; the sizing and the plan in its meta) and
 ``scale_study.md`` rendered from it, after each grid; ``--export DIR`` writes the same two files into
-``DIR`` too (a few MB: what comes back from a lent GPU and is committed), and ``python eval/results.py
+``DIR`` too (a few MB: what comes back from a GPU machine and is committed), and ``python eval/results.py
 render DIR/record.npz`` renders the tables again from the record alone.
 """
 

@@ -1,4 +1,4 @@
-r"""Every GPU check in one command and one Markdown report, for the few minutes a GPU is lent:
+r"""Every GPU check in one command and one Markdown report, for a few minutes on one GPU.
 
     python scripts/gpu_check.py --out REPORT.md             # at most 7 minutes on one H200 (--budget-s 420)
     python scripts/gpu_check.py --out REPORT.md --dry-run   # every section's plumbing on CPU (tiny sizes)
