@@ -14,6 +14,7 @@ from ..ops.layout import BlockLayout, layout_for
 from ..ops.mixing import MixingMatrix
 from .extras import ConvPositionEncoding, OutputGate
 from .grid import check_grid
+from .skip import attention_scores_skipped, register_skip_output
 
 
 class MHLAProcessor(nn.Module):
@@ -43,6 +44,11 @@ class MHLAProcessor(nn.Module):
     base_name: ClassVar[str]
     model_cls: ClassVar[type]
     grid_ndim: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs):
+        """Every processor class tells diffusers' layer skip what a skipped attention returns (skip.py)."""
+        super().__init_subclass__(**kwargs)
+        register_skip_output(cls)
 
     @classmethod
     def self_attention(cls, transformer: nn.Module) -> list[nn.Module]:
@@ -131,9 +137,12 @@ class MHLAProcessor(nn.Module):
         return layout
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid) -> torch.Tensor:
-        """MHLA of ``(B, heads, N, d)`` q, k, v on the token ``grid`` -> ``(B, heads, N, d)``."""
+        """MHLA of ``(B, heads, N, d)`` q, k, v on the token ``grid`` -> ``(B, heads, N, d)``; v itself
+        under diffusers' ``skip_attention_scores`` (identity attention, ``skip.py``)."""
         cfg = self.cfg
         layout = self.layout(grid, q.shape[2])
+        if attention_scores_skipped():
+            return v
         return mhla_attention(q, k, v, layout, self.mixing(), cfg.feature_map, cfg.normalize, eps=cfg.eps)
 
     def apply_extras(self, out, value, layer_input, grid) -> torch.Tensor:

@@ -32,6 +32,7 @@ from diffusers.models.transformers.transformer_sana_video import SanaLinearAttnP
 
 from .base import MHLAProcessor
 from .grid import GridRotaryEmb, wan_rotary_with_grid
+from .skip import attention_scores_skipped
 from .wan import mhla_rope_on_numerator
 
 SANA_VIDEO_EPS = 1e-15
@@ -90,8 +91,10 @@ class SanaVideoMHLAProcessor(MHLAProcessor):
 
     def attend_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_emb) -> torch.Tensor:
         """MHLA with RoPE on the numerator only (:func:`~mhla_gen.processors.wan.mhla_rope_on_numerator`).
-        q, k, v ``(B, heads, N, d)`` -> same, q's dtype."""
+        q, k, v ``(B, heads, N, d)`` -> same, q's dtype; v under ``skip_attention_scores`` (``skip.py``)."""
         cfg = self.cfg
+        if attention_scores_skipped():
+            return v
         return mhla_rope_on_numerator(q, k, v, rotary_emb, self.layout(rotary_emb.grid, q.shape[2]),
                                       self.mixing(), cfg.feature_map, cfg.normalize, cfg.eps)
 

@@ -62,6 +62,7 @@ from ..ops.rope import apply_wan_rotary, wan_rotary_pair  # noqa: F401 (the refe
 from ..ops.streaming import block_causal_mhla, factorised_block_causal_mhla
 from .base import MHLAProcessor
 from .grid import STREAM_ATTR, GridRotaryEmb, wan_rotary_with_grid
+from .skip import attention_scores_skipped
 from .wan_causal import block_causal_for, check_chunk_grid, check_stream_config
 from .wan_softmax import WanBlockCausalSoftmaxProcessor
 
@@ -249,6 +250,11 @@ class WanMHLAProcessor(MHLAProcessor):
         the tokens under context parallelism (None: the whole sequence is here), as diffusers hands its
         attention the ``parallel_config``; the sharded layer all-reduces block summaries instead."""
         attend = self.attend_rope if shard is None else functools.partial(self.attend_rope_shard, shard=shard)
+        if attention_scores_skipped():  # diffusers' skip_attention_scores: identity attention (skip.py)
+            if rotary_emb.stream is not None:
+                raise ValueError("skip_attention_scores (diffusers' layer skip) cannot run in a streamed "
+                                 "chunk: the layer's cache would miss the chunk")
+            attend = lambda q, k, v, rotary_emb: v  # noqa: E731
         if self.head_norm is None:
             return attend(query, key, value, rotary_emb)
         # no normaliser -> outputs scale with N: keep them in fp32 until the head norm (no fp16 clipping)

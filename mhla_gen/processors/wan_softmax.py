@@ -29,6 +29,7 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 from ..ops.kv_cache import block_causal_softmax
 from ..ops.rope import wan_rotary_pair
 from .grid import GridRotaryEmb
+from .skip import attention_scores_skipped, register_skip_output
 
 
 class WanBlockCausalSoftmaxProcessor(WanAttnProcessor):
@@ -64,10 +65,19 @@ class WanBlockCausalSoftmaxProcessor(WanAttnProcessor):
         # (B, N, heads * d) -> (B, heads, N, d)
         q, k, v = (t.unflatten(-1, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value))
         q, k = wan_rotary_pair(q, k, *rotary_emb)
-        if rotary_emb.stream is not None:  # one streamed chunk: this layer's KV cache
+        skipped = attention_scores_skipped()  # diffusers' skip_attention_scores: identity attention (skip.py)
+        if skipped and rotary_emb.stream is not None:
+            raise ValueError("skip_attention_scores (diffusers' layer skip) cannot run in a streamed chunk: "
+                             "the layer's cache would miss the chunk")
+        if skipped:  # later chunks' SDPA calls see more keys than queries: diffusers' mode misses them
+            out = v
+        elif rotary_emb.stream is not None:  # one streamed chunk: this layer's KV cache
             out = rotary_emb.stream.step(self, q, k, v)
         else:
             frames, height, width = rotary_emb.grid
             out = block_causal_softmax(q, k, v, self.cfg.chunk_frames * height * width)
         out = out.transpose(1, 2).flatten(2).type_as(query)  # (B, N, heads * d)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+register_skip_output(WanBlockCausalSoftmaxProcessor)
