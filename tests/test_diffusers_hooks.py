@@ -201,6 +201,22 @@ def test_layer_skip_acts_on_mhla_attention(base, rope, skip):
     assert torch.equal(*(denoise(tiny, m, timesteps=one_call)[0] for m in (model, unhooked)))
 
 
+@pytest.mark.parametrize("base", ("dit", *WAN_BASES))  # stock SANA / SANA-Video blocks are not registered
+def test_layer_skip_of_whole_blocks_skips_their_mhla(base):
+    """``apply_layer_skip`` of attention and feed-forward: the MHLA layer's block returns its input."""
+    tiny, model = build(base)
+    index = (tiny.mhla.layers or [0])[0]
+    expected = copy.deepcopy(model)
+    block = (expected.blocks if base in WAN_BASES else expected.transformer_blocks)[index]
+    block.register_forward_hook(
+        lambda m, args, kwargs, out: kwargs.get("hidden_states", args[0] if args else None), with_kwargs=True)
+    apply_layer_skip(model, LayerSkipConfig(indices=[index]))
+    calls = count_mhla_calls(model)
+    one_call = TIMESTEPS[:1]
+    assert torch.equal(*(denoise(tiny, m, timesteps=one_call)[0] for m in (model, expected)))
+    assert calls["n"] == len(mhla_processors(model)) - 1
+
+
 def test_attention_scores_skipped_under_the_mode_only():
     from mhla_gen.processors.skip import attention_scores_skipped
 
