@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import torch
+
+# diffusers' registry and function mode are private; pyproject pins diffusers to 0.42.x, where they are these
 from diffusers.hooks._helpers import AttentionProcessorMetadata, AttentionProcessorRegistry
 from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
 
