@@ -390,6 +390,47 @@ def test_restart_refused_where_it_would_mix_runs(reference_run, tmp_path):
     assert read_metrics(tmp_path / "old") == read_metrics(reference_run)  # untouched
 
 
+def _snapshot(folder):
+    """{relative path: (bytes, mtime)} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_below_the_checkpoints_step_is_refused(reference_run, tmp_path):
+    """train.max_steps=4 on a folder whose latest checkpoint is step 5: refused (it would otherwise write
+    final/ at step 5 under a config.yaml that says 4), nothing written."""
+    shutil.copytree(reference_run, tmp_path / "run")
+    before = _snapshot(tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"train\.max_steps=4 is below step 5 of the checkpoint"):
+        train(tmp_path / "run", "train.max_steps=4")
+    assert _snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state"])
+def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_path, damage):
+    """A checkpoint damaged by hand (a truncated or missing file, a trainer_state.json that does not
+    parse): a ConfigError naming the file, before anything is written; nothing is deleted."""
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    latest = out / "checkpoints" / "checkpoint_5"
+    if damage == "truncate":
+        name, message = "model.safetensors", "has 1000 bytes"
+        with open(latest / name, "r+b") as f:
+            f.truncate(1000)
+    elif damage == "delete":
+        name, message = "optimizer.bin", "is missing"
+        (latest / name).unlink()
+    else:
+        name, message = "trainer_state.json", "does not read"
+        text = (latest / name).read_text()
+        (latest / name).write_text("{" + text[1:-1] + " ")  # same size, not JSON
+    before = _snapshot(out)
+    pattern = rf"resume=latest: checkpoint file .*checkpoint_5/{name}' {message}"
+    with pytest.raises(ConfigError, match=pattern):
+        train(out, "train.max_steps=6")
+    assert _snapshot(out) == before
+
+
 def _tensorboard_scalars(log_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..outputs.folders import adopt_command, discard, fresh_temp, read_marker, seal, strays
+from ..outputs.folders import adopt_command, discard, fresh_temp, listed, read_marker, seal, strays
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,41 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 
 def read_state(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def check_intact(checkpoint: Path, setting: str) -> None:
+    """``ConfigError`` naming the first damaged file of ``checkpoint`` (before the run writes anything):
+    a file its listing names that is missing or has another size than when it was saved, a
+    ``trainer_state.json`` that does not parse, a ``.safetensors`` file whose header does not read.
+    Nothing is changed: the user decides whether to move the checkpoint away."""
+    from safetensors import safe_open
+
+    checkpoint = Path(checkpoint)
+    fix = (f"nothing was changed: move {str(checkpoint)!r} away to resume from the checkpoint before it, "
+           f"or choose another output_dir")
+
+    def damaged(name: str, what: str) -> ConfigError:
+        return ConfigError(f"{setting}: checkpoint file {str(checkpoint / name)!r} {what}; {fix}")
+
+    for name, size in sorted((listed(checkpoint) or {}).items()):
+        path = checkpoint / name
+        if not path.is_file():
+            raise damaged(name, "is missing")
+        if size is not None and path.stat().st_size != size:
+            raise damaged(name, f"has {path.stat().st_size} bytes, {size} when it was saved (truncated or "
+                                "changed)")
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError) as err:
+        raise damaged(STATE_FILE, f"does not read ({err})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise damaged(STATE_FILE, "holds no step")
+    for path in sorted(checkpoint.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error type (not an OSError)
+            raise damaged(str(path.relative_to(checkpoint)), f"does not read ({err})") from None
 
 
 def check_signature(checkpoint: Path, signature: dict) -> None:

@@ -109,12 +109,21 @@ def plan_start(cfg: RunConfig, out: Path) -> tuple[Path | None, int]:
     """``(checkpoint to resume from or None, step this run starts at)``; see the module docstring.
 
     Raises:
-        ConfigError: ``resume=latest`` without a checkpoint in a folder that holds a finished run, or
-            checkpoints in ``output_dir`` newer than the start step (a later ``resume=latest`` would
-            continue from them instead of from this run).
+        ConfigError: ``resume=latest`` without a checkpoint in a folder that holds a finished run, a
+            damaged checkpoint to resume, a ``train.max_steps`` below its step, or checkpoints in
+            ``output_dir`` newer than the start step (a later ``resume=latest`` would continue from them
+            instead of from this run).
     """
     resume_from = ckpt.resolve_resume(cfg.resume, out)
+    if resume_from is not None:
+        ckpt.check_intact(resume_from, f"resume={cfg.resume}")
     start = ckpt.read_state(resume_from)["step"] if resume_from is not None else 0
+    if start > cfg.train.max_steps:
+        raise ConfigError(
+            f"train.max_steps={cfg.train.max_steps} is below step {start} of the checkpoint this run resumes "
+            f"({str(resume_from)!r}, resume={cfg.resume}); nothing was changed: give train.max_steps >= "
+            f"{start}, or start anew in another output_dir"
+        )
     if resume_from is None and cfg.resume == "latest" and (out / "final").exists():
         raise ConfigError(
             f"resume=latest: output_dir={str(out)!r} holds a finished run (final/) but no checkpoint to "
