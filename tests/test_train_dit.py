@@ -431,6 +431,33 @@ def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_pa
     assert _snapshot(out) == before
 
 
+@pytest.mark.parametrize("record", ["checkpoint", "config_yaml"])
+@pytest.mark.parametrize(
+    "override",
+    ["train.optimizer=adafactor", "train.trainable=mhla", "train.ema_decay=0", "train.ema_decay=0.5"],
+)
+def test_resume_with_another_optimizer_trainable_or_ema_is_refused(reference_run, tmp_path, override, record):
+    """The checkpoint holds the optimizer state of its trainable parameters and the EMA with its decay
+    (diffusers' EMAModel keeps the saved decay): resuming with other settings crashed while loading
+    (optimizer, trainable, EMA off) or silently kept the old decay; now refused, nothing written. A checkpoint
+    saved before checkpoints recorded these settings is checked against its run's config.yaml."""
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    if record == "config_yaml":  # as an earlier version saved it
+        state_file = out / "checkpoints" / "checkpoint_5" / "trainer_state.json"
+        state = json.loads(state_file.read_text())
+        del state["training"]
+        state_file.write_text(json.dumps(state, indent=1))
+        from mhla_gen.outputs.folders import seal
+
+        seal(state_file.parent)
+    before = _snapshot(out)
+    setting, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"resume=latest: {setting}=.*{value}.* \(the checkpoint's: "):
+        train(out, "train.max_steps=6", override)
+    assert _snapshot(out) == before
+
+
 def _tensorboard_scalars(log_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -120,6 +120,48 @@ def check_signature(checkpoint: Path, signature: dict) -> None:
         raise ValueError(f"checkpoint {checkpoint} does not match the config:\n  " + "\n  ".join(diffs))
 
 
+# settings whose state a checkpoint holds and a resume cannot change: which parameters train (the optimizer
+# state is theirs), the optimizer (its state layout) and the EMA (diffusers' EMAModel.load_state_dict takes
+# the saved decay over the configured one, so a changed decay would be ignored without a word)
+TRAINING_SETTINGS = ("train.trainable", "train.optimizer", "train.ema_decay")
+
+
+def training_record(cfg) -> dict:
+    """``{setting: value}`` of :data:`TRAINING_SETTINGS` in the run config ``cfg`` (saved with each
+    checkpoint)."""
+    return {setting: getattr(cfg.train, setting.split(".")[1]) for setting in TRAINING_SETTINGS}
+
+
+def _recorded_training(checkpoint: Path) -> dict:
+    """What :func:`training_record` saved with ``checkpoint``; for a checkpoint saved before that record,
+    the values of its run's ``config.yaml`` (``output_dir/checkpoints/checkpoint_N``), else nothing."""
+    saved = read_state(checkpoint).get("training")
+    if isinstance(saved, dict):
+        return saved
+    record = Path(checkpoint).parent.parent / "config.yaml"
+    if not record.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    recorded = OmegaConf.load(record)
+    values = {setting: OmegaConf.select(recorded, setting) for setting in TRAINING_SETTINGS}
+    return {setting: value for setting, value in values.items() if value is not None}
+
+
+def check_training(checkpoint: Path, cfg) -> None:
+    """``ConfigError`` listing every :data:`TRAINING_SETTINGS` entry the run gives otherwise than the
+    checkpoint it resumes was saved with (before anything is written)."""
+    saved, now = _recorded_training(checkpoint), training_record(cfg)
+    diffs = [f"{k}={now[k]!r} (the checkpoint's: {saved[k]!r})" for k in TRAINING_SETTINGS
+             if k in saved and saved[k] != now[k]]
+    if diffs:
+        raise ConfigError(
+            f"resume={cfg.resume}: {', '.join(diffs)}: checkpoint {str(checkpoint)!r} holds the optimizer "
+            f"and EMA state of its own settings; nothing was changed: give the checkpoint's values, or start "
+            f"anew in another output_dir (model.init_from=<a saved final/> to start from its weights)"
+        )
+
+
 def remove_partial(output_dir: str | Path) -> None:
     """Main process, at start-up: delete the temporary folders of saves killed halfway (marked as our
     checkpoints, not named ``checkpoint_<step>``) that hold exactly what they list; others stay, with a
@@ -151,13 +193,15 @@ def _shared_path(accelerator, path: Path | None) -> Path:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str | Path, step: int, signature: dict, total_limit: int, before_commit=None
+    accelerator, output_dir: str | Path, step: int, signature: dict, total_limit: int, before_commit=None,
+    training: dict | None = None,
 ) -> Path:
     """``accelerator.save_state`` into a marked temp folder, list its files, then rename it to
     ``checkpoint_<step>`` atomically and prune the old checkpoints that are ours (module docstring).
 
     ``before_commit`` (main process) runs after the state is written and listed and before the rename
-    (:func:`train` calls its callbacks' ``on_checkpoint_staged`` there).
+    (:func:`train` calls its callbacks' ``on_checkpoint_staged`` there). ``training``: the run's
+    :func:`training_record`, saved beside the step and the signature.
     """
     root = checkpoint_root(output_dir)
     final = root / f"checkpoint_{step}"
@@ -175,7 +219,8 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))  # models, optimizer, scheduler, RNG states, registered objects (EMA)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "signature": signature}, indent=1))
+        state = {"step": step, "signature": signature, **({"training": training} if training else {})}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         seal(tmp)  # every file listed: a save killed from here on is removable as a whole
         if before_commit is not None:
             before_commit()

@@ -255,7 +255,8 @@ def _after_step(run: Run, meter: _Meter, bar) -> None:
     if run.step % cfg.train.checkpoint_every == 0 or last:
         staged = lambda: [callback.on_checkpoint_staged(run) for callback in run.callbacks]
         limit = cfg.train.checkpoints_total_limit
-        ckpt.save_checkpoint(run.accelerator, run.out, run.step, run.task.signature(), limit, staged)
+        ckpt.save_checkpoint(run.accelerator, run.out, run.step, run.task.signature(), limit, staged,
+                             training=ckpt.training_record(cfg))
     for callback in run.callbacks:
         callback.on_step_end(run)
     if cfg.log.sample_every and run.step % cfg.log.sample_every == 0 and not last:

@@ -73,6 +73,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
         ckpt.check_signature(resume_from, task.signature())
+        ckpt.check_training(resume_from, cfg)
         follow_recorded(cfg, resume_from)
     check_run_folder(out)  # every process: all raise, none waits
     task.check_data()
