@@ -239,3 +239,30 @@ def test_cli_writes_a_folder_load_transformer_reads(tmp_path):
     loaded = load_transformer(tmp_path / "out")
     assert loaded.mhla_config == model.mhla_config
     assert torch.equal(_outputs(loaded), _outputs(model))
+
+
+def test_a_truncated_checkpoint_is_named_in_one_error(tmp_path):
+    """A release file cut short (a .safetensors file, a shard of a folder, a .pth): one ValueError naming
+    the file, not safetensors' or torch's own error type; --out is not created."""
+    from scripts.convert_wan_mhla import main
+
+    model = _release_like_model()
+    save_file(_original_state(model), tmp_path / "full.safetensors")
+    data = (tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:5000])
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.safetensors").write_bytes(data[: len(data) - 100])  # header whole, data short
+    torch.save(_original_state(model), tmp_path / "full.pth")
+    (tmp_path / "cut.pth").write_bytes((tmp_path / "full.pth").read_bytes()[:3000])
+    config = dict(model.config)
+    for name in ["cut.safetensors", "shards", "cut.pth"]:
+        shown = "shards/a.safetensors" if name == "shards" else name
+        with pytest.raises(ValueError, match=rf"checkpoint file '.*{shown}' does not read"):
+            convert_wan_checkpoint(tmp_path / name, config)
+    (tmp_path / "base").mkdir()
+    stock = {k: v for k, v in model.config.items() if k != "mhla"} | {"_class_name": "WanTransformer3DModel"}
+    (tmp_path / "base" / "config.json").write_text(json.dumps(stock))
+    with pytest.raises(ValueError, match="cut.safetensors' does not read"):
+        main(["--checkpoint", str(tmp_path / "cut.safetensors"), "--config-from", str(tmp_path / "base"),
+              "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

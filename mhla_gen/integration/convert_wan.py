@@ -188,9 +188,10 @@ def read_checkpoint(path, state_dict_key: str | None = None) -> dict[str, torch.
     elif not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     elif path.suffix == ".safetensors":
-        state = load_file(path)
+        state = _load(load_file, path)
     elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
-        state = _unwrap(torch.load(path, map_location="cpu", weights_only=True), state_dict_key, path)
+        torch_load = lambda file: torch.load(file, map_location="cpu", weights_only=True)  # noqa: E731
+        state = _unwrap(_load(torch_load, path), state_dict_key, path)
     else:
         raise ValueError(
             f"unsupported checkpoint file {path}: expected .safetensors, .pth, .pt, .bin or .ckpt"
@@ -215,8 +216,20 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(f"no .safetensors files in {folder}")
     state = {}
     for shard in shards:
-        state.update(load_file(folder / shard))
+        state.update(_load(load_file, folder / shard))
     return state
+
+
+def _load(reader, path: Path):
+    """``reader(path)``; a file that does not read (truncated, not a checkpoint: safetensors and torch raise
+    their own error types) becomes one ``ValueError`` naming it."""
+    try:
+        return reader(path)
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - SafetensorError, RuntimeError, pickle.UnpicklingError, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint file {str(path)!r} does not read ({first}); is it complete?") from None
 
 
 def _unwrap(obj, state_dict_key: str | None, path: Path) -> dict[str, torch.Tensor]:
