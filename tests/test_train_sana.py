@@ -139,8 +139,9 @@ def _tree(root):
 
 
 def test_cache_dir_never_deletes_what_is_not_a_cache(sana_setup, tmp_path):
-    """data.cache_dir equal to the data, holding an unrelated file, or equal to the run folder: refused
-    before any work, nothing deleted. A cache of ours (e.g. from another checkpoint) is rebuilt."""
+    """data.cache_dir equal to the data, holding an unrelated file, equal to the run folder or inside the
+    pretrained checkpoint: refused before any work, nothing deleted or written. A cache of ours (e.g. from
+    another checkpoint) is rebuilt."""
     from mhla_gen.errors import ConfigError
 
     data = sana_setup / "data"
@@ -155,8 +156,16 @@ def test_cache_dir_never_deletes_what_is_not_a_cache(sana_setup, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.cache_dir=.* not empty .*thesis\.tex"):
         finetune(sana_setup, tmp_path / "run", f"data.cache_dir={tmp_path / 'mine'}")
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "mine"
-    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is output_dir="):
-        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={tmp_path / 'run'}")
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is output_dir="):  # both new: refused at
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={tmp_path / 'run'}")  # start-up, not later
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.*new' contains output_dir="):
+        finetune(sana_setup, tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'new'}")
+    assert not (tmp_path / "new").exists()
+    checkpoint = _tree(sana_setup / "ckpt")  # the pretrained pipeline folder is an input too
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.*ckpt/cache' is inside model\.pretrained="):
+        finetune(sana_setup, tmp_path / "run", f"data.cache_dir={sana_setup / 'ckpt' / 'cache'}")
+    assert _tree(sana_setup / "ckpt") == checkpoint and not (tmp_path / "run").exists()
 
     shared = f"data.cache_dir={tmp_path / 'cache'}"
     finetune(sana_setup, tmp_path / "a", shared, "train.max_steps=1", "log.sample_every=0")
