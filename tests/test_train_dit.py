@@ -458,6 +458,19 @@ def test_resume_with_another_optimizer_trainable_or_ema_is_refused(reference_run
     assert _snapshot(out) == before
 
 
+def test_teacher_data_folder_that_is_or_holds_the_new_run_folder_is_refused_first(tmp_path):
+    """data.source=teacher: data.path (sampled by the run) equal to a new output_dir, or holding it, passed
+    the start-up checks (absent paths are not compared) and was refused only when sampling began, after
+    the run folder, its marker and config.yaml were written."""
+    save_pretrained_dit(tmp_path / "dit")
+    teacher = (f"model.init_from={tmp_path / 'dit'}", "data.source=teacher", "data.teacher_samples=8")
+    with pytest.raises(ConfigError, match=r"data\.path=.*/new' is output_dir="):
+        train(tmp_path / "new", *teacher, f"data.path={tmp_path / 'new'}")
+    with pytest.raises(ConfigError, match=r"data\.path=.*/new' contains output_dir="):
+        train(tmp_path / "new" / "run", *teacher, f"data.path={tmp_path / 'new'}")
+    assert not (tmp_path / "new").exists()
+
+
 def _tensorboard_scalars(log_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -28,19 +28,6 @@ from .objectives import ModelFacts, Objective, objective_settings
 from .pretrained import PretrainedTask, log_teacher
 
 
-def check_cache_beside_run(cache_dir: str | Path, output_dir: str | Path) -> None:
-    """``ConfigError`` when ``data.cache_dir`` is or contains ``output_dir``, compared as resolved paths also
-    while neither exists yet (:func:`~mhla_gen.outputs.folders.check_apart` skips absent paths: here the
-    run itself would create the folder and only the cache build would find it, after config.yaml)."""
-    cache, out = (Path(p).expanduser().resolve() for p in (cache_dir, output_dir))
-    if cache == out or cache in out.parents:
-        raise ConfigError(
-            f"data.cache_dir={str(cache_dir)!r} {'is' if cache == out else 'contains'} "
-            f"output_dir={str(output_dir)!r}: the cache is a folder of its own (by default "
-            f"output_dir/cache); nothing was changed: choose another data.cache_dir"
-        )
-
-
 class CaptionedTask(PretrainedTask):
     """Captioned fine-tuning with the base record's objective. Subclasses name their record (:attr:`base`)
     and fill in the calls of their pipeline: :meth:`size_multiple`, :meth:`token_grid`,
@@ -123,7 +110,6 @@ class CaptionedTask(PretrainedTask):
         if self.cfg.train.distill.enabled:  # the log (and config.yaml, run_config) say which teacher
             log_teacher(self.cfg, self.distill_source())
         self.source.validate()
-        check_cache_beside_run(self.cache_dir, self.cfg.output_dir)
         inputs = {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir}
         inputs |= {k: v for k, v in self.inputs().items() if k not in inputs and k != "data.cache_dir"}
         check_cache_target(FEATURE_CACHE, self.cache_dir, "data.cache_dir", inputs,  # checkpoints too
@@ -166,7 +152,6 @@ class CaptionedTask(PretrainedTask):
 
     def build_dataset(self, accelerator) -> Dataset:
         """The feature cache of the source's items, encoded once with the frozen pipeline's encoders."""
-        check_cache_beside_run(self.cache_dir, self.cfg.output_dir)
         inputs = {"data.path": self.source.input_path(), "output_dir": self.cfg.output_dir}
         encoders = self.encode_pixels, self.encode_text
         return self.features.build(self.source.dataset(), *encoders, self.cache_dir, inputs,

@@ -69,6 +69,7 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
     task.check_lora_targets()
     inputs = task.inputs()
     check_apart(out, "output_dir", inputs, holds_ok=task.written_inside())  # never where an input is
+    check_written_apart(out, inputs, task.written_inside())  # a cache is not the run folder
     check_batch_fits(task.count_items(), local_batch * accelerator.num_processes, cfg.train.global_batch_size)
     resume_from, step = plan_start(cfg, out)
     if resume_from is not None:
@@ -92,6 +93,25 @@ def start_run(cfg: RunConfig, task: TrainTask, callbacks: Sequence[TrainCallback
         cfg=cfg, task=task, accelerator=accelerator, out=out, local_batch=local_batch, fsdp=fsdp,
         resume_from=resume_from, step=step, callbacks=tuple(callbacks),
     )
+
+
+def check_written_apart(out: Path, inputs: dict[str, str | None], written: tuple[str, ...]) -> None:
+    """``ConfigError`` when a folder the run writes besides ``output_dir`` (``written``: settings of
+    :meth:`TrainTask.written_inside`, e.g. ``data.cache_dir``, teacher-sampled ``data.path``) is or
+    contains ``output_dir``. Compared as resolved paths also while they do not exist yet:
+    :func:`~mhla_gen.outputs.folders.check_apart` skips absent paths, and the run would create
+    ``output_dir`` (marker, ``config.yaml``) before that folder's own writer refused it."""
+    run_folder = out.expanduser().resolve()
+    for setting in written:
+        if not inputs.get(setting):
+            continue
+        folder = Path(inputs[setting]).expanduser().resolve()
+        if folder == run_folder or folder in run_folder.parents:
+            raise ConfigError(
+                f"{setting}={inputs[setting]!r} {'is' if folder == run_folder else 'contains'} "
+                f"output_dir={str(out)!r}: the run writes it as a folder of its own (inside output_dir is "
+                f"fine); nothing was changed: choose another {setting}"
+            )
 
 
 def local_batch_size(tc: TrainConfig, num_processes: int) -> int:
