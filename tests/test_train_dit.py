@@ -406,7 +406,7 @@ def test_resume_below_the_checkpoints_step_is_refused(reference_run, tmp_path):
     assert _snapshot(tmp_path / "run") == before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state", "cut_archive_listed"])
 def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_path, damage):
     """A checkpoint damaged by hand (a truncated or missing file, a trainer_state.json that does not
     parse): a ConfigError naming the file, before anything is written; nothing is deleted."""
@@ -420,6 +420,13 @@ def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_pa
     elif damage == "delete":
         name, message = "optimizer.bin", "is missing"
         (latest / name).unlink()
+    elif damage == "cut_archive_listed":  # listed at its cut size (as an adoption did): the archive shows it
+        from mhla_gen.outputs.folders import seal
+
+        name, message = "optimizer.bin", "is cut short"
+        with open(latest / name, "r+b") as f:
+            f.truncate(1000)
+        seal(latest)
     else:
         name, message = "trainer_state.json", "does not read"
         text = (latest / name).read_text()
@@ -469,6 +476,21 @@ def test_teacher_data_folder_that_is_or_holds_the_new_run_folder_is_refused_firs
     with pytest.raises(ConfigError, match=r"data\.path=.*/new' contains output_dir="):
         train(tmp_path / "new" / "run", *teacher, f"data.path={tmp_path / 'new'}")
     assert not (tmp_path / "new").exists()
+
+
+def test_adopt_refuses_a_checkpoint_with_a_cut_archive(reference_run, tmp_path):
+    """mhla-gen adopt run on a run folder (markers stripped, as before markers) whose checkpoint's
+    optimizer.bin was cut short: refused naming the file, no marker written (it would list the cut size)."""
+    from mhla_gen.commands.adopt import adopt
+    from mhla_gen.outputs.folders import MARKER
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out, ignore=shutil.ignore_patterns(MARKER, ".mhla_gen.*"))
+    with open(out / "checkpoints" / "checkpoint_5" / "optimizer.bin", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ConfigError, match=r"first: optimizer\.bin: a torch\.save archive cut short"):
+        adopt(out, "run", show=lambda line: None)
+    assert not list(out.rglob(MARKER))
 
 
 def _tensorboard_scalars(log_dir, tag):

@@ -26,7 +26,16 @@ import numpy as np
 from ..bases import BASES, base_for_class_name
 from ..errors import ConfigError
 from ..integration.install import stock_class_name
-from ..outputs.folders import FILE_RECORD, KINDS, content, file_is_ours, read_marker, seal, write_marker
+from ..outputs.folders import (
+    FILE_RECORD,
+    KINDS,
+    content,
+    file_is_ours,
+    read_marker,
+    seal,
+    torch_archive_cut,
+    write_marker,
+)
 from .cli import run
 
 
@@ -367,6 +376,8 @@ def prove_checkpoint(folder: Path) -> None:
             raise _misfit(path, "not an entry of an Accelerate checkpoint")
         if path.suffix == ".safetensors":
             _safetensors(path)
+        elif path.suffix in (".bin", ".pkl") and path.is_file() and torch_archive_cut(path):
+            raise _misfit(path, "a torch.save archive cut short (its zip directory is missing)")
 
 
 def prove_study(folder: Path) -> list[tuple[Path, str]]:

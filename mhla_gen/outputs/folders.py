@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import shlex
+import zipfile
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -429,6 +430,15 @@ def replace_with(tmp: str | Path, final: str | Path, kind: str, setting: str) ->
 # ---------------------------------------------------------------------------------- recorded inputs
 WEIGHTS = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".json")  # what a model fingerprint reads
 _CHUNKS, _CHUNK = 16, 1 << 16  # sampled bytes per file: 16 x 64 KiB (a retrained model differs in each)
+
+
+def torch_archive_cut(path: Path) -> bool:
+    """Whether ``path`` begins as a ``torch.save`` zip archive but has no readable central directory (cut
+    short: torch.load would fail with a RuntimeError). Reads the header and the end of the file only."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return False  # not a zip archive (e.g. a legacy pickle): not ours to judge
+    return not zipfile.is_zipfile(path)
 
 
 def fingerprint(path: str | Path) -> dict:

@@ -25,7 +25,16 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..outputs.folders import adopt_command, discard, fresh_temp, listed, read_marker, seal, strays
+from ..outputs.folders import (
+    adopt_command,
+    discard,
+    fresh_temp,
+    listed,
+    read_marker,
+    seal,
+    strays,
+    torch_archive_cut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +85,8 @@ def read_state(checkpoint: Path) -> dict:
 def check_intact(checkpoint: Path, setting: str) -> None:
     """``ConfigError`` naming the first damaged file of ``checkpoint`` (before the run writes anything):
     a file its listing names that is missing or has another size than when it was saved, a
-    ``trainer_state.json`` that does not parse, a ``.safetensors`` file whose header does not read.
+    ``trainer_state.json`` that does not parse, a ``torch.save`` archive cut short (a checkpoint adopted
+    or listed as it was), a ``.safetensors`` file whose header does not read.
     Nothing is changed: the user decides whether to move the checkpoint away."""
     from safetensors import safe_open
 
@@ -100,6 +110,10 @@ def check_intact(checkpoint: Path, setting: str) -> None:
         raise damaged(STATE_FILE, f"does not read ({err})") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise damaged(STATE_FILE, "holds no step")
+    archives = [p for p in checkpoint.rglob("*") if p.suffix in (".bin", ".pkl", ".pt") and p.is_file()]
+    for path in sorted(archives):
+        if torch_archive_cut(path):
+            raise damaged(str(path.relative_to(checkpoint)), "is cut short (its zip directory is missing)")
     for path in sorted(checkpoint.rglob("*.safetensors")):
         try:
             with safe_open(str(path), framework="pt"):
