@@ -179,10 +179,13 @@ def check_export(folder: Path) -> None:
         raise ConfigError(f"--export {str(folder)!r} is a file; give a folder")
     if (folder / RECORD).exists():
         try:
-            results.load(folder / RECORD)
+            runner = results.load(folder / RECORD).meta.get("runner")
         except (ConfigError, ValueError, OSError) as err:
             raise ConfigError(f"--export {str(folder)!r}: {RECORD} there is not a record of ours ({err}); "
                               "nothing was changed: choose another folder") from None
+        if runner != "scale_study":
+            raise ConfigError(f"--export {str(folder)!r}: {RECORD} there is a record of eval/{runner}.py, "
+                              "not of this script; nothing was changed: choose another folder")
     report = folder / REPORT
     if report.exists() and report.read_text(errors="replace").split("\n", 1)[0] != REPORT_MARK:
         raise ConfigError(f"--export {str(folder)!r}: {str(report)!r} exists and was not written by this "
@@ -221,7 +224,8 @@ def main(argv=None) -> list[dict]:
     start, records = time.perf_counter(), []
     for name in args.grids:  # grid after grid, the record written after each
         logging.info("grid %s: %s", name, json.dumps(plans[name]))
-        records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]))
+        records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
+                            "scale_study")
         text = write_record(args, records, meta, time.perf_counter() - start)
     print(text)
     return records

@@ -209,7 +209,7 @@ def main(argv=None) -> list[dict]:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # a line per file of every checkpoint
     start = time.perf_counter()
     jobs = plan(args)
-    records = study_records(args.out, jobs, args.jobs, args.report_only)
+    records = study_records(args.out, jobs, args.jobs, args.report_only, "study")
     for r in records:  # records of earlier versions name the digits' FID only
         r.setdefault("fid", r.get("fid_digits"))
     speed = {} if args.no_throughput else {n: throughput(n) for n in (64, 256, 1024, 4096)}

@@ -114,6 +114,13 @@ def test_refusals_before_any_work(tmp_path):
     (tmp_path / "theirs" / "record.npz").write_bytes(b"their data")
     with pytest.raises(ConfigError, match="not a record of ours"):
         study.parse_args(["--smoke", "--export", str(tmp_path / "theirs")])
+    (tmp_path / "study").mkdir()  # another study's record: it stays
+    record = study.results.make_record("study", "python eval/study.py", [], [], {})
+    study.results.save(record, tmp_path / "study" / "record.npz")
+    kept = (tmp_path / "study" / "record.npz").read_bytes()
+    with pytest.raises(ConfigError, match="a record of eval/study.py, not of this script"):
+        study.parse_args(["--smoke", "--export", str(tmp_path / "study")])
+    assert (tmp_path / "study" / "record.npz").read_bytes() == kept
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         study.parse_args(["--smoke", "--export", str(tmp_path / "file")])
