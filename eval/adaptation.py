@@ -246,10 +246,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--seeds", args.seeds, 1), ("--jobs", args.jobs, 1),
+                               ("--steps", args.steps, 8)):
+        if value is not None and value < least:  # before --quick / --smoke / the default fill them in
+            raise ConfigError(f"{flag} must be >= {least}, got {value}")
     args.grids = select_grids(args)
     args.seeds = args.seeds or 3
-    if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
-        raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
     check_questions(DECISIONS, PRIMARIES, "eval/adaptation.py")  # each names its primary metric

@@ -412,3 +412,14 @@ def test_a_study_folder_of_another_runner_is_refused_before_it_writes(tmp_path, 
         runner.main([*argv, "--out", str(out)])
     assert {p: p.read_bytes() for p in out.rglob("*")} == before
 
+
+@pytest.mark.parametrize("argv, line", [
+    (["--seeds", "2", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
+    (["--smoke", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
+    (["--smoke", "--fid-samples", "1"], "--fid-samples must be at least 2, got 1")])
+def test_contradictory_counts_are_refused_before_the_folder_is_made(tmp_path, monkeypatch, argv, line):
+    study = load_study()
+    monkeypatch.setattr(study, "plan", lambda args: pytest.fail("planned (and trained) a refused call"))
+    with pytest.raises(ConfigError, match=line):
+        study.main([*argv, "--out", str(tmp_path / "a")])
+    assert not (tmp_path / "a").exists()
