@@ -81,12 +81,13 @@ from studies.adaptation_compute import compute, equal_compute_table, plot_comput
 from studies.adaptation_report import DECISIONS, PRIMARIES, decisions, end_to_end, grid_report, render  # noqa: F401
 from studies.evidence import check_questions
 from studies.experiments import VAL_TRIPLES, Arm, make_jobs, result_path, study_records
+from studies.folders import claim_study
 from studies.softmax_layers import sweep_arms
 from studies.teachers import Teacher, from_studies, paired
 
 from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.errors import ConfigError
-from mhla_gen.outputs.folders import check_apart, claim, file_record
+from mhla_gen.outputs.folders import check_apart, file_record
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit_flops import train_flops_per_image
 from mhla_gen.train.io import atomic_write_text
@@ -167,7 +168,7 @@ def teachers_for(args, name: str, attention: str, grid: dict, model: dict) -> li
         return chosen
     train_them = getattr(args, "train_teachers", True) and not args.report_only
     if train_them:
-        claim(args.out, "study", "--out")
+        claim_study(args.out, "adaptation")
     return [teacher(args.out, name, attention, grid, model, seed, train_them) for seed in range(args.seeds)]
 
 
@@ -245,10 +246,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="CI-sized: about 10 min of 2 cores")
     parser.add_argument("--smoke", action="store_true", help="seconds: a tiny model, a few steps")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--seeds", args.seeds, 1), ("--jobs", args.jobs, 1),
+                               ("--steps", args.steps, 8)):
+        if value is not None and value < least:  # before --quick / --smoke / the default fill them in
+            raise ConfigError(f"{flag} must be >= {least}, got {value}")
     args.grids = select_grids(args)
     args.seeds = args.seeds or 3
-    if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 8):
-        raise ConfigError("--seeds and --jobs must be >= 1, --steps >= 8")
     args.out = Path(args.out)
     check_arms(args)  # before any teacher is trained
     check_questions(DECISIONS, PRIMARIES, "eval/adaptation.py")  # each names its primary metric
@@ -260,7 +263,7 @@ def main(argv=None) -> list[dict]:
     check_teachers(plan(args))
     args.train_teachers = True
     jobs = plan(args)
-    records = study_records(args.out, jobs, args.jobs, args.report_only)
+    records = study_records(args.out, jobs, args.jobs, args.report_only, "adaptation")
     for r in records:  # records of earlier versions name the digits' FID only
         r.setdefault("fid", r.get("fid_digits"))
     latency_ms = {grid: softmax_layer_latency(grid) for grid in args.grids} if args.softmax_layers else {}

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,26 +255,42 @@ def _json_bytes(value) -> np.ndarray:
 
 
 def load(path: Path) -> Record:
-    """The :class:`Record` in ``path`` (``FileNotFoundError`` / ``ConfigError`` naming it otherwise)."""
+    """The :class:`Record` in ``path`` (``FileNotFoundError`` / ``ConfigError`` naming it otherwise: a
+    missing file, another ``.npz``, a damaged or truncated one)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no record at {str(path)!r} (a study call writes OUT/record.npz)")
-    with np.load(path, allow_pickle=False) as data:
-        if "mhla_gen_kind" not in data.files or str(data["mhla_gen_kind"]) != RECORD_KIND:
-            raise ConfigError(f"{str(path)!r} is not a study record (no mhla_gen_kind {RECORD_KIND!r})")
-        meta, points = (json.loads(bytes(data[k]).decode()) for k in ("meta", "points"))
-        if meta.get("version") != RECORD_VERSION:
-            raise ConfigError(f"{str(path)!r}: record version {meta.get('version')}, this code reads "
-                              f"{RECORD_VERSION}")
-        arrays: list[dict] = [{} for _ in points]
-        images = {}
-        for name in data.files:
-            if name.startswith("p") and "." in name:
-                i, key = name[1:].split(".", 1)
-                arrays[int(i)][key] = data[name]
-            elif name.startswith("images."):
-                _, grid, arm = name.split(".", 2)
-                images[(grid, arm)] = data[name]
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return _read_record(path, data)
+    except ConfigError:
+        raise
+    except (zipfile.BadZipFile, ValueError, KeyError, IndexError, TypeError, EOFError, OSError) as err:
+        raise ConfigError(f"{str(path)!r} is not a readable study record ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else 'damaged'})") from None
+
+
+def _read_record(path: Path, data) -> Record:
+    """:func:`load`'s reading of the open archive ``data``."""
+    if not hasattr(data, "files"):  # a plain .npy array, not an archive
+        raise ConfigError(f"{str(path)!r} is not a study record (a single array, no mhla_gen_kind)")
+    if "mhla_gen_kind" not in data.files or str(data["mhla_gen_kind"]) != RECORD_KIND:
+        raise ConfigError(f"{str(path)!r} is not a study record (no mhla_gen_kind {RECORD_KIND!r})")
+    meta, points = (json.loads(bytes(data[k]).decode()) for k in ("meta", "points"))
+    if not isinstance(meta, dict) or not isinstance(points, list):
+        raise ConfigError(f"{str(path)!r}: its meta or points are not what a record holds")
+    if meta.get("version") != RECORD_VERSION:
+        raise ConfigError(f"{str(path)!r}: record version {meta.get('version')}, this code reads "
+                          f"{RECORD_VERSION}")
+    arrays: list[dict] = [{} for _ in points]
+    images = {}
+    for name in data.files:
+        if name.startswith("p") and "." in name:
+            i, key = name[1:].split(".", 1)
+            arrays[int(i)][key] = data[name]
+        elif name.startswith("images."):
+            _, grid, arm = name.split(".", 2)
+            images[(grid, arm)] = data[name]
     return Record(meta, points, arrays, images)
 
 
@@ -469,10 +486,15 @@ def add(run_folder: Path, name: str, records: Path = RECORDS, example: bool = Fa
     listed = json.loads(path.read_text()) if path.is_file() else {"records": []}
     if any(e["name"] == name for e in listed["records"]) or (Path(records) / name).exists():
         raise ConfigError(f"NAME {name!r} is taken in {records}: choose another")
+    runner_file(record.meta.get("runner"))  # a record no runner renders is refused before the folder is made
     folder = Path(records) / name
     folder.mkdir(parents=True)
-    shutil.copyfile(source, folder / "record.npz")
-    files = sorted(p.name for p in render(record, folder))
+    try:
+        shutil.copyfile(source, folder / "record.npz")
+        files = sorted(p.name for p in render(record, folder))
+    except BaseException:  # the folder made just now, not listed: gone again, so NAME stays free
+        shutil.rmtree(folder)
+        raise
     commits = sorted({p.get("commit", "unknown") for p in record.points})
     listed["records"].append({"name": name, "runner": record.meta["runner"], "date": record.meta["date"],
                               "commits": commits, "command": record.meta["command"], "files": files,

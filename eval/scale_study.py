@@ -58,7 +58,7 @@ from studies.evidence import check_questions
 from studies.experiments import VAL_TRIPLES, make_jobs, run_jobs
 from studies.scale_preset import ARMS, CONFIG, GRIDS, base_overrides, grid_plan
 from studies.scale_report import PRIMARY, QUESTIONS, report
-from studies.scale_sizing import SIZING_FORMAT, device_name, read_sizing, sizing, sizing_table
+from studies.scale_sizing import device_name, load_sizing, read_sizing, sizing, sizing_table
 
 from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
@@ -146,7 +146,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.grids, args.seeds, args.points = ["smoke"], min(args.seeds, 1), 2
-        args.device, args.jobs = args.device or "cpu", args.jobs or 1
+        args.device, args.jobs = args.device or "cpu", 1 if args.jobs is None else args.jobs
     args.device = args.device or "cuda"
     args.out = Path(args.out) if args.out else None
     check_args(args)
@@ -156,9 +156,11 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """Every refusal before any work."""
-    for name in ("seeds", "points", "jobs", "images"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+    for name in ("seeds", "points", "jobs", "images", "seconds"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.first_seed < 0:
+        raise ConfigError(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.sizing_only and args.sizing is None:
         raise ConfigError("--sizing-only writes its measurements to --sizing FILE: give one")
     if args.sizing_only or args.smoke:
@@ -179,10 +181,13 @@ def check_export(folder: Path) -> None:
         raise ConfigError(f"--export {str(folder)!r} is a file; give a folder")
     if (folder / RECORD).exists():
         try:
-            results.load(folder / RECORD)
+            runner = results.load(folder / RECORD).meta.get("runner")
         except (ConfigError, ValueError, OSError) as err:
             raise ConfigError(f"--export {str(folder)!r}: {RECORD} there is not a record of ours ({err}); "
                               "nothing was changed: choose another folder") from None
+        if runner != "scale_study":
+            raise ConfigError(f"--export {str(folder)!r}: {RECORD} there is a record of eval/{runner}.py, "
+                              "not of this script; nothing was changed: choose another folder")
     report = folder / REPORT
     if report.exists() and report.read_text(errors="replace").split("\n", 1)[0] != REPORT_MARK:
         raise ConfigError(f"--export {str(folder)!r}: {str(report)!r} exists and was not written by this "
@@ -191,8 +196,8 @@ def check_export(folder: Path) -> None:
 
 def write_sizing(args) -> dict:
     path = Path(args.sizing)
-    if path.exists() and json.loads(path.read_text() or "{}").get("format") != SIZING_FORMAT:
-        raise ConfigError(f"--sizing {str(path)!r} exists and is not a sizing file of this script")
+    if path.exists():
+        load_sizing(path)  # ConfigError for a file that is not one (a user's file is never replaced)
     measured = sizing(args.grids, args.device, args.precision, args.sizing_seconds)
     atomic_write_text(path, json.dumps(measured, indent=1))
     print(sizing_table(measured))
@@ -206,8 +211,8 @@ def main(argv=None) -> list[dict]:
     if args.sizing_only:
         write_sizing(args)
         return []
-    measured = json.loads(Path(args.sizing).read_text()) if args.sizing else None
     speed = read_sizing(Path(args.sizing), args.grids) if args.sizing else None
+    measured = load_sizing(Path(args.sizing)) if args.sizing else None
     plans = {name: grid_plan(name, args, speed) for name in args.grids}
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="mhla_scale_study_"))
@@ -221,7 +226,8 @@ def main(argv=None) -> list[dict]:
     start, records = time.perf_counter(), []
     for name in args.grids:  # grid after grid, the record written after each
         logging.info("grid %s: %s", name, json.dumps(plans[name]))
-        records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]))
+        records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
+                            "scale_study")
         text = write_record(args, records, meta, time.perf_counter() - start)
     print(text)
     return records

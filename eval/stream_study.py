@@ -56,10 +56,11 @@ if str(HERE) not in sys.path:  # the test bed beside this script (eval/ is not a
 import stream_bed as bed  # noqa: E402
 import stream_report as report  # noqa: E402
 from studies import sibling  # noqa: E402
+from studies.folders import claim_study  # noqa: E402
 
 from mhla_gen.commands.cli import device_setting  # noqa: E402
 from mhla_gen.errors import ConfigError  # noqa: E402
-from mhla_gen.outputs.folders import FILE_RECORD, claim, file_is_ours  # noqa: E402
+from mhla_gen.outputs.folders import FILE_RECORD, file_is_ours  # noqa: E402
 from mhla_gen.train.io import atomic_write_text  # noqa: E402
 
 results = sibling("results")  # the study record this script writes and renders from
@@ -247,7 +248,7 @@ def main(argv=None) -> None:
     size = study_size(args)
     check_report_input(args)
     check_folder_size(Path(args.out), size)
-    out = claim(Path(args.out), "study", "--out")
+    out = claim_study(Path(args.out), "stream_study")
     torch.set_num_threads(args.threads)
     if args.stage in ("all", "train"):
         train_stage(out, size, args.arms, args.seeds, args.device, args.checkpoint_every)

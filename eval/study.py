@@ -187,7 +187,8 @@ def main(argv=None) -> list[dict]:
     positive = ("seeds", "ablation_seeds", "jobs", "steps", "fid_samples", "val_triples", "checkpoint_every")
     for name in positive:
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+            least = "at least 2" if name == "fid_samples" else "positive"
+            raise ConfigError(f"--{name.replace('_', '-')} must be {least}, got {getattr(args, name)}")
     if args.first_seed < 0:
         raise ConfigError(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.eval_steps and min(args.eval_steps) < 1:
@@ -195,6 +196,9 @@ def main(argv=None) -> list[dict]:
     check_names("--arms", args.arms, MAIN_ARMS)
     check_names("--ablations", args.ablations, [*ABLATIONS, *NAMED_ONLY])
     args.grids = select_grids(args)
+    if args.ablation_seeds is not None and args.ablation_seeds > args.seeds:
+        raise ConfigError(f"--ablation-seeds {args.ablation_seeds} is more than this call's "
+                          f"{args.seeds} seeds (--seeds; --quick and --smoke run at most 2)")
     if args.no_ablations:
         args.ablations = []
     if not args.arms and not args.ablations:
@@ -209,7 +213,7 @@ def main(argv=None) -> list[dict]:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # a line per file of every checkpoint
     start = time.perf_counter()
     jobs = plan(args)
-    records = study_records(args.out, jobs, args.jobs, args.report_only)
+    records = study_records(args.out, jobs, args.jobs, args.report_only, "study")
     for r in records:  # records of earlier versions name the digits' FID only
         r.setdefault("fid", r.get("fid_digits"))
     speed = {} if args.no_throughput else {n: throughput(n) for n in (64, 256, 1024, 4096)}

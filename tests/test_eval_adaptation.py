@@ -95,6 +95,20 @@ def test_three_teachers_end_to_end(tmp_path, monkeypatch):
     assert "; 3 teachers (seed k's runs start from teacher k)" in report
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--seeds", "0"], "--seeds must be >= 1, got 0"),
+    (["--smoke", "--seeds", "0"], "--seeds must be >= 1, got 0"),
+    (["--smoke", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--steps", "5"], "--steps must be >= 8, got 5")])
+def test_bad_counts_are_refused_naming_the_value(tmp_path, monkeypatch, argv, line):
+    """Zero counts are refused as given, not replaced by the default (or --smoke's) before the check."""
+    adaptation = load_adaptation()
+    monkeypatch.setattr(adaptation, "plan", lambda args: pytest.fail("planned (and trained) a refused call"))
+    with pytest.raises(ConfigError, match=line):
+        adaptation.main([*argv, "--out", str(tmp_path / "a")])
+    assert not (tmp_path / "a").exists()
+
+
 def test_adaptation_refuses_a_missing_study(tmp_path):
     from mhla_gen.errors import ConfigError
 

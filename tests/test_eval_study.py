@@ -383,3 +383,43 @@ def test_runs_of_one_seed_run_side_by_side(tmp_path, monkeypatch):
         experiments.run_jobs(tmp_path / "a", "study", "--out", jobs, 2)
     assert [(j.arm, j.seed) for j in jobs][:2] == [("softmax", 0), ("softmax", 1)]
     assert [(j.arm, j.seed) for j in ran] == sorted(((j.arm, j.seed) for j in jobs), key=lambda p: p[1])
+
+
+def other_runners_folder(folder: Path, runner: str, in_marker: bool) -> dict[Path, bytes]:
+    """A study folder of ``eval/<runner>.py``: its marker naming the runner (``in_marker``) or, as folders
+    marked before 2026-11-29, only its ``record.npz`` does; returns its files' bytes."""
+    from mhla_gen.outputs.folders import write_marker
+
+    results = load_study().results
+    folder.mkdir()
+    write_marker(folder, "study", **({"runner": runner} if in_marker else {}))
+    results.save(results.make_record(runner, f"python eval/{runner}.py", [], [], {}), folder / "record.npz")
+    (folder / "report.md").write_text("its report\n")
+    return {p: p.read_bytes() for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("script, argv, theirs", [
+    ("study", ["--smoke"], "stream_study"), ("study", ["--smoke", "--report-only"], "adaptation"),
+    ("adaptation", ["--smoke"], "study"), ("scale_study", ["--smoke"], "study"),
+    ("stream_study", ["--size", "smoke"], "study")])
+@pytest.mark.parametrize("in_marker", [True, False])
+def test_a_study_folder_of_another_runner_is_refused_before_it_writes(tmp_path, script, argv, theirs,
+                                                                      in_marker):
+    out = tmp_path / "theirs"
+    before = other_runners_folder(out, theirs, in_marker)
+    runner = load_script(ROOT / "eval" / f"{script}.py", f"eval_{script}")
+    with pytest.raises(ConfigError, match=f"is a study folder of eval/{theirs}.py, not of eval/{script}.py"):
+        runner.main([*argv, "--out", str(out)])
+    assert {p: p.read_bytes() for p in out.rglob("*")} == before
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--seeds", "2", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
+    (["--smoke", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
+    (["--smoke", "--fid-samples", "1"], "--fid-samples must be at least 2, got 1")])
+def test_contradictory_counts_are_refused_before_the_folder_is_made(tmp_path, monkeypatch, argv, line):
+    study = load_study()
+    monkeypatch.setattr(study, "plan", lambda args: pytest.fail("planned (and trained) a refused call"))
+    with pytest.raises(ConfigError, match=line):
+        study.main([*argv, "--out", str(tmp_path / "a")])
+    assert not (tmp_path / "a").exists()

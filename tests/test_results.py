@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from script_helpers import load_script
 
+from mhla_gen.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 
@@ -115,6 +117,37 @@ def test_record_round_trip_and_refusals(tmp_path):
         results.load(tmp_path / "other.npz")
     with pytest.raises(FileNotFoundError, match="no record"):
         results.load(tmp_path / "none.npz")
+
+
+def test_a_damaged_or_foreign_npz_is_refused_in_one_line(tmp_path):
+    """A truncated record, a text file named .npz, a marked archive without meta and one whose arrays name
+    a point it does not have: each a ``ConfigError`` naming the file (no zip, key or index error)."""
+    results = load_results()
+    record = results.Record({"runner": "study", "version": results.RECORD_VERSION},
+                            [{"arm": "mhla", "seed": 0, "step": 4}], [{"val": np.arange(4.0)}])
+    results.save(record, tmp_path / "record.npz")
+    whole = (tmp_path / "record.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "text.npz").write_text("hello")
+    np.savez(tmp_path / "kind_only.npz", mhla_gen_kind=np.array(results.RECORD_KIND))
+    meta = np.frombuffer(json.dumps({"version": results.RECORD_VERSION}).encode(), np.uint8)
+    np.savez(tmp_path / "stray.npz", mhla_gen_kind=np.array(results.RECORD_KIND), meta=meta,
+             points=np.frombuffer(b"[]", np.uint8), **{"p3.val": np.zeros(2)})
+    for name in ("truncated", "text", "kind_only", "stray"):
+        path = tmp_path / f"{name}.npz"
+        with pytest.raises(ConfigError, match=re.escape(repr(str(path)))):
+            results.load(path)
+
+
+def test_add_refuses_a_record_no_runner_renders_and_leaves_the_name_free(tmp_path):
+    """``add`` of a record whose runner renders nothing makes no folder (NAME stays free for the next try)."""
+    results = load_results()
+    run_folder = tmp_path / "run"
+    record = results.Record({"runner": "no_such_runner", "version": results.RECORD_VERSION}, [], [])
+    results.save(record, run_folder / "record.npz")
+    with pytest.raises(ConfigError, match="'no_such_runner' is not a study runner"):
+        results.add(run_folder, "mine", tmp_path / "records")
+    assert not (tmp_path / "records" / "mine").exists()
 
 
 def test_make_record_adds_provenance_and_refuses_what_no_runner_renders(tmp_path):

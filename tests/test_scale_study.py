@@ -114,9 +114,27 @@ def test_refusals_before_any_work(tmp_path):
     (tmp_path / "theirs" / "record.npz").write_bytes(b"their data")
     with pytest.raises(ConfigError, match="not a record of ours"):
         study.parse_args(["--smoke", "--export", str(tmp_path / "theirs")])
+    (tmp_path / "study").mkdir()  # another study's record: it stays
+    record = study.results.make_record("study", "python eval/study.py", [], [], {})
+    study.results.save(record, tmp_path / "study" / "record.npz")
+    kept = (tmp_path / "study" / "record.npz").read_bytes()
+    with pytest.raises(ConfigError, match="a record of eval/study.py, not of this script"):
+        study.parse_args(["--smoke", "--export", str(tmp_path / "study")])
+    assert (tmp_path / "study" / "record.npz").read_bytes() == kept
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         study.parse_args(["--smoke", "--export", str(tmp_path / "file")])
+    for argv, line in ((["--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
+                       (["--jobs", "0"], "--jobs must be positive, got 0"),
+                       (["--seconds", "0", "--sizing", "x.json"], "--seconds must be positive, got 0")):
+        with pytest.raises(ConfigError, match=line):
+            study.parse_args(["--smoke", *argv])
+    for name, text in (("notes.txt", "my notes\n"), ("list.json", "[1, 2]\n")):  # a user's files, kept
+        (tmp_path / name).write_text(text)
+        for argv in (["--sizing-only"], ["--out", str(tmp_path / "runs")]):
+            with pytest.raises(ConfigError, match=f"--sizing '.*{name}' is not a sizing file"):
+                study.main(["--smoke", "--sizing", str(tmp_path / name), *argv])
+        assert (tmp_path / name).read_text() == text and not (tmp_path / "runs").exists()
 
 
 def test_sizing_file_is_written_and_checked(tmp_path):

@@ -6,7 +6,8 @@ conversion study's teachers, one per seed, with their training FLOPs (:mod:`.tea
 linear / MHLA study's runs, tables and plots (:mod:`.study_preset`, :mod:`.study_report`,
 :mod:`.study_plots`), the adaptation study's arms and teachers, compute readings and report
 (:mod:`.adaptation_arms`, :mod:`.adaptation_compute`, :mod:`.adaptation_report`), and the scale study's
-runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`, :mod:`.scale_report`).
+runs and budgets, sizing and tables (:mod:`.scale_preset`, :mod:`.scale_sizing`, :mod:`.scale_report`); which
+runner a study folder belongs to (:mod:`.folders`).
 
 It lives beside the scripts, not in the ``mhla_gen`` package: it is research code that uses the library's
 public modules and is run from a checkout (``python eval/study.py`` puts ``eval/`` on ``sys.path``; the

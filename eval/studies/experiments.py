@@ -57,6 +57,7 @@ from mhla_gen.train.linearize import TransferTask, stage1_schema
 from mhla_gen.train.loop import train
 
 from .evidence import SAMPLE_SEED, SHAPES_SCORED, DataScores, interval
+from .folders import check_runner
 from .validation_loss import bucket_means, triple_losses, validation_set
 
 logger = logging.getLogger(__name__)
@@ -369,13 +370,17 @@ def check_settings(out: Path, jobs: list[Job]) -> None:
                               f"settings ({'; '.join(changed)}); pass the flags that made it, or a new --out")
 
 
-def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1) -> list[dict]:
-    """Claim ``out`` (a ``kind`` folder of ours: outputs.folders) and run ``jobs``, ``workers`` at a time
+def run_jobs(out: Path, kind: str, setting: str, jobs: list[Job], workers: int = 1,
+             runner: str | None = None) -> list[dict]:
+    """Claim ``out`` (a ``kind`` folder of ours: outputs.folders; ``runner``: a study folder of
+    ``eval/<runner>.py``, :func:`studies.folders.claim_study`) and run ``jobs``, ``workers`` at a time
     in fresh processes (one torch thread each); returns every result record. ``ConfigError`` before any
     write when the runs or points under ``out`` were made with other settings (:func:`check_settings`)."""
+    if runner:
+        check_runner(out, runner, setting)
     if owned(out, kind, setting):  # a folder not ours is refused here, before any of it is read
         check_settings(out, jobs)
-    claim(out, kind, setting)
+    claim(out, kind, setting, **({"runner": runner} if runner else {}))
     todo = [job for job in jobs if not all(result_path(job, s).is_file() for s in job.steps)]
     todo.sort(key=lambda job: job.seed)  # seed-major: a study stopped early holds paired runs of its arms
     logger.info("%d of %d runs to do (the others finished earlier)", len(todo), len(jobs))
@@ -393,11 +398,13 @@ def finished_records(jobs: list[Job]) -> list[dict]:
     return [json.loads(result_path(job, s).read_text()) for job in done for s in job.steps]
 
 
-def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool) -> list[dict]:
-    """:func:`run_jobs` on the ``--out`` study folder ``out``, or with ``report_only`` the records of
-    the runs finished so far, training nothing (``out`` must then be a study folder of ours)."""
+def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool, runner: str) -> list[dict]:
+    """:func:`run_jobs` on the ``--out`` study folder ``out`` of ``eval/<runner>.py``, or with
+    ``report_only`` the records of the runs finished so far, training nothing (``out`` must then be a study
+    folder of ours, and of that runner)."""
     if not report_only:
-        return run_jobs(out, "study", "--out", jobs, workers)
+        return run_jobs(out, "study", "--out", jobs, workers, runner)
+    check_runner(out, runner, "--out")
     ours = owned(out, "study", "--out")
     if ours:
         check_settings(out, jobs)

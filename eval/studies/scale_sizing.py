@@ -85,14 +85,25 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else "cpu"
 
 
+def load_sizing(path: Path) -> dict:
+    """The record of the ``--sizing-only`` file ``path`` (``ConfigError`` naming ``--sizing`` for any other
+    file: not JSON, not an object, no sizing format)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    if not isinstance(record, dict) or record.get("format") != SIZING_FORMAT:
+        raise ConfigError(f"--sizing {str(path)!r} is not a sizing file of eval/scale_study.py; nothing "
+                          "was changed")
+    return record
+
+
 def read_sizing(path: Path, grids: list[str]) -> dict[tuple[str, str], float]:
     """``{(grid, arm): images/s}`` from a ``--sizing-only`` file, checked against this preset's model and
     batch (a file measured for another model is refused)."""
     if not path.is_file():
         raise FileNotFoundError(f"--sizing {str(path)!r} does not exist (write it with --sizing-only)")
-    record = json.loads(path.read_text())
-    if record.get("format") != SIZING_FORMAT:
-        raise ConfigError(f"--sizing {str(path)!r} is not a sizing file of eval/scale_study.py")
+    record = load_sizing(path)
     found = {(r["grid"], r["arm"]): r for r in record["rows"]}
     for name in grids:
         if record["model"].get(name) != grid_model(GRIDS[name]):
