@@ -713,6 +713,7 @@ DELETERS = {
     "mhla_gen/commands/generate.py": "the manifest shards it listed",
     "mhla_gen/outputs/locks.py":
         "the .<name>.mhla_gen.lock file it created (or a pid record of a killed writer)",
+    "eval/results.py": "add: the records/<name>/ folder it made in the same call, when rendering fails",
 }
 PATH_FIELDS = ("init_from", "transformer", "pretrained", "path", "vae", "teacher", "prompts_file",
                "cache_dir")
