@@ -30,6 +30,7 @@ from mhla_gen.bases import BASES, Base, base_for
 from mhla_gen.bases.dit import BASE as DIT
 from mhla_gen.commands.cli import run
 from mhla_gen.configs import resolve_config
+from mhla_gen.data.teacher import read_prompts
 from mhla_gen.errors import ConfigError
 from mhla_gen.metrics.video import write_video
 from mhla_gen.outputs.folders import check_apart, claim, listed, owned, record_files
@@ -157,18 +158,6 @@ def image_prompts(cfg: GenerateConfig) -> list[tuple[str, str]]:
     return pairs + (read_image_prompts(cfg.prompts_file, "prompts_file") if cfg.prompts_file else [])
 
 
-def read_prompts(path: str) -> list[str]:
-    """The non-blank lines of a text ``prompts_file``; FileNotFoundError / ConfigError naming it (a file
-    without prompts would otherwise give an empty sample set)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"prompts_file={path!r} does not exist")
-    prompts = [line.strip() for line in file.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError(f"prompts_file={path!r} holds no prompts (every line is blank)")
-    return prompts
-
-
 def sample_items(cfg: GenerateConfig) -> list[dict]:
     """Every sample to generate: ``{"index", "seed", "label" | "prompt" [, "image"]}``, in a fixed order."""
     if cfg.record.class_conditional:
@@ -177,7 +166,8 @@ def sample_items(cfg: GenerateConfig) -> list[dict]:
     elif cfg.record.image_conditioned:
         conditions = [{"prompt": prompt, "image": image} for prompt, image in image_prompts(cfg)]
     else:
-        prompts = [*(cfg.prompts or []), *(read_prompts(cfg.prompts_file) if cfg.prompts_file else [])]
+        from_file = read_prompts(cfg.prompts_file, "prompts_file") if cfg.prompts_file else []
+        prompts = [*(cfg.prompts or []), *from_file]
         conditions = [{"prompt": p} for p in prompts]
     items = [dict(c) for c in conditions for _ in range(cfg.num_per_item)]
     return [{"index": i, "seed": cfg.seed + i, **item} for i, item in enumerate(items)]

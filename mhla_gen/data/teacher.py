@@ -122,13 +122,14 @@ def write_teacher_samples(
 
 
 def read_prompts(path: str | Path, setting: str = "data.prompts_file") -> list[str]:
-    """The non-empty lines of a prompt file; ``FileNotFoundError`` / ``ValueError`` naming ``setting``."""
+    """The non-empty lines of a prompt file; ``FileNotFoundError`` / ``ConfigError`` naming ``setting`` (a
+    file without prompts would otherwise give an empty sample set)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{setting}={str(path)!r} does not exist")
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not prompts:
-        raise ValueError(f"{setting}={str(path)!r} holds no prompts")
+        raise ConfigError(f"{setting}={str(path)!r} holds no prompts (every line is blank)")
     return prompts
 
 
