@@ -163,8 +163,10 @@ def teachers_for(args, name: str, attention: str, grid: dict, model: dict) -> li
                     **{f"model.{k}": v for k, v in model.items()}, "model.attention": attention}
         found = from_studies(args.teachers_from, name, attention, expected)
         chosen = paired(found, args.seeds, "--teachers-from " + " ".join(map(str, args.teachers_from)))
-        check_apart(args.out, "--out", {f"--teachers-from (its {attention} teacher {t.index})": t.final
-                                        for t in chosen})
+        check_apart(args.out, "--out", {**{"--teachers-from" + (f" (folder {i + 1})" if i else ""): folder
+                                           for i, folder in enumerate(args.teachers_from)},
+                                        **{f"--teachers-from (its {attention} teacher {t.index})": t.final
+                                           for t in chosen}})
         return chosen
     train_them = getattr(args, "train_teachers", True) and not args.report_only
     if train_them:

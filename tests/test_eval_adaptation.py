@@ -459,3 +459,18 @@ def test_the_softmax_layer_sweep_applies_the_teacher_rule():
     assert "too few teachers" in first_row(("t0", "t0", "t0"))
     three = first_row(("t0", "t1", "t2"))
     assert "too few teachers" not in three and "resolved" in three
+
+
+def test_adaptation_never_writes_inside_a_teachers_study(tmp_path):
+    """--out inside (or holding) a --teachers-from study is refused in one line before anything is
+    written: the study is an input of the command."""
+    from mhla_gen.errors import ConfigError
+
+    module = load_adaptation()
+    study = fake_study(module, tmp_path / "study")
+    before = sorted(p.relative_to(study) for p in study.rglob("*"))
+    for out in (study / "adaptation", tmp_path):
+        with pytest.raises(ConfigError, match="an input of this command") as err:
+            module.main(["--smoke", "--arms", "mhla-plain", "--out", str(out), "--teachers-from", str(study)])
+        assert f"--teachers-from={str(study)!r}" in str(err.value) and "\n" not in str(err.value)
+    assert sorted(p.relative_to(study) for p in study.rglob("*")) == before
