@@ -465,6 +465,31 @@ def test_resume_with_another_optimizer_trainable_or_ema_is_refused(reference_run
     assert _snapshot(out) == before
 
 
+def test_config_yaml_rewritten_after_an_old_checkpoint_is_not_its_record(tmp_path):
+    """A checkpoint of an earlier version (no training record) is checked against its run's config.yaml only
+    while that file is not newer than it: a later start (e.g. one that crashed loading the checkpoint with
+    another optimizer) rewrote config.yaml with its own values, so resuming with the checkpoint's values
+    must not be refused (nor the crashing values asked for)."""
+    import dataclasses
+    import os
+
+    from mhla_gen.train.checkpoint import check_training
+    from mhla_gen.train.config import DiTRunConfig, config_to_yaml
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 5, "signature": {}}))
+    cfg = DiTRunConfig(output_dir=str(tmp_path / "run"))  # train.optimizer=adamw, as the checkpoint's run
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="adafactor"))
+    (tmp_path / "run" / "config.yaml").write_text(config_to_yaml(other))
+    saved = (checkpoint / "trainer_state.json").stat().st_mtime_ns
+    os.utime(tmp_path / "run" / "config.yaml", ns=(saved + 10**9, saved + 10**9))  # the later start's
+    check_training(checkpoint, cfg)  # not refused
+    os.utime(tmp_path / "run" / "config.yaml", ns=(saved - 10**9, saved - 10**9))  # the run's own start
+    with pytest.raises(ConfigError, match=r"train\.optimizer='adamw' \(the checkpoint's: 'adafactor'\)"):
+        check_training(checkpoint, cfg)
+
+
 def test_teacher_data_folder_that_is_or_holds_the_new_run_folder_is_refused_first(tmp_path):
     """data.source=teacher: data.path (sampled by the run) equal to a new output_dir, or holding it, passed
     the start-up checks (absent paths are not compared) and was refused only when sampling began, after

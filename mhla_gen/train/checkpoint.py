@@ -148,12 +148,15 @@ def training_record(cfg) -> dict:
 
 def _recorded_training(checkpoint: Path) -> dict:
     """What :func:`training_record` saved with ``checkpoint``; for a checkpoint saved before that record,
-    the values of its run's ``config.yaml`` (``output_dir/checkpoints/checkpoint_N``), else nothing."""
+    the values of its run's ``config.yaml`` (``output_dir/checkpoints/checkpoint_N``) when that file is
+    not newer than the checkpoint, else nothing. Every start rewrites ``config.yaml``, also one of an
+    earlier version that then failed before its first checkpoint, e.g. while loading this checkpoint's
+    optimizer state with another ``train.optimizer``: its values are not the checkpoint's."""
     saved = read_state(checkpoint).get("training")
     if isinstance(saved, dict):
         return saved
     record = Path(checkpoint).parent.parent / "config.yaml"
-    if not record.is_file():
+    if not record.is_file() or record.stat().st_mtime_ns > (Path(checkpoint) / STATE_FILE).stat().st_mtime_ns:
         return {}
     from omegaconf import OmegaConf
 
