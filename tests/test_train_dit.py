@@ -465,6 +465,18 @@ def test_resume_with_another_optimizer_trainable_or_ema_is_refused(reference_run
     assert _snapshot(out) == before
 
 
+def test_resume_path_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    """resume=~/... from a config file (no shell expands it) names the checkpoint in the home folder, as
+    output_dir=~/... names a run there."""
+    from mhla_gen.train.checkpoint import resolve_resume
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    checkpoint = tmp_path / "runs" / "checkpoints" / "checkpoint_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 5, "signature": {}}))
+    assert resolve_resume("~/runs/checkpoints/checkpoint_5", tmp_path / "new") == checkpoint
+
+
 def test_config_yaml_rewritten_after_an_old_checkpoint_is_not_its_record(tmp_path):
     """A checkpoint of an earlier version (no training record) is checked against its run's config.yaml only
     while that file is not newer than it: a later start (e.g. one that crashed loading the checkpoint with

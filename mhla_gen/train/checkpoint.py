@@ -72,7 +72,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     if resume == "latest":
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
-    path = Path(resume)
+    path = Path(resume).expanduser()  # as output_dir: a config file's ~ reaches here unexpanded
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"resume={resume!r} is not a complete checkpoint folder (no {STATE_FILE})")
     return path
