@@ -406,7 +406,8 @@ def test_resume_below_the_checkpoints_step_is_refused(reference_run, tmp_path):
     assert _snapshot(tmp_path / "run") == before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state", "cut_archive_listed"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state", "cut_archive_listed",
+                                    "cut_safetensors_listed"])
 def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_path, damage):
     """A checkpoint damaged by hand (a truncated or missing file, a trainer_state.json that does not
     parse): a ConfigError naming the file, before anything is written; nothing is deleted."""
@@ -420,10 +421,11 @@ def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_pa
     elif damage == "delete":
         name, message = "optimizer.bin", "is missing"
         (latest / name).unlink()
-    elif damage == "cut_archive_listed":  # listed at its cut size (as an adoption did): the archive shows it
-        from mhla_gen.outputs.folders import seal
+    elif damage in ("cut_archive_listed", "cut_safetensors_listed"):  # listed at the cut size (as an
+        from mhla_gen.outputs.folders import seal  # adoption did): the file itself shows the damage
 
-        name, message = "optimizer.bin", "is cut short"
+        name, message = (("optimizer.bin", "is cut short") if damage == "cut_archive_listed"
+                         else ("model.safetensors", "does not read"))
         with open(latest / name, "r+b") as f:
             f.truncate(1000)
         seal(latest)
