@@ -196,11 +196,11 @@ def main(argv=None) -> list[dict]:
     check_names("--arms", args.arms, MAIN_ARMS)
     check_names("--ablations", args.ablations, [*ABLATIONS, *NAMED_ONLY])
     args.grids = select_grids(args)
-    if args.ablation_seeds is not None and args.ablation_seeds > args.seeds:
-        raise ConfigError(f"--ablation-seeds {args.ablation_seeds} is more than this call's "
-                          f"{args.seeds} seeds (--seeds; --quick and --smoke run at most 2)")
     if args.no_ablations:
         args.ablations = []
+    if args.ablations and args.ablation_seeds is not None and args.ablation_seeds > args.seeds:
+        raise ConfigError(f"--ablation-seeds {args.ablation_seeds} is more than this call's "
+                          f"{args.seeds} seeds (--seeds; --quick and --smoke run at most 2)")
     if not args.arms and not args.ablations:
         raise ConfigError("--arms is empty and no ablation runs: nothing to run")
     for grid in args.grids:  # every comparison's primary metric, declared before anything runs

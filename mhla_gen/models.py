@@ -55,6 +55,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from .integration.install import (
     check_mhla_consistent,
     check_mhla_placement,
+    follow_in_pipeline,
     install_mhla,
     is_mhla_installed,
     mhla_parameters,
@@ -111,9 +112,11 @@ def _follow_in_saving_pipeline(model) -> None:
     in-place ``install_mhla(pipe.transformer, cfg)`` still holds ``["diffusers", "DiTTransformer2DModel"]``,
     and its saved folder would load stock attention (two warnings, MHLA weights dropped). A model does not
     know its pipelines (``install_mhla`` does not search for them: a scan of every live object, too slow for
-    every install), but the pipeline's ``save_pretrained`` is the caller here: found on the call stack by
-    its code object (O(stack depth)), and only components it holds as this very object are re-registered
-    (a ``torch.compile`` wrapper is left as it is).
+    every install), but the pipeline's ``save_pretrained`` is the caller here: found on this thread's call
+    stack by its code object (O(stack depth); a subclass's override that calls it is found too), and each
+    component it holds as this model, itself or ``torch.compile``-wrapped, is re-registered
+    (:func:`~mhla_gen.integration.install.follow_in_pipeline`). diffusers has no hook of its own here: its
+    ``save_pretrained`` writes ``self.config``, filled only by ``register_modules`` / ``__setattr__``.
     """
     from diffusers import DiffusionPipeline
 
@@ -121,11 +124,8 @@ def _follow_in_saving_pipeline(model) -> None:
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back
     pipe = frame.f_locals.get("self") if frame is not None else None
-    if not isinstance(pipe, DiffusionPipeline):
-        return
-    for name, entry in dict(pipe.config).items():
-        if isinstance(entry, (tuple, list)) and pipe.__dict__.get(name) is model:
-            pipe.register_modules(**{name: model})
+    if isinstance(pipe, DiffusionPipeline):
+        follow_in_pipeline(pipe, model)
 
 
 class MHLAAttentionMixin:

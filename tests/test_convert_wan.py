@@ -266,3 +266,18 @@ def test_a_truncated_checkpoint_is_named_in_one_error(tmp_path):
         main(["--checkpoint", str(tmp_path / "cut.safetensors"), "--config-from", str(tmp_path / "base"),
               "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_whole_checkpoint_with_other_objects_is_not_called_incomplete(tmp_path):
+    """A .pth holding a state dict and a non-tensor object (an argparse.Namespace of training arguments):
+    torch.load(weights_only=True) refuses it; the error says so, with torch's reason, not 'is it
+    complete?'."""
+    import argparse
+
+    model = _release_like_model()
+    args = argparse.Namespace(lr=1e-4)
+    torch.save({"state_dict": _original_state(model), "args": args}, tmp_path / "a.pth")
+    refusal = r"'.*a\.pth' holds objects besides tensors, .*argparse\.Namespace"
+    with pytest.raises(ValueError, match=refusal) as e:
+        convert_wan_checkpoint(tmp_path / "a.pth", dict(model.config))
+    assert "is it complete" not in str(e.value) and "\x1b" not in str(e.value)

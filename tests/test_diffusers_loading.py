@@ -194,6 +194,47 @@ def test_pipeline_registered_before_an_in_place_install_saves_the_mhla_class(nam
     pipe.transformer.save_pretrained(tmp_path / "alone")  # no pipeline saving: nothing to follow
 
 
+def test_compiled_pipeline_component_saves_and_uninstalls_with_its_class(tmp_path):
+    """``pipe.transformer = torch.compile(pipe.transformer)`` before an in-place install on its ``_orig_mod``
+    (install_mhla refuses the wrapper itself): the pipeline's save still names the MHLA class (diffusers
+    records the unwrapped class), the wrapper stays in the pipeline, and uninstall_mhla on the model
+    names the stock class again."""
+    base = BASES["dit"]
+    pipe = base.pipeline()
+    pipe.transformer = torch.compile(pipe.transformer.eval())
+    model = pipe.transformer._orig_mod
+    install_mhla(model, base.cfg)
+    pipe.save_pretrained(tmp_path / "mhla")
+    index = json.loads((tmp_path / "mhla" / "model_index.json").read_text())
+    assert index["transformer"] == ["mhla_gen.models", base.mhla_cls.__name__]
+    assert pipe.transformer._orig_mod is model  # the compiled wrapper is what the pipeline still holds
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "mhla").transformer
+    assert type(loaded) is base.mhla_cls and torch.equal(base.forward(loaded), base.forward(model))
+    uninstall_mhla(model)
+    assert pipe.config.transformer == ("diffusers", base.record.transformer_class.__name__)
+    assert pipe.transformer._orig_mod is model
+
+
+def test_wan22_experts_installed_in_place_save_with_their_class(tmp_path):
+    """Wan2.2 built with stock experts, MHLA installed in place on both, saved through a pipeline subclass
+    whose save_pretrained wraps diffusers' (a user's own): model_index.json names the MHLA class for
+    ``transformer`` and ``transformer_2``."""
+    from mhla_gen.testing.video import tiny_wan22_pipeline
+
+    pipe = tiny_wan22_pipeline(transformer=tiny_wan_expert(seed=0), transformer_2=tiny_wan_expert(seed=1))
+
+    class UsersPipeline(type(pipe)):
+        def save_pretrained(self, folder, **kwargs):
+            return super().save_pretrained(folder, **kwargs)
+
+    pipe.__class__ = UsersPipeline
+    for expert in (pipe.transformer, pipe.transformer_2):
+        install_mhla(expert, WAN.cfg)
+    pipe.save_pretrained(tmp_path / "wan22")
+    index = json.loads((tmp_path / "wan22" / "model_index.json").read_text())
+    assert index["transformer"] == index["transformer_2"] == ["mhla_gen.models", "MHLAWanTransformer3DModel"]
+
+
 def test_converter_output_loads_through_diffusers(tmp_path):
     """scripts/convert_wan_mhla.py's model (convert_wan_checkpoint) saves as an MHLA Wan folder."""
     from mhla_gen.integration.convert_wan import convert_wan_checkpoint, diffusers_to_original

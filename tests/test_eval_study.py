@@ -423,3 +423,21 @@ def test_contradictory_counts_are_refused_before_the_folder_is_made(tmp_path, mo
     with pytest.raises(ConfigError, match=line):
         study.main([*argv, "--out", str(tmp_path / "a")])
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("argv", [["--quick", "--seeds", "3", "--ablation-seeds", "3"],
+                                  ["--seeds", "2", "--ablation-seeds", "3", "--no-ablations"]])
+def test_ablation_seeds_are_not_checked_where_no_ablation_runs(tmp_path, monkeypatch, argv):
+    """--quick and --no-ablations run no ablation arm: a launch line's --ablation-seeds (above --quick's 2
+    seeds, or above --seeds) is then no contradiction, and the call goes on to plan its runs."""
+    study = load_study()
+
+    class Planned(Exception):
+        pass
+
+    def plan(args):
+        raise Planned
+
+    monkeypatch.setattr(study, "plan", plan)
+    with pytest.raises(Planned):
+        study.main([*argv, "--out", str(tmp_path / "a")])

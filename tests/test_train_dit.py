@@ -406,7 +406,8 @@ def test_resume_below_the_checkpoints_step_is_refused(reference_run, tmp_path):
     assert _snapshot(tmp_path / "run") == before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state", "cut_archive_listed"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garble_state", "cut_archive_listed",
+                                    "cut_safetensors_listed"])
 def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_path, damage):
     """A checkpoint damaged by hand (a truncated or missing file, a trainer_state.json that does not
     parse): a ConfigError naming the file, before anything is written; nothing is deleted."""
@@ -420,10 +421,11 @@ def test_damaged_checkpoint_is_named_in_one_error_and_kept(reference_run, tmp_pa
     elif damage == "delete":
         name, message = "optimizer.bin", "is missing"
         (latest / name).unlink()
-    elif damage == "cut_archive_listed":  # listed at its cut size (as an adoption did): the archive shows it
-        from mhla_gen.outputs.folders import seal
+    elif damage in ("cut_archive_listed", "cut_safetensors_listed"):  # listed at the cut size (as an
+        from mhla_gen.outputs.folders import seal  # adoption did): the file itself shows the damage
 
-        name, message = "optimizer.bin", "is cut short"
+        name, message = (("optimizer.bin", "is cut short") if damage == "cut_archive_listed"
+                         else ("model.safetensors", "does not read"))
         with open(latest / name, "r+b") as f:
             f.truncate(1000)
         seal(latest)
@@ -463,6 +465,43 @@ def test_resume_with_another_optimizer_trainable_or_ema_is_refused(reference_run
     with pytest.raises(ConfigError, match=rf"resume=latest: {setting}=.*{value}.* \(the checkpoint's: "):
         train(out, "train.max_steps=6", override)
     assert _snapshot(out) == before
+
+
+def test_resume_path_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    """resume=~/... from a config file (no shell expands it) names the checkpoint in the home folder, as
+    output_dir=~/... names a run there."""
+    from mhla_gen.train.checkpoint import resolve_resume
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    checkpoint = tmp_path / "runs" / "checkpoints" / "checkpoint_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 5, "signature": {}}))
+    assert resolve_resume("~/runs/checkpoints/checkpoint_5", tmp_path / "new") == checkpoint
+
+
+def test_config_yaml_rewritten_after_an_old_checkpoint_is_not_its_record(tmp_path):
+    """A checkpoint of an earlier version (no training record) is checked against its run's config.yaml only
+    while that file is not newer than it: a later start (e.g. one that crashed loading the checkpoint with
+    another optimizer) rewrote config.yaml with its own values, so resuming with the checkpoint's values
+    must not be refused (nor the crashing values asked for)."""
+    import dataclasses
+    import os
+
+    from mhla_gen.train.checkpoint import check_training
+    from mhla_gen.train.config import DiTRunConfig, config_to_yaml
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 5, "signature": {}}))
+    cfg = DiTRunConfig(output_dir=str(tmp_path / "run"))  # train.optimizer=adamw, as the checkpoint's run
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="adafactor"))
+    (tmp_path / "run" / "config.yaml").write_text(config_to_yaml(other))
+    saved = (checkpoint / "trainer_state.json").stat().st_mtime_ns
+    os.utime(tmp_path / "run" / "config.yaml", ns=(saved + 10**9, saved + 10**9))  # the later start's
+    check_training(checkpoint, cfg)  # not refused
+    os.utime(tmp_path / "run" / "config.yaml", ns=(saved - 10**9, saved - 10**9))  # the run's own start
+    with pytest.raises(ConfigError, match=r"train\.optimizer='adamw' \(the checkpoint's: 'adafactor'\)"):
+        check_training(checkpoint, cfg)
 
 
 def test_teacher_data_folder_that_is_or_holds_the_new_run_folder_is_refused_first(tmp_path):

@@ -4,6 +4,7 @@ count, and bad requests refused before anything is written."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,8 +148,16 @@ def test_sample_refuses_sizes_the_model_cannot_take_before_claiming_out(pipeline
 def test_stream_video_refuses_a_size_the_vae_and_patch_do_not_tile_or_no_steps(stream_pipe):
     with pytest.raises(ConfigError, match=r"--height 40 is not a multiple of 16"):
         _stream(stream_pipe, 5, height=40)
-    with pytest.raises(ValueError, match=r"num_inference_steps must be an int >= 1 .*, got 0"):
-        _stream(stream_pipe, 5, num_inference_steps=0)
+    for steps in (0, 1.0, True, np.int64(0)):
+        with pytest.raises(ValueError, match=r"num_inference_steps must be an int >= 1 .*, got "):
+            _stream(stream_pipe, 5, num_inference_steps=steps)
+
+
+def test_stream_video_takes_a_numpy_step_count(stream_pipe):
+    """A step count from a numpy sweep (np.arange) is an integer: streamed as the same int would be."""
+    expected = _stream(stream_pipe, 5, output_type="latent", num_inference_steps=2)
+    streamed = _stream(stream_pipe, 5, output_type="latent", num_inference_steps=np.int64(2))
+    assert torch.equal(streamed.latents, expected.latents)
 
 
 def test_sample_stream_refuses_a_bidirectional_checkpoint_before_writing(pipelines, tmp_path):

@@ -32,7 +32,7 @@ from mhla_gen.metrics.attention import (
     example_inputs,
     save_attention_statistics,
 )
-from mhla_gen.outputs.folders import check_apart, claim, owned, read_marker
+from mhla_gen.outputs.folders import adopt_command, check_apart, claim, owned, read_marker
 
 STATS_FOLDER = "attention_stats"  # the kind of folder --out-dir is (mhla_gen.outputs.folders.KINDS)
 
@@ -61,7 +61,8 @@ def default_out_dir(model: str) -> Path:
     if (read_marker(parent) or {}).get("kind") != "run":
         raise ConfigError(
             f"--out-dir not given, and its default {str(parent / STATS_FOLDER)!r} lies in {str(parent)!r}, "
-            f"which holds --model and is not a training run of mhla_gen; nothing was written: pass --out-dir"
+            f"which holds --model and is not a training run of mhla_gen; nothing was written: pass --out-dir "
+            f"(a run of an earlier version without markers: list it first: {adopt_command('run', parent)})"
         )
     return parent / STATS_FOLDER
 

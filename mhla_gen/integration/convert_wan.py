@@ -222,13 +222,24 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 def _load(reader, path: Path):
     """``reader(path)``; a file that does not read (truncated, not a checkpoint: safetensors and torch raise
-    their own error types) becomes one ``ValueError`` naming it."""
+    their own error types) becomes one ``ValueError`` naming it. A whole ``torch.save`` file holding
+    objects besides tensors, which ``torch.load(weights_only=True)`` refuses, is said as such (with
+    torch's reason)."""
     try:
         return reader(path)
     except OSError:
         raise
     except Exception as err:  # noqa: BLE001 - SafetensorError, RuntimeError, pickle.UnpicklingError, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        reason = next((line for line in lines if line.startswith("WeightsUnpickler error:")), None)
+        if reason is not None:
+            reason = reason.removeprefix("WeightsUnpickler error: ")
+            raise ValueError(
+                f"checkpoint file {str(path)!r} holds objects besides tensors, which the converter does not "
+                f"unpickle (torch.load(weights_only=True): {reason}); "
+                f"if you trust it, save its state dict alone (torch.save or safetensors) and convert that"
+            ) from None
+        first = lines[0] if lines else type(err).__name__
         raise ValueError(f"checkpoint file {str(path)!r} does not read ({first}); is it complete?") from None
 
 

@@ -274,34 +274,56 @@ def check_mhla_placement(transformer: nn.Module, processor) -> None:
         )
 
 
-def _pipelines_holding(component: nn.Module) -> list:
-    """``[(pipeline, component name)]`` for every live diffusers pipeline that holds ``component``.
+def recorded_module(module):
+    """The module whose class a diffusers pipeline records for the component ``module``: ``module``
+    without its ``torch.compile`` (``_orig_mod``) or peft wrapper, unwrapped as diffusers'
+    ``_fetch_class_library_tuple`` does (pyproject pins diffusers to 0.42.x, where it is this function)."""
+    from diffusers.pipelines.pipeline_loading_utils import _unwrap_model
 
-    A model does not know the pipelines it sits in; the garbage collector does (a pipeline, or its
-    ``__dict__``, refers to the model), so this looks there instead of asking callers for the pipeline.
+    return _unwrap_model(module)
+
+
+def names_holding(pipe, component: nn.Module) -> list[str]:
+    """The registered components of ``pipe`` that are ``component``, as it is or wrapped
+    (:func:`recorded_module`): ``transformer``, Wan2.2's ``transformer_2``, any other name."""
+    return [name for name, entry in pipe.config.items()
+            if isinstance(entry, (tuple, list)) and isinstance(held := pipe.__dict__.get(name), nn.Module)
+            and recorded_module(held) is component]
+
+
+def follow_in_pipeline(pipe, component: nn.Module) -> None:
+    """Re-register every component of ``pipe`` that holds ``component`` (:func:`names_holding`), so that
+    ``pipe.config`` (its ``model_index.json``) names the class ``component`` has now; the held object
+    (a ``torch.compile`` wrapper, say) stays what it is."""
+    for name in names_holding(pipe, component):
+        pipe.register_modules(**{name: pipe.__dict__[name]})
+
+
+def _pipelines_holding(component: nn.Module) -> list:
+    """``[(pipeline, component name)]`` for every live diffusers pipeline that holds ``component``, itself
+    or inside a ``torch.compile`` / peft wrapper (:func:`names_holding`).
+
+    A model does not know the pipelines it sits in; the garbage collector knows every pipeline (an
+    instance refers to its class, so ``gc.get_referrers`` of every pipeline class finds them in one pass
+    over the live objects), so this looks there instead of asking callers for the pipeline.
     """
     from diffusers import DiffusionPipeline
 
-    owners = []
-    for referrer in gc.get_referrers(component):
-        if isinstance(referrer, DiffusionPipeline):
-            owners.append(referrer)
-        elif isinstance(referrer, dict):
-            owners += [o for o in gc.get_referrers(referrer)
-                       if isinstance(o, DiffusionPipeline) and o.__dict__ is referrer]
-    unique = {id(pipe): pipe for pipe in owners}.values()
-    return [(pipe, name) for pipe in unique for name, entry in pipe.config.items()
-            if isinstance(entry, (tuple, list)) and pipe.__dict__.get(name) is component]
+    classes = [DiffusionPipeline]
+    for cls in classes:  # every pipeline class imported so far (a live pipeline's class is one of them)
+        classes += [sub for sub in cls.__subclasses__() if sub not in classes]
+    pipes = [o for o in gc.get_referrers(*classes) if isinstance(o, DiffusionPipeline)]
+    return [(pipe, name) for pipe in pipes for name in names_holding(pipe, component)]
 
 
 def _follow_in_pipelines(transformer: nn.Module) -> None:
     """Re-register ``transformer`` in the pipelines holding it, so that their ``model_index.json`` names
     its class as it is now (diffusers records a component's class when it is registered). Called when a
-    model goes back to stock; ``install_mhla`` does not look (a scan of every live object: a third of a
-    second in a process with torch and diffusers loaded, too slow for every install): a pipeline built
+    model goes back to stock; ``install_mhla`` does not look (a pass over every live object: about a tenth
+    of a second in a process with torch and diffusers loaded, too slow for every install): a pipeline built
     before an in-place install is re-registered when it saves the model (``mhla_gen.models``)."""
     for pipe, name in _pipelines_holding(transformer):
-        pipe.register_modules(**{name: transformer})
+        pipe.register_modules(**{name: pipe.__dict__[name]})  # the held object: a wrapper stays one
 
 
 def check_mhla_consistent(transformer: nn.Module, action: str = "saving") -> None:

@@ -21,6 +21,7 @@ factorised memory stays the same size throughout (``StreamOutput.cache_bytes``).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +150,18 @@ def decode(pipe, latents: torch.Tensor, output_type: str = "np"):
     return pipe.video_processor.postprocess_video(video, output_type=output_type)
 
 
+def _steps_per_chunk(steps) -> int:
+    """``steps`` as an int >= 1 (a numpy or other integer type too: ``operator.index``); ValueError for a
+    bool, a float, or fewer than one step."""
+    try:
+        count = None if isinstance(steps, bool) else operator.index(steps)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"num_inference_steps must be an int >= 1 (steps per chunk), got {steps!r}")
+    return count
+
+
 @torch.no_grad()
 def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str] | None = None,
                  num_frames: int = 81, height: int = 480, width: int = 832, num_inference_steps: int = 8,
@@ -169,9 +182,7 @@ def stream_video(pipe, prompt: str | list[str], negative_prompt: str | list[str]
     """
     transformer = pipe.transformer
     mhla = check_streaming_model(transformer)
-    steps = num_inference_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"num_inference_steps must be an int >= 1 (steps per chunk), got {steps!r}")
+    num_inference_steps = _steps_per_chunk(num_inference_steps)
     if getattr(pipe, "transformer_2", None) is not None:
         raise ValueError("streaming runs one transformer; this pipeline has two experts (transformer_2)")
     frames = check_stream_settings(mhla, dict(transformer.config), num_frames, height, width,

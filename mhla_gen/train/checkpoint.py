@@ -72,7 +72,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     if resume == "latest":
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
-    path = Path(resume)
+    path = Path(resume).expanduser()  # as output_dir: a config file's ~ reaches here unexpanded
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"resume={resume!r} is not a complete checkpoint folder (no {STATE_FILE})")
     return path
@@ -148,12 +148,15 @@ def training_record(cfg) -> dict:
 
 def _recorded_training(checkpoint: Path) -> dict:
     """What :func:`training_record` saved with ``checkpoint``; for a checkpoint saved before that record,
-    the values of its run's ``config.yaml`` (``output_dir/checkpoints/checkpoint_N``), else nothing."""
+    the values of its run's ``config.yaml`` (``output_dir/checkpoints/checkpoint_N``) when that file is
+    not newer than the checkpoint, else nothing. Every start rewrites ``config.yaml``, also one of an
+    earlier version that then failed before its first checkpoint, e.g. while loading this checkpoint's
+    optimizer state with another ``train.optimizer``: its values are not the checkpoint's."""
     saved = read_state(checkpoint).get("training")
     if isinstance(saved, dict):
         return saved
     record = Path(checkpoint).parent.parent / "config.yaml"
-    if not record.is_file():
+    if not record.is_file() or record.stat().st_mtime_ns > (Path(checkpoint) / STATE_FILE).stat().st_mtime_ns:
         return {}
     from omegaconf import OmegaConf
 
