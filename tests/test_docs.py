@@ -236,3 +236,23 @@ def test_every_setting_the_prose_names_exists():
     named = {(where, m) for where, span in inline_spans()
              for m in re.findall(r"(?<![\w.\-/])([a-z_]\w*(?:\.\w+)+)=", span)}
     assert len(named) > 30 and sorted(f"{where}: {key}" for where, key in named if key not in known) == []
+
+
+def test_the_record_examples_of_extending_md_are_the_records():
+    """docs/extending.md shows two base records to copy: run as a module of ``mhla_gen.bases``, each equals
+    the record of its name field by field (a rope text cut short with ``...`` aside)."""
+    import dataclasses
+    import types
+
+    examples = [code for where, code in blocks(("python",))
+                if where.startswith("docs/extending.md") and "BASE = " in code]
+    assert len(examples) == 2
+    for code in examples:
+        module = types.ModuleType("mhla_gen.bases._docs_example")
+        module.__package__ = "mhla_gen.bases"
+        exec(compile(code, "docs/extending.md", "exec"), module.__dict__)
+        shown, real = module.BASE, BASES[module.BASE.name]
+        differ = [f.name for f in dataclasses.fields(real) if getattr(shown, f.name) != getattr(real, f.name)
+                  and not (f.name == "grid" and shown.grid.rope.endswith("...")
+                           and shown.grid.ndim == real.grid.ndim)]
+        assert type(shown).__name__ == type(real).__name__ and differ == [], shown.name
