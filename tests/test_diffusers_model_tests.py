@@ -49,6 +49,16 @@ def test_only_the_expected_differences_may_differ():
     assert sorted(line.split(": stock")[0] for line in unexpected) == [
         f"{test}test_a", f"{test}test_logs_info_when_no_lora_keys_found"]
     assert script.differences(stock, stock) == ([], [])
+    # a pipeline's output against a slice recorded from the stock attention; its save / load must pass
+    pipe = "tests.pipelines.wan.test_wan::TestWanPipeline::"
+    stock = {f"{pipe}test_inference": "passed", f"{pipe}test_save_load_local": "passed"}
+    mhla = {f"{pipe}test_inference": "failed", f"{pipe}test_save_load_local": "failed"}
+    expected, unexpected = script.differences(stock, mhla)
+    assert [line.split(": stock")[0] for line in expected] == [f"{pipe}test_inference"]
+    assert [line.split(": stock")[0] for line in unexpected] == [f"{pipe}test_save_load_local"]
+    # ... which the MHLA run may meet where the stock run (with the Hub stand-ins) missed it; not a skip
+    assert len(script.differences({**stock, f"{pipe}test_inference": "failed"}, stock)[0]) == 1
+    assert len(script.differences(stock, {**stock, f"{pipe}test_inference": "skipped"})[1]) == 1
 
 
 def test_a_missing_checkout_or_revision_is_one_line_before_out_is_claimed(tmp_path, capsys, monkeypatch):
@@ -230,3 +240,37 @@ def test_adopt_proves_an_export_with_the_hub_stand_ins(tmp_path):
     (tmp_path / "hub_standins.py").write_text("print('a user file')\n")
     with pytest.raises(Misfit, match="hub_standins.py: not the Hub stand-ins"):
         prove_diffusers_tests(tmp_path)
+
+
+def test_the_pipeline_suites_blocks_fit_diffusers_tiny_wan_pipeline(tmp_path):
+    """diffusers' tiny Wan pipelines give a (3, 1, 1) token grid: the blocks the pipeline run installs fit it
+    (frames only), those of the model run are refused there, and the written plugin installs the run's."""
+    import pytest
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from mhla_gen import MHLAConfig, install_mhla
+
+    script = _script()
+    ranks = {base.grid.ndim for base in BASES.values()}
+    assert set(script.PIPELINE_BLOCKS) == set(script.MODEL_BLOCKS) == ranks
+    script.export({}, tmp_path, script.PIPELINE_BLOCKS)
+    plugin = (tmp_path / "mhla_plugin.py").read_text()
+    compile(plugin, "mhla_plugin.py", "exec")
+    assert f"BLOCKS = {script.PIPELINE_BLOCKS!r}" in plugin and "__BLOCKS__" not in plugin
+
+    torch.manual_seed(0)
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                  out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)  # diffusers' tests/pipelines/wan
+    latent = torch.randn(1, 16, 3, 2, 2)  # 9 frames of 16 px through Wan's VAE (4x time, 8x space)
+    inputs = dict(hidden_states=latent, timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 4, 32))
+    for blocks, fits in ((script.PIPELINE_BLOCKS[3], True), (script.MODEL_BLOCKS[3], False)):
+        mhla = MHLAConfig(blocks=blocks, cpe_kernel=3, gate=True)
+        model = install_mhla(WanTransformer3DModel(**config), mhla)
+        if fits:
+            assert model(**inputs).sample.shape == latent.shape
+        else:
+            with pytest.raises(ValueError, match=r"do not fit the token grid \(3, 1, 1\)"):
+                model(**inputs)
