@@ -17,4 +17,7 @@ BASE = Base(
     tiny=Ref("mhla_gen.testing:TINY_DIT"),
     converter_config="linearize/dit_xl2_256",
     diffusers_tests="tests/models/transformers/test_models_dit_transformer2d.py",
+    diffusers_pipeline_tests=(
+        "tests/pipelines/dit/test_dit.py",
+    ),
 )

@@ -84,6 +84,8 @@ class Base:
         text_dim: the transformer config key of the caption-embedding width (None without captions).
         diffusers_tests: diffusers' own test suite of the transformer (a path in a diffusers checkout,
             or one ``scripts/diffusers_model_tests.py`` writes there, which runs it; None: none).
+        diffusers_pipeline_tests: diffusers' own test suites of the stock pipelines that sample it (paths
+            in a diffusers checkout; ``scripts/diffusers_model_tests.py --pipelines`` runs them).
         release_checkpoint: reads a single-file checkpoint of an original MHLA release for
             ``from_single_file`` of the MHLA class (:class:`Ref` to ``f(checkpoint, load_config) -> model |
             None``: None when the checkpoint is not in the release format;
@@ -105,6 +107,7 @@ class Base:
     converter_config: str | None = None
     text_dim: str | None = None
     diffusers_tests: str | None = None
+    diffusers_pipeline_tests: tuple[str, ...] = ()
     release_checkpoint: Ref | None = None
     stream_sampler: Ref | None = None
 

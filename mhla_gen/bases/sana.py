@@ -18,4 +18,7 @@ BASE = Base(
     converter_config="linearize/sana_600m_1024",
     text_dim="caption_channels",
     diffusers_tests="tests/models/transformers/test_models_transformer_sana.py",
+    diffusers_pipeline_tests=(
+        "tests/pipelines/sana/test_sana.py",
+    ),
 )

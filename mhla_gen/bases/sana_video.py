@@ -19,4 +19,8 @@ BASE = Base(
     converter_config="linearize/sana-video_2b_480p",
     text_dim="caption_channels",
     diffusers_tests="tests/models/transformers/test_models_transformer_sana_video.py",
+    diffusers_pipeline_tests=(
+        "tests/pipelines/sana_video/test_sana_video.py",
+        "tests/pipelines/sana_video/test_sana_video_i2v.py",
+    ),
 )

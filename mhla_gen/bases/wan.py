@@ -20,4 +20,8 @@ BASE = Base(
     converter_config="linearize/wan_1_3b_480p",
     text_dim="text_dim",
     diffusers_tests="tests/models/transformers/test_models_transformer_wan.py",
+    diffusers_pipeline_tests=(
+        "tests/pipelines/wan/test_wan.py",
+        "tests/pipelines/wan/test_wan_22.py",
+    ),
 )

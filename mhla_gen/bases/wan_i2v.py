@@ -46,4 +46,8 @@ BASE = WanI2VBase(
     text_dim="text_dim",
     # written into the diffusers checkout by scripts/diffusers_model_tests.py from diffusers' Wan suite
     diffusers_tests="tests/models/transformers/test_mhla_wan_i2v.py",
+    diffusers_pipeline_tests=(
+        "tests/pipelines/wan/test_wan_image_to_video.py",
+        "tests/pipelines/wan/test_wan_22_image_to_video.py",
+    ),
 )

@@ -427,6 +427,9 @@ def prove_diffusers_tests(folder: Path) -> None:
         if path.name == "mhla_plugin.py":
             if "mhla_plugin" not in path.read_text() and "install_mhla" not in path.read_text():
                 raise _misfit(path, "not the plugin scripts/diffusers_model_tests.py writes")
+        elif path.name == "hub_standins.py":
+            if "STANDINS" not in path.read_text():
+                raise _misfit(path, "not the Hub stand-ins scripts/diffusers_model_tests.py writes")
         elif path.name == "tests":
             _dir(path)
         elif not re.fullmatch(r"\w+_\w+\.xml", path.name):
