@@ -158,3 +158,27 @@ def test_digits_fid_separates_real_from_noise(extractor):
 def test_inception_extractor_missing_file_says_where_to_get_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="inception-2015-12-05.pt"):
         inception_extractor(tmp_path / "nope.pt")
+
+
+def test_cached_cnn_trains_the_same_weights_whatever_the_thread_count(tmp_path):
+    """The extractor a cache holds is one function: trained on one thread whatever torch's thread count
+    (CPU kernels split their sums by threads: on 2 threads the weights differ), and the caller's count is
+    restored."""
+    from safetensors.torch import load_file
+
+    from mhla_gen.metrics.extractors import DigitsCNN, cached_cnn, train_digits_cnn
+
+    def short(seed):
+        return train_digits_cnn(seed, epochs=1)
+
+    weights = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            cached_cnn(DigitsCNN, short, "digits", tmp_path / f"t{threads}.safetensors", seed=0)
+            assert torch.get_num_threads() == threads
+        finally:
+            torch.set_num_threads(1)
+        weights[threads] = load_file(str(tmp_path / f"t{threads}.safetensors"))
+    for name, tensor in weights[1].items():
+        assert torch.equal(tensor, weights[2][name]), name
