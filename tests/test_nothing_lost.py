@@ -784,3 +784,21 @@ def test_every_input_setting_is_checked_apart_and_recorded(base):
         reported = {**reported, **build().inputs()}
     missing = [s for s in settings if s not in reported]
     assert not missing, f"settings the apart check does not cover: {missing}"
+
+
+def test_a_folder_lock_released_or_left_at_exit_leaves_no_stale_record(tmp_path, caplog):
+    """Only a killed holder leaves its pid in a folder's lock: after a release, or a normal exit without
+    one, the next holder takes the folder without a stale-record message (every rerun printed one)."""
+    from mhla_gen.outputs.folders import claim
+    from mhla_gen.outputs.locks import LOCK, release
+
+    folder = tmp_path / "samples"
+    claim(folder, "sample_outputs", "--out")
+    release(folder)
+    assert (folder / LOCK).read_text() == ""
+    exits = ("import sys; from mhla_gen.outputs.locks import lock_folder; lock_folder(sys.argv[1], '--out')")
+    subprocess.run([PYTHON, "-c", exits, str(folder)], check=True)
+    assert (folder / LOCK).read_text() == ""
+    claim(folder, "sample_outputs", "--out")
+    release(folder)
+    assert "stale lock record" not in caplog.text

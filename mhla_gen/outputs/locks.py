@@ -3,8 +3,9 @@ their parent.
 
 :func:`lock_folder` takes ``fcntl.flock`` on ``FOLDER/.mhla_gen.lock`` (inside the folder, which is ours:
 it was just claimed or marked) and writes the holder's pid into it. The kernel releases the lock when the
-holder exits in any way (SIGKILL included), so a lock is never left behind; a file naming a dead pid is a
-*stale* record, cleared with a message. A second command that wants the folder stops with a
+holder exits in any way (SIGKILL included), so a lock is never left behind; a holder that releases it
+(or exits normally) empties the record, so a file naming a dead pid is a *stale* record of a holder that
+was killed, cleared with a message. A second command that wants the folder stops with a
 :class:`~mhla_gen.errors.ConfigError` naming the holder's pid. Locks are re-entrant within a process (a
 study trains one run folder in several segments) and released by :func:`release` or at exit.
 
@@ -46,6 +47,7 @@ LOCK = ".mhla_gen.lock"
 FILE_LOCK_SUFFIX = ".mhla_gen.lock"  # .<name>.mhla_gen.lock beside a single output file
 _held: dict[Path, int] = {}  # resolved folder (or file lock) -> open file descriptor holding its lock
 _files: set[Path] = set()  # the file locks among them (removed on release)
+_folders: set[Path] = set()  # the folder locks among them (pid record emptied on release, or at exit)
 
 
 def _key(folder: str | Path) -> Path:
@@ -133,14 +135,29 @@ def lock_folder(folder: str | Path, setting: str) -> Path:
     fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     _take(fd, folder, setting)
     _hold(key, fd, key)
+    if not _folders:
+        atexit.register(_release_folders)
+    _folders.add(key)
     return key
 
 
 def release(folder: str | Path) -> None:
-    """Give ``folder``'s lock back (no-op when this process does not hold it)."""
-    fd = _held.pop(_key(folder), None)
+    """Give ``folder``'s lock back and empty its pid record (no-op when this process does not hold it):
+    only a holder that died without releasing leaves a pid behind, the stale record the next one reports."""
+    key = _key(folder)
+    fd = _held.pop(key, None)
+    _folders.discard(key)
     if fd is not None:
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:  # a folder on a read-only remount: the lock still goes with the descriptor
+            pass
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _release_folders() -> None:
+    for key in list(_folders):
+        release(key)
 
 
 # ------------------------------------------------------------------------------------ single files
