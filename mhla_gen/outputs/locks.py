@@ -156,8 +156,11 @@ def release(folder: str | Path) -> None:
 
 
 def _release_folders() -> None:
+    """At exit: release the folders this process locked (a forked child that inherited them, and exits
+    through ``sys.exit``, leaves its parent's records alone)."""
     for key in list(_folders):
-        release(key)
+        if key in _held and _read_pid(_held[key]) == os.getpid():
+            release(key)
 
 
 # ------------------------------------------------------------------------------------ single files
