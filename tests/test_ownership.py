@@ -389,3 +389,18 @@ def test_digits_run_with_other_class_count_and_home_paths(tmp_path, monkeypatch)
         run_inprocess("train_dit.py", "--config", TINY_DIT, "output_dir=~/x", "model.num_classes=5")
     run_inprocess("train_dit.py", "--config", TINY_DIT, "output_dir=~/x", "train.max_steps=1")
     assert (tmp_path / "x" / "final").is_dir() and not (REPO / "~").exists()
+
+
+def test_fid_default_output_of_the_current_folder_is_named_after_it(tmp_path, monkeypatch):
+    """``--samples .`` (or ``..``) puts the metrics beside the folder it names, never inside it; a path
+    with no name at all (``/``) asks for --out in one line."""
+    from mhla_gen.commands.fid import default_out
+    from mhla_gen.errors import ConfigError
+
+    (tmp_path / "samples").mkdir()
+    monkeypatch.chdir(tmp_path / "samples")
+    assert default_out(".") == tmp_path.resolve() / "samples.fid.json"
+    assert default_out("..") == tmp_path.resolve().parent / f"{tmp_path.name}.fid.json"
+    assert default_out("a.npz") == Path("a.fid.json")
+    with pytest.raises(ConfigError, match="give --out"):
+        default_out("/")

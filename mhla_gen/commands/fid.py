@@ -172,8 +172,13 @@ def main(argv=None) -> dict:
 
 
 def default_out(samples: str) -> Path:
-    """``<samples>.fid.json`` beside the samples (never inside a folder that may not be ours)."""
-    path = Path(samples)
+    """``<samples>.fid.json`` beside the samples (never inside a folder that may not be ours); ``.`` or
+    ``..`` is named by the folder it is (``--samples .`` in ``runs/a``: ``runs/a.fid.json``)."""
+    path = Path(samples).expanduser()
+    if path.name in ("", ".."):
+        path = path.resolve()
+    if not path.name:
+        raise ConfigError(f"--samples {samples!r} has no name to put the metrics beside: give --out")
     return path.with_name(f"{path.stem if path.suffix == '.npz' else path.name}.fid.json")
 
 

@@ -301,7 +301,7 @@ def main(argv=None) -> None:
     for image, name in zip(images, names):
         image.save(out / name)
     image_grid(images).save(out / grid_name)
-    print(f"wrote {len(images)} images and {out / grid_name}")
+    print(f"wrote {len(images)} image{'s' if len(images) != 1 else ''} and {out / grid_name}")
 
 
 if __name__ == "__main__":
