@@ -404,3 +404,20 @@ def test_fid_default_output_of_the_current_folder_is_named_after_it(tmp_path, mo
     assert default_out("a.npz") == Path("a.fid.json")
     with pytest.raises(ConfigError, match="give --out"):
         default_out("/")
+
+
+def test_sample_claims_out_only_once_the_model_loaded(assets, tmp_path, monkeypatch):
+    """A model that cannot be loaded (a hub id offline, a broken folder) leaves no --out folder behind:
+    --out is checked first and claimed after the load."""
+    import mhla_gen.pipelines.dit
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(mhla_gen.pipelines.dit, "load_dit_pipeline", unreachable)
+    with pytest.raises(OSError, match="couldn't connect"):
+        write("sample", assets, tmp_path / "new" / "out")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    write("sample", assets, tmp_path / "new" / "out")
+    assert sorted(p.name for p in (tmp_path / "new" / "out").glob("*.png"))

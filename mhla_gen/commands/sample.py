@@ -185,17 +185,17 @@ def load(args, mhla, dtype):
     return sampler, pipe, sampler.fit_size(pipe, settings(args))
 
 
-def sample_images(args, mhla, dtype) -> list[Image.Image]:
-    sampler, pipe, fitted = load(args, mhla, dtype)
+def sample_images(args, loaded) -> list[Image.Image]:
+    sampler, pipe, fitted = loaded
     generator = torch.Generator(args.device).manual_seed(args.seed)
     return sampler.sample(pipe, conditions(args), generator, fitted)
 
 
-def sample_videos(args, mhla, dtype, out: Path) -> list[Path]:
+def sample_videos(args, loaded, out: Path) -> list[Path]:
     """One MP4 per prompt, prompt ``i`` with seed ``seed + i``."""
     from diffusers.utils import export_to_video
 
-    sampler, pipe, fitted = load(args, mhla, dtype)
+    sampler, pipe, fitted = loaded
     paths = []
     for i, condition in enumerate(conditions(args)):
         generator = torch.Generator(args.device).manual_seed(args.seed + i)
@@ -230,9 +230,10 @@ def output_names(args) -> list[str]:
     return [*images, f"{args.base}_seed{args.seed}_grid.png"]
 
 
-def prepare_out(args) -> Path:
-    """Claim ``--out`` (new, empty or written by this script) and refuse to replace earlier samples with
-    the same names unless ``--overwrite``: before any model is loaded."""
+def check_out(args) -> Path:
+    """``--out`` may be claimed (new, empty or written by this script; apart from the inputs), and holds no
+    earlier samples with the same names unless ``--overwrite``: checked before any model is loaded, and
+    claimed only once the model loaded (a hub id that cannot be fetched leaves no folder behind)."""
     out = Path(args.out)
     images = {f"--image {image}": image for image in args.image or []}
     check_apart(out, "--out", {"--model": args.model, "--transformer": args.transformer, **images})
@@ -244,7 +245,7 @@ def prepare_out(args) -> Path:
             f"{', ...' if len(existing) > 3 else ''} from an earlier call; pass --overwrite to replace "
             f"them, or choose another --seed or --out"
         )
-    return claim(out, OUTPUT_KIND, "--out")
+    return out
 
 
 def saved_transformer_config(args) -> dict:
@@ -290,13 +291,14 @@ def main(argv=None) -> None:
         check_images(args.image, "--image")
     check_sampling(base_for(args.base).sampler.load(), args.model, args.transformer, settings(args), mhla,
                    {"model": "--model", "transformer": "--transformer", "mhla": "--blocks"})
-    out = prepare_out(args)
-
+    out = check_out(args)
+    loaded = load(args, mhla, dtype)
+    claim(out, OUTPUT_KIND, "--out")
     if base_for(args.base).video:
-        for path in sample_videos(args, mhla, dtype, out):
+        for path in sample_videos(args, loaded, out):
             print(f"wrote {path}")
         return
-    images = sample_images(args, mhla, dtype)
+    images = sample_images(args, loaded)
     *names, grid_name = output_names(args)
     for image, name in zip(images, names):
         image.save(out / name)
