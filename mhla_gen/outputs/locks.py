@@ -46,8 +46,7 @@ logger = logging.getLogger(__name__)
 LOCK = ".mhla_gen.lock"
 FILE_LOCK_SUFFIX = ".mhla_gen.lock"  # .<name>.mhla_gen.lock beside a single output file
 _held: dict[Path, int] = {}  # resolved folder (or file lock) -> open file descriptor holding its lock
-_files: set[Path] = set()  # the file locks among them (removed on release)
-_folders: set[Path] = set()  # the folder locks among them (pid record emptied on release, or at exit)
+_files: set[Path] = set()  # the file locks among them (removed on release); the rest are folder locks
 
 
 def _key(folder: str | Path) -> Path:
@@ -135,18 +134,13 @@ def lock_folder(folder: str | Path, setting: str) -> Path:
     fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     _take(fd, folder, setting)
     _hold(key, fd, key)
-    if not _folders:
-        atexit.register(_release_folders)
-    _folders.add(key)
     return key
 
 
 def release(folder: str | Path) -> None:
     """Give ``folder``'s lock back and empty its pid record (no-op when this process does not hold it):
     only a holder that died without releasing leaves a pid behind, the stale record the next one reports."""
-    key = _key(folder)
-    fd = _held.pop(key, None)
-    _folders.discard(key)
+    fd = _held.pop(_key(folder), None)
     if fd is not None:
         try:
             os.ftruncate(fd, 0)
@@ -158,9 +152,12 @@ def release(folder: str | Path) -> None:
 def _release_folders() -> None:
     """At exit: release the folders this process locked (a forked child that inherited them, and exits
     through ``sys.exit``, leaves its parent's records alone)."""
-    for key in list(_folders):
-        if key in _held and _read_pid(_held[key]) == os.getpid():
+    for key in [key for key in _held if key not in _files]:
+        if _read_pid(_held[key]) == os.getpid():
             release(key)
+
+
+atexit.register(_release_folders)
 
 
 # ------------------------------------------------------------------------------------ single files
@@ -209,8 +206,6 @@ def lock_file(path: str | Path, setting: str) -> Path:
             break
         os.close(fd)
     _hold(key, fd, lock)
-    if not _files:
-        atexit.register(_release_files)
     _files.add(key)
     return key
 
@@ -228,6 +223,9 @@ def release_file(path: str | Path) -> None:
 def _release_files() -> None:
     for key in list(_files):
         release_file(key.with_name(key.name[1:-len(FILE_LOCK_SUFFIX)]))
+
+
+atexit.register(_release_files)
 
 
 @contextmanager
