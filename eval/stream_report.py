@@ -212,15 +212,24 @@ def page(records: dict, costs: dict, size: bed.Size, command: str, date: str, co
     return "\n".join(lines)
 
 
-def plot_curves(records: dict, size: bed.Size, path: Path) -> None:
-    """Per frame index, the share of clips passing ``all`` and ``count`` (mean over seeds), per arm."""
+def curve_checks(asked: list[list[str]]) -> tuple[str, ...]:
+    """The checks :func:`plot_curves` draws for a run asked ``asked``: its primary's check first, then
+    ``count`` and ``all`` (``("all", "count")`` for the runs of 2026-11-28, as they were drawn)."""
+    primary = asked[0][4]
+    return tuple(dict.fromkeys((primary, "count", "all"))) if primary != "all" else ("all", "count")
+
+
+def plot_curves(records: dict, size: bed.Size, path: Path,
+                checks: tuple[str, ...] = ("all", "count")) -> None:
+    """Per frame index, the share of clips passing each of ``checks`` (mean over seeds), per arm; one panel
+    per check, sharing the y axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-    for ax, check in zip(axes, ("all", "count")):
+    fig, axes = plt.subplots(1, len(checks), figsize=(5 * len(checks), 3.5), sharey=True)
+    for ax, check in zip(axes, checks):
         for arm, per_seed in records.items():
             curve = np.mean([r[check].mean(axis=0) for r in per_seed.values()], axis=0)
             ax.plot(np.arange(len(curve)), curve, marker=".", label=arm)

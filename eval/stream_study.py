@@ -183,7 +183,7 @@ def render(record, folder: Path) -> list[Path]:
                        results.commits_line(record.points), asked)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(folder / "streaming.md", text)
-    report.plot_curves(records, size, folder / "streaming_curves.png")
+    report.plot_curves(records, size, folder / "streaming_curves.png", report.curve_checks(asked))
     return [folder / "streaming.md", folder / "streaming_curves.png"]
 
 

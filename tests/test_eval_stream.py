@@ -161,3 +161,10 @@ def test_each_record_is_read_with_the_questions_its_run_declared():
     assert "questions" not in committed.meta
     page = (EVAL.parent / "docs/results/records/streaming_300/streaming.md").read_text()
     assert "| `all`: mhla-factorised [8x] − global-state [8x] | primary |" in page
+
+
+def test_the_curves_draw_the_primary_check_first():
+    """The page's curves follow the questions a run was asked: the colour run draws `colour` first, the
+    runs of 2026-11-28 (primary `all`) keep the two panels they were drawn with."""
+    assert report.curve_checks(report.QUESTIONS) == ("colour", "count", "all")
+    assert report.curve_checks(report.QUESTIONS_2026_11_28) == ("all", "count")
