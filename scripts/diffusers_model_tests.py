@@ -385,5 +385,6 @@ def main(argv: list[str] | None = None) -> None:
     if unexpected:
         raise SystemExit(f"{len(unexpected)} tests differ between stock and MHLA beyond the expected ones")
 
+
 if __name__ == "__main__":
     run_cli(main)

@@ -299,9 +299,8 @@ def follow_in_pipeline(pipe, component: nn.Module) -> None:
         pipe.register_modules(**{name: pipe.__dict__[name]})
 
 
-def _pipelines_holding(component: nn.Module) -> list:
-    """``[(pipeline, component name)]`` for every live diffusers pipeline that holds ``component``, itself
-    or inside a ``torch.compile`` / peft wrapper (:func:`names_holding`).
+def _live_pipelines() -> list:
+    """Every live diffusers pipeline of this process.
 
     A model does not know the pipelines it sits in; the garbage collector knows every pipeline (an
     instance refers to its class, so ``gc.get_referrers`` of every pipeline class finds them in one pass
@@ -312,18 +311,18 @@ def _pipelines_holding(component: nn.Module) -> list:
     classes = [DiffusionPipeline]
     for cls in classes:  # every pipeline class imported so far (a live pipeline's class is one of them)
         classes += [sub for sub in cls.__subclasses__() if sub not in classes]
-    pipes = [o for o in gc.get_referrers(*classes) if isinstance(o, DiffusionPipeline)]
-    return [(pipe, name) for pipe in pipes for name in names_holding(pipe, component)]
+    return [o for o in gc.get_referrers(*classes) if isinstance(o, DiffusionPipeline)]
 
 
 def _follow_in_pipelines(transformer: nn.Module) -> None:
-    """Re-register ``transformer`` in the pipelines holding it, so that their ``model_index.json`` names
-    its class as it is now (diffusers records a component's class when it is registered). Called when a
-    model goes back to stock; ``install_mhla`` does not look (a pass over every live object: about a tenth
-    of a second in a process with torch and diffusers loaded, too slow for every install): a pipeline built
-    before an in-place install is re-registered when it saves the model (``mhla_gen.models``)."""
-    for pipe, name in _pipelines_holding(transformer):
-        pipe.register_modules(**{name: pipe.__dict__[name]})  # the held object: a wrapper stays one
+    """Re-register ``transformer`` in the pipelines holding it, itself or inside a ``torch.compile`` / peft
+    wrapper (:func:`follow_in_pipeline`), so that their ``model_index.json`` names its class as it is now
+    (diffusers records a component's class when it is registered). Called when a model goes back to stock;
+    ``install_mhla`` does not look (a pass over every live object: about a tenth of a second in a process
+    with torch and diffusers loaded, too slow for every install): a pipeline built before an in-place
+    install is re-registered when it saves the model (``mhla_gen.models``)."""
+    for pipe in _live_pipelines():
+        follow_in_pipeline(pipe, transformer)
 
 
 def check_mhla_consistent(transformer: nn.Module, action: str = "saving") -> None:
