@@ -8,23 +8,19 @@ shim does what a GPU launch does and nothing else: it exports the environment ``
 --config_file CONFIG.yaml`` would (Accelerate's own ``prepare_multi_gpu_env``), and after
 ``AcceleratorState`` is set up it puts the distributed type to ``FSDP`` with that plugin (Accelerate's own
 tests switch the state the same way, through its environment and ``AcceleratorState`` internals). Then the
-script's ``main`` runs unchanged, with the same one-line errors (``mhla_gen.commands.cli.run``). Used by
-tests/test_train_fsdp.py.
+script's ``main`` runs unchanged, with the same one-line errors, and the rank leaves without gloo's
+teardown (tests/gloo_rank.py). Used by tests/test_train_fsdp.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import sys
-from pathlib import Path
 
 import accelerate.state
 from accelerate.utils import DistributedType
-from script_helpers import load_script
-
-REPO = Path(__file__).resolve().parents[1]
+from gloo_rank import exit_without_teardown, run_script
 
 
 def fsdp_env(config_file: str) -> dict[str, str]:
@@ -61,28 +57,7 @@ def main(argv: list[str]) -> None:
     args, rest = parser.parse_known_args(argv)
     os.environ.update(fsdp_env(args.accelerate_config))
     force_fsdp_state()
-    module = load_script(REPO / "scripts" / args.script, "_script")
-    from mhla_gen.commands.cli import run
-
-    sys.argv = [args.script, *rest]
-    run(lambda: module.main(rest))
-
-
-def exit_without_teardown() -> None:
-    """After the script returned: flush, run the atexit handlers (the folder locks' release), and leave
-    through ``os._exit(0)``, skipping the interpreter's and C++'s teardown. On gloo CPU ranks that teardown
-    can abort a finished process: once in CI (2026-11-29) rank 1 of a run that had written everything died
-    with SIGABRT, "terminate called without an active exception", after the last barrier and
-    ``destroy_process_group`` (Gloo's worker threads and objects freed while the interpreter goes down;
-    torch's own tests destroy their groups explicitly for the same reason). Only this test launch runs
-    FSDP on gloo; a script that fails raises before this and keeps its own exit status."""
-    import gc
-
-    gc.collect()  # what is still alive, freed while the interpreter is
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_script(args.script, rest)
 
 
 if __name__ == "__main__":

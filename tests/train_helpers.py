@@ -60,9 +60,10 @@ def run_killed(kill: str, *args: str, timeout: int = 240):
 
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
     """``ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node <nproc> scripts/<script> args``: real
-    gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one)."""
+    gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one). Each
+    rank runs the script's ``main`` through tests/gloo_rank.py, which skips gloo's teardown at exit."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(REPO / "scripts" / script), *args]
+    cmd += [str(REPO / "tests" / "gloo_rank.py"), script, *args]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                           preexec_fn=dying_with_us())  # a killed test run takes its launch with it
