@@ -202,7 +202,8 @@ def made_at(path: Path) -> dict | None:
     ``costs.json``) and names it (the costs of 2026-11-28 do not); None otherwise."""
     if path.suffix == ".pt":  # the state keeps repr(Size): "Size(frames=4, ..., lengths=(1, 2, 4, 8))"
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            # mmap: only the pickled header is read here, not the weights
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError):
             return None  # not a state of ours (the training refuses it where it would resume from it)
         if not isinstance(state, dict) or state.get("kind") != KIND:
