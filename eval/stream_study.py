@@ -20,7 +20,7 @@ size flags differ from those that made its files is refused before it writes):
   ``eval/results.py``: what the page's numbers come from), and rendered from it alone ``streaming.md``
   (tables, verdicts) and ``streaming_curves.png``; ``python eval/results.py add OUT NAME`` commits it.
 
-The questions (``stream_report.QUESTIONS``; ``docs/results/evidence.md``'s rules: 3 seeds, one primary,
+The questions (``stream_report.QUESTIONS``; the rules of docs/evaluation.md "Verdicts": 3 seeds, one primary,
 Holm over the secondaries, a minimum effect of 0.05 in a rate, "neither" when both arms sit at the floor
 0.02): the score of a clip over a window of frames is the share of its frames that pass the question's
 check of the scorer; windows ``1x`` = frames ``[0, F)``, ``8x`` = ``[0, 8F)``, ``last`` = ``[7F, 8F)``.

@@ -1,4 +1,4 @@
-"""Nothing lost, round 3 (issue 38): inputs and outputs apart, deletion only of what a writer listed,
+"""Nothing lost (issue 38): inputs and outputs apart, deletion only of what a writer listed,
 ``adopt`` that proves content, recorded teachers that cannot drift, one writer per folder, and the
 remaining early crashes. Every case of the issue is a test here; user bytes are compared by checksum.
 """
