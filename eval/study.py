@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 from studies import sibling
-from studies.evidence import check_questions
+from studies.evidence import BUCKETS, check_questions
 from studies.experiments import VAL_TRIPLES, Arm, make_jobs, study_records
 from studies.study_plots import kept_samples
 from studies.study_preset import (
@@ -189,6 +189,9 @@ def main(argv=None) -> list[dict]:
         if getattr(args, name) is not None and getattr(args, name) < (2 if name == "fid_samples" else 1):
             least = "at least 2" if name == "fid_samples" else "positive"
             raise ConfigError(f"--{name.replace('_', '-')} must be {least}, got {getattr(args, name)}")
+    if args.val_triples is not None and args.val_triples % BUCKETS:  # a bucket per quarter of the timesteps
+        raise ConfigError(f"--val-triples must be a multiple of {BUCKETS} (the validation loss's timestep "
+                          f"buckets), got {args.val_triples}")
     if args.first_seed < 0:
         raise ConfigError(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.eval_steps and min(args.eval_steps) < 1:

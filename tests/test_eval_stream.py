@@ -142,6 +142,16 @@ def test_verdicts_follow_the_evidence_rules():
     assert long is None  # the general mixing streams the training length only
 
 
+def test_the_floor_counts_clips_not_frames():
+    """A clip is one sample of a window's rate: 1 clip in 90 passing every frame is a pooled rate whose
+    Wilson bound (0.06) is above the floor, though its 32 frames of 2880 would put it under (0.016)."""
+    one_clip = np.zeros((3, 30))
+    one_clip[0, 0] = 1.0
+    assert not report.at_floor(one_clip)
+    assert report.at_floor(np.zeros((3, 100)))  # none of 300 clips: bound 0.013
+    assert not report.at_floor(np.zeros((3, 30)))  # none of 90 clips is too few to say so: bound 0.041
+
+
 def test_each_record_is_read_with_the_questions_its_run_declared():
     """The 2026-11-28 runs asked on ``all`` (their records carry no questions); a record of today's code
     carries ``QUESTIONS`` (primary on ``colour``), so a record renders the verdicts its run was asked for."""

@@ -416,7 +416,8 @@ def test_a_study_folder_of_another_runner_is_refused_before_it_writes(tmp_path, 
 @pytest.mark.parametrize("argv, line", [
     (["--seeds", "2", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
     (["--smoke", "--ablation-seeds", "3"], "--ablation-seeds 3 is more than this call's 2 seeds"),
-    (["--smoke", "--fid-samples", "1"], "--fid-samples must be at least 2, got 1")])
+    (["--smoke", "--fid-samples", "1"], "--fid-samples must be at least 2, got 1"),
+    (["--smoke", "--val-triples", "30"], "--val-triples must be a multiple of 4 .* got 30")])
 def test_contradictory_counts_are_refused_before_the_folder_is_made(tmp_path, monkeypatch, argv, line):
     study = load_study()
     monkeypatch.setattr(study, "plan", lambda args: pytest.fail("planned (and trained) a refused call"))

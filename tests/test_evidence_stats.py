@@ -183,6 +183,8 @@ def test_verdict_rules():
     assert verdict(iv(math.nan, 1.0), 1.0) == "undecided" and verdict(iv(1.0, 0.1), math.nan) == "undecided"
     assert verdict(iv(-3.0, 1.0), 0.5, p_adjusted=0.2) == "undecided"  # a secondary after Holm
     assert verdict(iv(0.3, 0.1), 0.5, p_adjusted=0.2) == "bounded"
+    # a relative minimum effect of a reference mean 0 (a symmetry error of 0): no size to reach, no verdict
+    assert verdict(iv(0.001, 0.0005), 0.0) == "undecided"
 
 
 def test_combine_uses_t_tails_for_few_seeds_and_the_sample_part():

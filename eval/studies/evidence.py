@@ -316,7 +316,8 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int,
     pairs = [(at_step[(arm, s)], at_step[(other, s)]) for s in seeds]
     if not pairs:
         return {"mean": math.nan, "ci": math.nan, "n": 0, "mdd": math.nan, "min_effect": math.nan,
-                "verdict": "undecided", "marks": (), "per_seed": {}, "p": math.nan, "sampling_sd": math.nan}
+                "p": math.nan, "verdict": "too few seeds", "marks": (), "per_seed": {},
+                "sampling_sd": math.nan}
     diffs = [_value(a, metric) - _value(b, metric) for a, b in pairs]
     found = _sample_interval(metric, pairs, samples) if samples is not None else None
     iv = found or es.bound_interval(diffs, _bound(metric, pairs))

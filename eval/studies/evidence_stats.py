@@ -282,8 +282,8 @@ def verdict(iv: Interval, min_effect: float, both_at_floor: bool = False, p_adju
         return "too few seeds"
     if both_at_floor:
         return "neither"
-    if not all(math.isfinite(x) for x in (iv.estimate, iv.low, iv.high, min_effect)):
-        return "undecided"
+    if not all(math.isfinite(x) for x in (iv.estimate, iv.low, iv.high, min_effect)) or min_effect <= 0:
+        return "undecided"  # no minimum effect (e.g. relative to a reference mean of 0): no size to reach
     nonzero = iv.excludes_zero if p_adjusted is None else bool(p_adjusted < 1 - level)
     inside = -min_effect < iv.low and iv.high < min_effect
     if nonzero and abs(iv.estimate) >= min_effect:
