@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from studies import sibling
 from studies.evidence import check_questions
-from studies.experiments import VAL_TRIPLES, make_jobs, run_jobs
+from studies.experiments import VAL_TRIPLES, finished_records, make_jobs, run_jobs
 from studies.scale_preset import ARMS, CONFIG, GRIDS, base_overrides, grid_plan
 from studies.scale_report import PRIMARY, QUESTIONS, report
 from studies.scale_sizing import device_name, load_sizing, read_sizing, sizing, sizing_table
@@ -226,8 +226,14 @@ def main(argv=None) -> list[dict]:
     start, records = time.perf_counter(), []
     for name in args.grids:  # grid after grid, the record written after each
         logging.info("grid %s: %s", name, json.dumps(plans[name]))
-        records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
-                            "scale_study")
+        try:
+            records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
+                                "scale_study")
+        except BaseException:  # a run failed or the time ran out: keep what the other runs finished
+            finished = records + finished_records(jobs[name])
+            if finished:
+                write_record(args, finished, {**meta, "stopped": f"grid {name}"}, time.perf_counter() - start)
+            raise
         text = write_record(args, records, meta, time.perf_counter() - start)
     print(text)
     return records

@@ -30,23 +30,27 @@ reported with its output and the next one runs):
 9. ``host overhead``: ``bench_host_overhead.py``: host time per MHLA call, layer by layer;
 10. ``Wan2.1-1.3B step, compiled`` and 11. ``other gpu tests`` (compile, CUDA graphs of whole models, bf16
     training steps): only when the time budget still holds their whole limit;
-12. ``scale-study sizing`` and 13. ``scale study`` (N >> M², ``eval/scale_study.py``): the training
-    images/s of softmax, MHLA and linear attention at 1024 and 4096 tokens (about 30 s; written to
-    ``scale_sizing.json`` beside the report), then the study sized by it: the three arms x 3 seeds at both
-    token counts, 80 s of device training per grid (within the section's 330 s with start-up and
-    evaluations), its record and tables in ``scale_study/`` beside the report (``record.npz``,
-    ``scale_study.md``). Optional: a default run leaves them out (the benchmarks fill its budget); the study
-    runs alone, within the same 7 minutes (90 + 330 s), and only after its sizing passed:
+12. ``kernel check``, 13. ``scale-study sizing`` and 14. ``scale study`` (N >> M², ``eval/scale_study.py``):
+    the bf16 kernel tests against the oracle on both kernel paths (about a minute; the study trains with
+    them, so it is not run if they fail), the training images/s of softmax, MHLA and linear attention at
+    1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the study
+    sized by it: the three arms x 3 seeds at both token counts, 80 s of device training per grid (within
+    the section's 330 s with start-up and evaluations), its record and tables in ``scale_study/`` beside
+    the report (``record.npz``, ``scale_study.md``; a run that fails leaves the record of the runs that
+    finished). Optional: a default run leaves them out (the benchmarks fill its budget); alone they take
+    at most 75 + 90 + 330 s, and the study runs only after its sizing passed. On a lent machine, whose
+    ``$OUT`` is what comes back, with the wheels carried in ``.whl/``:
 
-        python scripts/gpu_check.py --out REPORT.md --only "scale-study sizing" "scale study"
+        python scripts/gpu_check.py --out "$OUT/REPORT.md" --budget-s 500 \
+            --only "kernel check" "scale-study sizing" "scale study"
 
-14. ``stream study on cuda`` (``eval/stream_study.py --device cuda``, issue 58): the streaming study's four
+15. ``stream study on cuda`` (``eval/stream_study.py --device cuda``, issue 58): the streaming study's four
     arms, one seed, 100 training steps at batch 32 and 10 streamed videos, then memory and time per chunk
     on the GPU: its CUDA path end to end, and the seconds a training step takes there (each arm prints
     them), which size the 6000-step run. Optional; its folder comes back beside the report
     (``stream_sizing/``):
 
-        python scripts/gpu_check.py --out REPORT.md --only "stream study on cuda"
+        python scripts/gpu_check.py --out "$OUT/REPORT.md" --only "stream study on cuda"
 
 Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
 would get less than 20 s is not run, and the optional sections run only when their whole limit fits.
@@ -196,15 +200,23 @@ SIZING_FILE = "scale_sizing.json"  # the sizing section's measurements, read by 
 STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.py --export)
 STUDY_LIMIT_S = 330  # the study section: 2 grids x 80 s of training, process start-up and evaluations
 STUDY_SECONDS_PER_GRID = 80
+KERNEL_CHECK_LIMIT_S = 75  # 12 bf16 oracle tests, each kernel's first compile included
+
+
+KERNEL_CHECK = ["-k", "cuda_matches_oracle and bfloat16"]  # both kernel paths against the oracle, bf16
 
 
 def scale_study_sections(python: str) -> list[Section]:
-    """``eval/scale_study.py`` (MHLA / softmax / linear at 1024 and 4096 tokens): its sizing (images/s per
-    arm and N, about 30 s) and the study sized by it; optional (a run names them with ``--only``); the
+    """``eval/scale_study.py`` (MHLA / softmax / linear at 1024 and 4096 tokens): a short kernel check (the
+    study trains with the Triton op in bf16: if that fails, the study is not run), its sizing (images/s
+    per arm and N, about 30 s) and the study sized by it; optional (a run names them with ``--only``); the
     study's record and tables come back in the folder beside the report."""
     script, sizing = [python, str(SCALE_STUDY)], f"{OUTPUTS}/{SIZING_FILE}"
     export = ["--export", f"{OUTPUTS}/{STUDY_FOLDER}"]
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(KERNEL_TEST_FILES[0])]
     return [
+        Section("kernel check", [*pytest, *KERNEL_CHECK], KERNEL_CHECK_LIMIT_S,
+                [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True),
         Section("scale-study sizing", [*script, "--sizing-only", "--sizing", sizing, "--sizing-seconds", "2"],
                 90, [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
                 optional=True, writes=(SIZING_FILE,)),

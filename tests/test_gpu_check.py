@@ -53,12 +53,13 @@ def test_sections_in_order_within_the_budget(gpu_check):
     names = [s.name for s in gpu_check.default_sections()]
     assert names == ["kernel tests", "profile", "CUDA graphs", "small-N crossover", "tile sweep",
                      "Wan2.1-1.3B step", "DiT-XL/2 training step", "SANA-1.6B 1024 px step", "host overhead",
-                     "Wan2.1-1.3B step, compiled", "other gpu tests", "scale-study sizing", "scale study",
+                     "Wan2.1-1.3B step, compiled", "other gpu tests", "kernel check", "scale-study sizing",
+                     "scale study",
                      "stream study on cuda"]
     assert "tile sweep" not in [s.name for s in gpu_check.default_sections(skip_tiles=True)]
     sections = gpu_check.default_sections()
     assert sections[0].gate and not sections[0].trusts_kernels
-    assert [s.name for s in sections if s.optional] == names[-5:]
+    assert [s.name for s in sections if s.optional] == names[-6:]
     assert gpu_check.DEFAULT_BUDGET_S <= 7 * 60
     study = [s for s in sections if s.name.startswith("scale")]  # run alone, they fit the default budget
     assert sum(s.timeout_s for s in study) <= gpu_check.DEFAULT_BUDGET_S
@@ -111,7 +112,7 @@ def test_failed_kernel_tests_leave_every_benchmark_not_run(gpu_check, tmp_path):
     status = gpu_check.main(["--out", str(out), "--budget-s", "10000"], probe=lambda: FAKE_ENVIRONMENT,
                             runner=fake_runner(gpu_check, outcomes, calls))
     assert status == 1
-    assert [name for name, _ in calls] == ["kernel tests", "other gpu tests"]  # tests, not benchmarks
+    assert [name for name, _ in calls] == ["kernel tests", "other gpu tests", "kernel check"]  # tests only
     text = out.read_text()
     for section in gpu_check.default_sections():
         if section.trusts_kernels:
@@ -135,12 +136,12 @@ def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp
     assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
     assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
     clock[0], calls[:] = 0.0, []
-    budget = str(10 * 11 + 150 + 150)  # the optional benchmarks and the sizing fit, the scale study not
+    budget = str(10 * 12 + 150 + 150)  # the optional benchmarks, kernel check and sizing fit, the study not
     (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
-    assert [name for name, _ in calls][-4:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
-                                                 "scale-study sizing", "stream study on cuda"]
+    assert [name for name, _ in calls][-5:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
+                                                 "kernel check", "scale-study sizing", "stream study on cuda"]
     assert "| scale study | not run (time budget: 300 s left, 330 s needed) | |" in out.read_text()
 
 
@@ -172,6 +173,28 @@ def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_c
     assert calls == [("scale-study sizing", 90.0)]
     assert (f"| scale study | not run (no {gpu_check.SIZING_FILE} beside the report: its section did not "
             "write it) | |") in (tmp_path / "F.md").read_text()
+
+
+def test_a_failed_kernel_check_leaves_the_scale_study_out(gpu_check, tmp_path, monkeypatch):
+    """The GPU window's selection: the kernel check, then the sizing and the study, in 500 s; the study
+    trains with the Triton kernels, so a failed kernel check leaves both out."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    only = ["--budget-s", "500", "--only", "kernel check", "scale-study sizing", "scale study"]
+    calls = []
+    runner = fake_runner(gpu_check, {}, calls, clock)
+    gpu_check.main(["--out", str(tmp_path / "R.md"), *only], probe=lambda: FAKE_ENVIRONMENT, runner=runner)
+    limit = float(gpu_check.KERNEL_CHECK_LIMIT_S)
+    assert calls[:2] == [("kernel check", limit), ("scale-study sizing", 90.0)]
+    check = next(s for s in gpu_check.default_sections() if s.name == "kernel check")
+    assert check.gate and "bfloat16" in " ".join(check.command)
+    clock[0], calls[:] = 0.0, []
+    failed = fake_runner(gpu_check, {"kernel check": ("failed (exit 1)", "F 1 failed")}, calls, clock)
+    assert gpu_check.main(["--out", str(tmp_path / "F.md"), *only], probe=lambda: FAKE_ENVIRONMENT,
+                          runner=failed) == 1
+    assert calls == [("kernel check", float(gpu_check.KERNEL_CHECK_LIMIT_S))]
+    text = (tmp_path / "F.md").read_text()
+    assert "| scale study | not run (the kernel tests did not pass) | |" in text
 
 
 def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):

@@ -193,3 +193,26 @@ def test_measure_training_trains_the_model_it_times():
                                           dtype=torch.bfloat16, seconds=0.0, warmup=1)
     assert speed["steps"] >= 3 and speed["images_per_s"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # AdamW stepped
+
+
+def test_a_failed_run_keeps_the_record_of_the_runs_that_finished(tmp_path, monkeypatch):
+    """One run of a grid raising (an out-of-memory on the GPU, say) stops the study with its error, but the
+    record and report of the runs that finished are written first (--out and --export)."""
+    from studies import experiments
+
+    real = experiments.run_job
+
+    def run_job(job):
+        if job.arm == "linear":
+            raise RuntimeError("CUDA out of memory (a test)")
+        return real(job)
+
+    monkeypatch.setattr(experiments, "run_job", run_job)
+    out = tmp_path / "s"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        load_study().main(["--smoke", "--jobs", "1", "--out", str(out / "runs"), "--export",
+                           str(out / "rec")])
+    study = load_study()
+    record = study.results.load(out / "rec" / "record.npz")
+    assert {p["arm"] for p in record.points} == {"softmax", "mhla"} and record.meta["stopped"] == "grid smoke"
+    assert (out / "rec" / "scale_study.md").read_text().startswith(study.REPORT_MARK)
