@@ -126,9 +126,19 @@ def train_point(out: Path, size: bed.Size, arm: str, seed: int, data, device: st
              loss_steps=np.array([r["step"] for r in log]), loss=np.array([r["loss"] for r in log]),
              train_seconds=np.array(log[-1]["seconds"]), stream_seconds=np.array(stream_seconds),
              size=np.array(json.dumps(asdict(size))), commit=np.array(results.code_commit()))
-    print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s, stream "
-          f"{stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count {scores['count'].mean():.3f}, "
-          f"colour {scores['colour'].mean():.3f}", flush=True)
+    print(f"{arm} seed {seed}: loss {log[-1]['loss']:.4f}, train {log[-1]['seconds']:.0f} s"
+          f"{steady_step_time(log)}, stream {stream_seconds:.0f} s, all {scores['all'].mean():.3f}, count "
+          f"{scores['count'].mean():.3f}, colour {scores['colour'].mean():.3f}", flush=True)
+
+
+def steady_step_time(log: list[dict]) -> str:
+    """`` (0.123 s a step after step 25)``: seconds per step between the first and the last log entries,
+    which leaves out the first steps' one-time costs (CUDA start, kernel compiles, the allocator's growth),
+    the number that sizes a longer run; empty with fewer than two entries."""
+    if len(log) < 2 or log[-1]["step"] == log[0]["step"]:
+        return ""
+    per_step = (log[-1]["seconds"] - log[0]["seconds"]) / (log[-1]["step"] - log[0]["step"])
+    return f" ({per_step:.3f} s a step after step {log[0]['step']})"
 
 
 def train_stage(out: Path, size: bed.Size, arms, seeds: int, device: str, every: int) -> None:

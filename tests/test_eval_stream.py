@@ -178,3 +178,11 @@ def test_the_curves_draw_the_primary_check_first():
     runs of 2026-11-28 (primary `all`) keep the two panels they were drawn with."""
     assert report.curve_checks(report.QUESTIONS) == ("colour", "count", "all")
     assert report.curve_checks(report.QUESTIONS_2026_11_28) == ("all", "count")
+
+
+def test_the_steady_step_time_leaves_the_first_steps_out():
+    """The seconds a step takes between the first and the last log entries (what sizes a longer run), not
+    the total over every step, whose first steps carry one-time costs."""
+    log = [{"step": 25, "seconds": 30.0}, {"step": 50, "seconds": 32.5}, {"step": 100, "seconds": 37.5}]
+    assert study.steady_step_time(log) == " (0.100 s a step after step 25)"
+    assert study.steady_step_time(log[:1]) == ""
