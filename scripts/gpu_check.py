@@ -34,11 +34,11 @@ reported with its output and the next one runs):
     the bf16 kernel tests against the oracle on both kernel paths (about a minute; the study trains with
     them, so it is not run if they fail), the training images/s of softmax, MHLA and linear attention at
     1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the study
-    sized by it: the three arms x 3 seeds at both token counts, 80 s of device training per grid (within
-    the section's 330 s with start-up and evaluations), its record and tables in ``scale_study/`` beside
+    sized by it: the three arms x 3 seeds at both token counts, 70 s of device training per grid (within
+    the section's 300 s with start-up and evaluations), its record and tables in ``scale_study/`` beside
     the report (``record.npz``, ``scale_study.md``; a run that fails leaves the record of the runs that
     finished). Optional: a default run leaves them out (the benchmarks fill its budget); alone they take
-    at most 75 + 90 + 330 s, and the study runs only after its sizing passed. On a lent machine, whose
+    at most 75 + 120 + 300 s, and the study runs only after its sizing passed. On a lent machine, whose
     ``$OUT`` is what comes back, with the wheels carried in ``.whl/``:
 
         python scripts/gpu_check.py --out "$OUT/REPORT.md" --budget-s 500 \
@@ -198,8 +198,11 @@ def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> 
 SCALE_STUDY = REPO / "eval" / "scale_study.py"
 SIZING_FILE = "scale_sizing.json"  # the sizing section's measurements, read by the study section
 STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.py --export)
-STUDY_LIMIT_S = 330  # the study section: 2 grids x 80 s of training, process start-up and evaluations
-STUDY_SECONDS_PER_GRID = 80
+# The study section: 2 grids x 70 s of training, then 9 processes' start-up, 8 evaluation points of the
+# MHLA and linear runs, samples at two of them; the sizing: 6 timed rows and their kernels' first compiles.
+STUDY_LIMIT_S = 300
+STUDY_SECONDS_PER_GRID = 70
+SIZING_LIMIT_S = 120
 KERNEL_CHECK_LIMIT_S = 75  # 12 bf16 oracle tests, each kernel's first compile included
 
 
@@ -218,7 +221,8 @@ def scale_study_sections(python: str) -> list[Section]:
         Section("kernel check", [*pytest, *KERNEL_CHECK], KERNEL_CHECK_LIMIT_S,
                 [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True),
         Section("scale-study sizing", [*script, "--sizing-only", "--sizing", sizing, "--sizing-seconds", "2"],
-                90, [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
+                SIZING_LIMIT_S,
+                [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
                 optional=True, writes=(SIZING_FILE,)),
         Section("scale study",
                 [*script, "--sizing", sizing, "--seconds", str(STUDY_SECONDS_PER_GRID), *export],

@@ -136,13 +136,13 @@ def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp
     assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
     assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
     clock[0], calls[:] = 0.0, []
-    budget = str(10 * 12 + 150 + 150)  # the optional benchmarks, kernel check and sizing fit, the study not
+    budget = "410"  # 12 sections of 10 s and 290 s left: the optional benchmarks, kernel check and sizing fit
     (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
     assert [name for name, _ in calls][-5:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
                                                  "kernel check", "scale-study sizing", "stream study on cuda"]
-    assert "| scale study | not run (time budget: 300 s left, 330 s needed) | |" in out.read_text()
+    assert "| scale study | not run (time budget: 290 s left, 300 s needed) | |" in out.read_text()
 
 
 def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_check, tmp_path, monkeypatch):
@@ -163,14 +163,15 @@ def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_c
     out = tmp_path / "R.md"
     runner = sizing_writes(fake_runner(gpu_check, {}, calls, clock))
     assert gpu_check.main(["--out", str(out), *only], probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
-    assert calls == [("scale-study sizing", 90.0), ("scale study", float(gpu_check.STUDY_LIMIT_S))]
+    sizing = float(gpu_check.SIZING_LIMIT_S)
+    assert calls == [("scale-study sizing", sizing), ("scale study", float(gpu_check.STUDY_LIMIT_S))]
     study = next(s for s in gpu_check.default_sections() if s.name == "scale study")
     assert f"{{outputs}}/{gpu_check.SIZING_FILE}" in study.command  # it reads what the sizing wrote
     clock[0], calls[:] = 0.0, []
     failed = fake_runner(gpu_check, {"scale-study sizing": ("failed (exit 1)", "boom")}, calls, clock)
     assert gpu_check.main(["--out", str(tmp_path / "F.md"), *only], probe=lambda: FAKE_ENVIRONMENT,
                           runner=failed) == 1
-    assert calls == [("scale-study sizing", 90.0)]
+    assert calls == [("scale-study sizing", sizing)]
     assert (f"| scale study | not run (no {gpu_check.SIZING_FILE} beside the report: its section did not "
             "write it) | |") in (tmp_path / "F.md").read_text()
 
@@ -185,7 +186,7 @@ def test_a_failed_kernel_check_leaves_the_scale_study_out(gpu_check, tmp_path, m
     runner = fake_runner(gpu_check, {}, calls, clock)
     gpu_check.main(["--out", str(tmp_path / "R.md"), *only], probe=lambda: FAKE_ENVIRONMENT, runner=runner)
     limit = float(gpu_check.KERNEL_CHECK_LIMIT_S)
-    assert calls[:2] == [("kernel check", limit), ("scale-study sizing", 90.0)]
+    assert calls[:2] == [("kernel check", limit), ("scale-study sizing", float(gpu_check.SIZING_LIMIT_S))]
     check = next(s for s in gpu_check.default_sections() if s.name == "kernel check")
     assert check.gate and "bfloat16" in " ".join(check.command)
     clock[0], calls[:] = 0.0, []
