@@ -148,9 +148,14 @@ def _bench(python: str, script: str, *args: str) -> list[str]:
     return [python, str(BENCH_DIR / script), *args]
 
 
+def _gpu_pytest(python: str) -> list[str]:
+    """``pytest`` on the ``gpu``-marked tests, quiet, writing no cache into the checkout."""
+    return [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+
+
 def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> list[Section]:
     """The sections in their order (see the module docstring)."""
-    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    pytest = _gpu_pytest(python)
     kernel_files = [str(f) for f in KERNEL_TEST_FILES]
     other_tests = [str(TESTS), *(f"--ignore={f}" for f in kernel_files)]
     graphs = ["--device", "cuda", "--dtype", "bf16", "--cuda-graphs", "--repeats", "5"]
@@ -216,7 +221,7 @@ def scale_study_sections(python: str) -> list[Section]:
     study's record and tables come back in the folder beside the report."""
     script, sizing = [python, str(SCALE_STUDY)], f"{OUTPUTS}/{SIZING_FILE}"
     export = ["--export", f"{OUTPUTS}/{STUDY_FOLDER}"]
-    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(KERNEL_TEST_FILES[0])]
+    pytest = [*_gpu_pytest(python), str(KERNEL_TEST_FILES[0])]
     return [
         Section("kernel check", [*pytest, *KERNEL_CHECK], KERNEL_CHECK_LIMIT_S,
                 [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True),

@@ -58,12 +58,16 @@ def run_killed(kill: str, *args: str, timeout: int = 240):
     )
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The torchrun command up to the script: one host, ``nproc`` ranks."""
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
     """``ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node <nproc> scripts/<script> args``: real
     gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one). Each
     rank runs the script's ``main`` through tests/gloo_rank.py, which skips gloo's teardown at exit."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(REPO / "tests" / "gloo_rank.py"), script, *args]
+    cmd = [*torchrun(nproc), str(REPO / "tests" / "gloo_rank.py"), script, *args]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                           preexec_fn=dying_with_us())  # a killed test run takes its launch with it
@@ -87,7 +91,7 @@ def read_metrics(output_dir: Path) -> list[dict]:
 def run_fsdp(script: str, *args: str, nproc: int = 2, timeout: int = 300):
     """``scripts/<script> args`` on ``nproc`` gloo ranks with Accelerate's FSDP2 forced on CPU through the
     launch config ``configs/accelerate/fsdp.yaml`` (tests/fsdp_on_cpu.py says how and why)."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = torchrun(nproc)
     launch_config = REPO / "mhla_gen" / "configs" / "accelerate" / "fsdp.yaml"
     cmd += [str(REPO / "tests" / "fsdp_on_cpu.py"), str(launch_config), script]
     env = {**subprocess_env(), "ACCELERATE_USE_CPU": "true"}
