@@ -157,6 +157,50 @@ def test_generate_bad_settings_fail_before_any_work(tiny_run, tmp_path, override
     assert not out.exists()
 
 
+def test_generate_weights_that_do_not_load_leave_no_folder(tiny_run, tmp_path):
+    """The transformer's weights load before output_dir is marked or its config.yaml written."""
+    import shutil
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    weights = run / "final" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a download cut short
+    out = tmp_path / "samples"
+    with pytest.raises(Exception, match=r"(?i)header|deserializ|load"):  # what is left behind matters
+        load("generate").main(["base=dit", f"run_config={run / 'config.yaml'}", f"output_dir={out}",
+                               "labels=[0]", "steps=1"])
+    assert not out.exists()
+
+
+def test_generate_on_two_ranks_matches_one_process(tiny_run, tmp_path):
+    """Two gloo ranks (torchrun) shard the items, each loads the weights before rank 0 marks the folder,
+    and the assembled set is the one a single process draws (per-sample seeds)."""
+    from train_helpers import run_torchrun
+
+    args = ["base=dit", f"run_config={tiny_run / 'config.yaml'}", "labels=[0,3,7]", "num_per_item=2",
+            "steps=2", "batch_size=2"]
+    load("generate").main([*args, f"output_dir={tmp_path / 'one'}"])
+    result = run_torchrun("../eval/generate.py", *args, f"output_dir={tmp_path / 'two'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (np.load(tmp_path / name / "samples.npz") for name in ("one", "two"))
+    assert np.array_equal(one["arr_1"], two["arr_1"]) and np.array_equal(one["arr_0"], two["arr_0"])
+    manifest = [json.loads(line) for line in (tmp_path / "two" / "manifest.jsonl").read_text().splitlines()]
+    assert [m["seed"] for m in manifest] == list(range(6))
+    assert not list((tmp_path / "two").glob("manifest.*.jsonl"))  # the shards were assembled and removed
+
+
+def test_generate_refuses_ranks_that_would_each_run_alone(tiny_run, tmp_path, monkeypatch):
+    """A launch of two ranks that Accelerate runs as two lone processes (torchrun on CPU without
+    ACCELERATE_USE_CPU) would write every sample twice into one folder: refused before any write."""
+    from mhla_gen.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "samples"
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 but Accelerate sees a single process"):
+        load("generate").main(["base=dit", f"run_config={tiny_run / 'config.yaml'}", f"output_dir={out}",
+                               "labels=[0]", "steps=1"])
+    assert not out.exists()
+
+
 def test_generate_refuses_a_folder_that_is_not_a_sample_set(tiny_run, tmp_path):
     from mhla_gen.errors import ConfigError
 

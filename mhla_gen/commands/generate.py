@@ -40,6 +40,7 @@ from mhla_gen.pipelines.checks import check_sampling
 from mhla_gen.pipelines.conditions import check_images, pair_images, read_image_prompts
 from mhla_gen.processors.config import MHLAConfig
 from mhla_gen.train.config import load_config
+from mhla_gen.train.distributed import check_world_size
 from mhla_gen.train.runs import rebuilds_pipeline, run_classes, run_pipeline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -336,11 +337,14 @@ def check_sampled_model(cfg: GenerateConfig, model: str | None, transformer: str
 def generate(cfg: GenerateConfig) -> Path:
     """Generate the missing samples of this process's shard; rank 0 assembles. Returns output_dir."""
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
     die_with_launcher()  # a rank stops with its launcher
-    state = PartialState()
+    # ACCELERATE_USE_CPU: gloo ranks on CPU, as Accelerator reads it (PartialState alone does not)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    check_world_size(state)  # ranks that each ran alone would all write every sample
     out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
     items = sample_items(cfg)
@@ -349,19 +353,22 @@ def generate(cfg: GenerateConfig) -> Path:
         check_labels(cfg, num_classes)
     check_model(cfg)  # before the folder is marked or its config.yaml written
     check_images_of(cfg, items)
+    check_previous_run(out, chash)
+    mine = items[state.process_index :: state.num_processes]
+    todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
+    # the weights load (and the conditions are checked against the pipeline) before the first write:
+    # a transformer that does not load leaves no folder behind
+    sampler = Sampler(cfg, state.device) if todo else None
+    state.wait_for_everyone()  # every rank loaded: a rank that failed has stopped the launch
     if state.is_main_process:
         claim(out, SAMPLES_FOLDER, "output_dir")
-        check_previous_run(out, chash)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     state.wait_for_everyone()
 
-    mine = items[state.process_index :: state.num_processes]
-    todo = [item for item in mine if not sample_file(out, cfg, item["index"]).exists()]
     shard = out / f"manifest.{state.process_index}.jsonl"
     if todo and not shard.exists():
         record_files(out, shard.name, pending=True)  # listed before it exists: assemble deletes it by name
     if todo:
-        sampler = Sampler(cfg, state.device)
         bar = tqdm(total=len(todo), desc=f"rank {state.process_index}",
                    disable=not state.is_local_main_process)
         for start in range(0, len(todo), cfg.batch_size):

@@ -65,14 +65,15 @@ def launcher_precision_note(mixed_precision: str, env=os.environ) -> str | None:
 
 def check_world_size(accelerator, env=os.environ) -> None:
     """Fail fast when the launch asked for several processes but Accelerate runs this one alone (each
-    would train as rank 0 into the same output_dir, or one process would do the work of N)."""
+    would train or sample as rank 0 into the same output_dir, or one process would do the work of N).
+    ``accelerator``: an ``Accelerator`` or a ``PartialState``."""
     if accelerator.num_processes > 1:
         return
     world = int(env.get("WORLD_SIZE", "1") or 1)
     if world > 1:
         raise ConfigError(
             f"WORLD_SIZE={world} but Accelerate sees a single process ({accelerator.distributed_type}): "
-            f"each process would train alone into the same output_dir. On CPU, launch with "
+            f"each process would work alone into the same output_dir. On CPU, launch with "
             f"`{CPU_LAUNCH.format(n=world)}` (gloo); the DDP and FSDP launch configs need one GPU per process"
         )
     launched = "ACCELERATE_DYNAMO_BACKEND" in env  # exported by every `accelerate launch`
