@@ -53,7 +53,10 @@ reported with its output and the next one runs):
         python scripts/gpu_check.py --out "$OUT/REPORT.md" --only "stream study on cuda"
 
 Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
-would get less than 20 s is not run, and the optional sections run only when their whole limit fits.
+would get less than 20 s is not run, and the optional sections run only when their whole limit fits. A
+section past its limit gets Ctrl-C (SIGINT to its process group) and 30 s to keep what it finished (the
+scale study writes the record of its finished runs), then SIGKILL: give a caller's own time limit the
+budget plus 30 s.
 
 The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit, copy
 bandwidth), then a summary table (status and time per section), then each section's command and the tail of
@@ -73,6 +76,7 @@ import datetime
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +101,7 @@ REPORT_RECORD = "<!-- mhla_gen: gpu-check report -->"  # first line: the report 
 OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.outputs.folders.KINDS)
 OUTPUT_TAIL_LINES = 80  # per section in the report; the whole output is in the folder beside it
 MIN_SECTION_S = 20  # a section that would get less time than this is not started
+STOP_GRACE_S = 30  # a section past its limit gets Ctrl-C, then this long to keep what it finished
 OUTPUTS = "{outputs}"  # in a section's arguments: the folder beside the report (outputs_folder)
 TILE_TABLE = "mhla_tiles.json"  # the tile sweep's table, written into that folder
 DEFAULT_BUDGET_S = 420
@@ -339,21 +344,45 @@ def run_section(section: Section, timeout_s: float | None = None,
     if outputs is not None:
         env["GPU_CHECK_OUT"] = str(outputs)
     start = time.monotonic()
-    try:
-        result = subprocess.run(section.command, cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=limit)
-        status = "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
-        output = result.stdout + result.stderr
-    except subprocess.TimeoutExpired as err:
-        status = f"timed out after {limit:.0f} s"
-        output = "".join(_text(part) for part in (err.stdout, err.stderr))
+    try:  # its own process group: the section's workers are stopped with it
+        process = subprocess.Popen(section.command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   preexec_fn=_interruptible)
     except OSError as err:
-        status, output = f"could not start: {err}", ""
+        return SectionResult(section.name, section.command, f"could not start: {err}", 0.0, "")
+    try:
+        output = process.communicate(timeout=limit)[0]
+        status = "passed" if process.returncode == 0 else f"failed (exit {process.returncode})"
+    except subprocess.TimeoutExpired:
+        output, status = _stop(process), f"timed out after {limit:.0f} s"
+    finally:
+        _signal_group(process, signal.SIGKILL)  # whatever the section left running
     return SectionResult(section.name, section.command, status, time.monotonic() - start, output)
 
 
-def _text(part) -> str:
-    return part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+def _stop(process: subprocess.Popen) -> str:
+    """Ctrl-C to a section past its limit, so that it can keep what it finished (the scale study writes
+    the record of its finished runs; pytest prints its summary); SIGKILL after ``STOP_GRACE_S``. Its
+    output."""
+    _signal_group(process, signal.SIGINT)
+    try:
+        return process.communicate(timeout=STOP_GRACE_S)[0]
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+        return process.communicate()[0]
+
+
+def _interruptible() -> None:
+    """In the section's process before it starts: Ctrl-C at its default, also when this script was started
+    with SIGINT ignored (a background job of a non-interactive shell), which its children would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group has ended
+        pass
 
 
 def _tail(text: str, lines: int | None = OUTPUT_TAIL_LINES) -> str:

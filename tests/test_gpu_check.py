@@ -4,8 +4,10 @@ the flags every section passes to its script, and the ``--dry-run`` plumbing of 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +238,36 @@ def test_section_runner_statuses(gpu_check, tmp_path):
     assert f"hello {tmp_path}" in passed.output
     missing = gpu_check.run_section(gpu_check.Section("s", ["/nonexistent/program"], 5))
     assert missing.status.startswith("could not start") and not missing.passed
+
+
+def test_a_section_past_its_limit_gets_ctrl_c_then_sigkill(gpu_check, tmp_path, monkeypatch):
+    """Past its limit a section is interrupted (it may keep what it finished) and, if it goes on, killed
+    with its whole process group (a study's workers included)."""
+    python, kept, child = sys.executable, tmp_path / "kept.txt", tmp_path / "worker.pid"
+    keeps = ("import time\ntry:\n    print('training', flush=True); time.sleep(30)\n"
+             f"except KeyboardInterrupt:\n    open({str(kept)!r}, 'w').write('record')\n    raise\n")
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job: children inherit it
+    try:
+        result = gpu_check.run_section(gpu_check.Section("s", [python, "-c", keeps], 1))
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert result.status == "timed out after 1 s" and "training" in result.output
+    assert kept.read_text() == "record" and "KeyboardInterrupt" in result.output
+
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 1)
+    ignores = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+               "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+               f"open({str(child)!r}, 'w').write(str(worker.pid))\ntime.sleep(60)\n")
+    start = time.monotonic()
+    result = gpu_check.run_section(gpu_check.Section("s", [python, "-c", ignores], 2))
+    assert result.status == "timed out after 2 s" and time.monotonic() - start < 30
+    worker = int(child.read_text())
+    for _ in range(50):  # SIGKILLed with its parent's group; reaped by init
+        if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the section's worker {worker} is still running")
 
 
 def _parse(script: Path, argv: list[str]):
