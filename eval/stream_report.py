@@ -108,6 +108,7 @@ def questions(records: dict, size: bed.Size, asked: list[list[str]] = QUESTIONS)
         cells.append({**cell, "check": check})
     p_secondary = [c["interval"].p if c["interval"] is not None else math.nan for c in cells[1:]]
     adjusted = [None, *es.holm(p_secondary)]
+    family = sum(math.isfinite(p) for p in p_secondary)  # the secondaries Holm's rule counts
     for index, (cell, p_adj) in enumerate(zip(cells, adjusted)):
         cell["primary"] = index == 0
         cell["p_holm"] = p_adj
@@ -116,7 +117,8 @@ def questions(records: dict, size: bed.Size, asked: list[list[str]] = QUESTIONS)
             cell["verdict"] = "not streamed" if ran else "not run"
             continue
         p_arg = None if index == 0 else (float(p_adj) if math.isfinite(p_adj) else 1.0)
-        cell["verdict"] = es.verdict(cell["interval"], MIN_EFFECT, cell["both_at_floor"], p_arg)
+        cell["verdict"] = es.verdict(cell["interval"], MIN_EFFECT, cell["both_at_floor"], p_arg,
+                                     family=1 if index == 0 else family)
     return cells
 
 

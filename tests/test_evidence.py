@@ -179,6 +179,21 @@ def test_holm_judges_the_secondaries_and_keeps_the_primary():
     assert "(primary)" in fmt_comparison(cells[0])
 
 
+def test_holm_reads_a_secondarys_bounded_on_its_family_wide_interval():
+    """The same interval (0.1 +- 0.2, df 2, minimum effect 0.5) is bounded as the primary and as one of
+    two secondaries, undecided as one of five (its 99 % interval reaches 0.56)."""
+    from studies.evidence_stats import Interval
+
+    def cell():
+        iv = Interval(0.1, -0.1, 0.3, 3, 0.01, 0.0, 2.0, 0.6, "bootstrap")
+        return {"interval": iv, "p": iv.p, "n": 3, "min_effect": 0.5, "at_floor": False, "verdict": "bounded"}
+
+    two = apply_holm([cell() for _ in range(3)], primary=0)
+    assert [c["verdict"] for c in two] == ["bounded"] * 3
+    five = apply_holm([cell() for _ in range(6)], primary=0)
+    assert [c["verdict"] for c in five] == ["bounded"] + ["undecided"] * 5
+
+
 def test_questions_must_declare_a_primary_metric():
     check_questions([Question("q", "a", "b", "val_loss")], ("val_loss", "fid"), "x")
     for bad in (Question("q", "a", "b", None), Question("q", "a", "b", "symmetric_rate"),

@@ -193,6 +193,26 @@ def test_verdict_rules():
     assert verdict(iv(0.001, 0.0005), 0.0) == "undecided"
 
 
+def test_a_secondary_is_inside_the_minimum_effect_on_its_family_wide_interval():
+    """Among m secondaries, "bounded" and "negligible" read the interval at level 1 - 0.05 / m (df 2:
+    the half-width 0.2 grows by t(0.9875) / t(0.975) = 1.44 for m = 2, by t(0.995) / t(0.975) = 2.31 for
+    m = 5); the primary (family 1) keeps its own."""
+    assert verdict(iv(0.1, 0.2), 0.5, p_adjusted=0.6, family=1) == "bounded"
+    assert verdict(iv(0.1, 0.2), 0.5, p_adjusted=0.6, family=2) == "bounded"  # 0.1 + 0.29 < 0.5
+    assert verdict(iv(0.1, 0.2), 0.5, p_adjusted=0.6, family=5) == "undecided"  # 0.1 + 0.46 > 0.5
+    assert verdict(iv(0.3, 0.1), 0.5, p_adjusted=0.01, family=5) == "undecided"  # 0.3 + 0.23 > 0.5
+    assert verdict(iv(0.3, 0.05), 0.5, p_adjusted=0.01, family=5) == "negligible"
+    assert verdict(iv(-3.0, 1.0), 0.5, p_adjusted=0.01, family=5) == "resolved"  # Holm's p decides it
+
+
+def test_interval_bounds_at_another_level_are_the_interval_built_at_it():
+    for diffs, var_sample in (([1.0, 2.0, 3.5], 0.0), ([0.2, 0.25, 0.1, 0.3], 0.01), ([1.0, 1.0, 1.0], 0.04)):
+        at_95 = interval_from(combine(diffs, var_sample), diffs)
+        for level in (0.95, 0.99, 0.995):
+            want = combine(diffs, var_sample, level=level)
+            assert at_95.bounds(level) == pytest.approx((float(want["low"]), float(want["high"])))
+
+
 def test_combine_uses_t_tails_for_few_seeds_and_the_sample_part():
     only_seeds = combine([1.0, 2.0, 3.0], 0.0)
     assert only_seeds["high"] - 2.0 == pytest.approx(stats.t.ppf(0.975, 2) / math.sqrt(3))

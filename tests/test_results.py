@@ -49,6 +49,15 @@ def test_committed_examples_regenerate_byte_for_byte(tmp_path):
     assert results.regenerate(check=True, names=names) == []
 
 
+def test_every_committed_record_renders_its_committed_tables():
+    """Not only the examples: every record of the manifest renders the tables and plots committed beside
+    it, so a change to the rules or the reports that would change a committed reading fails here until
+    the record is regenerated (``python eval/results.py regenerate``) and its page corrected."""
+    results = load_results()
+    listed = json.loads((RESULTS / "records" / "manifest.json").read_text())["records"]
+    assert results.regenerate(check=True, names=[e["name"] for e in listed]) == []
+
+
 def test_regenerate_writes_back_only_what_differs_and_only_listed_files(tmp_path):
     """A hand-edited table is reported by ``--check`` (nothing written) and restored by ``regenerate``; a
     plot whose data changed is reported; a file the manifest does not list is never touched."""

@@ -336,13 +336,16 @@ def compare(records: list[dict], arm: str, other: str, metric: str, step: int,
 
 def apply_holm(cells: list[dict], primary: int | None = None) -> list[dict]:
     """Holm's rule over the secondaries of one question (every cell of ``cells`` but ``primary``): each
-    gets ``p_holm`` and its verdict judged with it (:func:`studies.evidence_stats.verdict`); the primary
+    gets ``p_holm`` and its verdict judged with it, "inside the minimum effect" on its interval widened
+    over the family (:func:`studies.evidence_stats.verdict`); the primary
     keeps its own interval's verdict and is marked ``primary``. Returns ``cells``, changed in place."""
     secondary = [i for i, c in enumerate(cells) if i != primary and c["n"]]
+    family = sum(math.isfinite(cells[i]["p"]) for i in secondary)  # the tests Holm's rule counts
     for i, adjusted in zip(secondary, es.holm([cells[i]["p"] for i in secondary])):
         c = cells[i]
         c["p_holm"] = float(adjusted)
-        c["verdict"] = es.verdict(c["interval"], c["min_effect"], c["at_floor"], p_adjusted=adjusted)
+        c["verdict"] = es.verdict(c["interval"], c["min_effect"], c["at_floor"], p_adjusted=adjusted,
+                                  family=family)
     if primary is not None:
         cells[primary]["primary"] = True
     return cells

@@ -43,7 +43,9 @@ Verdicts (:func:`verdict`)
 which is not equivalence), ``resolved`` (the interval excludes 0 and ``|D|`` reaches the minimum effect),
 ``negligible`` (it excludes 0 and lies inside +- the minimum effect), ``bounded`` (it contains 0 and lies
 inside +- the minimum effect), otherwise ``undecided``. A secondary metric's "excludes 0" is its
-Holm-adjusted p-value below 0.05 (:func:`holm`), the primary's is its own interval.
+Holm-adjusted p-value below 0.05 (:func:`holm`), and its "inside +- the minimum effect" is read from its
+interval widened to level 1 - 0.05 / m over the m secondaries judged together (Bonferroni: an
+equivalence claim has no p-value for Holm's steps to order); the primary's are its own interval.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ class Interval:
     @property
     def excludes_zero(self) -> bool:
         return bool(self.low > 0 or self.high < 0)
+
+    def bounds(self, level: float) -> tuple[float, float]:
+        """``(low, high)`` at ``level`` instead of :data:`LEVEL`: the same t interval (``df``), its
+        half-width scaled by the ratio of the two quantiles."""
+        if level == LEVEL:
+            return self.low, self.high
+        half = self.half_width * stats.t.ppf(0.5 + level / 2, self.df) / stats.t.ppf(0.5 + LEVEL / 2, self.df)
+        return self.estimate - half, self.estimate + half
 
 
 # ------------------------------------------------------------------------------------------ resampling
@@ -275,9 +285,12 @@ def holm(pvalues) -> np.ndarray:
 
 
 def verdict(iv: Interval, min_effect: float, both_at_floor: bool = False, p_adjusted: float | None = None,
-            level: float = LEVEL, min_seeds: int = MIN_SEEDS) -> str:
+            level: float = LEVEL, min_seeds: int = MIN_SEEDS, family: int = 1) -> str:
     """The verdict of ``iv`` against the stated ``min_effect`` (module docstring); ``p_adjusted`` (a
-    secondary's Holm-adjusted p-value) replaces the interval's own test of "excludes 0"."""
+    secondary's Holm-adjusted p-value) replaces the interval's own test of "excludes 0", and ``family``
+    (the number of secondaries judged together) widens the interval that "inside +- the minimum effect"
+    is read from to level ``1 - (1 - level) / family`` (Bonferroni), so that "bounded" and "negligible"
+    claims over a row are protected as its "resolved" ones are."""
     if iv.seeds < min_seeds:
         return "too few seeds"
     if both_at_floor:
@@ -285,7 +298,8 @@ def verdict(iv: Interval, min_effect: float, both_at_floor: bool = False, p_adju
     if not all(math.isfinite(x) for x in (iv.estimate, iv.low, iv.high, min_effect)) or min_effect <= 0:
         return "undecided"  # no minimum effect (e.g. relative to a reference mean of 0): no size to reach
     nonzero = iv.excludes_zero if p_adjusted is None else bool(p_adjusted < 1 - level)
-    inside = -min_effect < iv.low and iv.high < min_effect
+    low, high = iv.bounds(1 - (1 - level) / max(family, 1))
+    inside = -min_effect < low and high < min_effect
     if nonzero and abs(iv.estimate) >= min_effect:
         return "resolved"
     if inside:
