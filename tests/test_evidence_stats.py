@@ -157,6 +157,27 @@ def test_fid_draws_match_the_project_fid_and_resample_jointly():
     assert not np.array_equal(fixed, boot) and fixed.std() > 0
 
 
+def test_fid_draws_keep_the_reference_statistics_by_content(monkeypatch):
+    """The reference's resampled statistics are computed once per content and kept: a second sample set
+    against the same reference reuses them and gives what a fresh computation gives; a reference changed in
+    place is not served the kept ones."""
+    import studies.evidence_stats as es
+
+    rng = np.random.default_rng(5)
+    real, fakes = rng.normal(size=(300, 6)), [rng.normal(0.3, 1.0, size=(80, 6)) for _ in range(2)]
+    monkeypatch.setattr(es, "_REFERENCES", {})
+    kept = [fid_draws(real, fake, draws=30) for fake in fakes]
+    assert len(es._REFERENCES) == 1
+    for fake, (full, draws) in zip(fakes, kept):
+        monkeypatch.setattr(es, "_REFERENCES", {})
+        fresh = fid_draws(real, fake, draws=30)
+        assert full == fresh[0] and np.array_equal(draws, fresh[1])
+    real[0] += 10.0  # the same array, other content
+    moved = fid_draws(real, fakes[0], draws=30)
+    monkeypatch.setattr(es, "_REFERENCES", {})
+    assert moved[0] != kept[0][0] and np.array_equal(moved[1], fid_draws(real, fakes[0], draws=30)[1])
+
+
 def test_wilson_interval():
     for k, n in ((0, 300), (3, 300), (150, 300), (300, 300), (7, 20)):
         want = stats.binomtest(k, n).proportion_ci(method="wilson")

@@ -50,6 +50,7 @@ equivalence claim has no p-value for Holm's steps to order); the primary's are i
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -242,14 +243,32 @@ def fid_draws(real: np.ndarray, fake: np.ndarray, draws: int = 200, seed: int = 
     real, fake = np.asarray(real, dtype=np.float64), np.asarray(fake, dtype=np.float64)
     if real.ndim != 2 or fake.ndim != 2 or real.shape[1] != fake.shape[1] or min(len(real), len(fake)) < 2:
         raise ValueError(f"features must be (N >= 2, F) with the same F, got {real.shape} and {fake.shape}")
-    everything_r = np.full((1, len(real)), 1 / len(real))
-    w_r = np.concatenate([everything_r, resample_weights(len(real), draws, seed + 1)]) if resample_reference \
-        else everything_r
+    mu_r, cov_r, sqrt_r = _reference_statistics(real, draws, seed, resample_reference)
     w_g = np.concatenate([np.full((1, len(fake)), 1 / len(fake)), resample_weights(len(fake), draws, seed)])
-    mu_r, cov_r = _weighted_statistics(real, w_r)
     mu_g, cov_g = _weighted_statistics(fake, w_g)
-    fids = frechet(mu_r, _psd_sqrt(cov_r), cov_r, mu_g, cov_g)  # (1 + draws,); reference row 0 broadcast
+    fids = frechet(mu_r, sqrt_r, cov_r, mu_g, cov_g)  # (1 + draws,); reference row 0 broadcast
     return float(fids[0]), fids[1:]
+
+
+_REFERENCES: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # the last few, by content
+_REFERENCES_KEPT = 2
+
+
+def _reference_statistics(real: np.ndarray, draws: int, seed: int, resample_reference: bool):
+    """The reference's means, covariances and their square roots on the full set and (with
+    ``resample_reference``) its ``draws`` resamples: the same for every point a report compares (one
+    reference, one resampling seed), and most of :func:`fid_draws`' time (the reference holds thousands
+    of rows, a sample set hundreds), so computed once per reference content and kept."""
+    key = (hashlib.sha256(real.tobytes()).hexdigest(), real.shape, draws, seed, resample_reference)
+    if key not in _REFERENCES:
+        everything = np.full((1, len(real)), 1 / len(real))
+        weights = np.concatenate([everything, resample_weights(len(real), draws, seed + 1)]) \
+            if resample_reference else everything
+        mu, cov = _weighted_statistics(real, weights)
+        while len(_REFERENCES) >= _REFERENCES_KEPT:
+            _REFERENCES.pop(next(iter(_REFERENCES)))
+        _REFERENCES[key] = (mu, cov, _psd_sqrt(cov))
+    return _REFERENCES[key]
 
 
 # ------------------------------------------------------------------------------------------ rates
