@@ -605,6 +605,26 @@ def test_class_count_and_pretrained_family_are_checked(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_cut_weight_file_is_refused_in_one_line_before_any_write(tmp_path):
+    """model.init_from and a distillation teacher whose safetensors file was cut short (a download that
+    stopped) are refused naming the setting and the file, before output_dir exists: the headers are read,
+    not the weights."""
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    cfg = load_config(DiTRunConfig, TINY, [f"output_dir={tmp_path / 'x'}"])
+    DiTTask(cfg).build_transformer().save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cut = r"diffusion_pytorch_model\.safetensors' is not a readable safetensors file"
+    with pytest.raises(ConfigError, match=rf"model\.init_from=.*cut.*: .*{cut}"):
+        train(tmp_path / "run", f"model.init_from={tmp_path / 'cut'}")
+    with pytest.raises(ConfigError, match=rf"train\.distill teacher .*cut.*: .*{cut}"):
+        train(tmp_path / "run", "train.distill.output_weight=1", f"train.distill.teacher={tmp_path / 'cut'}")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_cli_config_errors_are_one_line_exit_2(tmp_path):
     bad = run_subprocess("train_dit.py", "--config", TINY, f"output_dir={tmp_path}", "train.max_stepz=3")

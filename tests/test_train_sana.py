@@ -134,6 +134,22 @@ def test_wrong_model_family_is_named(sana_setup, tmp_path):
         )
 
 
+def test_a_cut_weight_file_in_the_pipeline_is_named_before_any_write(sana_setup, tmp_path):
+    """A local model.pretrained whose VAE weights were cut short is refused in one line naming the setting
+    and the file (headers read, no weights), before output_dir exists."""
+    import shutil
+
+    from mhla_gen.errors import ConfigError
+
+    ckpt = shutil.copytree(sana_setup / "ckpt", tmp_path / "ckpt")
+    weights = next((ckpt / "vae").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-16])
+    with pytest.raises(ConfigError, match=r"model\.pretrained=.*ckpt.*vae/.*not a readable safetensors"):
+        run_inprocess("finetune_sana.py", "--config", TINY, f"model.pretrained={ckpt}",
+                      f"data.path={sana_setup / 'data'}", f"output_dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
+
+
 def _tree(root):
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

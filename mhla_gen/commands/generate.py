@@ -32,6 +32,7 @@ from mhla_gen.commands.cli import run
 from mhla_gen.configs import resolve_config
 from mhla_gen.data.teacher import read_prompts
 from mhla_gen.errors import ConfigError
+from mhla_gen.integration.loading import check_weight_files
 from mhla_gen.metrics.video import write_video
 from mhla_gen.outputs.folders import check_apart, claim, listed, owned, record_files
 from mhla_gen.outputs.locks import die_with_launcher, release
@@ -304,6 +305,7 @@ def check_model(cfg: GenerateConfig) -> None:
                               f"run finished?")
         if cfg.mhla:
             raise ConfigError("mhla is for stock transformers; a training run's transformer has its own")
+        check_weight_files(final, "transformer" if cfg.transformer else "run_config")
         check_sampled_model(cfg, None, str(final))
         return
     local = Path(cfg.model).expanduser()
@@ -318,6 +320,10 @@ def check_model(cfg: GenerateConfig) -> None:
     config = Path(cfg.transformer or local / "transformer").expanduser() / "config.json"
     if config.is_file():  # a local model: its settings checked before anything is written
         cfg.record.sampler.load().check_settings(json.loads(config.read_text()), sample_settings(cfg))
+    if cfg.transformer is not None:
+        check_weight_files(Path(cfg.transformer).expanduser(), f"transformer={cfg.transformer!r}")
+    elif (local / "transformer").is_dir():
+        check_weight_files(local / "transformer", f"{model_setting}={cfg.model!r}")
     check_sampled_model(cfg, cfg.model, cfg.transformer)
     if cfg.prompts_file and not Path(cfg.prompts_file).expanduser().is_file():
         raise FileNotFoundError(f"prompts_file={cfg.prompts_file!r} does not exist")

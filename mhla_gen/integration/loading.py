@@ -21,11 +21,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .install import is_mhla_installed
 from .lora import is_lora_folder, load_lora_mhla
 from .serialization import load_saved_transformer
 
 logger = logging.getLogger(__name__)
+
+
+def check_weight_files(folder: str | Path, setting: str) -> None:
+    """Every safetensors file in ``folder`` (not its subfolders) opens: its header reads and its data covers
+    what the header lists. Reads the headers only (no weights), so a command can refuse a truncated or
+    corrupt download in one line naming ``setting`` before it writes anything; a folder without
+    safetensors files passes (whatever loads it says what is missing)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"{setting}: {str(file)!r} is not a readable safetensors file ({err}); was its "
+                              f"download or copy cut short?") from None
 
 
 def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:

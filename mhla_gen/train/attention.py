@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..integration.install import CONFIG_KEY, install_mhla, mhla_processors, uninstall_mhla
-from ..integration.loading import load_transformer
+from ..integration.loading import check_weight_files, load_transformer
 from ..processors.config import MHLAConfig
 
 
@@ -141,7 +141,10 @@ def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_a
 def check_teacher_loads(cls, source: str, subfolder: str = "transformer") -> None:
     """A ``train.distill`` teacher that is not a local path must be a loadable hub id (its ``subfolder``'s
     config); ConfigError naming it otherwise."""
-    if Path(source).exists():
+    path = Path(source)
+    if path.exists():
+        check_weight_files(path / subfolder if (path / subfolder).is_dir() else path,
+                           f"train.distill teacher {source!r}")
         return
     try:
         cls.load_config(source, subfolder=subfolder)

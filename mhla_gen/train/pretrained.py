@@ -23,6 +23,7 @@ from torch import nn
 from ..bases import Base
 from ..errors import ConfigError
 from ..integration.install import stock_class_name
+from ..integration.loading import check_weight_files
 from ..integration.lora import is_lora_folder, save_lora_mhla
 from ..outputs.folders import input_record
 from ..processors.config import MHLAConfig
@@ -96,6 +97,10 @@ class PretrainedConfigs:
                 f"not a {wanted} (wrong script for this model?)"
             )
         check_expert(index, self.model.expert, self.model.pretrained)
+        local = Path(self.model.pretrained).expanduser()
+        for name, entry in index.items():  # a local pipeline's components: a cut weight file in one line
+            if isinstance(entry, list) and (local / name).is_dir():
+                check_weight_files(local / name, f"model.pretrained={self.model.pretrained!r}")
 
     def transformer(self) -> dict:
         """The trained transformer's ``config.json``: ``model.init_from``'s, else the checkpoint's."""

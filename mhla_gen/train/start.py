@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..integration.install import stock_class_name
+from ..integration.loading import check_weight_files
 from ..outputs.folders import check_recorded, read_marker
 from ..processors.config import MHLAConfig
 from .attention import install_attention, load_start_transformer, saved_mhla, start_attention
@@ -51,6 +52,7 @@ class StartPoint:
         folder = None
         if path.is_dir():
             folder = path / "transformer" if (path / "transformer").is_dir() else path
+            check_weight_files(folder, f"{SETTING}={ref!r}")  # a cut download: one line, before any write
         marker = (read_marker(folder) or {}) if folder is not None else {}
         return cls(ref=ref, folder=folder, saved=saved_mhla(folder), recorded_teacher=marker.get("teacher"),
                    teacher_record=marker.get("teacher_record"))
