@@ -128,6 +128,11 @@ def test_attention_stats_cli_on_a_saved_mhla_dit(tmp_path):
                                          r"mhla-gen adopt run .*pipeline"):
         module.main(["--model", str(tmp_path / "pipeline" / "transformer"), "--shapes", "--batch", "2"])
     assert sorted(p.name for p in (tmp_path / "pipeline").iterdir()) == ["transformer"]
+    weights = run / "final" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # a copy cut short: one line, nothing written
+    with pytest.raises(ValueError, match=r"--model .*final: .* is not a readable safetensors file"):
+        module.main(["--model", str(run / "final"), "--digits", "--out-dir", str(tmp_path / "cut")])
+    assert not (tmp_path / "cut").exists()
     stats = module.main(["--model", str(tmp_path / "pipeline" / "transformer"), "--shapes", "--batch", "2",
                          "--out-dir", str(tmp_path / "rgb_stats")])
     assert all(0 <= s["mirror_mass"] <= s["mirror_mass_best_head"] <= 1 for s in stats)

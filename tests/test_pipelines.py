@@ -121,6 +121,21 @@ def test_sample_script_rejects_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_sample_script_names_a_cut_weight_file(tmp_path, capsys):
+    """A --transformer (or --model's transformer/) whose safetensors file was cut short: one line naming
+    the setting and the file, before the pipeline loads."""
+    from mhla_gen.testing import tiny_dit
+
+    tiny_dit().save_pretrained(tmp_path / "pipe" / "transformer")
+    weights = tmp_path / "pipe" / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    for flags in (["--model", "x/y", "--transformer", str(tmp_path / "pipe" / "transformer")],
+                  ["--model", str(tmp_path / "pipe")]):
+        with pytest.raises(SystemExit):
+            _sample_module().parse_args(["--base", "dit", "--labels", "1", *flags])
+        assert "is not a readable safetensors file" in capsys.readouterr().err
+
+
 def test_sample_script_end_to_end(tmp_path, dit_pipeline_dir):
     folder, _ = dit_pipeline_dir
     out = tmp_path / "samples"

@@ -26,7 +26,7 @@ from mhla_gen.commands.cli import expand_path, run
 from mhla_gen.data.digits import digits_tensors
 from mhla_gen.data.shapes import HELD_OUT_SEED, shapes_tensors
 from mhla_gen.errors import ConfigError
-from mhla_gen.integration.loading import load_transformer
+from mhla_gen.integration.loading import check_weight_files, load_transformer
 from mhla_gen.metrics.attention import (
     attention_statistics,
     example_inputs,
@@ -97,6 +97,7 @@ def main(argv=None) -> list[dict]:
         raise ConfigError(f"--timestep must be in 0..999, got {args.timestep}")
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(args.model)
     check_apart(out_dir, "--out-dir", {"--model": args.model})  # before any work
+    check_weight_files(args.model, f"--model {args.model}")
     owned(out_dir, STATS_FOLDER, "--out-dir")
 
     model = load_transformer(args.model)

@@ -39,6 +39,7 @@ from mhla_gen.bases import BASES, base_for
 from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
 from mhla_gen.integration.install import is_mhla_installed
+from mhla_gen.integration.loading import check_weight_files
 from mhla_gen.integration.lora import is_lora_folder, lora_mhla_config
 from mhla_gen.outputs.folders import check_apart, claim, owned
 from mhla_gen.pipelines import SampleSettings
@@ -122,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         pipeline = (Path(folder) / "transformer").is_dir()
         hint = " (a pipeline folder: pass its transformer/)" if pipeline else ""
         parser.error(f"--transformer {folder} is not a saved transformer folder (no config.json){hint}")
+    weights = folder or (Path(args.model) / "transformer" if Path(args.model).is_dir() else None)
+    try:  # a cut download: one line here, not a traceback after the pipeline's other parts loaded
+        if weights is not None:
+            check_weight_files(weights, f"--transformer {folder}" if folder else f"--model {args.model}")
+    except ConfigError as error:
+        parser.error(str(error))
     return args
 
 
