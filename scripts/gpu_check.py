@@ -32,7 +32,8 @@ reported with its output and the next one runs):
     training steps): only when the time budget still holds their whole limit;
 12. ``kernel check``, 13. ``scale-study sizing`` and 14. ``scale study`` (N >> M², ``eval/scale_study.py``):
     the bf16 kernel tests against the oracle on both kernel paths (about a minute; the study trains with
-    them, so it is not run if they fail), the training images/s of softmax, MHLA and linear attention at
+    them, so it is not run if they fail; left out when ``kernel tests``, which include them, passed
+    earlier in the same run), the training images/s of softmax, MHLA and linear attention at
     1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the study
     sized by it: the three arms x 3 seeds at both token counts, 70 s of device training per grid (within
     the section's 300 s with start-up and evaluations), its record and tables in ``scale_study/`` beside
@@ -117,7 +118,8 @@ class Section:
     only when the budget still holds ``timeout_s``; ``whole_output``: the report keeps all of it;
     ``needs_file``: not run while this file does not exist (a script still being written); ``needs_output``:
     not run while the outputs folder lacks this file (an earlier section writes it); ``writes``: the
-    files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it."""
+    files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it;
+    ``covered_by``: not run when that section passed earlier in the same run (its tests include these)."""
 
     name: str
     command: list[str]
@@ -130,6 +132,7 @@ class Section:
     needs_file: Path | None = None
     needs_output: str | None = None
     writes: tuple[str, ...] = ()
+    covered_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,8 @@ def scale_study_sections(python: str) -> list[Section]:
     pytest = [*_gpu_pytest(python), str(KERNEL_TEST_FILES[0])]
     return [
         Section("kernel check", [*pytest, *KERNEL_CHECK], KERNEL_CHECK_LIMIT_S,
-                [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True),
+                [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True,
+                covered_by="kernel tests"),  # a subset of them: run when they did not run before it
         Section("scale-study sizing", [*script, "--sizing-only", "--sizing", sizing, "--sizing-seconds", "2"],
                 SIZING_LIMIT_S,
                 [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
@@ -394,10 +398,13 @@ def _tail(text: str, lines: int | None = OUTPUT_TAIL_LINES) -> str:
 
 
 def skip_reason(section: Section, remaining_s: float, kernels_failed: bool,
-                outputs: Path | None = None) -> str | None:
-    """Why ``section`` does not run now (None: it runs); ``outputs``: the folder beside the report."""
+                outputs: Path | None = None, passed: frozenset[str] = frozenset()) -> str | None:
+    """Why ``section`` does not run now (None: it runs); ``outputs``: the folder beside the report;
+    ``passed``: the sections that passed so far in this run."""
     if kernels_failed and section.trusts_kernels:
         return "not run (the kernel tests did not pass)"
+    if section.covered_by in passed:
+        return f"not run ({section.covered_by} passed in this run: its tests include these)"
     if section.needs_file is not None and not section.needs_file.is_file():
         return f"not run ({section.needs_file.relative_to(REPO)} does not exist)"
     if section.needs_output is not None and not (outputs and (outputs / section.needs_output).is_file()):
@@ -515,7 +522,8 @@ def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner
     results, files, kernels_failed = [], {}, False
     for index, section in enumerate(planned, 1):
         remaining = args.budget_s - (time.monotonic() - start)
-        reason = skip_reason(section, remaining, kernels_failed, folder)
+        passed = frozenset(r.name for r in results if r.passed)
+        reason = skip_reason(section, remaining, kernels_failed, folder, passed)
         if reason is not None:
             results.append(SectionResult(section.name, section.command, reason, 0.0, ""))
         else:

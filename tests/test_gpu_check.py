@@ -82,7 +82,8 @@ def test_report_lists_environment_summary_and_every_section(gpu_check, tmp_path)
     assert text.startswith(gpu_check.REPORT_RECORD + "\n# mhla_gen GPU check\n")
     sections = gpu_check.default_sections()
     ran = [s for s in sections if (s.needs_file is None or s.needs_file.is_file())
-           and s.needs_output is None]  # the fake sizing writes no file: the scale study is left out
+           and s.needs_output is None  # the fake sizing writes no file: the scale study is left out
+           and s.covered_by is None]  # the kernel check: the kernel tests passed before it
     assert f"{len(ran) - 2} / {len(sections)} sections passed" in text
     for key, value in FAKE_ENVIRONMENT.items():
         assert f"| {key} | {value} |" in text
@@ -138,13 +139,14 @@ def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp
     assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
     assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
     clock[0], calls[:] = 0.0, []
-    budget = "410"  # 12 sections of 10 s and 290 s left: the optional benchmarks, kernel check and sizing fit
+    budget = "410"  # 11 sections of 10 s and 300 s left: the optional benchmarks, sizing and study fit
     (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
     assert [name for name, _ in calls][-5:] == ["Wan2.1-1.3B step, compiled", "other gpu tests",
-                                                 "kernel check", "scale-study sizing", "stream study on cuda"]
-    assert "| scale study | not run (time budget: 290 s left, 300 s needed) | |" in out.read_text()
+                                                 "scale-study sizing", "scale study", "stream study on cuda"]
+    text = out.read_text()  # its tests are a subset of the kernel tests, which passed first
+    assert "| kernel check | not run (kernel tests passed in this run: its tests include these) | |" in text
 
 
 def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_check, tmp_path, monkeypatch):
