@@ -57,7 +57,8 @@ Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the t
 would get less than 20 s is not run, and the optional sections run only when their whole limit fits. A
 section past its limit gets Ctrl-C (SIGINT to its process group) and 30 s to keep what it finished (the
 scale study writes the record of its finished runs), then SIGKILL: give a caller's own time limit the
-budget plus 30 s.
+budget plus 30 s plus the environment probe before it (a few seconds; a minute at most). A check that is
+killed itself takes its running section with it (the section dies with it).
 
 The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit, copy
 bandwidth), then a summary table (status and time per section), then each section's command and the tail of
@@ -77,6 +78,7 @@ import datetime
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -341,17 +343,21 @@ def dry_environment() -> dict[str, str]:
 def run_section(section: Section, timeout_s: float | None = None,
                 outputs: Path | None = None) -> SectionResult:
     """Run one section's command in the repository root; never raises. ``outputs`` becomes
-    ``$GPU_CHECK_OUT`` for the command."""
+    ``$GPU_CHECK_OUT`` for the command. The section runs in its own process group (stopped as a whole,
+    its workers with it) and dies with this script (:data:`SECTION_START`)."""
     limit = section.timeout_s if timeout_s is None else timeout_s
     paths = [str(REPO), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     if outputs is not None:
         env["GPU_CHECK_OUT"] = str(outputs)
+    if shutil.which(section.command[0]) is None:
+        return SectionResult(section.name, section.command, f"could not start: no program "
+                             f"{section.command[0]!r}", 0.0, "")
     start = time.monotonic()
-    try:  # its own process group: the section's workers are stopped with it
-        process = subprocess.Popen(section.command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   preexec_fn=_interruptible)
+    try:
+        process = subprocess.Popen([sys.executable, "-c", SECTION_START, str(os.getpid()), *section.command],
+                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, encoding="utf-8", errors="replace", start_new_session=True)
     except OSError as err:
         return SectionResult(section.name, section.command, f"could not start: {err}", 0.0, "")
     try:
@@ -364,22 +370,39 @@ def run_section(section: Section, timeout_s: float | None = None,
     return SectionResult(section.name, section.command, status, time.monotonic() - start, output)
 
 
+# What a section's process runs before its command (no preexec_fn: this script holds CUDA's threads by
+# then): Ctrl-C at its default, also when this script was started with SIGINT ignored (a background job of
+# a non-interactive shell passes that on), and SIGKILL when this script dies (prctl PR_SET_PDEATHSIG, kept
+# across exec), so a check that is itself killed leaves no section running on the device.
+SECTION_START = """import ctypes, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(sys.argv[1]):
+        os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
 def _stop(process: subprocess.Popen) -> str:
     """Ctrl-C to a section past its limit, so that it can keep what it finished (the scale study writes
     the record of its finished runs; pytest prints its summary); SIGKILL after ``STOP_GRACE_S``. Its
-    output."""
+    output (what came before a descendant that escaped the group kept the pipe open: a few seconds)."""
     _signal_group(process, signal.SIGINT)
     try:
         return process.communicate(timeout=STOP_GRACE_S)[0]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         _signal_group(process, signal.SIGKILL)
-        return process.communicate()[0]
+        try:
+            return process.communicate(timeout=5)[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            return _text(err.output)
 
 
-def _interruptible() -> None:
-    """In the section's process before it starts: Ctrl-C at its default, also when this script was started
-    with SIGINT ignored (a background job of a non-interactive shell), which its children would inherit."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _text(part) -> str:
+    return part.decode("utf-8", errors="replace") if isinstance(part, bytes) else (part or "")
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -272,6 +272,41 @@ def test_a_section_past_its_limit_gets_ctrl_c_then_sigkill(gpu_check, tmp_path, 
         raise AssertionError(f"the section's worker {worker} is still running")
 
 
+def _gone(pid: int, seconds: float = 10.0) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie) within ``seconds``."""
+    for _ in range(int(seconds * 10)):
+        stat = Path(f"/proc/{pid}/stat")
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_section_dies_with_the_check_that_runs_it(gpu_check, tmp_path):
+    """A check killed with SIGKILL (a caller's time limit) leaves no section running on the device."""
+    pid_file = tmp_path / "section.pid"
+    section = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid()));"
+               " time.sleep(60)"]
+    runner = ("import sys; sys.path.insert(0, 'tests'); from script_helpers import load_script\n"
+              "g = load_script('scripts/gpu_check.py')\n"
+              f"g.run_section(g.Section('s', {section!r}, 60))\n")
+    check = subprocess.Popen([sys.executable, "-c", runner], cwd=REPO)
+    try:
+        for _ in range(300):
+            if pid_file.is_file() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        section_pid = int(pid_file.read_text())
+    finally:
+        check.kill()
+        check.wait()
+    assert _gone(section_pid), f"the section {section_pid} outlived its check"
+
+
 def _parse(script: Path, argv: list[str]):
     module = load_script(script)
     if hasattr(module, "parse_args"):
