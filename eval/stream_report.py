@@ -204,7 +204,9 @@ def page(records: dict, costs: dict, size: bed.Size, command: str, date: str, co
              f"Score: per clip, the share of a window's frames passing the question's check (`all`: count, "
              f"colour and motion at once); minimum effect {MIN_EFFECT}, floor {FLOOR} (the 95 % Wilson "
              f"bound of a pooled rate, every seed's clips its samples), {DRAWS} joint resamples of seeds and "
-             "clips.",
+             "clips. A secondary's p is Holm-adjusted over the secondaries, and its \"inside ± the minimum "
+             "effect\" (bounded, negligible) is read on its interval widened to level 1 − 0.05/m over the m "
+             "secondaries, not on the 95 % one shown.",
              "",
              "| comparison | role | rates | difference [95 %] | per seed | p | verdict |",
              "|---|---|---|---|---|---|---|", *(fmt_cell(c, size) for c in cells), ""]

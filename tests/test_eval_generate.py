@@ -177,6 +177,14 @@ def test_generate_weights_that_do_not_load_leave_no_folder(tiny_run, tmp_path):
         load("generate").main(["base=dit", f"run_config={run / 'config.yaml'}", f"output_dir={out}",
                                "labels=[0]", "steps=1"])
     assert not out.exists()
+    from safetensors.torch import load_file, save_file
+
+    whole = load_file(str(tiny_run / "final" / weights.name))
+    save_file(dict(list(whole.items())[1:]), str(weights))  # a whole file, one tensor short: fails to load
+    with pytest.raises(Exception, match=r"(?i)missing|size|load"):
+        load("generate").main(["base=dit", f"run_config={run / 'config.yaml'}", f"output_dir={out}",
+                               "labels=[0]", "steps=1"])
+    assert not out.exists()  # the sampler loaded before the folder was marked
 
 
 def test_generate_on_two_ranks_matches_one_process(tiny_run, tmp_path):
@@ -202,8 +210,10 @@ def test_generate_refuses_ranks_that_would_each_run_alone(tiny_run, tmp_path, mo
     from mhla_gen.errors import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)  # with it, Accelerate would try to join ranks
     out = tmp_path / "samples"
-    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 but Accelerate sees a single process"):
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 but Accelerate sees a single process.*"
+                                          r"torchrun --nproc_per_node 2 eval/generate\.py"):
         load("generate").main(["base=dit", f"run_config={tiny_run / 'config.yaml'}", f"output_dir={out}",
                                "labels=[0]", "steps=1"])
     assert not out.exists()

@@ -229,9 +229,11 @@ def test_a_secondary_is_inside_the_minimum_effect_on_its_family_wide_interval():
 def test_interval_bounds_at_another_level_are_the_interval_built_at_it():
     for diffs, var_sample in (([1.0, 2.0, 3.5], 0.0), ([0.2, 0.25, 0.1, 0.3], 0.01), ([1.0, 1.0, 1.0], 0.04)):
         at_95 = interval_from(combine(diffs, var_sample), diffs)
+        at_90 = interval_from(combine(diffs, var_sample, level=0.9), diffs)  # scaled from its own level
         for level in (0.95, 0.99, 0.995):
             want = combine(diffs, var_sample, level=level)
             assert at_95.bounds(level) == pytest.approx((float(want["low"]), float(want["high"])))
+            assert at_90.bounds(level) == pytest.approx((float(want["low"]), float(want["high"])))
 
 
 def test_combine_uses_t_tails_for_few_seeds_and_the_sample_part():

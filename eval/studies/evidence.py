@@ -390,7 +390,8 @@ RULES = ("verdicts (docs/evaluation.md#verdicts): resolved = the 95 % interval (
          "minimum effect; bounded = contains 0, inside ± it; neither = both arms at a rate's floor; too few "
          "seeds = under 3; otherwise undecided. MDD: the difference 3 seeds detect with 80 % power, from a "
          "pilot's seed spread. (primary) marks each question's primary metric; the others are judged on "
-         "their Holm-adjusted p")
+         "their Holm-adjusted p, and their \"inside ± the minimum effect\" on the interval widened to level "
+         "1 − 0.05/m over the m others (Bonferroni)")
 
 
 def fmt_comparison(c: dict, digits: int = 2) -> str:

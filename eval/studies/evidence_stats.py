@@ -81,6 +81,7 @@ class Interval:
     p: float
     source: str
     per_seed: tuple[float, ...] = ()
+    level: float = LEVEL  # the level low and high were built at
 
     @property
     def half_width(self) -> float:
@@ -91,12 +92,12 @@ class Interval:
         return bool(self.low > 0 or self.high < 0)
 
     def bounds(self, level: float) -> tuple[float, float]:
-        """``(low, high)`` at ``level`` instead of :data:`LEVEL`: the same t interval (``df``), its
+        """``(low, high)`` at ``level`` instead of the interval's own: the same t interval (``df``), its
         half-width scaled by the ratio of the two quantiles."""
-        if level == LEVEL:
+        if level == self.level:
             return self.low, self.high
-        half = self.half_width * stats.t.ppf(0.5 + level / 2, self.df) / stats.t.ppf(0.5 + LEVEL / 2, self.df)
-        return self.estimate - half, self.estimate + half
+        ratio = stats.t.ppf(0.5 + level / 2, self.df) / stats.t.ppf(0.5 + self.level / 2, self.df)
+        return self.estimate - self.half_width * ratio, self.estimate + self.half_width * ratio
 
 
 # ------------------------------------------------------------------------------------------ resampling
@@ -145,14 +146,15 @@ def combine(per_seed_diffs, var_sample, source: str = "bootstrap", level: float 
     p = np.where(np.isfinite(total), p, np.nan)
     return {"estimate": estimate, "low": estimate - half, "high": estimate + half, "var_seed": var_seed,
             "var_sample": np.asarray(var_sample, dtype=float) + 0 * estimate, "df": df, "p": p,
-            "source": source}
+            "source": source, "level": level}
 
 
 def interval_from(parts: dict, per_seed) -> Interval:
     """One :class:`Interval` from :func:`combine`'s output for a single comparison."""
     return Interval(float(parts["estimate"]), float(parts["low"]), float(parts["high"]), len(per_seed),
                     float(parts["var_seed"]), float(parts["var_sample"]), float(parts["df"]),
-                    float(parts["p"]), parts["source"], tuple(float(x) for x in per_seed))
+                    float(parts["p"]), parts["source"], tuple(float(x) for x in per_seed),
+                    float(parts.get("level", LEVEL)))
 
 
 def paired_draws(full_a, full_b, draws_a, draws_b, level: float = LEVEL) -> dict:
@@ -317,7 +319,7 @@ def verdict(iv: Interval, min_effect: float, both_at_floor: bool = False, p_adju
     if not all(math.isfinite(x) for x in (iv.estimate, iv.low, iv.high, min_effect)) or min_effect <= 0:
         return "undecided"  # no minimum effect (e.g. relative to a reference mean of 0): no size to reach
     nonzero = iv.excludes_zero if p_adjusted is None else bool(p_adjusted < 1 - level)
-    low, high = iv.bounds(1 - (1 - level) / max(family, 1))
+    low, high = (iv.low, iv.high) if family <= 1 else iv.bounds(1 - (1 - level) / family)
     inside = -min_effect < low and high < min_effect
     if nonzero and abs(iv.estimate) >= min_effect:
         return "resolved"

@@ -350,7 +350,7 @@ def generate(cfg: GenerateConfig) -> Path:
     die_with_launcher()  # a rank stops with its launcher
     # ACCELERATE_USE_CPU: gloo ranks on CPU, as Accelerator reads it (PartialState alone does not)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    check_world_size(state)  # ranks that each ran alone would all write every sample
+    check_world_size(state, script="eval/generate.py")  # ranks each alone would all write every sample
     out = Path(cfg.output_dir).expanduser()
     chash = config_hash(cfg)
     items = sample_items(cfg)

@@ -63,18 +63,19 @@ def launcher_precision_note(mixed_precision: str, env=os.environ) -> str | None:
             f"train.mixed_precision={launched} to follow the launcher)")
 
 
-def check_world_size(accelerator, env=os.environ) -> None:
+def check_world_size(accelerator, env=os.environ, script: str = "scripts/<script>.py") -> None:
     """Fail fast when the launch asked for several processes but Accelerate runs this one alone (each
     would train or sample as rank 0 into the same output_dir, or one process would do the work of N).
-    ``accelerator``: an ``Accelerator`` or a ``PartialState``."""
+    ``accelerator``: an ``Accelerator`` or a ``PartialState``; ``script``: the command the advice names."""
     if accelerator.num_processes > 1:
         return
     world = int(env.get("WORLD_SIZE", "1") or 1)
     if world > 1:
+        launch = CPU_LAUNCH.format(n=world).replace("scripts/<script>.py", script)
         raise ConfigError(
             f"WORLD_SIZE={world} but Accelerate sees a single process ({accelerator.distributed_type}): "
             f"each process would work alone into the same output_dir. On CPU, launch with "
-            f"`{CPU_LAUNCH.format(n=world)}` (gloo); the DDP and FSDP launch configs need one GPU per process"
+            f"`{launch}` (gloo); the DDP and FSDP launch configs need one GPU per process"
         )
     launched = "ACCELERATE_DYNAMO_BACKEND" in env  # exported by every `accelerate launch`
     mpi = any(k in env for k in _MPI_WORLD)
