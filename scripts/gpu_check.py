@@ -373,7 +373,9 @@ def run_section(section: Section, timeout_s: float | None = None,
 # What a section's process runs before its command (no preexec_fn: this script holds CUDA's threads by
 # then): Ctrl-C at its default, also when this script was started with SIGINT ignored (a background job of
 # a non-interactive shell passes that on), and SIGKILL when this script dies (prctl PR_SET_PDEATHSIG, kept
-# across exec), so a check that is itself killed leaves no section running on the device.
+# across exec), so a check that is itself killed leaves no section running on the device. The prctl lines
+# are mhla_gen.outputs.locks.die_with_parent's, written out: importing it loads the package (torch,
+# diffusers: seconds) before every section.
 SECTION_START = """import ctypes, os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 if sys.platform.startswith("linux"):

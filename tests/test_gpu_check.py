@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from script_helpers import load_script
+from train_helpers import running
 
 from mhla_gen.errors import ConfigError
 
@@ -263,26 +264,16 @@ def test_a_section_past_its_limit_gets_ctrl_c_then_sigkill(gpu_check, tmp_path, 
     start = time.monotonic()
     result = gpu_check.run_section(gpu_check.Section("s", [python, "-c", ignores], 2))
     assert result.status == "timed out after 2 s" and time.monotonic() - start < 30
-    worker = int(child.read_text())
-    for _ in range(50):  # SIGKILLed with its parent's group; reaped by init
-        if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the section's worker {worker} is still running")
+    worker = int(child.read_text())  # SIGKILLed with its parent's group
+    assert _gone(worker, 5.0), f"the section's worker {worker} is still running"
 
 
 def _gone(pid: int, seconds: float = 10.0) -> bool:
     """Whether process ``pid`` has ended (or is a zombie) within ``seconds``."""
-    for _ in range(int(seconds * 10)):
-        stat = Path(f"/proc/{pid}/stat")
-        try:
-            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (FileNotFoundError, ProcessLookupError):
-            return True
+    deadline = time.monotonic() + seconds
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return False
+    return not running(pid)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

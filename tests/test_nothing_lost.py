@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from test_cli_errors import TINY_SANA, fails_in_one_line
 from test_ownership import TINY_DIT, assets, checksums, load_script, refused, user_files  # noqa: F401
-from train_helpers import PYTHON, REPO, run_inprocess, subprocess_env
+from train_helpers import PYTHON, REPO, run_inprocess, running, subprocess_env
 
 from mhla_gen.bases import BASES
 from mhla_gen.errors import ConfigError
@@ -588,14 +588,6 @@ launcher.wait()
 """
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for a reaper, which a container may lack)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 @pytest.mark.parametrize("killed", ["parent", "launcher"])
 def test_the_ranks_of_a_real_launch_die_with_their_parent(killed, tmp_path):
@@ -622,13 +614,13 @@ def test_the_ranks_of_a_real_launch_die_with_their_parent(killed, tmp_path):
         if killed == "parent":
             parent.wait()
         deadline = time.monotonic() + 15
-        while any(map(_running, pids)) and time.monotonic() < deadline:
+        while any(map(running, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [f"{what} {pid}" for pid, what in pids.items() if _running(pid)]
+        left = [f"{what} {pid}" for pid, what in pids.items() if running(pid)]
         assert not left, f"outlived the kill: {left}"
     finally:
         for pid in [*pids, parent.pid]:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()
 

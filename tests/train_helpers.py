@@ -63,6 +63,14 @@ def torchrun(nproc: int) -> list[str]:
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper, which a container may lack)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240):
     """``ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node <nproc> scripts/<script> args``: real
     gloo processes that Accelerate joins as MULTI_CPU (``accelerate launch --cpu`` starts only one). Each

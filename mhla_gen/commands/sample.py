@@ -124,11 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         hint = " (a pipeline folder: pass its transformer/)" if pipeline else ""
         parser.error(f"--transformer {folder} is not a saved transformer folder (no config.json){hint}")
     weights = folder or (Path(args.model) / "transformer" if Path(args.model).is_dir() else None)
-    try:  # a cut download: one line here, not a traceback after the pipeline's other parts loaded
-        if weights is not None:
+    if weights is not None:  # a cut download: one line here, not a traceback after the pipeline loaded
+        try:
             check_weight_files(weights, f"--transformer {folder}" if folder else f"--model {args.model}")
-    except ConfigError as error:
-        parser.error(str(error))
+        except ConfigError as error:
+            parser.error(str(error))
     return args
 
 
