@@ -138,13 +138,17 @@ def load_start_transformer(cls, folder, attention: str, mhla: MHLAConfig, init_a
     return transformer.train()
 
 
+def teacher_folder(path: Path, subfolder: str = "transformer") -> Path:
+    """A local teacher's transformer folder: a pipeline folder's ``subfolder``, else ``path`` itself."""
+    return path / subfolder if (path / subfolder).is_dir() else path
+
+
 def check_teacher_loads(cls, source: str, subfolder: str = "transformer") -> None:
     """A ``train.distill`` teacher that is not a local path must be a loadable hub id (its ``subfolder``'s
     config); ConfigError naming it otherwise."""
     path = Path(source)
     if path.exists():
-        check_weight_files(path / subfolder if (path / subfolder).is_dir() else path,
-                           f"train.distill teacher {source!r}")
+        check_weight_files(teacher_folder(path, subfolder), f"train.distill teacher {source!r}")
         return
     try:
         cls.load_config(source, subfolder=subfolder)
@@ -158,8 +162,7 @@ def load_teacher(cls, source: str, subfolder: str = "transformer") -> nn.Module:
     expert)."""
     path = Path(source)
     if path.is_dir():
-        folder = path / subfolder if (path / subfolder).is_dir() else path
-        teacher = load_transformer(folder)
+        teacher = load_transformer(teacher_folder(path, subfolder))
     else:
         teacher = cls.from_pretrained(source, subfolder=subfolder)
     if not isinstance(teacher, cls):
