@@ -112,6 +112,53 @@ def test_mhla_config_mismatch_in_folder_is_caught(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(BASES))
+def test_weight_headers_checked_against_the_config(tmp_path, name):
+    """``weights_mismatch`` reads a saved transformer's headers against the model its config.json describes:
+    a whole folder fits (stock and with MHLA), a tensor dropped or cut to another shape is named, and the
+    unexpected ones count where the strict loader reads the folder (MHLA recorded)."""
+    from mhla_gen.integration.serialization import weights_mismatch
+
+    factory, _, cfg = record_case(name)
+    stock, with_mhla = tmp_path / "stock", tmp_path / "mhla"
+    factory().save_pretrained(stock)
+    trained_like(factory, cfg).save_pretrained(with_mhla)
+    assert weights_mismatch(stock) is None and weights_mismatch(with_mhla) is None
+    for folder in (stock, with_mhla):
+        weights = folder / "diffusion_pytorch_model.safetensors"
+        state = load_file(weights)
+        dropped, cut = sorted(state)[0], sorted(state)[-1]
+        state.pop(dropped)
+        state[cut] = state[cut].reshape(-1)[:1].clone()
+        state["extra.weight"] = torch.zeros(1)
+        save_file(state, weights)
+        found = weights_mismatch(folder)
+        assert f"missing 1 ({dropped})" in found and f"of another shape 1 ({cut} (1,)" in found
+        assert ("unexpected 1 (extra.weight)" in found) == (folder == with_mhla)
+
+
+def test_weight_headers_of_shards_and_other_folders(tmp_path):
+    """Shards listed in an index are read together; a folder that is not a transformer of a supported
+    base (a VAE, no config.json) or has no default weight file is not this check's (None)."""
+    from diffusers import AutoencoderKL
+
+    from mhla_gen.integration.serialization import weights_mismatch
+
+    model = tiny_dit()
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    assert weights_mismatch(tmp_path / "sharded") is None
+    shard = sorted((tmp_path / "sharded").glob("*.safetensors"))[-1]
+    lost = sorted(load_file(shard))
+    save_file({}, shard)
+    assert f"missing {len(lost)} (" in weights_mismatch(tmp_path / "sharded")
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4)
+    vae.save_pretrained(tmp_path / "vae")
+    assert weights_mismatch(tmp_path / "vae") is None and weights_mismatch(tmp_path) is None
+    model.save_config(tmp_path / "config_only")
+    assert weights_mismatch(tmp_path / "config_only") is None
+
+
+@pytest.mark.parametrize("name", sorted(BASES))
 def test_mhla_only_export_import(tmp_path, name):
     factory, call, cfg = record_case(name)
     model = trained_like(factory, cfg)

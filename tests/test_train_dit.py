@@ -625,6 +625,30 @@ def test_a_cut_weight_file_is_refused_in_one_line_before_any_write(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_weight_file_one_tensor_short_is_refused_before_any_write(tmp_path):
+    """model.init_from and a distillation teacher whose whole safetensors file lacks one tensor: diffusers
+    would load it with that tensor at random (a logged warning) and the run would train from it; refused
+    naming the setting and the tensor, before output_dir exists."""
+    from safetensors.torch import load_file, save_file
+
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.train.config import DiTRunConfig, load_config
+    from mhla_gen.train.dit import DiTTask
+
+    cfg = load_config(DiTRunConfig, TINY, [f"output_dir={tmp_path / 'x'}", "model.attention=softmax"])
+    DiTTask(cfg).build_transformer().save_pretrained(tmp_path / "short")  # stock: diffusers loads it
+    weights = tmp_path / "short" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if k != "proj_out_2.weight"}, weights)
+    short = r"do not fit its config\.json: missing 1 \(proj_out_2\.weight\)"
+    with pytest.raises(ConfigError, match=rf"model\.init_from=.*short.*: .*{short}"):
+        train(tmp_path / "run", f"model.init_from={tmp_path / 'short'}")
+    with pytest.raises(ConfigError, match=rf"train\.distill teacher .*short.*: .*{short}"):
+        train(tmp_path / "run", "train.distill.output_weight=1",
+              f"train.distill.teacher={tmp_path / 'short'}")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_cli_config_errors_are_one_line_exit_2(tmp_path):
     bad = run_subprocess("train_dit.py", "--config", TINY, f"output_dir={tmp_path}", "train.max_stepz=3")

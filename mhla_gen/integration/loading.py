@@ -24,16 +24,18 @@ from torch import nn
 from ..errors import ConfigError
 from .install import is_mhla_installed
 from .lora import is_lora_folder, load_lora_mhla
-from .serialization import load_saved_transformer
+from .serialization import load_saved_transformer, weights_mismatch
 
 logger = logging.getLogger(__name__)
 
 
 def check_weight_files(folder: str | Path, setting: str) -> None:
     """Every safetensors file in ``folder`` (not its subfolders) opens: its header reads and its data covers
-    what the header lists. Reads the headers only (no weights), so a command can refuse a truncated or
-    corrupt download in one line naming ``setting`` before it writes anything; a folder without
-    safetensors files passes (whatever loads it says what is missing)."""
+    what the header lists; and, for a transformer of a supported base, the weights hold every tensor its
+    ``config.json`` needs, at its shape (:func:`~mhla_gen.integration.serialization.weights_mismatch`).
+    Reads the headers only (no weights), so a command can refuse a truncated or corrupt download, or a
+    file one tensor short that diffusers would fill at random, in one line naming ``setting`` before it
+    writes anything; a folder without safetensors files passes (whatever loads it says what is missing)."""
     from safetensors import SafetensorError, safe_open
 
     for file in sorted(Path(folder).glob("*.safetensors")):
@@ -43,6 +45,12 @@ def check_weight_files(folder: str | Path, setting: str) -> None:
         except (SafetensorError, OSError) as err:
             raise ConfigError(f"{setting}: {str(file)!r} is not a readable safetensors file ({err}); was its "
                               f"download or copy cut short?") from None
+    try:
+        mismatch = weights_mismatch(folder)
+    except ValueError as err:  # config.json records MHLA, the weights hold none of it
+        raise ConfigError(f"{setting}: {err}") from None
+    if mismatch is not None:
+        raise ConfigError(f"{setting}: {mismatch}; nothing was changed")
 
 
 def load_transformer(path, torch_dtype: torch.dtype | None = None, device=None, base=None) -> nn.Module:

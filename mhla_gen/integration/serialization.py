@@ -78,6 +78,73 @@ def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source) -> N
     module.load_state_dict(state, strict=True, assign=True)
 
 
+def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """Name -> shape of every tensor in a diffusers model folder's weights, from the headers only (the one
+    safetensors file, or the shards its index lists); None when it has neither or a listed shard is absent
+    (whatever loads it says so)."""
+    single, index = folder / SAFETENSORS_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        shards = json.loads(index.read_text())["weight_map"].values()
+        files = [folder / shard for shard in sorted(set(shards))]
+    else:
+        return None
+    if not all(file.is_file() for file in files):
+        return None
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
+def weights_mismatch(folder: str | Path) -> str | None:
+    """What a transformer folder's weights lack against the model its ``config.json`` describes (with the
+    MHLA it records), in one line: missing tensors and shape mismatches, and, where :func:`_load_strict`
+    reads the folder (MHLA recorded), unexpected ones. None when they fit, or when the folder is not a
+    saved transformer of a supported base (no ``config.json``, another class, no default weight file).
+
+    diffusers' ``from_pretrained`` loads a stock folder one tensor short with a logged warning and that
+    tensor randomly initialised; a command that checks this first refuses it before it writes anything.
+    Headers only; the model is built on the meta device."""
+    folder = Path(folder)
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+        mhla = config.pop(CONFIG_KEY, None)
+        base = base_for_class_name(stock_class_name(config.get("_class_name")), config)
+        shapes = saved_shapes(folder)
+        with init_empty_weights(include_buffers=False):
+            model = base.processor.model_cls.from_config(config)
+            if mhla is not None:
+                install_mhla(model, MHLAConfig.from_dict(mhla))
+    except (ValueError, TypeError, KeyError):
+        return None  # a VAE, a text encoder, another family, a config the loader itself refuses
+    if shapes is None:
+        return None
+    if mhla is not None:
+        check_mhla_weights(model, set(shapes), folder)  # none at all: a stock re-save, its own explanation
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    resized = [f"{name} {shapes[name]} (the config needs {expected[name]})"
+               for name in sorted(set(expected) & set(shapes)) if shapes[name] != expected[name]]
+    unexpected = sorted(set(shapes) - set(expected)) if mhla is not None else []
+    problems = [f"{what} {_few(names)}" for what, names in
+                (("missing", missing), ("of another shape", resized), ("unexpected", unexpected)) if names]
+    if not problems:
+        return None
+    return f"the weights in {str(folder)!r} do not fit its config.json: " + "; ".join(problems)
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    """``names`` for a one-line message: the first ``shown``, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} ({', '.join(names[:shown])}{more})"
+
+
 def saved_with_mhla(path) -> bool:
     """Whether ``path/config.json`` exists and records an MHLA config (written by ``save_pretrained``)."""
     config = Path(path) / CONFIG_NAME
