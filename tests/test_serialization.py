@@ -158,6 +158,33 @@ def test_weight_headers_of_shards_and_other_folders(tmp_path):
     assert weights_mismatch(tmp_path / "config_only") is None
 
 
+def test_weight_file_check_reads_the_files_the_loader_reads(tmp_path):
+    """check_weight_files opens the files a model folder's loader reads: a broken stray file beside the
+    weight file (another precision's copy) is not read; a shard the index lists but the folder lacks and a
+    malformed index are refused in one line naming the setting; a folder without a model weight file (a
+    LoRA + MHLA folder) has every safetensors file checked."""
+    from mhla_gen.errors import ConfigError
+    from mhla_gen.integration.loading import check_weight_files
+
+    model = tiny_dit()
+    model.save_pretrained(tmp_path / "whole")
+    (tmp_path / "whole" / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"cut")
+    check_weight_files(tmp_path / "whole", "setting=x")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shard = sorted((tmp_path / "sharded").glob("*.safetensors"))[-1]
+    shard.unlink()
+    listed = rf"setting=x: .*{shard.name}' is listed in the weight index .* not exist"
+    with pytest.raises(ConfigError, match=listed):
+        check_weight_files(tmp_path / "sharded", "setting=x")
+    (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"setting=x: .*index\.json' is not a weight index \(JSONDecode"):
+        check_weight_files(tmp_path / "sharded", "setting=x")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter.safetensors").write_bytes(b"cut")
+    with pytest.raises(ConfigError, match=r"setting=x: .*adapter\.safetensors' is not a readable"):
+        check_weight_files(tmp_path / "lora", "setting=x")
+
+
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_mhla_only_export_import(tmp_path, name):
     factory, call, cfg = record_case(name)

@@ -24,21 +24,34 @@ from torch import nn
 from ..errors import ConfigError
 from .install import is_mhla_installed
 from .lora import is_lora_folder, load_lora_mhla
-from .serialization import load_saved_transformer, weights_mismatch
+from .serialization import load_saved_transformer, model_weight_files, weights_mismatch
 
 logger = logging.getLogger(__name__)
 
 
 def check_weight_files(folder: str | Path, setting: str) -> None:
-    """Every safetensors file in ``folder`` (not its subfolders) opens: its header reads and its data covers
+    """The safetensors files the loader of ``folder`` reads open: each header reads and its data covers
     what the header lists; and, for a transformer of a supported base, the weights hold every tensor its
     ``config.json`` needs, at its shape (:func:`~mhla_gen.integration.serialization.weights_mismatch`).
-    Reads the headers only (no weights), so a command can refuse a truncated or corrupt download, or a
-    file one tensor short that diffusers would fill at random, in one line naming ``setting`` before it
-    writes anything; a folder without safetensors files passes (whatever loads it says what is missing)."""
+    Reads the headers only (no weights), so a command can refuse a truncated or corrupt download, a shard
+    its index lists but the folder lacks, or a file one tensor short that diffusers would fill at random,
+    in one line naming ``setting`` before it writes anything.
+
+    The files read are those of a diffusers model folder (its one weight file or its index's shards; a
+    stray file beside them, e.g. another precision's copy the loader does not read, is not looked at), or
+    every ``*.safetensors`` of a folder without them (a LoRA + MHLA folder). A folder without any passes
+    (whatever loads it says what is missing)."""
     from safetensors import SafetensorError, safe_open
 
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    folder = Path(folder)
+    try:
+        files = model_weight_files(folder)
+    except ValueError as err:
+        raise ConfigError(f"{setting}: {err}") from None
+    for file in files if files is not None else sorted(folder.glob("*.safetensors")):
+        if not file.is_file():
+            raise ConfigError(f"{setting}: {str(file)!r} is listed in the weight index of {str(folder)!r} "
+                              f"but does not exist; was the download cut short?")
         try:
             with safe_open(str(file), framework="pt"):
                 pass

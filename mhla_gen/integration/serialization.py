@@ -49,22 +49,36 @@ def _load_own(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a diffusers model folder: one safetensors file or an index of shards."""
+def model_weight_files(folder: Path) -> list[Path] | None:
+    """The safetensors files a diffusers model folder's loader reads: the one weight file, else the shards
+    its index lists (present or not); None when the folder has neither (a LoRA folder, a config alone).
+    A malformed index raises ``ValueError``."""
     single, index = folder / SAFETENSORS_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
     if single.is_file():
-        return _load_own(single)
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state = {}
-        for shard in shards:
-            if not (folder / shard).is_file():
-                raise FileNotFoundError(f"weight shard {folder / shard} listed in {index} does not exist")
-            state.update(_load_own(folder / shard))
-        return state
-    raise FileNotFoundError(
-        f"no weights in {folder}: expected {SAFETENSORS_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"
-    )
+        return [single]
+    if not index.is_file():
+        return None
+    try:
+        shards = json.loads(index.read_text())["weight_map"].values()
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{str(index)!r} is not a weight index ({type(err).__name__}: {err})") from None
+    return [folder / shard for shard in sorted(set(shards))]
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers model folder: one safetensors file or an index of shards."""
+    files = model_weight_files(folder)
+    if files is None:
+        raise FileNotFoundError(
+            f"no weights in {folder}: expected {SAFETENSORS_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"
+        )
+    state = {}
+    for file in files:
+        if not file.is_file():
+            index = folder / SAFE_WEIGHTS_INDEX_NAME
+            raise FileNotFoundError(f"weight shard {file} listed in {index} does not exist")
+        state.update(_load_own(file))
+    return state
 
 
 def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source) -> None:
@@ -79,18 +93,11 @@ def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source) -> N
 
 
 def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
-    """Name -> shape of every tensor in a diffusers model folder's weights, from the headers only (the one
-    safetensors file, or the shards its index lists); None when it has neither or a listed shard is absent
-    (whatever loads it says so)."""
-    single, index = folder / SAFETENSORS_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        shards = json.loads(index.read_text())["weight_map"].values()
-        files = [folder / shard for shard in sorted(set(shards))]
-    else:
-        return None
-    if not all(file.is_file() for file in files):
+    """Name -> shape of every tensor in a diffusers model folder's weights, from the headers only (the
+    files of :func:`model_weight_files`); None when it has none or a listed shard is absent (whatever
+    loads it says so)."""
+    files = model_weight_files(folder)
+    if files is None or not all(file.is_file() for file in files):
         return None
     shapes = {}
     for file in files:
