@@ -47,10 +47,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from studies import sibling
@@ -62,6 +64,7 @@ from studies.scale_sizing import device_name, load_sizing, read_sizing, sizing, 
 
 from mhla_gen.commands.cli import device_setting, expand_path, run
 from mhla_gen.errors import ConfigError
+from mhla_gen.ops.triton_probe import triton_importable
 from mhla_gen.train.io import atomic_write_text
 
 results = sibling("results")  # the record every table is rendered from
@@ -169,10 +172,23 @@ def check_args(args) -> None:
         raise ConfigError("give a budget: --images N, or --seconds S with --sizing FILE")
     elif (args.seconds is not None or args.compute == "time") and args.sizing is None:
         raise ConfigError("--seconds and --compute time read measured images/s: give --sizing FILE")
-    device_setting(args.device, hint="--smoke runs the plumbing on CPU")
+    check_device(device_setting(args.device, hint="--smoke runs the plumbing on CPU"), args.device)
     if args.export is not None:
         check_export(Path(args.export))
     check_questions(QUESTIONS, (PRIMARY,), "eval/scale_study.py")
+
+
+def check_device(device: torch.device, given: str) -> None:
+    """The study runs where its training runs. Accelerate trains on GPU 0 (choose another with
+    ``CUDA_VISIBLE_DEVICES``), so another index is refused; the mhla and linear arms are the Triton kernels'
+    on CUDA, so a CUDA run without Triton (the op would fall back to PyTorch without a word, and the study
+    would time other kernels) is refused too."""
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ConfigError(f"--device {given}: the runs train on GPU 0 (Accelerate's); choose the GPU with "
+                          f"CUDA_VISIBLE_DEVICES={device.index} and --device cuda")
+    if device.type == "cuda" and not triton_importable():
+        raise ConfigError(f"--device {given}: the mhla and linear arms run the Triton kernels on CUDA, and "
+                          "triton does not import here; install it (it comes with torch's CUDA wheels)")
 
 
 def check_export(folder: Path) -> None:
@@ -222,10 +238,21 @@ def main(argv=None) -> list[dict]:
     every = [job for name in args.grids for job in jobs[name]]
     meta = {"grids": args.grids, "plans": plans, "sizing": measured, "device": device_name(args.device),
             "precision": args.precision, "configs": results.configs(every),
+            "mhla_backend": "triton" if torch.device(args.device).type == "cuda" else "pytorch",
             "jobs": args.jobs or max(len(jobs[name]) for name in args.grids)}
-    start, records = time.perf_counter(), []
-    for name in args.grids:  # grid after grid, the record written after each
-        logging.info("grid %s: %s", name, json.dumps(plans[name]))
+    start = time.perf_counter()
+    with training_on(args.device):
+        records = run_grids(args, jobs, meta, start)
+    print(write_record(args, records, meta, time.perf_counter() - start))
+    return records
+
+
+def run_grids(args, jobs: dict[str, list], meta: dict, start: float) -> list[dict]:
+    """Every grid's runs in turn, the record written after each (and, when a run fails or the time runs
+    out, the record of the runs that finished before the error is raised)."""
+    records = []
+    for name in args.grids:
+        logging.info("grid %s: %s", name, json.dumps(meta["plans"][name]))
         try:
             records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
                                 "scale_study")
@@ -234,9 +261,16 @@ def main(argv=None) -> list[dict]:
             if finished:
                 write_record(args, finished, {**meta, "stopped": f"grid {name}"}, time.perf_counter() - start)
             raise
-        text = write_record(args, records, meta, time.perf_counter() - start)
-    print(text)
+        if name != args.grids[-1]:
+            write_record(args, records, meta, time.perf_counter() - start)
     return records
+
+
+def training_on(device: str):
+    """Runs that evaluate on the CPU train there too: Accelerate puts training on a GPU wherever there is
+    one unless ``ACCELERATE_USE_CPU`` says otherwise (the runs' processes inherit it); restored after."""
+    cpu = torch.device(device).type == "cpu"
+    return mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if cpu else {})
 
 
 if __name__ == "__main__":

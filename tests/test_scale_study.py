@@ -40,6 +40,7 @@ def test_smoke_runs_every_arm_to_its_points_and_writes_its_record(smoke, tmp_pat
         assert r["train_flops"] == r["step"] * r["batch"] * r["flops_per_image"]
     record = study.results.load(out / "rec" / "record.npz")
     assert record.points == records and record.meta["runner"] == "scale_study"
+    assert record.meta["mhla_backend"] == "pytorch" and record.meta["device"] == "cpu"
     assert record.meta["plans"]["smoke"]["images"] == 32 and len(record.meta["configs"]) == 3
     samples = record.samples()
     assert set(samples.arrays(next(r for r in records if r["step"] == 8))) >= {"val", "all", "fid_draws"}
@@ -135,6 +136,40 @@ def test_refusals_before_any_work(tmp_path):
             with pytest.raises(ConfigError, match=f"--sizing '.*{name}' is not a sizing file"):
                 study.main(["--smoke", "--sizing", str(tmp_path / name), *argv])
         assert (tmp_path / name).read_text() == text and not (tmp_path / "runs").exists()
+
+
+def test_a_cuda_run_is_refused_off_gpu_0_or_without_triton(monkeypatch):
+    """The runs train on GPU 0 (Accelerate's), and the MHLA arms on CUDA are the Triton kernels': another
+    GPU index, or CUDA without Triton (the op would run PyTorch without a word), is refused before work."""
+    import torch
+
+    study = load_study()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(study, "triton_importable", lambda: True)
+    with pytest.raises(ConfigError, match="--device cuda:1: .*CUDA_VISIBLE_DEVICES=1 and --device cuda"):
+        study.parse_args(["--device", "cuda:1", "--images", "64"])
+    assert study.parse_args(["--device", "cuda:0", "--images", "64"]).precision == "bf16"
+    monkeypatch.setattr(study, "triton_importable", lambda: False)
+    with pytest.raises(ConfigError, match="--device cuda: .*Triton kernels on CUDA, and triton does not"):
+        study.parse_args(["--images", "64"])
+
+
+def test_runs_that_evaluate_on_the_cpu_train_there(monkeypatch):
+    """Accelerate trains on a GPU wherever there is one: the runs of a CPU study get ACCELERATE_USE_CPU
+    (inherited by their processes), and the setting is as before once they are done."""
+    import os
+
+    study = load_study()
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with study.training_on("cpu"):
+        assert os.environ["ACCELERATE_USE_CPU"] == "true"
+    assert "ACCELERATE_USE_CPU" not in os.environ
+    with study.training_on("cuda"):
+        assert "ACCELERATE_USE_CPU" not in os.environ
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    with study.training_on("cpu"):
+        assert os.environ["ACCELERATE_USE_CPU"] == "true"
+    assert os.environ["ACCELERATE_USE_CPU"] == "false"
 
 
 def test_sizing_file_is_written_and_checked(tmp_path):

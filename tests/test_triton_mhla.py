@@ -509,6 +509,25 @@ def test_cuda_matches_oracle(tm, dtype, grid, blocks, d, feature_map, normalize,
     assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, feature_map, normalize)
 
 
+# eval/scale_study.py's attention (4 heads of 64, bf16 autocast): MHLA's 4x4 blocks at 1024 tokens (64 tokens
+# a block, several token tiles each) and linear attention's one block of 4096 tokens (split over programs)
+SCALE_STUDY_CASES = [((32, 32), (4, 4)), ((64, 64), (1, 1))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("grid, blocks", SCALE_STUDY_CASES)
+def test_cuda_matches_oracle_at_the_scale_study_shapes(tm, dtype, grid, blocks):
+    """The blocked kernels (these token counts are past the dense path's) at the shapes the scale study
+    trains with, against the float64 oracle; its kernel check (scripts/gpu_check.py) runs these too."""
+    layout = BlockLayout(grid, blocks)
+    q, k, v, g = strided_inputs(2, 4, layout.num_tokens, 64, dtype, "cuda")
+    mixing = mixing_matrix(layout).cuda()
+    got, _ = run_kernels(tm, q, k, v, g, mixing, layout, "relu", True, dtype)
+    tol = tolerance(dtype, 2, 4, layout.num_tokens, 64)
+    assert_matches_oracle(got, tol, q, k, v, g, layout, mixing, "relu", True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_cuda_wan_like_shape(tm, dtype):
