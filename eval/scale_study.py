@@ -4,14 +4,14 @@
     python eval/scale_study.py --sizing OUT/sizing.json --seconds 80 --export OUT/scale_study
     python eval/scale_study.py --images 16384 --export OUT/scale_study         # a budget in images instead
     python eval/results.py render OUT/scale_study/record.npz --out TABLES      # the tables from the record
-    python eval/scale_study.py --smoke --out /tmp/s                            # CPU, seconds: the plumbing
+    python eval/scale_study.py --smoke --out /tmp/s                            # CPU, a minute: the plumbing
 
 eval/study.py answered MHLA against softmax at N = M² (256 tokens, 4x4 blocks). Here the drawn shapes
 (mhla_gen.data.shapes) are 64x64 and 128x128 pixels, patch 2: 1024 and 4096 tokens with 4x4 blocks, so
 N = 4 M² and 16 M². The arms are eval/study.py's: ``softmax`` (SDPA, FlashAttention on a GPU), ``mhla``
 (the registered op: Triton on CUDA) and ``linear`` (MHLA with one block). The model is one the GPU runs
-efficiently: DiT with hidden 256, depth 8, 4 heads of 64, bf16 autocast; the shapes' recipe
-(studies.experiments.SHAPES_RECIPE) as in every shapes study.
+efficiently: DiT with hidden 256, depth 8, 4 heads of 64, bf16 autocast (the CPU smoke too); the shapes'
+recipe (studies.experiments.SHAPES_RECIPE) as in every shapes study.
 
 Budgets. The softmax arm (the reference) trains ``--images`` images per grid, or as many as fit
 ``--seconds`` of the device per grid given ``--sizing`` (images/s per arm and N, measured by
@@ -153,7 +153,8 @@ def parse_args(argv=None):
     args.device = args.device or "cuda"
     args.out = Path(args.out) if args.out else None
     check_args(args)
-    args.precision = "bf16" if torch.device(args.device).type == "cuda" else "no"
+    # bf16 autocast as on the GPU; the smoke too, so that the CPU runs the real run's precision plumbing
+    args.precision = "bf16" if torch.device(args.device).type == "cuda" or args.smoke else "no"
     return args
 
 

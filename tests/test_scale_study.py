@@ -41,6 +41,7 @@ def test_smoke_runs_every_arm_to_its_points_and_writes_its_record(smoke, tmp_pat
     record = study.results.load(out / "rec" / "record.npz")
     assert record.points == records and record.meta["runner"] == "scale_study"
     assert record.meta["mhla_backend"] == "pytorch" and record.meta["device"] == "cpu"
+    assert record.meta["precision"] == "bf16"  # the GPU run's autocast, on the CPU
     assert record.meta["plans"]["smoke"]["images"] == 32 and len(record.meta["configs"]) == 3
     samples = record.samples()
     assert set(samples.arrays(next(r for r in records if r["step"] == 8))) >= {"val", "all", "fid_draws"}
@@ -152,6 +153,23 @@ def test_a_cuda_run_is_refused_off_gpu_0_or_without_triton(monkeypatch):
     monkeypatch.setattr(study, "triton_importable", lambda: False)
     with pytest.raises(ConfigError, match="--device cuda: .*Triton kernels on CUDA, and triton does not"):
         study.parse_args(["--images", "64"])
+
+
+def test_a_run_is_evaluated_in_the_precision_it_trained_in():
+    """The evaluation autocasts as Accelerate trained the run (train.mixed_precision) on the job's device,
+    the CPU included (the smoke trains in bf16 there); a run trained in fp32 is evaluated in fp32."""
+    from types import SimpleNamespace
+
+    import torch
+    from studies.experiments import _autocast
+
+    for device in ("cpu", "cuda"):
+        job = SimpleNamespace(device=device)
+        for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("no", None)):
+            cfg = SimpleNamespace(train=SimpleNamespace(mixed_precision=precision))
+            context = _autocast(job, cfg)
+            assert getattr(context, "fast_dtype", None) == dtype
+            assert getattr(context, "device", device) == device
 
 
 def test_runs_that_evaluate_on_the_cpu_train_there(monkeypatch):

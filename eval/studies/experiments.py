@@ -192,7 +192,7 @@ def _reset_accelerate() -> None:
 @torch.no_grad()
 def evaluate_point(job: Job, cfg: DiTRunConfig, step: int, transformer=None) -> dict:
     """Scores of ``transformer`` (default: the run's ``final/``) at ``step``, on ``job.device`` (under the
-    run's ``train.mixed_precision`` autocast on CUDA): FID with its bootstrap spread, label accuracy (and
+    run's ``train.mixed_precision`` autocast, CPU too): FID with its bootstrap spread, label accuracy (and
     the shapes' exact properties), the validation loss on fixed held-out triples, the logged training
     loss and attention statistics. Samples come from one seed and one label list for every arm and seed
     (common random numbers, :data:`studies.evidence.SAMPLE_SEED`); the first 100 (ten of each class)
@@ -270,11 +270,10 @@ def _sample_scores(job: Job, task: DiTTask, scores: DataScores, transformer, ste
 
 
 def _autocast(job: Job, cfg: DiTRunConfig):
-    """The run's mixed precision for an evaluation on CUDA (none on the CPU, as before)."""
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    on_cuda = torch.device(job.device).type == "cuda"
-    dtype = dtypes.get(cfg.train.mixed_precision)
-    return torch.autocast("cuda", dtype=dtype) if on_cuda and dtype else contextlib.nullcontext()
+    """The run's mixed precision (``train.mixed_precision``) for its evaluation on ``job.device``, as
+    Accelerate's autocast trained it; none for a run trained in fp32."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+    return torch.autocast(torch.device(job.device).type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 def attention_summary(transformer, scores: DataScores, seed: int) -> dict:
