@@ -64,6 +64,45 @@ def test_install_changes_output_and_records_config(name):
     assert model.mhla_config is tiny.mhla and model.config["mhla"] == tiny.mhla.to_dict()
 
 
+def processors_by_layer(model) -> dict:
+    return {name: m.processor for name, m in model.named_modules() if hasattr(m, "set_processor")}
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_xformers_switch_keeps_mhla_and_switches_the_stock_layers(name, monkeypatch):
+    """diffusers' xformers switch (``enable_/disable_xformers_memory_efficient_attention``, of the model
+    or its pipeline) keeps every MHLA processor in place (diffusers' ``Attention`` would set xformers' or
+    its default softmax there while config["mhla"] still records MHLA) and reaches every other attention
+    layer as in a never-touched model; after ``uninstall_mhla`` it reaches them all again."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    tiny = tiny_of(name)
+    model, untouched = tiny.model().eval(), tiny.model().eval()
+    install_mhla(model, tiny.mhla)
+    installed = processors_by_layer(model)
+    model.disable_xformers_memory_efficient_attention()
+    untouched.disable_xformers_memory_efficient_attention()
+    now, stock = processors_by_layer(model), processors_by_layer(untouched)
+    for layer, processor in now.items():
+        if isinstance(installed[layer], MHLAProcessor):
+            assert processor is installed[layer], layer
+        else:
+            assert type(processor) is type(stock[layer]), layer  # diffusers' own answer (SANA-Video's breaks)
+    reached = []  # enabling needs xformers on a GPU: record which layers diffusers' switch reaches
+    for cls in (Attention, AttentionModuleMixin):
+        monkeypatch.setattr(cls, "set_use_memory_efficient_attention_xformers",
+                            lambda self, valid, op=None: reached.append(self))
+    tiny.pipeline(transformer=model).enable_xformers_memory_efficient_attention()
+    layers = {id(m) for m in model.modules() if hasattr(m, "set_processor")}
+    mhla_layers = {id(m) for m in model.modules() if isinstance(getattr(m, "processor", None), MHLAProcessor)}
+    assert mhla_layers and {id(m) for m in reached} & layers == layers - mhla_layers  # (and the VAE's)
+    uninstall_mhla(model)
+    reached.clear()
+    model.enable_xformers_memory_efficient_attention()
+    assert {id(m) for m in reached} == layers
+
+
 def test_layers_replaces_exactly_those_layers():
     model = tiny_dit(num_layers=4)
     install_mhla(model, MHLAConfig(blocks=(2, 2), layers=[0, 2]))

@@ -157,6 +157,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         if processor is not None:
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
+            _keep_under_xformers_switch(attn, True)
 
     transformer.mhla_config = cfg
     _register_hooks(transformer)
@@ -193,6 +194,33 @@ def _put_stock_processors(transformer: nn.Module) -> None:
             processor = processor_cls.stock_processor()
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
+        _keep_under_xformers_switch(attn, False)
+
+
+XFORMERS_SWITCH = "set_use_memory_efficient_attention_xformers"
+
+
+def _keep_installed_processor(valid: bool, attention_op=None) -> None:
+    """diffusers' xformers switch, answered by a layer that holds a processor ``install_mhla`` put there: it
+    keeps it. See :func:`_keep_under_xformers_switch`."""
+
+
+def _keep_under_xformers_switch(attn: nn.Module, keep: bool) -> None:
+    """Make the attention module ``attn`` keep its processor under diffusers' xformers switch (``keep``),
+    or answer it as diffusers does again.
+
+    ``enable_xformers_memory_efficient_attention`` / ``disable_...`` (of a model or a pipeline) call
+    ``set_use_memory_efficient_attention_xformers`` on every attention module; diffusers' ``Attention``
+    (DiT, SANA, SANA-Video) answers by setting xformers' softmax processor (or, to disable, its default
+    one) in its place, so an MHLA layer would run softmax attention while ``config["mhla"]`` records MHLA.
+    An MHLA layer needs no memory-efficient softmax (its memory is linear in the tokens), so it keeps its
+    processor and the stock layers switch as in diffusers. An instance attribute (a plain function: the
+    module stays copyable and picklable) shadows the class's method; diffusers has no per-processor hook
+    here."""
+    if keep:
+        setattr(attn, XFORMERS_SWITCH, _keep_installed_processor)
+    else:
+        attn.__dict__.pop(XFORMERS_SWITCH, None)
 
 
 def _register_hooks(transformer: nn.Module) -> None:
@@ -226,6 +254,8 @@ def record_mhla_layers(transformer: nn.Module) -> None:
     cfg = transformer.mhla_config
     layers = base_for_model(transformer).processor.self_attention(transformer)
     running = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
+    for attn in layers:
+        _keep_under_xformers_switch(attn, isinstance(attn.processor, MHLAProcessor))
     if not running:
         _forget_mhla(transformer)
         _follow_in_pipelines(transformer)
