@@ -49,7 +49,7 @@ def test_replaced_layers_leave_mhla_and_the_saved_folder_says_so(tmp_path, name)
 
     kept = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
     assert index not in kept and len(kept) == len(rest) and type(model) is base.mhla_cls
-    switch = "set_use_memory_efficient_attention_xformers"  # diffusers' xformers switch reaches it again
+    switch = "set_use_memory_efficient_attention_xformers"  # diffusers' switches reach it again
     assert [i for i, attn in enumerate(layers) if switch in attn.__dict__] == kept
     assert model.mhla_config.layers == kept and model.config["mhla"]["layers"] == kept
     assert model.mhla_config == dataclasses.replace(base.cfg, layers=kept)

@@ -157,7 +157,7 @@ def install_mhla(transformer: nn.Module, cfg: MHLAConfig) -> nn.Module:
         if processor is not None:
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
-            _keep_under_xformers_switch(attn, True)
+            _keep_under_attention_switches(attn, True)
 
     transformer.mhla_config = cfg
     _register_hooks(transformer)
@@ -194,33 +194,37 @@ def _put_stock_processors(transformer: nn.Module) -> None:
             processor = processor_cls.stock_processor()
             _share_parallel_config(transformer, processor)
             attn.set_processor(processor)
-        _keep_under_xformers_switch(attn, False)
+        _keep_under_attention_switches(attn, False)
 
 
-XFORMERS_SWITCH = "set_use_memory_efficient_attention_xformers"
+# diffusers' per-module switches that put a softmax processor of their own in an attention module
+ATTENTION_SWITCHES = ("set_use_memory_efficient_attention_xformers", "set_use_npu_flash_attention",
+                      "set_use_xla_flash_attention", "set_attention_slice")
 
 
-def _keep_installed_processor(valid: bool, attention_op=None) -> None:
-    """diffusers' xformers switch, answered by a layer that holds a processor ``install_mhla`` put there: it
-    keeps it. See :func:`_keep_under_xformers_switch`."""
+def _keep_installed_processor(*args, **kwargs) -> None:
+    """One of diffusers' attention switches, answered by a layer holding a processor ``install_mhla`` put
+    there: it keeps it (:func:`_keep_under_attention_switches`)."""
 
 
-def _keep_under_xformers_switch(attn: nn.Module, keep: bool) -> None:
-    """Make the attention module ``attn`` keep its processor under diffusers' xformers switch (``keep``),
-    or answer it as diffusers does again.
+def _keep_under_attention_switches(attn: nn.Module, keep: bool) -> None:
+    """Make the attention module ``attn`` keep its processor under diffusers' attention switches
+    (``keep``), or answer them as diffusers does again.
 
-    ``enable_xformers_memory_efficient_attention`` / ``disable_...`` (of a model or a pipeline) call
-    ``set_use_memory_efficient_attention_xformers`` on every attention module; diffusers' ``Attention``
-    (DiT, SANA, SANA-Video) answers by setting xformers' softmax processor (or, to disable, its default
-    one) in its place, so an MHLA layer would run softmax attention while ``config["mhla"]`` records MHLA.
-    An MHLA layer needs no memory-efficient softmax (its memory is linear in the tokens), so it keeps its
-    processor and the stock layers switch as in diffusers. An instance attribute (a plain function: the
-    module stays copyable and picklable) shadows the class's method; diffusers has no per-processor hook
-    here."""
-    if keep:
-        setattr(attn, XFORMERS_SWITCH, _keep_installed_processor)
-    else:
-        attn.__dict__.pop(XFORMERS_SWITCH, None)
+    ``enable_/disable_xformers_memory_efficient_attention``, ``enable_/disable_npu_flash_attention`` and
+    ``enable_/disable_xla_flash_attention`` (of a model or a pipeline) call the switches of
+    :data:`ATTENTION_SWITCHES` on every attention module (and a module's ``set_attention_slice`` does the
+    same); diffusers' ``Attention`` (DiT, SANA, SANA-Video) answers by setting its own softmax processor
+    (xformers', NPU's, XLA's, sliced, or to disable, its default one) in its place, so an MHLA layer would
+    run softmax attention while ``config["mhla"]`` records MHLA. An MHLA layer needs none of them (its
+    memory is linear in the tokens), so it keeps its processor and the stock layers switch as in diffusers.
+    Instance attributes (a plain function: the module stays copyable and picklable) shadow the class's
+    methods; diffusers has no per-processor hook for these."""
+    for switch in ATTENTION_SWITCHES:
+        if keep:
+            setattr(attn, switch, _keep_installed_processor)
+        else:
+            attn.__dict__.pop(switch, None)
 
 
 def _register_hooks(transformer: nn.Module) -> None:
@@ -255,7 +259,7 @@ def record_mhla_layers(transformer: nn.Module) -> None:
     layers = base_for_model(transformer).processor.self_attention(transformer)
     running = [i for i, attn in enumerate(layers) if isinstance(attn.processor, MHLAProcessor)]
     for attn in layers:
-        _keep_under_xformers_switch(attn, isinstance(attn.processor, MHLAProcessor))
+        _keep_under_attention_switches(attn, isinstance(attn.processor, MHLAProcessor))
     if not running:
         _forget_mhla(transformer)
         _follow_in_pipelines(transformer)
