@@ -16,7 +16,8 @@
 Exact resume: the data order comes from Accelerate's seedable sampler (epoch-seeded) plus
 ``skip_first_batches``; the per-step noise comes from :class:`StepRandom` seeded by the micro-step;
 model, optimizer, LR scheduler, EMA (``register_for_checkpointing``) and RNG states come from
-``accelerator.load_state``. A run killed with SIGKILL and resumed ends with the same weights.
+``accelerator.load_state``. A run killed with SIGKILL and resumed ends with the same weights (on a GPU,
+up to the last bits that kernels summing in no fixed order change in any two runs).
 
 Where a run starts (:func:`plan_start`): ``resume=latest`` continues from the newest checkpoint in
 ``output_dir``. Without one it starts at step 0, and the records of an interrupted earlier run (which
