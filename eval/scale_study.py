@@ -1,7 +1,7 @@
 """MHLA against softmax and linear attention where N ≫ M², on one GPU, at equal images and equal compute.
 
     python eval/scale_study.py --sizing-only --sizing OUT/sizing.json          # ~30 s: images/s per arm, N
-    python eval/scale_study.py --sizing OUT/sizing.json --seconds 80 --export OUT/scale_study
+    python eval/scale_study.py --sizing OUT/sizing.json --seconds 100 --export OUT/scale_study
     python eval/scale_study.py --images 16384 --export OUT/scale_study         # a budget in images instead
     python eval/results.py render OUT/scale_study/record.npz --out TABLES      # the tables from the record
     python eval/scale_study.py --smoke --out /tmp/s                            # CPU, a minute: the plumbing
@@ -14,13 +14,15 @@ efficiently: DiT with hidden 256, depth 8, 4 heads of 64, bf16 autocast (the CPU
 recipe (studies.experiments.SHAPES_RECIPE) as in every shapes study.
 
 Budgets. The softmax arm (the reference) trains ``--images`` images per grid, or as many as fit
-``--seconds`` of the device per grid given ``--sizing`` (images/s per arm and N, measured by
-``--sizing-only``). Every arm is evaluated at the same log-spaced image counts (the reference's budget
-halved ``--points - 1`` times: equal images) and trains on to the steps at which it has spent the
-reference's training FLOPs at each of them (equal compute; FLOPs of a training step counted by
-mhla_gen.metrics.flops, so MHLA and linear attention train more images than softmax for the same compute).
-``--compute time`` matches measured seconds (``--sizing``) instead of FLOPs. Samples are drawn and scored
-only at the two end points (equal images, equal compute); the validation loss is measured at every point.
+``--seconds`` of the device per grid given ``--sizing`` (training and forward images/s per arm and N,
+measured by ``--sizing-only``), after every run's evaluations (validation losses and samples, counted from
+the forward speed: studies.scale_preset.eval_seconds). Every arm is evaluated at the same log-spaced image
+counts (the reference's budget halved ``--points - 1`` times: equal images) and trains on to the steps at
+which it has spent the reference's training FLOPs at each of them (equal compute; FLOPs of a training step
+counted by mhla_gen.metrics.flops, so MHLA and linear attention train more images than softmax for the
+same compute). ``--compute time`` matches measured seconds (``--sizing``) instead of FLOPs. Samples are
+drawn and scored only at the two end points (equal images, equal compute); the validation loss is measured
+at every point.
 
 Seeds run concurrently: every (arm, seed) run of a grid is its own process (``--jobs``, default all of a
 grid's runs at once), sharing the GPU. Separate processes rather than one batched model: each run is the
@@ -136,7 +138,8 @@ def parse_args(argv=None):
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--images", type=int, default=None, help="the reference arm's images per grid")
     parser.add_argument("--seconds", type=float, default=None,
-                        help="device seconds of training per grid (with --sizing): sets --images")
+                        help="device seconds per grid, training and evaluations (with --sizing): sets "
+                             "--images")
     parser.add_argument("--sizing", type=expand_path, default=None, help="a --sizing-only file")
     parser.add_argument("--sizing-only", action="store_true", help="measure images/s into --sizing; no runs")
     parser.add_argument("--sizing-seconds", type=float, default=3.0, help="timing per arm and grid")
@@ -229,8 +232,9 @@ def main(argv=None) -> list[dict]:
         write_sizing(args)
         return []
     speed = read_sizing(Path(args.sizing), args.grids) if args.sizing else None
+    infer = read_sizing(Path(args.sizing), args.grids, "infer_images_per_s") if args.seconds else None
     measured = load_sizing(Path(args.sizing)) if args.sizing else None
-    plans = {name: grid_plan(name, args, speed) for name in args.grids}
+    plans = {name: grid_plan(name, args, speed, infer) for name in args.grids}
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="mhla_scale_study_"))
         logging.info("runs in %s", args.out)

@@ -33,14 +33,14 @@ reported with its output and the next one runs):
 12. ``kernel check``, 13. ``scale-study sizing`` and 14. ``scale study`` (N >> M², ``eval/scale_study.py``):
     the bf16 kernel tests against the oracle on both kernel paths (about a minute; the study trains with
     them, so it is not run if they fail; left out when ``kernel tests``, which include them, passed
-    earlier in the same run), the training images/s of softmax, MHLA and linear attention at
-    1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the study
-    sized by it: the three arms x 3 seeds at both token counts, 70 s of device training per grid (within
-    the section's 300 s with start-up and evaluations), its record and tables in ``scale_study/`` beside
-    the report (``record.npz``, ``scale_study.md``; a run that fails leaves the record of the runs that
-    finished). Optional: a default run leaves them out (the benchmarks fill its budget); alone they take
-    at most 90 + 120 + 300 s, and the study runs only after its sizing passed. On a lent machine, whose
-    ``$OUT`` is what comes back, with the wheels carried in ``.whl/``:
+    earlier in the same run), the training and forward images/s of softmax, MHLA and linear attention
+    at 1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the
+    study sized by it: the three arms x 3 seeds at both token counts, 100 s of the device per grid for
+    training and evaluations (within the section's 300 s with start-up), its record and tables in
+    ``scale_study/`` beside the report (``record.npz``, ``scale_study.md``; a run that fails leaves the
+    record of the runs that finished). Optional: a default run leaves them out (the benchmarks fill its
+    budget); alone they take at most 90 + 120 + 300 s, and the study runs only after its sizing passed. On
+    a lent machine, whose ``$OUT`` is what comes back, with the wheels carried in ``.whl/``:
 
         python scripts/gpu_check.py --out "$OUT/REPORT.md" --budget-s 515 \
             --only "kernel check" "scale-study sizing" "scale study"
@@ -213,10 +213,11 @@ def default_sections(python: str = sys.executable, skip_tiles: bool = False) -> 
 SCALE_STUDY = REPO / "eval" / "scale_study.py"
 SIZING_FILE = "scale_sizing.json"  # the sizing section's measurements, read by the study section
 STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.py --export)
-# The study section: 2 grids x 70 s of training, then 9 processes' start-up, 8 evaluation points of the
-# MHLA and linear runs, samples at two of them; the sizing: 6 timed rows and their kernels' first compiles.
+# The study section: 2 grids x 100 s of the device for training and evaluations (the validation loss at
+# every point, samples at two; eval/scale_study.py counts them from the sizing's forward speed), then
+# 9 processes' start-up per grid; the sizing: 6 timed rows and their kernels' first compiles.
 STUDY_LIMIT_S = 300
-STUDY_SECONDS_PER_GRID = 70
+STUDY_SECONDS_PER_GRID = 100
 SIZING_LIMIT_S = 120
 KERNEL_CHECK_LIMIT_S = 90  # 14 bf16 oracle tests (2 at the study's shapes), each first compile included
 

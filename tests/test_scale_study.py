@@ -78,8 +78,17 @@ def test_the_budget_matches_compute_across_arms(monkeypatch):
     assert study.grid_plan("1024", args, speed)["compute_steps"]["linear"] == [16, 32, 64, 128]
     args.compute, args.images, args.seconds = "flops", None, 120.0
     # per reference image: 3 seeds x (1/100 + 3/200 + 3/400) s = 0.0975 s -> 1230 images -> 1024 (a unit
-    # of 32 x 8 images)
-    assert study.grid_plan("1024", args, speed)["images"] == 1024
+    # of 32 x 8 images); evaluations at 1e9 forward images/s: none to speak of
+    fast = {key: 1e9 for key in speed}
+    assert study.grid_plan("1024", args, speed, fast)["images"] == 1024
+    # at 1000 forward images/s every arm: 3 seeds x ((4 + 8 + 8) points x 1024 triples + 3 x 4000 sampling
+    # forwards) / 1000 = 97.44 s of evaluations, 22.56 s left: 231 images, fewer than a unit of 256
+    slow = {key: 1000.0 for key in speed}
+    with pytest.raises(ValueError, match=r"120 s leave 23 s of training after the evaluations \(97 s\)"):
+        study.grid_plan("1024", args, speed, slow)
+    args.seconds = 220.0  # 122.56 s of training: 1257 images -> 1024
+    planned = study.grid_plan("1024", args, speed, slow)
+    assert planned["images"] == 1024 and planned["eval_seconds"] == pytest.approx(97.44)
     jobs = study.plan_jobs(argparse_out(args), {"1024": plan})["1024"]
     mhla = [j for j in jobs if j.arm == "mhla"]
     assert len(mhla) == 3 and mhla[0].steps == [4, 8, 12, 16, 24, 32, 48, 96]
@@ -197,6 +206,14 @@ def test_sizing_file_is_written_and_checked(tmp_path):
     measured = json.loads(path.read_text())
     assert [r["arm"] for r in measured["rows"]] == ["softmax", "mhla", "linear"]
     assert all(r["images_per_s"] > 0 and r["flops_per_image"] > 0 for r in measured["rows"])
+    infer = study.read_sizing(path, ["smoke"], "infer_images_per_s")
+    assert all(v > 0 for v in infer.values()) and infer[("smoke", "mhla")] == measured["rows"][1][
+        "infer_images_per_s"]
+    older = {**measured, "rows": [{k: v for k, v in r.items() if k != "infer_images_per_s"}
+                                  for r in measured["rows"]]}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match="has no infer_images_per_s \\(an older file\\): measure again"):
+        study.read_sizing(tmp_path / "older.json", ["smoke"], "infer_images_per_s")
     speed = study.read_sizing(path, ["smoke"])
     assert speed[("smoke", "mhla")] == measured["rows"][1]["images_per_s"]
     with pytest.raises(ConfigError, match="measured grid 1024 with model None"):
@@ -232,6 +249,20 @@ def test_images_for_seconds_adds_every_run_of_every_arm():
     assert preset.images_for_seconds(90, 3, cost, multiple=256) == 1792
     with pytest.raises(ValueError, match="fewer than one budget unit"):
         preset.images_for_seconds(1, 3, cost, multiple=256)
+    assert preset.images_for_seconds(135, 3, cost, evaluations=45) == 2000  # the evaluations come first
+    with pytest.raises(ValueError, match="do not cover the runs' evaluations alone"):
+        preset.images_for_seconds(45, 3, cost, evaluations=45)
+
+
+def test_eval_seconds_counts_every_runs_validation_and_sampling():
+    """Per run: the validation loss's triples at each point (the reference's points, twice that for the
+    others) and two end points' sampling (samples x steps, doubled by guidance), at the arm's forward
+    speed; every seed."""
+    grid = {"fid_samples": 100, "sample_steps": 10}
+    # softmax: 4 x 1024 + 4000 = 8096 forwards at 100/s; mhla: 8 x 1024 + 4000 = 12192 at 200/s
+    seconds = preset.eval_seconds(grid, 4, 3, {"softmax": 100.0, "mhla": 200.0})
+    assert seconds == pytest.approx(3 * (8096 / 100 + 12192 / 200))
+    assert preset.eval_seconds({**grid, "val_triples": 32}, 2, 1, {"softmax": 1.0}) == 2 * 32 + 4000
 
 
 def test_measure_training_trains_the_model_it_times():

@@ -8,7 +8,7 @@ from mhla_gen.configs import CONFIG_DIR
 from mhla_gen.train.config import DiTRunConfig, load_config
 from mhla_gen.train.dit_flops import train_flops_per_image
 
-from .experiments import SHAPES_RECIPE, Arm
+from .experiments import SHAPES_RECIPE, VAL_TRIPLES, Arm
 
 CONFIG = str(CONFIG_DIR / "dit_digits.yaml")  # eval/study.py's base config
 MODEL = dict(hidden_size=256, depth=8, heads=4, patch_size=2)
@@ -76,24 +76,42 @@ def equal_compute_steps(steps: list[int], ratio: float, unit: int) -> list[int]:
     return [max(unit, unit * round(s * ratio / unit)) for s in steps]
 
 
+def eval_seconds(grid: dict, points: int, seeds: int, infer: dict[str, float]) -> float:
+    """Device seconds of the evaluations of every run of ``grid``, from each arm's forward images/s
+    (``infer[arm]``): the validation loss at each point (``points`` for the reference arm, up to twice
+    that for the others: equal images and equal compute) and samples at the two end points (each of
+    ``sample_steps`` steps a forward of ``fid_samples`` images, doubled by guidance). An upper bound: a
+    point both readings share is counted twice."""
+    triples = grid.get("val_triples", VAL_TRIPLES)
+    sampling = 2 * grid["fid_samples"] * grid["sample_steps"] * 2
+    return seeds * sum(((points if arm == REFERENCE else 2 * points) * triples + sampling) / speed
+                       for arm, speed in infer.items())
+
+
 def images_for_seconds(seconds: float, seeds: int, cost: dict[str, tuple[float, float]],
-                       multiple: int = 1) -> int:
+                       multiple: int = 1, evaluations: float = 0.0) -> int:
     """The reference arm's training images that fit ``seconds`` of one device when every arm trains
     ``seeds`` runs, arm ``a`` training ``ratio_a`` times the reference's images at ``images_per_s_a``
-    (``cost[a] = (ratio_a, images_per_s_a)``; the reference has ratio 1), the runs' times added (runs
-    sharing a device overlap their host work, so this errs long); rounded down to ``multiple``."""
+    (``cost[a] = (ratio_a, images_per_s_a)``; the reference has ratio 1), after ``evaluations`` seconds of
+    the runs' evaluations (:func:`eval_seconds`), the runs' times added (runs sharing a device overlap
+    their host work, so this errs long); rounded down to ``multiple``."""
+    if seconds <= evaluations:
+        raise ValueError(f"{seconds:g} s do not cover the runs' evaluations alone ({evaluations:.0f} s)")
     per_image = seeds * sum(ratio / speed for ratio, speed in cost.values())  # device seconds
-    images = int(seconds / per_image) // multiple * multiple
+    training = seconds - evaluations
+    images = int(training / per_image) // multiple * multiple
     if images < multiple:
-        raise ValueError(f"{seconds:g} s fit {seconds / per_image:.0f} reference images, fewer than one "
-                         f"budget unit of {multiple}")
+        raise ValueError(f"{seconds:g} s leave {training:.0f} s of training after the evaluations "
+                         f"({evaluations:.0f} s): {training / per_image:.0f} reference images, fewer than "
+                         f"one budget unit of {multiple}")
     return images
 
 
 # ------------------------------------------------------------------------------------------ plan
-def grid_plan(name: str, args, speed: dict | None) -> dict:
+def grid_plan(name: str, args, speed: dict | None, infer: dict | None = None) -> dict:
     """One grid's budget: FLOPs per image and the compute ratio of each arm, the reference's steps
-    (equal images) and each arm's equal-compute steps."""
+    (equal images) and each arm's equal-compute steps. ``speed`` / ``infer``: ``{(grid, arm): training /
+    forward images/s}`` of a sizing file (``--seconds`` budgets training and evaluations together)."""
     grid = GRIDS[name]
     flops = {arm.name: train_flops_per_image(arm_config(grid, arm))["train"] for arm in ARMS}
     if args.compute == "time":
@@ -103,10 +121,12 @@ def grid_plan(name: str, args, speed: dict | None) -> dict:
     unit = grid["batch"] << (args.points - 1)  # the budget halves evenly
     if args.images or grid.get("images"):
         images = max(unit, (args.images or grid["images"]) // unit * unit)
+        evaluations = 0.0
     else:
         cost = {a: (ratio[a], speed[(name, a)]) for a in flops}
-        images = images_for_seconds(args.seconds, args.seeds, cost, unit)
+        evaluations = eval_seconds(grid, args.points, args.seeds, {a: infer[(name, a)] for a in flops})
+        images = images_for_seconds(args.seconds, args.seeds, cost, unit, evaluations)
     steps = log_points(images // grid["batch"], args.points)
     return {"grid": name, "tokens": tokens(grid), "batch": grid["batch"], "flops_per_image": flops,
-            "ratio": ratio, "images": images, "images_steps": steps,
+            "ratio": ratio, "images": images, "eval_seconds": evaluations, "images_steps": steps,
             "compute_steps": {a: equal_compute_steps(steps, ratio[a], 1) for a in flops}}

@@ -61,9 +61,43 @@ def measure_training(build, batch: int, resolution: int, channels: int, device: 
     return {"images_per_s": steps * batch / elapsed, "steps": steps, "seconds": elapsed, "peak_gib": peak}
 
 
+@torch.no_grad()
+def measure_inference(build, batch: int, resolution: int, channels: int, device: str,
+                      dtype: torch.dtype | None = None, seconds: float = 1.0, warmup: int = 2) -> float:
+    """Forward images/s of ``build()`` in eval mode on ``device`` (under autocast to ``dtype`` when
+    given) at ``batch``: what the evaluations (validation loss, sampling steps) cost per image."""
+    model = build().to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, channels, resolution, resolution, generator=gen).to(device)  # (B, C, R, R)
+    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    kind = torch.device(device).type
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+
+    def forward():
+        with torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
+            model(x, timestep=t, class_labels=y)
+
+    for _ in range(warmup):
+        forward()
+    sync()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < seconds:
+        forward()
+        calls += 1
+        if calls % 4 == 0:
+            sync()
+    sync()
+    return calls * batch / (time.perf_counter() - start)
+
+
+INFER_BATCH = 128  # the validation loss's batch (studies.validation_loss.triple_losses)
+
+
 def sizing(grids: list[str], device: str, precision: str, seconds: float) -> dict:
-    """Training images/s and FLOPs per image of every arm at every grid (:func:`measure_training`: the
-    model's step alone, one process), with the achieved TFLOP/s."""
+    """Training and forward images/s and FLOPs per image of every arm at every grid
+    (:func:`measure_training`, :func:`measure_inference`: the model alone, one process), with the
+    achieved training TFLOP/s."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     rows = []
     for name in grids:
@@ -71,10 +105,12 @@ def sizing(grids: list[str], device: str, precision: str, seconds: float) -> dic
         for arm in ARMS:
             cfg = arm_config(grid, arm, precision)
             flops = train_flops_per_image(cfg)["train"]
-            speed = measure_training(DiTTask(cfg).build_transformer, grid["batch"],
-                                     grid["resolution"], 3, device, dtype, seconds)
+            build = DiTTask(cfg).build_transformer
+            speed = measure_training(build, grid["batch"], grid["resolution"], 3, device, dtype, seconds)
+            infer = measure_inference(build, INFER_BATCH, grid["resolution"], 3, device, dtype, seconds / 2)
             rows.append({"grid": name, "tokens": tokens(grid), "arm": arm.name, "batch": grid["batch"],
-                         "flops_per_image": flops, **speed, "tflops": speed["images_per_s"] * flops / 1e12})
+                         "flops_per_image": flops, **speed, "tflops": speed["images_per_s"] * flops / 1e12,
+                         "infer_images_per_s": infer})
             logging.info("sizing %s tokens %s: %.1f images/s", tokens(grid), arm.name, speed["images_per_s"])
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"format": SIZING_FORMAT, "device": device_name(device), "precision": precision,
@@ -98,9 +134,10 @@ def load_sizing(path: Path) -> dict:
     return record
 
 
-def read_sizing(path: Path, grids: list[str]) -> dict[tuple[str, str], float]:
-    """``{(grid, arm): images/s}`` from a ``--sizing-only`` file, checked against this preset's model and
-    batch (a file measured for another model is refused)."""
+def read_sizing(path: Path, grids: list[str], column: str = "images_per_s") -> dict[tuple[str, str], float]:
+    """``{(grid, arm): images/s}`` from a ``--sizing-only`` file (``column``: ``images_per_s`` training,
+    ``infer_images_per_s`` forward), checked against this preset's model and batch (a file measured for
+    another model, or without the column, is refused)."""
     if not path.is_file():
         raise FileNotFoundError(f"--sizing {str(path)!r} does not exist (write it with --sizing-only)")
     record = load_sizing(path)
@@ -114,14 +151,17 @@ def read_sizing(path: Path, grids: list[str]) -> dict[tuple[str, str], float]:
             if row is None or row["batch"] != GRIDS[name]["batch"]:
                 raise ConfigError(f"--sizing {str(path)!r} has no {arm.name} row at grid {name} with batch "
                                   f"{GRIDS[name]['batch']}")
-    return {key: row["images_per_s"] for key, row in found.items()}
+            if column not in row:
+                raise ConfigError(f"--sizing {str(path)!r} has no {column} (an older file): measure again "
+                                  "with --sizing-only")
+    return {key: row[column] for key, row in found.items() if column in row}
 
 
 def sizing_table(measured: dict) -> str:
     """The measurements of :func:`sizing` as a Markdown table, one row per grid and arm."""
-    lines = ["| tokens | arm | batch | training images/s | GFLOPs / image | TFLOP/s | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | arm | batch | training images/s | forward images/s | GFLOPs / image | TFLOP/s | "
+             "peak GiB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['arm']} | {r['batch']} | {r['images_per_s']:.1f} | "
-              f"{r['flops_per_image'] / 1e9:.4g} | {r['tflops']:.3g} | {r['peak_gib']:.1f} |"
-              for r in measured["rows"]]
+              f"{r.get('infer_images_per_s', math.nan):.1f} | {r['flops_per_image'] / 1e9:.4g} | "
+              f"{r['tflops']:.3g} | {r['peak_gib']:.1f} |" for r in measured["rows"]]
     return "\n".join(lines)
