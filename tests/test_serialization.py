@@ -156,6 +156,9 @@ def test_weight_headers_of_shards_and_other_folders(tmp_path):
     assert weights_mismatch(tmp_path / "vae") is None and weights_mismatch(tmp_path) is None
     model.save_config(tmp_path / "config_only")
     assert weights_mismatch(tmp_path / "config_only") is None
+    for not_an_object in ("[]", '"text"'):  # the loader's to refuse
+        (tmp_path / "sharded" / "config.json").write_text(not_an_object)
+        assert weights_mismatch(tmp_path / "sharded") is None
 
 
 def test_weight_file_check_reads_the_files_the_loader_reads(tmp_path):

@@ -128,7 +128,7 @@ def weights_mismatch(folder: str | Path) -> str | None:
             model = base.processor.model_cls.from_config(config)
             if mhla is not None:
                 install_mhla(model, MHLAConfig.from_dict(mhla))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, AttributeError):  # a config.json that is not an object too
         return None  # a VAE, a text encoder, another family, a config the loader itself refuses
     if shapes is None:
         return None
