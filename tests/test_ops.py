@@ -609,3 +609,20 @@ def test_cuda_matches_float64_oracle(dtype, make_qkv, random_mixing):
     atol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=atol)
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
+
+
+def test_a_machine_without_triton_hears_once_that_mhla_runs_pytorch(monkeypatch, caplog):
+    """The probe the op's and RoPE's dispatchers ask at their first CUDA call: without triton it says
+    once, as a warning, that MHLA runs its PyTorch paths (before, the fallback was silent)."""
+    import logging
+    import sys
+
+    from mhla_gen.ops import triton_probe
+
+    monkeypatch.setattr(triton_probe, "_importable", None)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with caplog.at_level(logging.WARNING, logger="mhla_gen.ops.triton_probe"):
+        assert triton_probe.triton_importable() is False
+        assert triton_probe.triton_importable() is False
+    warned = [r.getMessage() for r in caplog.records if "triton does not import" in r.getMessage()]
+    assert len(warned) == 1 and "PyTorch paths on CUDA" in warned[0]

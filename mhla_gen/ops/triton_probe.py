@@ -1,7 +1,13 @@
 """Whether ``import triton`` works, found out once, on first need: the op's and RoPE's dispatchers ask
-before they choose a kernel (the package imports without triton; the reference paths need none)."""
+before they choose a kernel (the package imports without triton; the reference paths need none). They ask
+only for CUDA inputs (or a backend named ``"triton"``), so a machine without triton hears once, at the
+first CUDA call, that MHLA runs its slower PyTorch path there."""
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 _importable: bool | None = None
 
@@ -12,8 +18,10 @@ def triton_importable() -> bool:
     if _importable is None:
         try:
             import triton  # noqa: F401
-        except ImportError:
+        except ImportError as err:
             _importable = False
+            logger.warning("triton does not import (%s): MHLA and its RoPE run their PyTorch paths on CUDA, "
+                           "slower than the Triton kernels; install triton to use them", err)
         else:
             _importable = True
     return _importable
