@@ -21,6 +21,33 @@ from .scale_preset import ARMS, GRIDS, arm_config, grid_model, tokens
 SIZING_FORMAT = "mhla_gen scale-study sizing"
 
 
+def random_inputs(batch: int, resolution: int, channels: int, device: str) -> dict:
+    """Seeded random DiT inputs on ``device``: ``hidden_states`` ``(B, C, R, R)``, ``timestep`` and
+    ``class_labels`` ``(B,)``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, channels, resolution, resolution, generator=gen).to(device)  # (B, C, R, R)
+    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    return {"hidden_states": x, "timestep": t, "class_labels": y}
+
+
+def timed_calls(call, device: str, seconds: float, warmup: int) -> tuple[int, float]:
+    """``(calls, seconds)``: ``call()`` run ``warmup`` times untimed (kernel compilation, allocator), then
+    for about ``seconds`` (at least 3 calls), the device synchronised before each clock reading."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        call()
+    sync()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < seconds:
+        call()
+        calls += 1
+        if calls % 4 == 0:  # the host may not queue far ahead of the device: the clock reads both
+            sync()
+    sync()
+    return calls, time.perf_counter() - start
+
+
 def measure_training(build, batch: int, resolution: int, channels: int, device: str,
                      dtype: torch.dtype | None = None, seconds: float = 3.0, warmup: int = 3) -> dict:
     """Training images/s of ``build()`` on ``device``: forward (under autocast to ``dtype`` when given),
@@ -29,16 +56,11 @@ def measure_training(build, batch: int, resolution: int, channels: int, device: 
     No data loading, EMA or logging: a bound on what the training loop reaches with the same model."""
     model = build().to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, channels, resolution, resolution, generator=gen).to(device)  # (B, C, R, R)
-    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
-    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-    kind = torch.device(device).type
-    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    inputs, kind = random_inputs(batch, resolution, channels, device), torch.device(device).type
 
     def step():
         with torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = model(x, timestep=t, class_labels=y).sample
+            out = model(**inputs).sample
         out.float()[:, :channels].square().mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -46,17 +68,7 @@ def measure_training(build, batch: int, resolution: int, channels: int, device: 
 
     if kind == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step()
-    sync()
-    steps, start = 0, time.perf_counter()
-    while steps < 3 or time.perf_counter() - start < seconds:
-        step()
-        steps += 1
-        if steps % 4 == 0:  # the host may not queue far ahead of the device: the clock reads both
-            sync()
-    sync()
-    elapsed = time.perf_counter() - start
+    steps, elapsed = timed_calls(step, device, seconds, warmup)
     peak = torch.cuda.max_memory_allocated() / 2**30 if kind == "cuda" else math.nan
     return {"images_per_s": steps * batch / elapsed, "steps": steps, "seconds": elapsed, "peak_gib": peak}
 
@@ -67,28 +79,14 @@ def measure_inference(build, batch: int, resolution: int, channels: int, device:
     """Forward images/s of ``build()`` in eval mode on ``device`` (under autocast to ``dtype`` when
     given) at ``batch``: what the evaluations (validation loss, sampling steps) cost per image."""
     model = build().to(device).eval()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, channels, resolution, resolution, generator=gen).to(device)  # (B, C, R, R)
-    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
-    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-    kind = torch.device(device).type
-    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    inputs, kind = random_inputs(batch, resolution, channels, device), torch.device(device).type
 
     def forward():
         with torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
-            model(x, timestep=t, class_labels=y)
+            model(**inputs)
 
-    for _ in range(warmup):
-        forward()
-    sync()
-    calls, start = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - start < seconds:
-        forward()
-        calls += 1
-        if calls % 4 == 0:
-            sync()
-    sync()
-    return calls * batch / (time.perf_counter() - start)
+    calls, elapsed = timed_calls(forward, device, seconds, warmup)
+    return calls * batch / elapsed
 
 
 INFER_BATCH = 128  # the validation loss's batch (studies.validation_loss.triple_losses)

@@ -122,12 +122,8 @@ def weights_mismatch(folder: str | Path) -> str | None:
     try:
         config = json.loads(config_file.read_text())
         mhla = config.pop(CONFIG_KEY, None)
-        base = base_for_class_name(stock_class_name(config.get("_class_name")), config)
         shapes = saved_shapes(folder)
-        with init_empty_weights(include_buffers=False):
-            model = base.processor.model_cls.from_config(config)
-            if mhla is not None:
-                install_mhla(model, MHLAConfig.from_dict(mhla))
+        model = _empty_model(config, mhla)
     except (ValueError, TypeError, KeyError, AttributeError):  # a config.json that is not an object too
         return None  # a VAE, a text encoder, another family, a config the loader itself refuses
     if shapes is None:
@@ -150,6 +146,18 @@ def _few(names: list[str], shown: int = 5) -> str:
     """``names`` for a one-line message: the first ``shown``, then how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{len(names)} ({', '.join(names[:shown])}{more})"
+
+
+def _empty_model(config: dict, mhla: dict | None) -> nn.Module:
+    """The transformer a saved ``config.json`` describes (``config``: without its ``"mhla"`` entry), its
+    parameters on the meta device (buffers real), with the MHLA of ``mhla`` installed; ``ValueError`` for
+    a class MHLA does not support."""
+    processor_cls = base_for_class_name(stock_class_name(config.get("_class_name"))).processor
+    with init_empty_weights(include_buffers=False):
+        model = processor_cls.model_cls.from_config(config)
+        if mhla is not None:
+            install_mhla(model, MHLAConfig.from_dict(mhla))
+    return model
 
 
 def saved_with_mhla(path) -> bool:
@@ -202,13 +210,7 @@ def load_saved_transformer(path, torch_dtype: torch.dtype | None = None, device=
         raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist (not a saved diffusers model folder)")
     config = json.loads((folder / CONFIG_NAME).read_text())
     mhla = config.pop(CONFIG_KEY, None)
-    processor_cls = base_for_class_name(stock_class_name(config.get("_class_name"))).processor
-
-    # parameters on the meta device (buffers real), then filled by assignment: no wasted random init
-    with init_empty_weights(include_buffers=False):
-        model = processor_cls.model_cls.from_config(config)
-        if mhla is not None:
-            install_mhla(model, MHLAConfig.from_dict(mhla))
+    model = _empty_model(config, mhla)  # filled by assignment below: no wasted random init
     state = _read_weights(folder)
     if mhla is not None:
         check_mhla_weights(model, set(state), folder)  # none at all: a stock re-save; some: listed below
