@@ -13,6 +13,11 @@ first), and the class's ``from_pretrained`` / ``from_config`` build the model wi
     pipe = DiffusionPipeline.from_pretrained(folder)                     # or DiTPipeline.from_pretrained
     transformer = AutoModel.from_pretrained(folder, subfolder="transformer")
     transformer = MHLADiTTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    transformer = AutoModel.from_pretrained(lone_model_folder, trust_remote_code=True)
+
+A lone model folder has no ``model_index.json`` to name ``mhla_gen.models``: ``save_pretrained`` writes
+diffusers' custom-code entry ``config.json["auto_map"]`` and a one-line module beside it that imports the
+class from ``mhla_gen`` (:mod:`mhla_gen.integration.auto_model`).
 
 The MHLA classes add to the stock behaviour:
 
@@ -38,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import sys
 from typing import ClassVar
 
@@ -52,6 +59,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
 
+from .integration.auto_model import auto_map, without_auto_map, write_auto_model_module
 from .integration.install import (
     check_mhla_consistent,
     check_mhla_placement,
@@ -99,9 +107,26 @@ class MHLAModelMixin:
 
     @functools.wraps(ModelMixin.save_pretrained)  # keeps the signature: DiffusionPipeline inspects it
     def save_pretrained(self, *args, **kwargs):
+        """diffusers' ``save_pretrained``, after the MHLA checks, with the module file ``AutoModel`` reads
+        (:mod:`mhla_gen.integration.auto_model`) written first, so that ``push_to_hub`` uploads it too."""
         check_mhla_consistent(self, "save_pretrained")
         _follow_in_saving_pipeline(self)
+        given = inspect.signature(ModelMixin.save_pretrained).bind(self, *args, **kwargs).arguments
+        folder = given["save_directory"]
+        if given.get("is_main_process", True) and not os.path.isfile(folder):  # a file: diffusers says so
+            write_auto_model_module(folder)
         return super().save_pretrained(*args, **kwargs)
+
+    def to_json_string(self) -> str:
+        """diffusers' ``config.json`` text, with the ``auto_map`` entry that lets ``AutoModel`` find this
+        class in a lone model folder (:mod:`mhla_gen.integration.auto_model`)."""
+        config = {**json.loads(super().to_json_string()), "auto_map": auto_map(type(self).__name__)}
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def extract_init_dict(cls, config_dict, **kwargs):
+        """diffusers' ``extract_init_dict`` without ``auto_map``, which is no init argument."""
+        return super().extract_init_dict(without_auto_map(config_dict), **kwargs)
 
 
 def _follow_in_saving_pipeline(model) -> None:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from mhla_gen import MHLAConfig, install_mhla, load_transformer, mhla_parameters, uninstall_mhla
 from mhla_gen.bases import BASES as RECORDS
 from mhla_gen.bases import Base as Record
+from mhla_gen.integration.auto_model import AUTO_MODULE, AUTO_MODULE_FILE, AUTO_MODULE_SOURCE
 from mhla_gen.integration.install import MHLA_MODEL_CLASSES
 from mhla_gen.models import MHLAWanTransformer3DModel
 from mhla_gen.testing.video import tiny_wan_expert
@@ -150,16 +151,56 @@ def test_project_loaders_say_what_they_load(saved, caplog):
     assert f"loaded {stock} from {root / 'stock' / 'transformer'}: stock attention (no MHLA)" in caplog.text
 
 
-def test_lone_folder_automodel_fails_loudly_and_mhla_class_on_stock_folder_is_stock(saved):
-    """A lone transformer folder names a class AutoModel looks up in diffusers: it raises, naming the class.
-    An MHLA class asked to load a stock folder has no MHLA to install: it gives the stock model."""
+def test_lone_folder_loads_with_automodel_as_custom_code(saved, caplog):
+    """A lone MHLA folder (no model_index.json) names its class for diffusers' AutoModel as custom code:
+    ``config.json["auto_map"]`` and the module file beside it, which imports the class from mhla_gen.
+    Without ``trust_remote_code`` diffusers asks for it; with it, AutoModel gives the MHLA model exactly as
+    load_transformer does. The entry is no init argument: no loader warns about it or keeps it."""
+    base, root, expected = saved
+    final = root / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModel": f"{AUTO_MODULE}.{base.mhla_cls.__name__}"}
+    assert (final / AUTO_MODULE_FILE).read_text() == AUTO_MODULE_SOURCE
+    assert (root / "pipeline" / "transformer" / AUTO_MODULE_FILE).is_file()
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoModel.from_pretrained(str(final))
+    diffusers_logger = logging.getLogger("diffusers")
+    diffusers_logger.addHandler(caplog.handler)  # diffusers' loggers do not propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger="diffusers"):
+            loaded = [AutoModel.from_pretrained(str(final), trust_remote_code=True),
+                      base.mhla_cls.from_pretrained(final), load_transformer(final),
+                      DiffusionPipeline.from_pretrained(root / "pipeline").transformer]
+    finally:
+        diffusers_logger.removeHandler(caplog.handler)
+    assert "auto_map" not in caplog.text
+    for transformer in loaded:
+        assert type(transformer) is base.mhla_cls and "auto_map" not in transformer.config
+        assert torch.equal(base.forward(transformer), expected)
+
+
+def test_only_the_main_process_writes_the_automodel_module(tmp_path):
+    """``is_main_process=False`` (a keyword or diffusers' second positional argument): no module file, as
+    diffusers then writes no config either."""
+    base = BASES["dit"]
+    model = base.factory()
+    install_mhla(model, base.cfg)
+    model.save_pretrained(tmp_path / "keyword", is_main_process=False)
+    model.save_pretrained(tmp_path / "positional", False)
+    model.save_pretrained(tmp_path / "main")
+    assert not (tmp_path / "keyword" / AUTO_MODULE_FILE).exists()
+    assert not (tmp_path / "positional" / AUTO_MODULE_FILE).exists()
+    assert (tmp_path / "main" / AUTO_MODULE_FILE).is_file()
+
+
+def test_mhla_class_on_a_stock_folder_is_stock(saved):
+    """An MHLA class asked to load a stock folder has no MHLA to install: it gives the stock model."""
     base, root, _ = saved
-    with pytest.raises(ValueError, match=f"`diffusers` has no class `{base.mhla_cls.__name__}`"):
-        AutoModel.from_pretrained(str(root / "final"))
     stock = base.mhla_cls.from_pretrained(root / "stock", subfolder="transformer")
     reference = base.mhla_cls.stock_cls.from_pretrained(root / "stock", subfolder="transformer")
     assert type(stock) is base.mhla_cls.stock_cls and "mhla" not in stock.config
     assert torch.equal(base.forward(stock), base.forward(reference))
+    assert not (root / "stock" / "transformer" / AUTO_MODULE_FILE).exists()
 
 
 @pytest.mark.parametrize("name", list(BASES))
@@ -173,7 +214,7 @@ def test_install_turns_the_model_into_its_mhla_class_and_uninstall_back(tmp_path
     assert type(model) is stock_cls and torch.equal(base.forward(model), stock_out)
     model.save_pretrained(tmp_path)  # stock folders stay stock
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["_class_name"] == stock_cls.__name__ and "mhla" not in config
+    assert config["_class_name"] == stock_cls.__name__ and "mhla" not in config and "auto_map" not in config
     assert type(AutoModel.from_pretrained(str(tmp_path))) is stock_cls
 
 

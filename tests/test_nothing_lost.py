@@ -313,9 +313,13 @@ def test_adopt_accepts_our_own_folders_and_lists_their_files(teacher_run, tmp_pa
     shutil.copytree(teacher_run / "stage1" / "final", model)
     for name in (MARKER, LISTING):
         (model / name).unlink(missing_ok=True)
+    edited = tmp_path / "edited"  # AutoModel's module file, changed by hand: not what mhla_gen wrote
+    shutil.copytree(model, edited)
+    (edited / "mhla_gen_auto_model.py").write_text("import os\n")
+    refused(lambda t: adopt("model", t), edited, match=r"mhla_gen_auto_model.py: not the module file")
     adopt("model", model)
     assert "claiming as a transformer folder" in capsys.readouterr().out
-    assert read_marker(model)["kind"] == "model" and "config.json" in listed(model)
+    assert read_marker(model)["kind"] == "model" and "mhla_gen_auto_model.py" in listed(model)
     run = tmp_path / "run"
     shutil.copytree(teacher_run / "teacher", run)
     for path in run.rglob(MARKER):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..bases import BASES, base_for_class_name
 from ..errors import ConfigError
+from ..integration.auto_model import AUTO_MODULE_FILE, AUTO_MODULE_SOURCE
 from ..integration.install import stock_class_name
 from ..outputs.folders import (
     FILE_RECORD,
@@ -158,6 +159,10 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
                 raise _misfit(path, "an index whose shards are not all in the folder")
         elif path.suffix == ".json" and lora.is_file():
             _json(path)
+        elif path.name == AUTO_MODULE_FILE:  # AutoModel's module file: the text save_pretrained writes
+            ours = AUTO_MODULE_SOURCE.encode()
+            if path.stat().st_size != len(ours) or path.read_bytes() != ours:
+                raise _misfit(path, "not the module file mhla_gen's save_pretrained writes")
         else:
             raise _misfit(path, "not a file a transformer folder holds")
 

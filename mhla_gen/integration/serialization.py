@@ -33,6 +33,7 @@ from torch import nn
 
 from ..bases import base_for_class_name, base_for_model
 from ..processors.config import MHLAConfig
+from .auto_model import without_auto_map
 from .install import CONFIG_KEY, install_mhla, is_mhla_installed, mhla_parameters, stock_class_name
 
 METADATA_CONFIG_KEY = "mhla_config"
@@ -154,7 +155,7 @@ def _empty_model(config: dict, mhla: dict | None) -> nn.Module:
     a class MHLA does not support."""
     processor_cls = base_for_class_name(stock_class_name(config.get("_class_name"))).processor
     with init_empty_weights(include_buffers=False):
-        model = processor_cls.model_cls.from_config(config)
+        model = processor_cls.model_cls.from_config(without_auto_map(config))
         if mhla is not None:
             install_mhla(model, MHLAConfig.from_dict(mhla))
     return model
