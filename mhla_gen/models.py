@@ -59,7 +59,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
 
-from .integration.auto_model import auto_map, without_auto_map, write_auto_model_module
+from .integration.auto_model import AUTO_MAP_KEY, auto_map, without_auto_map, write_auto_model_module
 from .integration.install import (
     check_mhla_consistent,
     check_mhla_placement,
@@ -120,7 +120,7 @@ class MHLAModelMixin:
     def to_json_string(self) -> str:
         """diffusers' ``config.json`` text, with the ``auto_map`` entry that lets ``AutoModel`` find this
         class in a lone model folder (:mod:`mhla_gen.integration.auto_model`)."""
-        config = {**json.loads(super().to_json_string()), "auto_map": auto_map(type(self).__name__)}
+        config = {**json.loads(super().to_json_string()), AUTO_MAP_KEY: auto_map(type(self).__name__)}
         return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
     @classmethod

@@ -10,9 +10,10 @@ and ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` imports that f
 name of our choosing, hence this module).
 
 An MHLA class's ``save_pretrained`` writes both: the entry (``MHLAModelMixin.to_json_string``) and
-:data:`AUTO_MODULE_FILE`, which only imports the class from the installed ``mhla_gen`` (diffusers checks
-that the package is installed before importing it). The MHLA classes drop the entry when they read a
-config (it is no init argument), as do the loaders that build the stock class from a ``config.json``.
+:data:`AUTO_MODULE_FILE`, which only imports the class from the installed ``mhla_gen`` (where it is not
+installed, diffusers warns that the file needs it and the import fails). The MHLA classes drop the
+entry when they read a config (it is no init argument), as do the loaders that build the stock class from
+a ``config.json``.
 """
 
 from __future__ import annotations

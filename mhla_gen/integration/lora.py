@@ -66,7 +66,7 @@ from torch import nn
 from ..bases import base_for_class_name, base_for_model
 from ..outputs.folders import fingerprint, read_marker
 from ..processors.config import MHLAConfig
-from .auto_model import without_auto_map
+from .auto_model import AUTO_MAP_KEY
 from .cards import public_ref
 from .install import (
     CONFIG_KEY,
@@ -223,8 +223,8 @@ def lora_training_parameters(transformer: nn.Module) -> list[nn.Parameter]:
 
 def _base_config(transformer: nn.Module) -> dict:
     """The architecture part of the model config (no MHLA or ``auto_map`` entry, no private ``_`` keys)."""
-    return {k: v for k, v in without_auto_map(transformer.config).items()
-            if not k.startswith("_") and k != CONFIG_KEY}
+    return {k: v for k, v in transformer.config.items()
+            if not k.startswith("_") and k not in (CONFIG_KEY, AUTO_MAP_KEY)}
 
 
 def is_lora_folder(path) -> bool:

@@ -153,7 +153,7 @@ def _empty_model(config: dict, mhla: dict | None) -> nn.Module:
     """The transformer a saved ``config.json`` describes (``config``: without its ``"mhla"`` entry), its
     parameters on the meta device (buffers real), with the MHLA of ``mhla`` installed; ``ValueError`` for
     a class MHLA does not support."""
-    processor_cls = base_for_class_name(stock_class_name(config.get("_class_name"))).processor
+    processor_cls = base_for_class_name(stock_class_name(config.get("_class_name")), config).processor
     with init_empty_weights(include_buffers=False):
         model = processor_cls.model_cls.from_config(without_auto_map(config))
         if mhla is not None:
