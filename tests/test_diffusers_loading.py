@@ -188,6 +188,14 @@ def test_only_the_main_process_writes_the_automodel_module(tmp_path):
     model.save_pretrained(tmp_path / "keyword", is_main_process=False)
     model.save_pretrained(tmp_path / "positional", False)
     model.save_pretrained(tmp_path / "main")
+    model.save_pretrained(tmp_path / "main")  # its own file again: replaced
+    users = tmp_path / "users"  # a file of that name the user wrote: kept, nothing saved
+    users.mkdir()
+    (users / AUTO_MODULE_FILE).write_text("mine\n")
+    with pytest.raises(FileExistsError, match="is not the module file"):
+        model.save_pretrained(users)
+    assert sorted(p.name for p in users.iterdir()) == [AUTO_MODULE_FILE]
+    assert (users / AUTO_MODULE_FILE).read_text() == "mine\n"
     assert not (tmp_path / "keyword" / AUTO_MODULE_FILE).exists()
     assert not (tmp_path / "positional" / AUTO_MODULE_FILE).exists()
     assert (tmp_path / "main" / AUTO_MODULE_FILE).is_file()

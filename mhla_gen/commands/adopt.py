@@ -25,7 +25,7 @@ import numpy as np
 
 from ..bases import BASES, base_for_class_name
 from ..errors import ConfigError
-from ..integration.auto_model import AUTO_MODULE_FILE, AUTO_MODULE_SOURCE
+from ..integration.auto_model import AUTO_MODULE_FILE, is_auto_model_module
 from ..integration.install import stock_class_name
 from ..outputs.folders import (
     FILE_RECORD,
@@ -160,8 +160,7 @@ def prove_model(folder: Path, in_run: bool = False) -> None:
         elif path.suffix == ".json" and lora.is_file():
             _json(path)
         elif path.name == AUTO_MODULE_FILE:  # AutoModel's module file: the text save_pretrained writes
-            ours = AUTO_MODULE_SOURCE.encode()
-            if path.stat().st_size != len(ours) or path.read_bytes() != ours:
+            if not is_auto_model_module(path):
                 raise _misfit(path, "not the module file mhla_gen's save_pretrained writes")
         else:
             raise _misfit(path, "not a file a transformer folder holds")

@@ -43,8 +43,18 @@ def without_auto_map(config: dict) -> dict:
     return {key: value for key, value in config.items() if key != AUTO_MAP_KEY}
 
 
+def is_auto_model_module(path: Path) -> bool:
+    """Whether ``path`` is a file holding exactly :data:`AUTO_MODULE_SOURCE` (ours to replace)."""
+    ours = AUTO_MODULE_SOURCE.encode()
+    return path.is_file() and path.stat().st_size == len(ours) and path.read_bytes() == ours
+
+
 def write_auto_model_module(folder) -> None:
-    """:data:`AUTO_MODULE_FILE` in ``folder`` (made if missing): the same text for every MHLA class."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / AUTO_MODULE_FILE).write_text(AUTO_MODULE_SOURCE)
+    """:data:`AUTO_MODULE_FILE` in ``folder`` (made if missing): the same text for every MHLA class. A file
+    of that name with other contents is not ours: ``FileExistsError`` before anything is written."""
+    path = Path(folder) / AUTO_MODULE_FILE
+    if path.exists() and not is_auto_model_module(path):
+        raise FileExistsError(f"{str(path)!r} exists and is not the module file mhla_gen's save_pretrained "
+                              "writes; nothing was saved: move it or save elsewhere")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(AUTO_MODULE_SOURCE)
