@@ -181,7 +181,8 @@ def test_lone_folder_loads_with_automodel_as_custom_code(saved, caplog):
 
 def test_only_the_main_process_writes_the_automodel_module(tmp_path):
     """``is_main_process=False`` (a keyword or diffusers' second positional argument): no module file, as
-    diffusers then writes no config either."""
+    diffusers then writes no config either; none where ``save_directory`` is a file, which diffusers
+    refuses (it logs an error and saves nothing)."""
     base = BASES["dit"]
     model = base.factory()
     install_mhla(model, base.cfg)
@@ -196,6 +197,10 @@ def test_only_the_main_process_writes_the_automodel_module(tmp_path):
         model.save_pretrained(users)
     assert sorted(p.name for p in users.iterdir()) == [AUTO_MODULE_FILE]
     assert (users / AUTO_MODULE_FILE).read_text() == "mine\n"
+    a_file = tmp_path / "a_file"  # diffusers logs that a save_directory which is a file is refused
+    a_file.write_text("kept\n")
+    model.save_pretrained(a_file)
+    assert a_file.read_text() == "kept\n"
     assert not (tmp_path / "keyword" / AUTO_MODULE_FILE).exists()
     assert not (tmp_path / "positional" / AUTO_MODULE_FILE).exists()
     assert (tmp_path / "main" / AUTO_MODULE_FILE).is_file()
