@@ -180,12 +180,13 @@ def test_holm_judges_the_secondaries_and_keeps_the_primary():
 
 
 def test_holm_reads_a_secondarys_bounded_on_its_family_wide_interval():
-    """The same interval (0.1 +- 0.2, df 2, minimum effect 0.5) is bounded as the primary and as one of
-    two secondaries, undecided as one of five (its 99 % interval reaches 0.56)."""
+    """The same interval (0.1 +- 0.2 from 3 seeds' part alone, minimum effect 0.5) is bounded as the primary
+    and as one of two secondaries, undecided as one of five (its 99 % interval reaches 0.56)."""
     from studies.evidence_stats import Interval
 
     def cell():
-        iv = Interval(0.1, -0.1, 0.3, 3, 0.01, 0.0, 2.0, 0.6, "bootstrap")
+        var_seed = (0.2 / 4.302653) ** 2  # t_2's 97.5 % quantile: the seeds' part makes the +- 0.2
+        iv = Interval(0.1, -0.1, 0.3, 3, var_seed, 0.0, 0.6, "bootstrap")
         return {"interval": iv, "p": iv.p, "n": 3, "min_effect": 0.5, "at_floor": False, "verdict": "bounded"}
 
     two = apply_holm([cell() for _ in range(3)], primary=0)
