@@ -59,7 +59,7 @@ from unittest import mock
 import torch
 from studies import sibling
 from studies.evidence import check_questions
-from studies.experiments import VAL_TRIPLES, finished_records, make_jobs, run_jobs
+from studies.experiments import VAL_TRIPLES, finished_points, make_jobs, run_jobs
 from studies.scale_preset import ARMS, CONFIG, GRIDS, base_overrides, grid_plan
 from studies.scale_report import PRIMARY, QUESTIONS, report
 from studies.scale_sizing import device_name, load_sizing, read_sizing, sizing, sizing_table
@@ -108,10 +108,22 @@ def render(record, folder: Path) -> list[Path]:
     heading = (f"# MHLA / softmax / linear where N ≫ M²\n\n`{meta['command']}` — {meta['date']}, "
                f"{meta['device']} ({PRECISION_NAMES.get(meta['precision'], meta['precision'])}), "
                f"{results.how_it_ran(meta)}, "
-               f"torch {meta['torch']}\n\n{results.commits_line(record.points)}\n")
+               f"torch {meta['torch']}\n\n{results.commits_line(record.points)}\n{status_lines(meta)}")
     path = Path(folder) / REPORT
-    atomic_write_text(path, f"{REPORT_MARK}\n{report(record.points, record.samples(), heading)}")
+    text = report(record.points, record.samples(), heading, meta.get("sizing"), meta.get("jobs"))
+    atomic_write_text(path, f"{REPORT_MARK}\n{text}")
     return [path]
+
+
+def status_lines(meta: dict) -> str:
+    """The heading's lines on what did not run: grids left out when planned (``meta["skipped"]``) and a
+    study stopped before its end (``meta["stopped"]``); empty for a whole study."""
+    lines = [f"\nGrid {name} was not run: {why}\n" for name, why in (meta.get("skipped") or {}).items()]
+    if meta.get("stopped"):
+        lines.append(f"\nStopped early (a run failed or the time ran out) in {meta['stopped']}: its tables "
+                     "hold every point finished by then, those of runs cut short included (the seeds "
+                     "columns count each cell's runs).\n")
+    return "".join(lines)
 
 
 def write_record(args, records: list[dict], meta: dict, seconds: float) -> str:
@@ -133,7 +145,9 @@ def parse_args(argv=None):
                         help="the runs (large; default: a new temporary folder, the records go to --export)")
     parser.add_argument("--export", type=expand_path, default=None, metavar="DIR",
                         help="write record.npz and scale_study.md into DIR too (the compact part of --out)")
-    parser.add_argument("--grids", nargs="+", choices=["1024", "4096"], default=["1024", "4096"])
+    parser.add_argument("--grids", nargs="+", choices=["1024", "4096"], default=["4096", "1024"],
+                        help="the grids in the order they run (default: 4096 tokens, the study's point, "
+                             "first; --sizing-only measures them in this order)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--images", type=int, default=None, help="the reference arm's images per grid")
@@ -218,10 +232,31 @@ def write_sizing(args) -> dict:
     path = Path(args.sizing)
     if path.exists():
         load_sizing(path)  # ConfigError for a file that is not one (a user's file is never replaced)
-    measured = sizing(args.grids, args.device, args.precision, args.sizing_seconds)
-    atomic_write_text(path, json.dumps(measured, indent=1))
+    def write(measured: dict) -> None:  # after every row: a later row that fails keeps the ones before it
+        atomic_write_text(path, json.dumps(measured, indent=1))
+
+    measured = sizing(args.grids, args.device, args.precision, args.sizing_seconds, write)
     print(sizing_table(measured))
     return measured
+
+
+def plan_grids(args) -> tuple[dict[str, dict], dict[str, str]]:
+    """``(plans, skipped)``: each grid's plan (:func:`studies.scale_preset.grid_plan`), made on its own.
+    A grid that cannot be planned (its rows missing from ``--sizing``, or ``--seconds`` too short for its
+    evaluations) is left out, its reason in ``skipped[grid]`` and in the log, and the other grids run;
+    ``ConfigError`` naming every reason when no grid can run."""
+    plans, skipped = {}, {}
+    for name in args.grids:
+        try:
+            speed = read_sizing(Path(args.sizing), [name]) if args.sizing else None
+            infer = read_sizing(Path(args.sizing), [name], "infer_images_per_s") if args.seconds else None
+            plans[name] = grid_plan(name, args, speed, infer)
+        except ValueError as err:  # ConfigError is one
+            skipped[name] = str(err)
+            logging.warning("grid %s is not run: %s", name, err)
+    if not plans:
+        raise ConfigError("no grid can run: " + "; ".join(f"grid {n}: {why}" for n, why in skipped.items()))
+    return plans, skipped
 
 
 def main(argv=None) -> list[dict]:
@@ -231,51 +266,66 @@ def main(argv=None) -> list[dict]:
     if args.sizing_only:
         write_sizing(args)
         return []
-    speed = read_sizing(Path(args.sizing), args.grids) if args.sizing else None
-    infer = read_sizing(Path(args.sizing), args.grids, "infer_images_per_s") if args.seconds else None
-    measured = load_sizing(Path(args.sizing)) if args.sizing else None
-    plans = {name: grid_plan(name, args, speed, infer) for name in args.grids}
+    measured = None
+    if args.sizing:  # a missing file, or one not a sizing file, is refused outright (not per grid)
+        read_sizing(Path(args.sizing), [])
+        measured = load_sizing(Path(args.sizing))
+    plans, skipped = plan_grids(args)
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="mhla_scale_study_"))
         logging.info("runs in %s", args.out)
     jobs = plan_jobs(args, plans)
     args.command = "python eval/scale_study.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    every = [job for name in args.grids for job in jobs[name]]
-    meta = {"grids": args.grids, "plans": plans, "sizing": measured, "device": device_name(args.device),
-            "precision": args.precision, "configs": results.configs(every),
+    every = [job for name in plans for job in jobs[name]]
+    meta = {"grids": list(plans), "skipped": skipped, "plans": plans, "sizing": measured,
+            "device": device_name(args.device), "precision": args.precision,
+            "configs": results.configs(every),
             "mhla_backend": "triton" if torch.device(args.device).type == "cuda" else "pytorch",
-            "jobs": args.jobs or max(len(jobs[name]) for name in args.grids)}
+            "jobs": args.jobs or max(len(jobs[name]) for name in plans)}
     start = time.perf_counter()
     with training_on(args.device):
         records = run_grids(args, jobs, meta, start)
     print(write_record(args, records, meta, time.perf_counter() - start))
+    for name, why in skipped.items():  # the report's heading says it too; here it is the last word
+        logging.warning("grid %s was not run: %s", name, why)
     return records
 
 
 def run_grids(args, jobs: dict[str, list], meta: dict, start: float) -> list[dict]:
-    """Every grid's runs in turn, the record written after each (and, when a run fails or the time runs
-    out, the record of the runs that finished before the error is raised)."""
-    records = []
-    for name in args.grids:
+    """Every planned grid's runs in turn (``--grids`` order), the record written after each; when a run
+    fails or the time runs out (Ctrl-C), the record of every evaluation point finished so far (those of
+    runs cut short included: ``meta["stopped"]`` says so) is written before the error is raised."""
+    records, names = [], list(jobs)
+    for name in names:
         logging.info("grid %s: %s", name, json.dumps(meta["plans"][name]))
         try:
             records += run_jobs(args.out, "study", "--out", jobs[name], args.jobs or len(jobs[name]),
                                 "scale_study")
-        except BaseException:  # a run failed or the time ran out: keep what the other runs finished
-            finished = records + finished_records(jobs[name])
+        except BaseException:  # a run failed or the time ran out: keep every point finished so far
+            finished = records + finished_points(jobs[name])
             if finished:
                 write_record(args, finished, {**meta, "stopped": f"grid {name}"}, time.perf_counter() - start)
             raise
-        if name != args.grids[-1]:
+        if name != names[-1]:
             write_record(args, records, meta, time.perf_counter() - start)
     return records
 
 
+# The CUDA allocator of every run's process: runs sharing one GPU each grow and shrink their activations;
+# expandable segments map more memory into a segment instead of caching fixed ones, so one process's
+# freed blocks fragment less of what the others need. A user's own setting is kept.
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 def training_on(device: str):
-    """Runs that evaluate on the CPU train there too: Accelerate puts training on a GPU wherever there is
-    one unless ``ACCELERATE_USE_CPU`` says otherwise (the runs' processes inherit it); restored after."""
-    cpu = torch.device(device).type == "cpu"
-    return mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if cpu else {})
+    """The environment the runs' processes inherit, restored after. Runs that evaluate on the CPU train
+    there too: Accelerate puts training on a GPU wherever there is one unless ``ACCELERATE_USE_CPU`` says
+    otherwise. Runs on CUDA get ``PYTORCH_CUDA_ALLOC_CONF`` :data:`CUDA_ALLOC_CONF` unless it is set."""
+    kind = torch.device(device).type
+    env = {"ACCELERATE_USE_CPU": "true"} if kind == "cpu" else {}
+    if kind == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
+    return mock.patch.dict(os.environ, env)
 
 
 if __name__ == "__main__":

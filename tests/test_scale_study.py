@@ -197,6 +197,16 @@ def test_runs_that_evaluate_on_the_cpu_train_there(monkeypatch):
     with study.training_on("cpu"):
         assert os.environ["ACCELERATE_USE_CPU"] == "true"
     assert os.environ["ACCELERATE_USE_CPU"] == "false"
+    # runs on CUDA: the allocator's expandable segments (nine processes share the GPU), a user's kept
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with study.training_on("cuda"):
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    with study.training_on("cpu"):
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    with study.training_on("cuda"):
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
 
 
 def test_sizing_file_is_written_and_checked(tmp_path):
@@ -226,6 +236,28 @@ def test_sizing_file_is_written_and_checked(tmp_path):
     with pytest.raises(ConfigError, match="not a sizing file"):
         study.main(["--smoke", "--sizing-only", "--sizing", str(tmp_path / "other.json")])
     assert np.isfinite(speed[("smoke", "softmax")])
+
+
+def test_the_sizing_file_is_written_after_every_row(tmp_path, monkeypatch):
+    """A row that fails (an out-of-memory, a kernel error) leaves the rows measured before it in the file;
+    a study given that file says which grid it cannot size, and runs nothing of it."""
+    study = load_study()
+    real, calls = scale_sizing.measure_training, []
+
+    def measure_training(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third arm
+            raise RuntimeError("CUDA out of memory (a test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scale_sizing, "measure_training", measure_training)
+    path = tmp_path / "sizing.json"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        study.main(["--smoke", "--sizing-only", "--sizing", str(path), "--sizing-seconds", "0"])
+    assert [r["arm"] for r in json.loads(path.read_text())["rows"]] == ["softmax", "mhla"]
+    with pytest.raises(ConfigError, match=r"no grid can run: grid smoke: --sizing .* has no linear row"):
+        study.main(["--smoke", "--sizing", str(path), "--out", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
 
 
 def test_log_points_and_equal_compute_steps():
@@ -279,24 +311,76 @@ def test_measure_training_trains_the_model_it_times():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # AdamW stepped
 
 
-def test_a_failed_run_keeps_the_record_of_the_runs_that_finished(tmp_path, monkeypatch):
-    """One run of a grid raising (an out-of-memory on the GPU, say) stops the study with its error, but the
-    record and report of the runs that finished are written first (--out and --export)."""
+def test_a_failed_run_keeps_every_point_finished_before_it(tmp_path, monkeypatch):
+    """One run of a grid raising mid-run (an out-of-memory on the GPU, or the time limit's Ctrl-C) stops
+    the study with its error, but the record and report of every point finished by then are written
+    first (--out and --export): the other runs' and the first point of the run cut short."""
     from studies import experiments
 
-    real = experiments.run_job
+    real = experiments.train
 
-    def run_job(job):
-        if job.arm == "linear":
+    def train(cfg, task):  # the linear run trains to its first point (step 4), then fails
+        if cfg.model.attention == "linear" and cfg.train.max_steps > 4:
             raise RuntimeError("CUDA out of memory (a test)")
-        return real(job)
+        return real(cfg, task)
 
-    monkeypatch.setattr(experiments, "run_job", run_job)
+    monkeypatch.setattr(experiments, "train", train)
     out = tmp_path / "s"
     with pytest.raises(RuntimeError, match="out of memory"):
         load_study().main(["--smoke", "--jobs", "1", "--out", str(out / "runs"), "--export",
                            str(out / "rec")])
     study = load_study()
     record = study.results.load(out / "rec" / "record.npz")
-    assert {p["arm"] for p in record.points} == {"softmax", "mhla"} and record.meta["stopped"] == "grid smoke"
-    assert (out / "rec" / "scale_study.md").read_text().startswith(study.REPORT_MARK)
+    assert {(p["arm"], p["step"]) for p in record.points} == {
+        ("softmax", 4), ("softmax", 8), ("mhla", 4), ("mhla", 8), ("linear", 4)}
+    assert record.meta["stopped"] == "grid smoke"
+    md = (out / "rec" / "scale_study.md").read_text()
+    assert md.startswith(study.REPORT_MARK) and "Stopped early (a run failed or the time ran out) in grid " \
+        "smoke" in md
+    assert "| linear | 4 | 16 |" in md  # the run cut short: its finished point is in the curve
+
+
+def sizing_file(path: Path, infer: dict[str, float], grids=("1024", "4096")) -> Path:
+    """A sizing file of this preset's model and batches: 100 training images/s every arm, forward
+    ``infer[grid]`` images/s."""
+    rows = [{"grid": g, "arm": a.name, "batch": preset.GRIDS[g]["batch"], "images_per_s": 100.0,
+             "infer_images_per_s": infer[g]} for g in grids for a in preset.ARMS]
+    path.write_text(json.dumps({"format": scale_sizing.SIZING_FORMAT, "rows": rows,
+                                "model": {g: preset.grid_model(preset.GRIDS[g]) for g in ("1024", "4096")}}))
+    return path
+
+
+def test_each_grid_is_planned_on_its_own(tmp_path, monkeypatch):
+    """A grid that cannot be planned (its evaluations alone past --seconds, or no sizing rows of its own)
+    is left out with its reason, and the other grid runs; with none left the command refuses, naming
+    each grid's reason. The 4096-token grid (the study's point) runs first by default."""
+    study = load_study()
+    monkeypatch.setattr(preset, "train_flops_per_image", lambda cfg: {"train": 1e9, "forward": 0.0})
+    path = sizing_file(tmp_path / "sizing.json", {"1024": 1e9, "4096": 100.0})
+    args = study.parse_args(["--seconds", "120", "--sizing", str(path), "--device", "cpu"])
+    assert args.grids == ["4096", "1024"]
+    plans, skipped = study.plan_grids(args)
+    assert list(plans) == ["1024"] and list(skipped) == ["4096"]
+    assert "do not cover the runs' evaluations alone" in skipped["4096"]
+    lines = study.status_lines({"skipped": skipped})
+    assert lines.strip().startswith("Grid 4096 was not run: 120 s do not cover")
+    sizing_file(path, {"1024": 1e9, "4096": 1e9}, grids=("4096",))  # the 1024 rows missing
+    plans, skipped = study.plan_grids(args)
+    assert list(plans) == ["4096"] and "has no softmax row at grid 1024" in skipped["1024"]
+    sizing_file(path, {"1024": 100.0, "4096": 100.0})
+    with pytest.raises(ConfigError, match="no grid can run: grid 4096: .*evaluations alone.*; grid 1024: "):
+        study.plan_grids(args)
+    assert study.status_lines({}) == ""
+
+
+def test_the_cost_table_says_the_runs_share_the_device():
+    """The runs' training images/s are each a share of one device (every run of a grid at once); the
+    sizing's speed of the model alone stands beside them."""
+    recs = [{"arm": a, "seed": 0, "step": 8, "flops_per_image": 1e9, "images_steps": [4, 8],
+             "compute_steps": [4, 8], "train_images_per_s": 50.0} for a in ("softmax", "mhla")]
+    sizing = {"rows": [{"grid": "1024", "arm": "softmax", "images_per_s": 400.0},
+                       {"grid": "4096", "arm": "softmax", "images_per_s": 100.0}]}
+    table = scale_report.cost_table(recs, scale_report.sizing_speeds(sizing, "1024"), 9)
+    assert "training images/s (the runs, median; 9 runs sharing the device)" in table
+    assert "| training images/s (sizing: one run alone) |" in table
+    assert table.splitlines()[2].endswith("| 50 | 400 |") and table.splitlines()[3].endswith("| 50 | — |")

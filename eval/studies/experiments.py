@@ -397,6 +397,13 @@ def finished_records(jobs: list[Job]) -> list[dict]:
     return [json.loads(result_path(job, s).read_text()) for job in done for s in job.steps]
 
 
+def finished_points(jobs: list[Job]) -> list[dict]:
+    """The record of every evaluation point that exists, those of runs not finished included (a study
+    stopped mid-run keeps its earlier points); runs nothing."""
+    return [json.loads(result_path(job, s).read_text()) for job in jobs for s in job.steps
+            if result_path(job, s).is_file()]
+
+
 def study_records(out: Path, jobs: list[Job], workers: int, report_only: bool, runner: str) -> list[dict]:
     """:func:`run_jobs` on the ``--out`` study folder ``out`` of ``eval/<runner>.py``, or with
     ``report_only`` the records of the runs finished so far, training nothing (``out`` must then be a study

@@ -30,18 +30,28 @@ def at_images(records: list[dict]) -> list[dict]:
     return [r for r in records if r["step"] in r["images_steps"]]
 
 
-def cost_table(recs: list[dict]) -> str:
-    """Per arm: FLOPs per training image, its compute ratio, steps at each end, the runs' own images/s."""
+def cost_table(recs: list[dict], alone: dict[str, float] | None = None, jobs: int | None = None) -> str:
+    """Per arm: FLOPs per training image, its compute ratio, steps at each end, the runs' own training
+    images/s (median; measured while ``jobs`` runs share the device, so each is a share of it) and, from
+    the sizing (``alone[arm]``: one process, the model alone), the device's whole speed for that arm."""
+    shared = "one run at a time" if jobs == 1 else f"{jobs or 'the'} runs sharing the device"
     lines = ["| arm | training GFLOPs / image | images per reference image at equal compute | steps (equal "
-             "images, end) | steps (equal compute, end) | training images/s (the runs, median) |",
-             "|---|---|---|---|---|---|"]
+             f"images, end) | steps (equal compute, end) | training images/s (the runs, median; {shared}) "
+             "| training images/s (sizing: one run alone) |", "|---|---|---|---|---|---|---|"]
     for arm in dict.fromkeys(r["arm"] for r in recs):
         r0 = next(r for r in recs if r["arm"] == arm)
         speed = np.nanmedian([r["train_images_per_s"] for r in recs if r["arm"] == arm])
         ratio = r0["compute_steps"][-1] / r0["images_steps"][-1]
+        own = f"{alone[arm]:.0f}" if alone and arm in alone else "—"
         lines.append(f"| {arm} | {r0['flops_per_image'] / 1e9:.4g} | {ratio:.2f} | {r0['images_steps'][-1]} "
-                     f"| {r0['compute_steps'][-1]} | {speed:.0f} |")
+                     f"| {r0['compute_steps'][-1]} | {speed:.0f} | {own} |")
     return "\n".join(lines) + "\n"
+
+
+def sizing_speeds(sizing: dict | None, grid: str) -> dict[str, float]:
+    """``{arm: training images/s}`` of ``grid`` in a sizing record (``--sizing``; none: empty)."""
+    rows = (sizing or {}).get("rows", [])
+    return {r["arm"]: r["images_per_s"] for r in rows if r.get("grid") == grid and "images_per_s" in r}
 
 
 def curve_table(recs: list[dict]) -> str:
@@ -102,14 +112,17 @@ def along_table(recs: list[dict], samples) -> str:
     return "\n".join(lines) + "\n" + footnotes(every) + "\n"
 
 
-def report(records: list[dict], samples, heading: str) -> str:
-    """Every grid's tables (per-sample scores from ``samples``: a record's, eval/results.py)."""
+def report(records: list[dict], samples, heading: str, sizing: dict | None = None,
+           jobs: int | None = None) -> str:
+    """Every grid's tables (per-sample scores from ``samples``: a record's, eval/results.py; ``sizing``:
+    the record's sizing, for each arm's speed alone; ``jobs``: the runs that shared the device)."""
     text = [heading]
     for name in dict.fromkeys(r["grid"] for r in records):
         recs = [r for r in records if r["grid"] == name]
         r0 = recs[0]
         blocks = "x".join(map(str, r0["blocks"]))
         text += [f"## {r0['tokens']} tokens ({r0['resolution']}x{r0['resolution']} px, blocks {blocks}), "
-                 f"batch {r0['batch']}", "", cost_table(recs), curve_table(recs),
+                 f"batch {r0['batch']}", "", cost_table(recs, sizing_speeds(sizing, name), jobs),
+                 curve_table(recs),
                  decision_table(recs, samples), along_table(recs, samples)]
     return "\n".join(text)

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,12 +93,16 @@ def measure_inference(build, batch: int, resolution: int, channels: int, device:
 INFER_BATCH = 128  # the validation loss's batch (studies.validation_loss.triple_losses)
 
 
-def sizing(grids: list[str], device: str, precision: str, seconds: float) -> dict:
+def sizing(grids: list[str], device: str, precision: str, seconds: float,
+           done: Callable[[dict], None] | None = None) -> dict:
     """Training and forward images/s and FLOPs per image of every arm at every grid
     (:func:`measure_training`, :func:`measure_inference`: the model alone, one process), with the
-    achieved training TFLOP/s."""
+    achieved training TFLOP/s. ``done(record)`` after every row with the record so far (the rows measured
+    until then): a row that fails later leaves the earlier ones written."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     rows = []
+    record = {"format": SIZING_FORMAT, "device": device_name(device), "precision": precision,
+              "model": {n: grid_model(GRIDS[n]) for n in grids}, "rows": rows}
     for name in grids:
         grid = GRIDS[name]
         for arm in ARMS:
@@ -111,8 +116,9 @@ def sizing(grids: list[str], device: str, precision: str, seconds: float) -> dic
                          "infer_images_per_s": infer})
             logging.info("sizing %s tokens %s: %.1f images/s", tokens(grid), arm.name, speed["images_per_s"])
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"format": SIZING_FORMAT, "device": device_name(device), "precision": precision,
-            "model": {n: grid_model(GRIDS[n]) for n in grids}, "rows": rows}
+            if done is not None:
+                done(record)
+    return record
 
 
 def device_name(device: str) -> str:
