@@ -15,7 +15,8 @@ Sections, in this order, each its own process with a time limit (a section that 
 reported with its output and the next one runs):
 
 1. ``kernel tests``: ``pytest -m gpu`` on the kernel files (Triton kernels against the oracle, the op on
-   CUDA). If they fail, every benchmark below (they trust the kernels) is reported as not run;
+   CUDA). If they fail or run out of time, every benchmark below (they trust the kernels) is reported as
+   not run;
 2. ``profile``: ``benchmarks/profile_mhla.py``: per-kernel GPU time at the model shapes, host vs GPU time
    per call, one Wan2.1-1.3B block split by op (the report keeps its whole output);
 3. ``CUDA graphs``: ``bench_attention.py --cuda-graphs``: FlashAttention, linear attention and MHLA eager
@@ -30,22 +31,25 @@ reported with its output and the next one runs):
 9. ``host overhead``: ``bench_host_overhead.py``: host time per MHLA call, layer by layer;
 10. ``Wan2.1-1.3B step, compiled`` and 11. ``other gpu tests`` (compile, CUDA graphs of whole models, bf16
     training steps): only when the time budget still holds their whole limit;
-12. ``kernel check``, 13. ``scale-study sizing`` and 14. ``scale study`` (N >> M², ``eval/scale_study.py``):
-    the bf16 kernel tests against the oracle on both kernel paths (about a minute; the study trains with
-    them, so it is not run if they fail; left out when ``kernel tests``, which include them, passed
-    earlier in the same run), the training and forward images/s of softmax, MHLA and linear attention
-    at 1024 and 4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report), then the
-    study sized by it: the three arms x 3 seeds at both token counts, 100 s of the device per grid for
-    training and evaluations (within the section's 300 s with start-up), its record and tables in
-    ``scale_study/`` beside the report (``record.npz``, ``scale_study.md``; a run that fails leaves the
-    record of the runs that finished). Optional: a default run leaves them out (the benchmarks fill its
-    budget); alone they take at most 90 + 120 + 300 s, and the study runs only after its sizing passed. On
-    a lent machine, whose ``$OUT`` is what comes back, with the wheels carried in ``.whl/``:
+12. ``kernel check``, 13. ``scale-study sizing``, 14. ``scale study`` (N >> M², ``eval/scale_study.py``) and
+    15. ``dense kernel check``: the bf16 kernel tests against the oracle on the blocked path, the one the
+    study trains with, those at the study's own shapes first (about a minute; the study is not run if
+    they fail or run out of time; left out when ``kernel tests``, which include them, passed earlier in
+    the same run), the training and forward images/s of softmax, MHLA and linear attention at 1024 then
+    4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report after every row), then
+    the study sized by it: the three arms x 3 seeds at 4096 then 1024 tokens (a grid the sizing cannot
+    size is left out, the other runs), 100 s of the device per grid for training and evaluations
+    (within the section's 300 s with start-up), its record and tables in ``scale_study/`` beside the
+    report (``record.npz``, ``scale_study.md``; a study stopped early keeps every point finished by
+    then), and last the dense path's bf16 tests (reported, no gate: the study does not run that path).
+    Optional: a default run leaves them out (the benchmarks fill its budget); the study runs only after
+    its sizing wrote its file. On a lent machine, whose ``$OUT`` is what comes back, with the wheels
+    carried in ``.whl/``:
 
         python scripts/gpu_check.py --out "$OUT/REPORT.md" --budget-s 515 \
-            --only "kernel check" "scale-study sizing" "scale study"
+            --only "kernel check" "scale-study sizing" "scale study" "dense kernel check"
 
-15. ``stream study on cuda`` (``eval/stream_study.py --device cuda``, issue 58): the streaming study's four
+16. ``stream study on cuda`` (``eval/stream_study.py --device cuda``, issue 58): the streaming study's four
     arms, one seed, 100 training steps at batch 32 and 10 streamed videos, then memory and time per chunk
     on the GPU: its CUDA path end to end, and the seconds a training step takes there (each arm prints
     them), which size the 6000-step run. Optional; its folder comes back beside the report
@@ -53,26 +57,30 @@ reported with its output and the next one runs):
 
         python scripts/gpu_check.py --out "$OUT/REPORT.md" --only "stream study on cuda"
 
-Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left, a section that
-would get less than 20 s is not run, and the optional sections run only when their whole limit fits. A
-section past its limit gets Ctrl-C (SIGINT to its process group) and 30 s to keep what it finished (the
-scale study writes the record of its finished runs), then SIGKILL: give a caller's own time limit the
-budget plus 30 s plus the environment probe before it (a few seconds; a minute at most). A check that is
-killed itself takes its running section with it (the section dies with it).
+Time: ``--budget-s`` (420) caps the whole run: a section's limit is cut to the time left less 35 s (what
+stopping it may take), a section that would get less than 20 s is not run, and the optional sections run
+only when their whole limit fits. A section past its limit gets Ctrl-C (SIGINT to its process group) and
+30 s to keep what it finished (the scale study writes the record of its finished points), then SIGKILL
+(and 5 s to end): the whole run ends within the budget, so give a caller's own time limit the budget plus
+the environment probe before it (a few seconds; a minute at most). A check that is killed itself takes
+its running section with it (the section dies with it).
 
 The report starts with the environment (GPU, driver, CUDA, torch, triton, diffusers, git commit, copy
 bandwidth), then a summary table (status and time per section), then each section's command and the tail of
 its output; each section's whole output is also a file in the folder beside the report (``REPORT.files/``
 for ``REPORT.md``, marked as ours; its path is ``$GPU_CHECK_OUT`` in the sections' environment, for scripts
-that write more files). The report is rewritten after every section, so a machine taken back mid-run leaves
-the sections done so far. Exit status 0 when every section that ran passed and no required one was left
-out. Without a CUDA device the real run stops at once with one line and exit status 2; ``--dry-run`` runs
-each section's CPU plumbing instead (tiny sizes, ``--help``, test collection).
+that write more files). A section's output goes into its file as it runs (Python's unbuffered), and the
+report is rewritten when a section starts, every 15 s while it runs (a ``running`` row with the output so
+far) and after it ends, so a machine taken back mid-run, or a caller's time limit, leaves what was done and
+printed until then. Exit status 0 when every section that ran passed and no required one was left out.
+Without a CUDA device the real run stops at once with one line and exit status 2; ``--dry-run`` runs each
+section's CPU plumbing instead (tiny sizes, ``--help``, test collection).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -83,6 +91,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +114,9 @@ OUTPUTS_KIND = "gpu_check"  # the folder beside the report (mhla_gen.outputs.fol
 OUTPUT_TAIL_LINES = 80  # per section in the report; the whole output is in the folder beside it
 MIN_SECTION_S = 20  # a section that would get less time than this is not started
 STOP_GRACE_S = 30  # a section past its limit gets Ctrl-C, then this long to keep what it finished
+KILL_WAIT_S = 5  # then SIGKILL, and this long for it to end
+STOP_RESERVE_S = STOP_GRACE_S + KILL_WAIT_S  # kept out of every section's limit: a stop ends in the budget
+PROGRESS_S = 15  # the report is rewritten this often while a section runs
 OUTPUTS = "{outputs}"  # in a section's arguments: the folder beside the report (outputs_folder)
 TILE_TABLE = "mhla_tiles.json"  # the tile sweep's table, written into that folder
 DEFAULT_BUDGET_S = 420
@@ -116,8 +128,9 @@ class Section:
     """One check: a command run in the repository root, with its time limit.
 
     ``dry_command``: what ``--dry-run`` runs instead (CPU, tiny sizes, or ``--help``); ``trusts_kernels``:
-    not run when the kernel tests failed; ``gate``: this section is the kernel tests; ``optional``: runs
-    only when the budget still holds ``timeout_s``; ``whole_output``: the report keeps all of it;
+    not run when a gate did not pass; ``gate``: kernel tests (if they fail, run out of time or cannot
+    start, the ``trusts_kernels`` sections are not run); ``optional``: runs only when the budget still
+    holds ``timeout_s``; ``whole_output``: the report keeps all of it;
     ``needs_file``: not run while this file does not exist (a script still being written); ``needs_output``:
     not run while the outputs folder lacks this file (an earlier section writes it); ``writes``: the
     files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it;
@@ -219,32 +232,45 @@ STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.
 STUDY_LIMIT_S = 300
 STUDY_SECONDS_PER_GRID = 100
 SIZING_LIMIT_S = 120
-KERNEL_CHECK_LIMIT_S = 90  # 14 bf16 oracle tests (2 at the study's shapes), each first compile included
+KERNEL_CHECK_LIMIT_S = 90  # 8 bf16 oracle tests (2 at the study's shapes), each first compile included
+DENSE_CHECK_LIMIT_S = 60  # 6 bf16 oracle tests of the dense path, each first compile included
 
-
-KERNEL_CHECK = ["-k", "cuda_matches_oracle and bfloat16"]  # both kernel paths against the oracle, bf16
+# The kernel check: the blocked Triton path in bf16 (the study's: its 1024 and 4096 tokens are past the
+# dense path's), the tests at the study's own shapes first, so that a time limit cuts the others. The
+# dense path's bf16 tests are their own section, after the study: the study does not run that path.
+_ORACLE_TESTS = str(KERNEL_TEST_FILES[0]) + "::test_cuda_matches_oracle"
+KERNEL_CHECK = [_ORACLE_TESTS + "_at_the_scale_study_shapes", _ORACLE_TESTS, "-k", "bfloat16 and not dense"]
+DENSE_CHECK = [_ORACLE_TESTS, "-k", "bfloat16 and dense"]
 
 
 def scale_study_sections(python: str) -> list[Section]:
-    """``eval/scale_study.py`` (MHLA / softmax / linear at 1024 and 4096 tokens): a short kernel check (the
-    study trains with the Triton op in bf16: if that fails, the study is not run), its sizing (images/s
-    per arm and N, about 30 s) and the study sized by it; optional (a run names them with ``--only``); the
-    study's record and tables come back in the folder beside the report."""
+    """``eval/scale_study.py`` (MHLA / softmax / linear at 1024 and 4096 tokens): a short kernel check of
+    the path the study trains with (the blocked Triton kernels in bf16: if that fails or runs out of time,
+    the study is not run), its sizing (images/s per arm and N, about 30 s; 1024 tokens first, written
+    row by row), the study sized by it (4096 tokens first), then the dense path's bf16 tests (reported,
+    no gate: the study does not run that path); optional (a run names them with ``--only``); the study's
+    record and tables come back in the folder beside the report."""
     script, sizing = [python, str(SCALE_STUDY)], f"{OUTPUTS}/{SIZING_FILE}"
     export = ["--export", f"{OUTPUTS}/{STUDY_FOLDER}"]
-    pytest = [*_gpu_pytest(python), str(KERNEL_TEST_FILES[0])]
+    pytest = _gpu_pytest(python)
+    grids = ["--grids", "1024", "4096"]  # the sizing: a 4096 row that fails keeps the 1024 rows
     return [
         Section("kernel check", [*pytest, *KERNEL_CHECK], KERNEL_CHECK_LIMIT_S,
                 [*pytest, "--collect-only", *KERNEL_CHECK], trusts_kernels=False, gate=True, optional=True,
                 covered_by="kernel tests"),  # a subset of them: run when they did not run before it
-        Section("scale-study sizing", [*script, "--sizing-only", "--sizing", sizing, "--sizing-seconds", "2"],
+        Section("scale-study sizing",
+                [*script, "--sizing-only", "--sizing", sizing, *grids, "--sizing-seconds", "2"],
                 SIZING_LIMIT_S,
                 [*script, "--smoke", "--sizing-only", "--sizing", sizing, "--sizing-seconds", "0.2"],
                 optional=True, writes=(SIZING_FILE,)),
         Section("scale study",
-                [*script, "--sizing", sizing, "--seconds", str(STUDY_SECONDS_PER_GRID), *export],
+                [*script, "--sizing", sizing, "--grids", "4096", "1024", "--seconds",
+                 str(STUDY_SECONDS_PER_GRID), *export],
                 STUDY_LIMIT_S, [*script, "--smoke", *export], optional=True, needs_output=SIZING_FILE,
                 writes=(f"{STUDY_FOLDER}/record.npz", f"{STUDY_FOLDER}/scale_study.md")),
+        Section("dense kernel check", [*pytest, *DENSE_CHECK], DENSE_CHECK_LIMIT_S,
+                [*pytest, "--collect-only", *DENSE_CHECK], trusts_kernels=False, optional=True,
+                covered_by="kernel tests"),
     ]
 
 
@@ -341,34 +367,78 @@ def dry_environment() -> dict[str, str]:
 # running the sections
 
 
-def run_section(section: Section, timeout_s: float | None = None,
-                outputs: Path | None = None) -> SectionResult:
+def run_section(section: Section, timeout_s: float | None = None, outputs: Path | None = None,
+                log: Path | None = None, progress: Callable[[float, str], None] | None = None
+                ) -> SectionResult:
     """Run one section's command in the repository root; never raises. ``outputs`` becomes
-    ``$GPU_CHECK_OUT`` for the command. The section runs in its own process group (stopped as a whole,
-    its workers with it) and dies with this script (:data:`SECTION_START`)."""
+    ``$GPU_CHECK_OUT`` for the command. Its output goes to ``log`` as it runs (after a first line with the
+    command: :func:`running_header`; default a temporary file), Python's unbuffered, so what it printed
+    is on disk if this script is killed; ``progress(seconds, output so far)`` every :data:`PROGRESS_S`
+    while it runs. The section runs in its own process group (stopped as a whole, its workers with it)
+    and dies with this script (:data:`SECTION_START`)."""
     limit = section.timeout_s if timeout_s is None else timeout_s
     paths = [str(REPO), os.environ.get("PYTHONPATH")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    env = {"PYTHONUNBUFFERED": "1", **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     if outputs is not None:
         env["GPU_CHECK_OUT"] = str(outputs)
     if shutil.which(section.command[0]) is None:
         return SectionResult(section.name, section.command, f"could not start: no program "
                              f"{section.command[0]!r}", 0.0, "")
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "output.txt"
+        header = running_header(section)
+        Path(log).write_text(header, encoding="utf-8")
+        skip = len(header.encode("utf-8"))
+        sink = stack.enter_context(open(log, "ab"))  # appending: the child writes at the end, always
+        start = time.monotonic()
+        try:
+            process = subprocess.Popen([sys.executable, "-c", SECTION_START, str(os.getpid()),
+                                        *section.command], cwd=REPO, env=env, stdout=sink,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as err:
+            return SectionResult(section.name, section.command, f"could not start: {err}", 0.0, "")
+        tick = None if progress is None else (lambda seconds: progress(seconds, _read_from(log, skip)))
+        try:
+            status = _wait(process, limit, tick)
+        finally:
+            _signal_group(process, signal.SIGKILL)  # whatever the section left running
+        return SectionResult(section.name, section.command, status, time.monotonic() - start,
+                             _read_from(log, skip))
+
+
+def running_header(section: Section) -> str:
+    """The first lines of a section's output file while it runs; :func:`output_text` replaces them."""
+    return f"$ {shlex.join(section.command)}\nrunning (its status is written here when it ends)\n\n"
+
+
+def output_text(result: SectionResult) -> str:
+    """A section's output file once it has ended: its command, its status, its whole output."""
+    return f"$ {shlex.join(result.command)}\n{result.status}\n\n{result.output}"
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read().decode("utf-8", errors="replace")
+
+
+def _wait(process: subprocess.Popen, limit: float, tick: Callable[[float], None] | None) -> str:
+    """The section's status once it ends, or once past ``limit`` it is stopped (:func:`_stop`);
+    ``tick(seconds)`` every :data:`PROGRESS_S` meanwhile."""
     start = time.monotonic()
-    try:
-        process = subprocess.Popen([sys.executable, "-c", SECTION_START, str(os.getpid()), *section.command],
-                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, encoding="utf-8", errors="replace", start_new_session=True)
-    except OSError as err:
-        return SectionResult(section.name, section.command, f"could not start: {err}", 0.0, "")
-    try:
-        output = process.communicate(timeout=limit)[0]
-        status = "passed" if process.returncode == 0 else f"failed (exit {process.returncode})"
-    except subprocess.TimeoutExpired:
-        output, status = _stop(process), f"timed out after {limit:.0f} s"
-    finally:
-        _signal_group(process, signal.SIGKILL)  # whatever the section left running
-    return SectionResult(section.name, section.command, status, time.monotonic() - start, output)
+    while True:
+        left = limit - (time.monotonic() - start)
+        if left <= 0:
+            _stop(process)
+            return f"timed out after {limit:.0f} s"
+        try:
+            code = process.wait(timeout=min(PROGRESS_S, left))
+        except subprocess.TimeoutExpired:
+            if tick is not None:
+                tick(time.monotonic() - start)
+            continue
+        return "passed" if code == 0 else f"failed (exit {code})"
 
 
 # What a section's process runs before its command (no preexec_fn: this script holds CUDA's threads by
@@ -387,25 +457,20 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-def _stop(process: subprocess.Popen) -> str:
+def _stop(process: subprocess.Popen) -> None:
     """Ctrl-C to a section past its limit, so that it can keep what it finished (the scale study writes
-    the record of its finished runs; pytest prints its summary); SIGKILL after ``STOP_GRACE_S``. Its
-    output (what came before a descendant that escaped the group kept the pipe open: a few seconds)."""
+    the record of its finished points; pytest prints its summary); SIGKILL to its group after
+    :data:`STOP_GRACE_S`, and to its process :data:`KILL_WAIT_S` after that."""
     _signal_group(process, signal.SIGINT)
     try:
-        return process.communicate(timeout=STOP_GRACE_S)[0]
-    except subprocess.TimeoutExpired as err:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
         _signal_group(process, signal.SIGKILL)
         try:
-            return process.communicate(timeout=5)[0]
+            process.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-            return _text(err.output)
-
-
-def _text(part) -> str:
-    return part.decode("utf-8", errors="replace") if isinstance(part, bytes) else (part or "")
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -423,12 +488,14 @@ def _tail(text: str, lines: int | None = OUTPUT_TAIL_LINES) -> str:
     return "\n".join(([f"[... {cut} earlier lines]"] if cut > 0 else []) + kept[-lines:])
 
 
-def skip_reason(section: Section, remaining_s: float, kernels_failed: bool,
+def skip_reason(section: Section, remaining_s: float, gate_failed: str | None = None,
                 outputs: Path | None = None, passed: frozenset[str] = frozenset()) -> str | None:
-    """Why ``section`` does not run now (None: it runs); ``outputs``: the folder beside the report;
-    ``passed``: the sections that passed so far in this run."""
-    if kernels_failed and section.trusts_kernels:
-        return "not run (the kernel tests did not pass)"
+    """Why ``section`` does not run now (None: it runs); ``remaining_s``: the budget left, of which
+    :data:`STOP_RESERVE_S` is kept for a stop; ``gate_failed``: the kernel-test section that did not pass
+    and its status (:func:`gate_failure`); ``outputs``: the folder beside the report; ``passed``: the
+    sections that passed so far in this run."""
+    if gate_failed and section.trusts_kernels:
+        return f"not run (the kernel tests did not pass: {gate_failed})"
     if section.covered_by in passed:
         return f"not run ({section.covered_by} passed in this run: its tests include these)"
     if section.needs_file is not None and not section.needs_file.is_file():
@@ -436,8 +503,23 @@ def skip_reason(section: Section, remaining_s: float, kernels_failed: bool,
     if section.needs_output is not None and not (outputs and (outputs / section.needs_output).is_file()):
         return f"not run (no {section.needs_output} beside the report: its section did not write it)"
     needed = section.timeout_s if section.optional else MIN_SECTION_S
-    if remaining_s < needed:
-        return f"not run (time budget: {remaining_s:.0f} s left, {needed} s needed)"
+    if remaining_s - STOP_RESERVE_S < needed:
+        return (f"not run (time budget: {remaining_s:.0f} s left, {needed} s needed and {STOP_RESERVE_S} s "
+                "for a stop)")
+    return None
+
+
+def section_limit(section: Section, remaining_s: float) -> float:
+    """A section's time limit: its own, cut so that a stop at the limit (:data:`STOP_RESERVE_S`) still
+    ends within the budget left."""
+    return min(section.timeout_s, remaining_s - STOP_RESERVE_S)
+
+
+def gate_failure(section: Section, result: SectionResult) -> str | None:
+    """``"<name> <status>"`` when ``section`` is a kernel-test gate that did not pass (failed, timed out
+    or could not start): the sections that trust the kernels are not run; None otherwise."""
+    if section.gate and result.ran and not result.passed:
+        return f"{section.name} {result.status}"
     return None
 
 
@@ -536,7 +618,7 @@ def main(argv=None, probe: Callable[[], dict] | None = None,
 
 def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner) -> int:
     """Run the planned sections, writing the report to ``out`` (and each whole output into ``folder``)
-    after each; the caller holds the locks."""
+    as each runs and after it; the caller holds the locks."""
     planned = [s for s in default_sections(skip_tiles=args.skip_tiles)
                if args.only is None or s.name in args.only]
     if args.dry_run:  # CPU plumbing: slower machines, so the limits are generous
@@ -545,31 +627,51 @@ def _run_sections(args, argv, environment: dict, out: Path, folder: Path, runner
     command = shlex.join(["python", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     start = time.monotonic()
-    results, files, kernels_failed = [], {}, False
+    results, files, gate_failed = [], {}, None
+
+    def write_report(running: SectionResult | None = None) -> None:
+        shown = results + ([running] if running is not None else [])
+        atomic_write_text(out, report_markdown(environment, shown, planned, command, started, files))
+
     for index, section in enumerate(planned, 1):
         remaining = args.budget_s - (time.monotonic() - start)
         passed = frozenset(r.name for r in results if r.passed)
-        reason = skip_reason(section, remaining, kernels_failed, folder, passed)
+        reason = skip_reason(section, remaining, gate_failed, folder, passed)
         if reason is not None:
             results.append(SectionResult(section.name, section.command, reason, 0.0, ""))
         else:
-            limit = min(section.timeout_s, remaining)
-            print(f"gpu_check: {section.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
             section = dataclasses.replace(section, command=[a.replace(OUTPUTS, str(folder))
                                                             for a in section.command])
-            result = runner(section, limit, folder)
+            limit = section_limit(section, remaining)
+            print(f"gpu_check: {section.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            result = _run_one(section, output_file_name(index, section), limit, folder, runner, files,
+                              write_report)
             results.append(result)
-            name = output_file_name(index, section)
-            text = f"$ {shlex.join(section.command)}\n{result.status}\n\n{result.output}"
-            atomic_write_text(folder / name, text)
-            record_files(folder, name, *(f for f in section.writes if (folder / f).is_file()))
-            files[section.name] = f"{folder.name}/{name}"
-            kernels_failed |= section.gate and result.status.startswith(("failed", "could not start"))
+            gate_failed = gate_failed or gate_failure(section, result)
         print(f"gpu_check: {section.name}: {results[-1].status}", file=sys.stderr, flush=True)
-        atomic_write_text(out, report_markdown(environment, results, planned, command, started, files))
+        write_report()
     left_out = [r for r, s in zip(results, planned) if not r.ran and not excused(s)]
     print(f"gpu_check: {sum(r.passed for r in results)} / {len(results)} sections passed; report in {out}")
     return 0 if all(r.passed for r in results if r.ran) and not left_out else 1
+
+
+def _run_one(section: Section, name: str, limit: float, folder: Path, runner, files: dict[str, str],
+             write_report: Callable[..., None]) -> SectionResult:
+    """Run one section with ``runner``, its output streaming into ``folder / name`` (listed as ours before
+    it starts) and the report rewritten as it runs (a "running" row with the output so far); the file
+    then holds its command, status and whole output (:func:`output_text`)."""
+    record_files(folder, name, pending=True)
+    files[section.name] = f"{folder.name}/{name}"
+
+    def progress(seconds: float, output: str) -> None:
+        write_report(SectionResult(section.name, section.command, f"running ({seconds:.0f} s so far)",
+                                   seconds, output))
+
+    progress(0.0, "")
+    result = runner(section, limit, folder, log=folder / name, progress=progress)
+    atomic_write_text(folder / name, output_text(result))
+    record_files(folder, name, *(f for f in section.writes if (folder / f).is_file()))
+    return result
 
 
 if __name__ == "__main__":

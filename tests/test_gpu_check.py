@@ -30,7 +30,7 @@ def fake_runner(gpu_check, outcomes: dict, calls: list | None = None, clock: lis
     """A section runner returning ``outcomes[name] = (status, output)`` ("passed", "" by default), recording
     ``(name, limit)`` and advancing the fake ``clock`` by 10 s per section."""
 
-    def run(section, limit, folder):
+    def run(section, limit, folder, **streaming):  # log=, progress=: the real runner's
         if calls is not None:
             calls.append((section.name, limit))
         if clock is not None:
@@ -57,15 +57,14 @@ def test_sections_in_order_within_the_budget(gpu_check):
     assert names == ["kernel tests", "profile", "CUDA graphs", "small-N crossover", "tile sweep",
                      "Wan2.1-1.3B step", "DiT-XL/2 training step", "SANA-1.6B 1024 px step", "host overhead",
                      "Wan2.1-1.3B step, compiled", "other gpu tests", "kernel check", "scale-study sizing",
-                     "scale study",
-                     "stream study on cuda"]
+                     "scale study", "dense kernel check", "stream study on cuda"]
     assert "tile sweep" not in [s.name for s in gpu_check.default_sections(skip_tiles=True)]
     sections = gpu_check.default_sections()
     assert sections[0].gate and not sections[0].trusts_kernels
-    assert [s.name for s in sections if s.optional] == names[-6:]
+    assert [s.name for s in sections if s.optional] == names[-7:]
     assert gpu_check.DEFAULT_BUDGET_S <= 7 * 60
     study = [s for s in sections if s.name.startswith("scale")]  # run alone, they fit the default budget
-    assert sum(s.timeout_s for s in study) <= gpu_check.DEFAULT_BUDGET_S
+    assert 60 + study[1].timeout_s + gpu_check.STOP_RESERVE_S <= gpu_check.DEFAULT_BUDGET_S  # sizing: < 1 min
     assert study[1].needs_output == study[0].writes[0] == gpu_check.SIZING_FILE
 
 
@@ -116,31 +115,37 @@ def test_failed_kernel_tests_leave_every_benchmark_not_run(gpu_check, tmp_path):
     status = gpu_check.main(["--out", str(out), "--budget-s", "10000"], probe=lambda: FAKE_ENVIRONMENT,
                             runner=fake_runner(gpu_check, outcomes, calls))
     assert status == 1
-    assert [name for name, _ in calls] == ["kernel tests", "other gpu tests", "kernel check"]  # tests only
+    assert [name for name, _ in calls] == ["kernel tests", "other gpu tests", "kernel check",
+                                           "dense kernel check"]  # tests only
     text = out.read_text()
     for section in gpu_check.default_sections():
         if section.trusts_kernels:
-            assert f"| {section.name} | not run (the kernel tests did not pass) | |" in text
+            assert (f"| {section.name} | not run (the kernel tests did not pass: kernel tests failed "
+                    "(exit 1)) | |") in text
 
 
 def test_time_budget_cuts_limits_and_leaves_optional_sections_out(gpu_check, tmp_path, monkeypatch):
-    """A fake clock: each section takes 10 s. Limits are cut to the time left; a section is not started
-    with under MIN_SECTION_S left; optional sections need their whole limit."""
+    """A fake clock: each section takes 10 s. Limits are cut to the time left less the 35 s a stop may
+    take (Ctrl-C, its grace, SIGKILL), so that a section stopped at its limit still ends within the
+    budget; a section is not started with under MIN_SECTION_S of limit; optional sections need their
+    whole limit."""
     clock = [0.0]
     monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
     calls = []
     out = tmp_path / "R.md"
     runner = fake_runner(gpu_check, {}, calls, clock)
-    status = gpu_check.main(["--out", str(out), "--budget-s", "55", "--skip-tiles"],
+    status = gpu_check.main(["--out", str(out), "--budget-s", "85", "--skip-tiles"],
                             probe=lambda: FAKE_ENVIRONMENT, runner=runner)
-    assert calls == [("kernel tests", 55.0), ("profile", 45.0), ("CUDA graphs", 35.0),
-                     ("small-N crossover", 25.0)]
+    assert gpu_check.STOP_RESERVE_S == gpu_check.STOP_GRACE_S + gpu_check.KILL_WAIT_S == 35
+    assert calls == [("kernel tests", 50.0), ("profile", 40.0), ("CUDA graphs", 30.0),
+                     ("small-N crossover", 20.0)]
     assert status == 1  # required sections were left out
     text = out.read_text()
-    assert "| Wan2.1-1.3B step | not run (time budget: 15 s left, 20 s needed) | |" in text
-    assert "| other gpu tests | not run (time budget: 15 s left, 150 s needed) | |" in text
+    stop = "and 35 s for a stop) | |"
+    assert f"| Wan2.1-1.3B step | not run (time budget: 45 s left, 20 s needed {stop}" in text
+    assert f"| other gpu tests | not run (time budget: 45 s left, 150 s needed {stop}" in text
     clock[0], calls[:] = 0.0, []
-    budget = "410"  # 11 sections of 10 s and 300 s left: the optional benchmarks, sizing and study fit
+    budget = "445"  # 11 sections of 10 s and 335 s left: the optional benchmarks, sizing and study fit
     (out.with_name("R.files") / gpu_check.SIZING_FILE).write_text("{}")  # as if the sizing had written it
     assert gpu_check.main(["--out", str(out), "--budget-s", budget, "--skip-tiles"],
                           probe=lambda: FAKE_ENVIRONMENT, runner=runner) == 0
@@ -158,7 +163,7 @@ def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_c
     only = ["--only", "scale-study sizing", "scale study"]
 
     def sizing_writes(inner):
-        def run(section, limit, folder):
+        def run(section, limit, folder, **streaming):
             if section.name == "scale-study sizing":
                 (folder / gpu_check.SIZING_FILE).write_text("{}")
             return inner(section, limit, folder)
@@ -183,7 +188,8 @@ def test_the_scale_study_runs_alone_in_the_default_budget_after_its_sizing(gpu_c
 
 def test_a_failed_kernel_check_leaves_the_scale_study_out(gpu_check, tmp_path, monkeypatch):
     """The GPU window's selection: the kernel check, then the sizing and the study, in 500 s; the study
-    trains with the Triton kernels, so a failed kernel check leaves both out."""
+    trains with the Triton kernels, so a kernel check that fails, or runs out of time, leaves both out
+    (the report names it and its status); the dense path's tests, after the study, still run."""
     clock = [0.0]
     monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
     only = ["--budget-s", "500", "--only", "kernel check", "scale-study sizing", "scale study"]
@@ -200,7 +206,38 @@ def test_a_failed_kernel_check_leaves_the_scale_study_out(gpu_check, tmp_path, m
                           runner=failed) == 1
     assert calls == [("kernel check", float(gpu_check.KERNEL_CHECK_LIMIT_S))]
     text = (tmp_path / "F.md").read_text()
-    assert "| scale study | not run (the kernel tests did not pass) | |" in text
+    assert "| scale study | not run (the kernel tests did not pass: kernel check failed (exit 1)) | |" in text
+    clock[0], calls[:] = 0.0, []
+    timed_out = fake_runner(gpu_check, {"kernel check": ("timed out after 90 s", "....")}, calls, clock)
+    assert gpu_check.main(["--out", str(tmp_path / "T.md"), *only, "dense kernel check"],
+                          probe=lambda: FAKE_ENVIRONMENT, runner=timed_out) == 1
+    assert [name for name, _ in calls] == ["kernel check", "dense kernel check"]
+    text = (tmp_path / "T.md").read_text()
+    assert ("| scale-study sizing | not run (the kernel tests did not pass: kernel check timed out after "
+            "90 s)") in text
+
+
+def test_the_kernel_check_gates_on_the_study_path_its_shapes_first(gpu_check):
+    """The kernel check (the study's gate) collects the blocked path's bf16 tests, those at the study's
+    shapes first (a time limit cuts the others); the dense path's bf16 tests are their own section, no
+    gate, after the study."""
+    sections = {s.name: s for s in gpu_check.default_sections()}
+    names = list(sections)
+    assert names.index("scale study") < names.index("dense kernel check")
+    dense = sections["dense kernel check"]
+    assert sections["kernel check"].gate and not dense.gate and not dense.trusts_kernels
+
+    def collected(section):
+        command = [a for a in section.dry_command if a != "-q"]
+        result = subprocess.run([*command, "-q"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        return [line for line in result.stdout.splitlines() if "::" in line]
+
+    gate = collected(sections["kernel check"])
+    assert len(gate) == 8 and all("bfloat16" in t and "dense" not in t for t in gate)
+    assert all("scale_study_shapes" in t for t in gate[:2]) and "scale_study_shapes" not in " ".join(gate[2:])
+    later = collected(dense)
+    assert len(later) == 6 and all("bfloat16" in t and t.endswith("-dense]") for t in later)
 
 
 def test_foreign_report_file_is_refused_before_any_section(gpu_check, tmp_path):
@@ -266,6 +303,48 @@ def test_a_section_past_its_limit_gets_ctrl_c_then_sigkill(gpu_check, tmp_path, 
     assert result.status == "timed out after 2 s" and time.monotonic() - start < 30
     worker = int(child.read_text())  # SIGKILLed with its parent's group
     assert _gone(worker, 5.0), f"the section's worker {worker} is still running"
+
+
+def test_a_section_streams_its_output_to_its_file_as_it_runs(gpu_check, tmp_path, monkeypatch):
+    """What a section prints is in its output file while it runs (Python unbuffered: a print without
+    flush included), after a first line with its command; ``progress`` sees it too. A check killed from
+    outside leaves that file."""
+    monkeypatch.setattr(gpu_check, "PROGRESS_S", 0.2)
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the section's environment sets it
+    log, seen = tmp_path / "01-s.txt", []
+
+    def progress(seconds, output):
+        seen.append((output, log.read_text()))
+
+    command = [sys.executable, "-c", "import time; print('early'); time.sleep(30)"]
+    result = gpu_check.run_section(gpu_check.Section("s", command, 3), log=log, progress=progress)
+    assert result.status == "timed out after 3 s" and result.output.startswith("early")
+    assert any("early" in output for output, _ in seen), seen
+    output, on_disk = next((o, d) for o, d in seen if "early" in o)
+    assert on_disk == gpu_check.running_header(gpu_check.Section("s", command, 3)) + output
+    assert on_disk.startswith(f"$ {sys.executable} -c") and "\nrunning (" in on_disk
+
+
+def test_the_report_is_rewritten_while_a_section_runs(gpu_check, tmp_path):
+    """The report shows a running section (its time and output so far) and names its output file, listed
+    as ours before the section starts; once it ends, the file holds its command, status and output."""
+    from mhla_gen.outputs.folders import listed
+
+    out, during = tmp_path / "R.md", []
+
+    def runner(section, limit, folder, log, progress):
+        progress(5.0, "halfway there")
+        during.append((out.read_text(), set(listed(folder)), log.name))
+        return gpu_check.SectionResult(section.name, section.command, "passed", 6.0, "all done")
+
+    assert gpu_check.main(["--out", str(out), "--only", "profile"], probe=lambda: FAKE_ENVIRONMENT,
+                          runner=runner) == 0
+    report, names, name = during[0]
+    assert "| profile | running (5 s so far) | 5 s |" in report and "halfway there" in report
+    assert f"R.files/{name}" in report and name in names and name == "01-profile.txt"
+    assert "| profile | passed | 6 s |" in out.read_text()
+    text = (tmp_path / "R.files" / name).read_text()
+    assert text.endswith("passed\n\nall done") and text.startswith("$ ")
 
 
 def _gone(pid: int, seconds: float = 10.0) -> bool:
