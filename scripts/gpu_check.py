@@ -39,7 +39,8 @@ reported with its output and the next one runs):
     4096 tokens (about 30 s; written to ``scale_sizing.json`` beside the report after every row), then
     the study sized by it: the three arms x 3 seeds at 4096 then 1024 tokens (a grid the sizing cannot
     size is left out, the other runs), 100 s of the device per grid for training and evaluations
-    (within the section's 300 s with start-up), its record and tables in ``scale_study/`` beside the
+    (within the section's 300 s with start-up; it still starts with 180 s left, which hold its first
+    grid), its record and tables in ``scale_study/`` beside the
     report (``record.npz``, ``scale_study.md``; a study stopped early keeps every point finished by
     then), and last the dense path's bf16 tests (reported, no gate: the study does not run that path).
     Optional: a default run leaves them out (the benchmarks fill its budget); the study runs only after
@@ -130,7 +131,8 @@ class Section:
     ``dry_command``: what ``--dry-run`` runs instead (CPU, tiny sizes, or ``--help``); ``trusts_kernels``:
     not run when a gate did not pass; ``gate``: kernel tests (if they fail, run out of time or cannot
     start, the ``trusts_kernels`` sections are not run); ``optional``: runs only when the budget still
-    holds ``timeout_s``; ``whole_output``: the report keeps all of it;
+    holds ``timeout_s``, or ``shortest_s`` where given (its limit is then what is left: a section that
+    keeps what it finished when stopped); ``whole_output``: the report keeps all of it;
     ``needs_file``: not run while this file does not exist (a script still being written); ``needs_output``:
     not run while the outputs folder lacks this file (an earlier section writes it); ``writes``: the
     files the command writes into the outputs folder (``{outputs}`` in its arguments), listed after it;
@@ -143,6 +145,7 @@ class Section:
     trusts_kernels: bool = True
     gate: bool = False
     optional: bool = False
+    shortest_s: int | None = None
     whole_output: bool = False
     needs_file: Path | None = None
     needs_output: str | None = None
@@ -231,6 +234,9 @@ STUDY_FOLDER = "scale_study"  # the study's record and tables (eval/scale_study.
 # 9 processes' start-up per grid; the sizing: 6 timed rows and their kernels' first compiles.
 STUDY_LIMIT_S = 300
 STUDY_SECONDS_PER_GRID = 100
+# The study still starts with this much left: its first grid (4096 tokens) with its start-ups; stopped at
+# its limit it keeps every finished point, so a slow kernel check or sizing costs the 1024 grid, not both.
+STUDY_SHORTEST_S = 180
 SIZING_LIMIT_S = 120
 KERNEL_CHECK_LIMIT_S = 90  # 8 bf16 oracle tests (2 at the study's shapes), each first compile included
 DENSE_CHECK_LIMIT_S = 60  # 6 bf16 oracle tests of the dense path, each first compile included
@@ -266,7 +272,8 @@ def scale_study_sections(python: str) -> list[Section]:
         Section("scale study",
                 [*script, "--sizing", sizing, "--grids", "4096", "1024", "--seconds",
                  str(STUDY_SECONDS_PER_GRID), *export],
-                STUDY_LIMIT_S, [*script, "--smoke", *export], optional=True, needs_output=SIZING_FILE,
+                STUDY_LIMIT_S, [*script, "--smoke", *export], optional=True, shortest_s=STUDY_SHORTEST_S,
+                needs_output=SIZING_FILE,
                 writes=(f"{STUDY_FOLDER}/record.npz", f"{STUDY_FOLDER}/scale_study.md")),
         Section("dense kernel check", [*pytest, *DENSE_CHECK], DENSE_CHECK_LIMIT_S,
                 [*pytest, "--collect-only", *DENSE_CHECK], trusts_kernels=False, optional=True,
@@ -502,7 +509,7 @@ def skip_reason(section: Section, remaining_s: float, gate_failed: str | None = 
         return f"not run ({section.needs_file.relative_to(REPO)} does not exist)"
     if section.needs_output is not None and not (outputs and (outputs / section.needs_output).is_file()):
         return f"not run (no {section.needs_output} beside the report: its section did not write it)"
-    needed = section.timeout_s if section.optional else MIN_SECTION_S
+    needed = (section.shortest_s or section.timeout_s) if section.optional else MIN_SECTION_S
     if remaining_s - STOP_RESERVE_S < needed:
         return (f"not run (time budget: {remaining_s:.0f} s left, {needed} s needed and {STOP_RESERVE_S} s "
                 "for a stop)")

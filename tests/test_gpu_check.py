@@ -217,6 +217,36 @@ def test_a_failed_kernel_check_leaves_the_scale_study_out(gpu_check, tmp_path, m
             "90 s)") in text
 
 
+
+def test_the_scale_study_starts_with_its_first_grids_time_left(gpu_check, tmp_path, monkeypatch):
+    """A slow kernel check or sizing does not cost the whole study: with less than its limit but at least
+    STUDY_SHORTEST_S left (after the 35 s kept for a stop) it runs with what is left (stopped there, it
+    keeps its finished points: the 4096 grid first); with less it is not run, and the report says why."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    only = ["--only", "kernel check", "scale-study sizing", "scale study"]
+
+    def run(budget: int, name: str):
+        calls = []
+        inner = fake_runner(gpu_check, {}, calls, clock)
+
+        def runner(section, limit, folder, **streaming):
+            if section.name == "scale-study sizing":
+                (folder / gpu_check.SIZING_FILE).write_text("{}")
+            return inner(section, limit, folder)
+
+        clock[0] = 0.0
+        gpu_check.main(["--out", str(tmp_path / name), "--budget-s", str(budget), *only],
+                       probe=lambda: FAKE_ENVIRONMENT, runner=runner)
+        return calls
+
+    assert gpu_check.STUDY_SHORTEST_S == 180 < gpu_check.STUDY_LIMIT_S
+    assert run(290, "A.md")[-1] == ("scale study", 290 - 20 - 35.0)  # two sections of 10 s before it
+    calls = run(225, "B.md")  # 205 s left, 170 after the stop's 35: under 180
+    assert [name for name, _ in calls] == ["kernel check", "scale-study sizing"]
+    assert ("| scale study | not run (time budget: 205 s left, 180 s needed and 35 s for a stop) | |"
+            in (tmp_path / "B.md").read_text())
+
 def test_the_kernel_check_gates_on_the_study_path_its_shapes_first(gpu_check):
     """The kernel check (the study's gate) collects the blocked path's bf16 tests, those at the study's
     shapes first (a time limit cuts the others); the dense path's bf16 tests are their own section, no
