@@ -118,6 +118,7 @@ def test_the_pivot_quantile_spans_t_and_z_and_its_p_value_matches_the_interval()
             assert m[0] == pytest.approx(z, rel=1e-6) and m[-1] == pytest.approx(t, rel=1e-5)
             assert np.all(np.diff(m) > 0)
             assert pivot_p_value(m, np.linspace(0, 1, 11), seeds) == pytest.approx(1 - level, rel=1e-5)
+    assert np.isnan(pivot_quantile([math.nan, 1.5, -0.1], 3)).all()
 
 
 def test_the_old_floor_and_per_seed_resampling_under_cover_when_samples_are_shared():
@@ -278,6 +279,9 @@ def test_interval_bounds_at_another_level_are_the_interval_built_at_it():
             want = combine(diffs, var_sample, level=level)
             assert at_95.bounds(level) == pytest.approx((float(want["low"]), float(want["high"])))
             assert at_90.bounds(level) == pytest.approx((float(want["low"]), float(want["high"])))
+    unknown = bound_interval([0.0, 0.01, 0.02], math.nan)  # V_sample unknown: the seeds' t tails, as built
+    assert unknown.bounds(0.99) == pytest.approx(bound_interval([0.0, 0.01, 0.02], 0.0).bounds(0.99))
+    assert unknown.bounds(0.99)[1] - 0.01 == pytest.approx(stats.t.ppf(0.995, 2) * 0.01 / math.sqrt(3))
 
 
 def test_combine_uses_t_tails_for_few_seeds_and_the_sample_part():
@@ -300,3 +304,5 @@ def test_detectable_difference_from_a_pilot():
     assert detectable(2.0, 5) == pytest.approx(want)
     assert detectable(1.0, 3, var_sample=1e6) == pytest.approx((1.959964 + 0.841621) * 1e3, rel=1e-4)
     assert math.isnan(detectable(1.0, 1)) and math.isnan(detectable(math.nan, 3))
+    with pytest.raises(ValueError, match="power"):
+        detectable(1.0, 3, power=0.3)

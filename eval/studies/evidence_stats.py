@@ -101,11 +101,12 @@ class Interval:
 
     def bounds(self, level: float) -> tuple[float, float]:
         """``(low, high)`` at ``level`` instead of the interval's own: the same pivot's quantile at
-        ``level`` (:func:`pivot_quantile`), or the half-width scaled by the two ``z`` quantiles' ratio
-        where a variance part is unknown."""
+        ``level`` (:func:`pivot_quantile`; an unknown ``var_sample`` counts as 0, as :func:`combine`
+        counted it), or the half-width scaled by the two ``z`` quantiles' ratio where the seeds' part is
+        unknown."""
         if level == self.level:
             return self.low, self.high
-        total = self.var_seed + self.var_sample
+        total = self.var_seed + (self.var_sample if math.isfinite(self.var_sample) else 0.0)
         if self.seeds > 1 and math.isfinite(total) and total > 0:
             share = self.var_seed / total
             half = float(pivot_quantile(share, self.seeds, level)) * math.sqrt(total)
@@ -146,8 +147,8 @@ PIVOT_NODES = 128  # quadrature nodes over the seed variance's chi-square pivot
 @functools.cache
 def _pivot_quadrature(dof: int) -> tuple[np.ndarray, np.ndarray]:
     """Nodes ``(K,)`` of ``X ~ chi2_dof`` and weights ``(K,)`` summing to 1: ``E f(X) = sum w f(x)``.
-    Gauss-Legendre in ``v`` with ``u = v^2`` the quantile level (the integrands below go as ``sqrt(u)``
-    at ``u -> 0``, smooth in ``v``): ``t`` quantiles come back to 2e-6 relative up to level 0.999."""
+    Gauss-Legendre in ``v`` with ``u = v^2`` the quantile level (the integrands below go as ``u^(1/dof)``
+    at ``u -> 0``: smoother in ``v``): ``t`` quantiles come back to 2e-6 relative up to level 0.999."""
     v, w = np.polynomial.legendre.leggauss(PIVOT_NODES)
     v, w = (v + 1) / 2, w / 2
     return stats.chi2.ppf(v**2, dof), w * 2 * v
@@ -164,8 +165,10 @@ def _pivot_scales(seed_share, seeds: int) -> np.ndarray:
 def pivot_quantile(seed_share, seeds: int, level: float = LEVEL) -> np.ndarray:
     """``m`` ``(...)``: the half-width of the ``level`` interval over ``sqrt(V_seed + V_sample)``, the
     level quantile of ``|Z| sqrt(rho (S - 1) / X + 1 - rho)`` (module docstring; ``rho = seed_share``
-    ``(...)``, ``S = seeds >= 2``). ``t_{S-1}`` at ``rho = 1``, ``z`` at ``rho = 0``; by bisection."""
-    scales = _pivot_scales(seed_share, seeds)
+    ``(...)``, ``S = seeds >= 2``). ``t_{S-1}`` at ``rho = 1``, ``z`` at ``rho = 0``; by bisection; NaN
+    for a share outside [0, 1]."""
+    share = np.asarray(seed_share, dtype=float)
+    scales = _pivot_scales(np.where((share >= 0) & (share <= 1), share, 0.0), seeds)
     _, weights = _pivot_quadrature(seeds - 1)
     low = np.full(scales.shape[:-1], 0.5 * stats.norm.ppf(0.5 + level / 2))
     high = np.full(scales.shape[:-1], 2.0 * stats.t.ppf(0.5 + level / 2, seeds - 1))
@@ -173,7 +176,7 @@ def pivot_quantile(seed_share, seeds: int, level: float = LEVEL) -> np.ndarray:
         mid = (low + high) / 2
         short = (2 * special.ndtr(mid[..., None] / scales) - 1) @ weights < level
         low, high = np.where(short, mid, low), np.where(short, high, mid)
-    return (low + high) / 2
+    return np.where((share >= 0) & (share <= 1), (low + high) / 2, np.nan)
 
 
 def pivot_p_value(z, seed_share, seeds: int) -> np.ndarray:
@@ -399,6 +402,8 @@ def detectable(seed_sd: float, seeds: int, var_sample: float = 0.0, power: float
     shared-sample variance of the seed-averaged difference: ``(m_level + m_power) sqrt(seed_sd^2 / seeds
     + var_sample)``, ``m`` the pivot's two-sided ``level`` and one-sided ``power`` quantiles as
     :func:`combine` (``t_{S-1}`` quantiles without the sample part)."""
+    if not 0.5 <= power < 1:
+        raise ValueError(f"power must be in [0.5, 1), got {power}")
     if seeds < 2 or not math.isfinite(seed_sd):
         return math.nan
     var_sample = var_sample if math.isfinite(var_sample) else 0.0
