@@ -168,7 +168,8 @@ def pivot_quantile(seed_share, seeds: int, level: float = LEVEL) -> np.ndarray:
     ``(...)``, ``S = seeds >= 2``). ``t_{S-1}`` at ``rho = 1``, ``z`` at ``rho = 0``; by bisection; NaN
     for a share outside [0, 1]."""
     share = np.asarray(seed_share, dtype=float)
-    scales = _pivot_scales(np.where((share >= 0) & (share <= 1), share, 0.0), seeds)
+    valid = (share >= 0) & (share <= 1)
+    scales = _pivot_scales(np.where(valid, share, 0.0), seeds)
     _, weights = _pivot_quadrature(seeds - 1)
     low = np.full(scales.shape[:-1], 0.5 * stats.norm.ppf(0.5 + level / 2))
     high = np.full(scales.shape[:-1], 2.0 * stats.t.ppf(0.5 + level / 2, seeds - 1))
@@ -176,7 +177,7 @@ def pivot_quantile(seed_share, seeds: int, level: float = LEVEL) -> np.ndarray:
         mid = (low + high) / 2
         short = (2 * special.ndtr(mid[..., None] / scales) - 1) @ weights < level
         low, high = np.where(short, mid, low), np.where(short, high, mid)
-    return np.where((share >= 0) & (share <= 1), (low + high) / 2, np.nan)
+    return np.where(valid, (low + high) / 2, np.nan)
 
 
 def pivot_p_value(z, seed_share, seeds: int) -> np.ndarray:
