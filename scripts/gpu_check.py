@@ -416,12 +416,16 @@ def run_section(section: Section, timeout_s: float | None = None, outputs: Path 
 
 def running_header(section: Section) -> str:
     """The first lines of a section's output file while it runs; :func:`output_text` replaces them."""
-    return f"$ {shlex.join(section.command)}\nrunning (its status is written here when it ends)\n\n"
+    return _output_file(section.command, "running (its status is written here when it ends)", "")
 
 
 def output_text(result: SectionResult) -> str:
     """A section's output file once it has ended: its command, its status, its whole output."""
-    return f"$ {shlex.join(result.command)}\n{result.status}\n\n{result.output}"
+    return _output_file(result.command, result.status, result.output)
+
+
+def _output_file(command: list[str], status: str, output: str) -> str:
+    return f"$ {shlex.join(command)}\n{status}\n\n{output}"
 
 
 def _read_from(path: Path, offset: int) -> str:
