@@ -408,11 +408,17 @@ def is_quote(lines: list[str], quotable) -> bool:
                                    for head, rows in quotable)
 
 
-def unmarked_tables(text: str, quotable=()) -> list[int]:
+def quotes_a_header(lines: list[str], quotable) -> bool:
+    return len(lines) >= 2 and any(head == (lines[0], lines[1]) for head, _ in quotable)
+
+
+def unmarked_tables(text: str, quotable=(), linked=()) -> list[int]:
     """The line numbers (1-based) of Markdown tables in ``text`` that are no quote of ``quotable``
     (:func:`quotable_tables`) and that no :data:`MARK` above them covers: a mark covers the rest of its
     own section and every section nested under it (the file's first heading is its title, whose section
-    encloses the whole file). Fenced code blocks are skipped."""
+    encloses the whole file). A table with the header of a table in ``linked`` (those of the records
+    the page links to) must be its quote, marked or not: a number changed in a quote is caught under a
+    page's mark. Fenced code blocks are skipped."""
     starts = {number: lines for number, lines in tables(text)}
     sections = [(-1, False)]  # (heading level, marked), the file's start down to the current section
     unmarked, fenced = [], False
@@ -430,8 +436,8 @@ def unmarked_tables(text: str, quotable=()) -> list[int]:
         if MARK.search(line):
             sections[-1] = (sections[-1][0], True)
         if number in starts and not is_quote(starts[number], quotable) \
-                and not any(marked for _, marked in sections):
-            unmarked.append(number)
+                and (quotes_a_header(starts[number], linked) or not any(m for _, m in sections)):
+            unmarked.append(number)  # a rendered table's header with other rows: a changed quote
     return unmarked
 
 

@@ -232,11 +232,31 @@ def test_every_table_in_docs_results_is_regenerable_or_marked():
     pages = sorted(RESULTS.rglob("*.md"))
     assert len(pages) > 5
     quotable = results.quotable_tables(p.read_text() for p in generated if p.suffix == ".md")
-    unmarked = {str(p.relative_to(ROOT)): results.unmarked_tables(p.read_text(), quotable)
+    unmarked = {str(p.relative_to(ROOT)): results.unmarked_tables(p.read_text(), quotable,
+                                                                  linked_tables(p, generated))
                 for p in pages if p not in generated}
     assert {page: lines for page, lines in unmarked.items() if lines} == {}
     marks = [m for p in pages for m in results.MARK.finditer(p.read_text())]
     assert marks and all(m.group(1) <= "2026-11-28" for m in marks)
+
+
+def linked_tables(page, generated):
+    """The rendered tables of the committed records ``page`` links to (``records/NAME/...``)."""
+    names = set(re.findall(r"records/([A-Za-z0-9_.-]+)/", page.read_text()))
+    return load_results().quotable_tables(p.read_text() for p in generated
+                                          if p.suffix == ".md" and p.parent.name in names)
+
+
+def test_a_changed_number_in_a_quote_is_found_under_a_pages_mark():
+    """A page's mark (its title section's) covers its old tables, not a changed quote of a record."""
+    results = load_results()
+    rendered = "# R\n\n| arm | x |\n|---|---|\n| a | 0.10 |\n"
+    quotable = results.quotable_tables([rendered])
+    page = ("# P\n\nmeasured 2026-11-27 at commit `abcdef1`; no record kept\n\n"
+            "## New\n\n| arm | x |\n|---|---|\n")
+    assert results.unmarked_tables(page + "| a | 0.10 |\n", quotable, quotable) == []
+    assert results.unmarked_tables(page + "| a | 0.11 |\n", quotable, quotable) == [7]
+    assert results.unmarked_tables(page + "| a | 0.11 |\n", quotable) == []  # a record it does not link
 
 
 def test_an_unmarked_table_is_found():
