@@ -232,19 +232,28 @@ def test_every_table_in_docs_results_is_regenerable_or_marked():
     pages = sorted(RESULTS.rglob("*.md"))
     assert len(pages) > 5
     quotable = results.quotable_tables(p.read_text() for p in generated if p.suffix == ".md")
+    by_record = rendered_tables_by_record(generated)
     unmarked = {str(p.relative_to(ROOT)): results.unmarked_tables(p.read_text(), quotable,
-                                                                  linked_tables(p, generated))
+                                                                  linked_tables(p, by_record))
                 for p in pages if p not in generated}
     assert {page: lines for page, lines in unmarked.items() if lines} == {}
     marks = [m for p in pages for m in results.MARK.finditer(p.read_text())]
     assert marks and all(m.group(1) <= "2026-11-28" for m in marks)
 
 
-def linked_tables(page, generated):
+def rendered_tables_by_record(generated):
+    """Each committed record's name and the tables its rendered pages hold (each page read once)."""
+    results, by_record = load_results(), {}
+    for p in generated:
+        if p.suffix == ".md":
+            by_record.setdefault(p.parent.name, []).extend(results.quotable_tables([p.read_text()]))
+    return by_record
+
+
+def linked_tables(page, by_record):
     """The rendered tables of the committed records ``page`` links to (``records/NAME/...``)."""
     names = set(re.findall(r"records/([A-Za-z0-9_.-]+)/", page.read_text()))
-    return load_results().quotable_tables(p.read_text() for p in generated
-                                          if p.suffix == ".md" and p.parent.name in names)
+    return [table for name in sorted(names) for table in by_record.get(name, [])]
 
 
 def test_a_changed_number_in_a_quote_is_found_under_a_pages_mark():
